@@ -1,0 +1,67 @@
+"""Dense float32 reference attention: the ground truth every attention path is checked against.
+
+Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA, contiguous head
+groups: query head ``h`` reads KV head ``h // (Hq // Hkv)``). Returns ``out [B, Sq, Hq, D]`` and
+``lse [B, Hq, Sq]``, both float32 (or float64 when the inputs are float64 and x64 is enabled).
+
+Masking: causal by *global position* (``k_pos <= q_pos``; positions default to ``arange``), and-ed
+with an optional boolean ``mask`` broadcastable to ``[B, Hq, Sq, Sk]``. A fully masked row gives
+``out = 0`` and ``lse = -inf`` (never NaN), the convention the ring merge relies on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
+    """Return the group size ``Hq // Hkv``; ``ValueError`` if it is not an integer."""
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads ({num_q_heads}) must be a positive multiple of KV heads ({num_kv_heads})"
+        )
+    return num_q_heads // num_kv_heads
+
+
+def attention_logits(q, k, sm_scale=None):
+    """``[B, Hq, Sq, Sk]`` scaled logits in float32 (float64 if inputs are), GQA-aware."""
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    g = check_gqa(Hq, Hkv)
+    dt = jnp.promote_types(q.dtype, jnp.float32)
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    qg = q.astype(dt).reshape(B, Sq, Hkv, g, D)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(dt), precision="highest")
+    return s.reshape(B, Hq, Sq, k.shape[1]) * scale
+
+
+def attention_mask(q_pos, k_pos, mask=None, causal: bool = True):
+    """Boolean mask ``[..., Sq, Sk]``: causal by position and-ed with ``mask``."""
+    m = None
+    if causal:
+        m = k_pos[None, :] <= q_pos[:, None]
+    if mask is not None:
+        m = mask if m is None else jnp.logical_and(m, mask)
+    return m
+
+
+def dense_attention(q, k, v, q_pos=None, k_pos=None, mask=None, *, causal: bool = True, sm_scale=None):
+    """Dense attention in float32. See module docstring for shapes and masking."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if v.shape != k.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    q_pos = jnp.arange(Sq) if q_pos is None else jnp.asarray(q_pos)
+    k_pos = jnp.arange(Sk) if k_pos is None else jnp.asarray(k_pos)
+    s = attention_logits(q, k, sm_scale)
+    m = attention_mask(q_pos, k_pos, mask, causal)
+    if m is not None:
+        s = jnp.where(jnp.broadcast_to(m, s.shape), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # -inf on fully masked rows
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    p = jnp.exp(s - safe[..., None])  # exact zeros where masked
+    g = Hq // Hkv
+    p = p.reshape(B, Hkv, g, Sq, Sk)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(p.dtype), precision="highest")
+    return out.reshape(B, Sq, Hq, D), lse

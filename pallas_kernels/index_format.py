@@ -1,0 +1,125 @@
+"""The per-step block-sparse index: the contract between the sparse-index builder and the kernels.
+
+One ``StepIndex`` describes, for the queries a rank holds and ONE visiting K/V chunk (one ring
+step, or the whole sequence on a single device), which keys each 64-query block may attend to.
+Queries and keys are split into blocks of ``block_size`` (default 64) *local* rows.
+
+Fields (``H`` = query heads; the index is per query head, MTraining Algorithm 1):
+
+* ``block_idx   int32 [B, H, nQB, MB]``  local KV-block ids in the visiting chunk; the first
+  ``block_count`` entries of a row are valid, distinct and sorted ascending; the rest is padding
+  (any value in range, kernels never read it as active).
+* ``block_count int32 [B, H, nQB]``      active blocks per query block, ``0 <= count <= MB``.
+* ``block_causal int32 [B, H, nQB, MB]`` 1 where the (query block, KV block) tile holds a
+  non-causal pair and so needs the token-level causal mask; 0 promises every pair of the tile
+  is causal, letting kernels skip the mask. ``causal_flags`` computes it from positions.
+* ``col_idx     int32 [B, H, nQB, MC]``  local token ids (``0 <= id < Sk``) of vertical columns in
+  the visiting chunk, distinct, sorted ascending, none inside an active block of the same row.
+* ``col_count   int32 [B, H, nQB]``      valid columns per query block.
+
+Meaning: query ``i`` (block ``i // bs``) may attend to key ``j`` iff
+``(j // bs in active blocks of that row or j in its columns) and k_pos[j] <= q_pos[i]``.
+``q_pos [Sq]`` and ``k_pos [Sk]`` are global positions (after the layout permutation), shared by
+the batch. ``index = None`` everywhere means dense causal-by-position attention.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_BLOCK = 64
+
+
+class StepIndex(NamedTuple):
+    """Block + column sparse index for one (query chunk, K/V chunk) pair. See module docstring."""
+
+    block_idx: jax.Array
+    block_count: jax.Array
+    block_causal: jax.Array
+    col_idx: jax.Array
+    col_count: jax.Array
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_idx.shape[-1]
+
+    @property
+    def max_cols(self) -> int:
+        return self.col_idx.shape[-1]
+
+
+def check_step_index(index: StepIndex, batch: int, heads: int, sq: int, sk: int, block_size: int) -> None:
+    """Static shape checks; ``ValueError`` naming the mismatch."""
+    if sq % block_size or sk % block_size:
+        raise ValueError(
+            f"query length {sq} and key length {sk} must be multiples of the block size {block_size}"
+        )
+    nqb = sq // block_size
+    want = (batch, heads, nqb)
+    for name in ("block_count", "col_count"):
+        got = getattr(index, name).shape
+        if tuple(got) != want:
+            raise ValueError(f"index.{name} has shape {tuple(got)}, expected [B, H, nQB] = {want}")
+    for name in ("block_idx", "block_causal", "col_idx"):
+        got = getattr(index, name).shape
+        if tuple(got[:3]) != want or len(got) != 4:
+            raise ValueError(f"index.{name} has shape {tuple(got)}, expected [B, H, nQB, M] with [B, H, nQB] = {want}")
+    if index.block_causal.shape != index.block_idx.shape:
+        raise ValueError(
+            f"index.block_causal shape {index.block_causal.shape} != block_idx shape {index.block_idx.shape}"
+        )
+    if index.max_blocks > sk // block_size:
+        raise ValueError(f"index has {index.max_blocks} block slots but the KV chunk has only {sk // block_size} blocks")
+
+
+def causal_flags(q_pos, k_pos, block_idx, block_size: int = DEFAULT_BLOCK):
+    """``int32`` like ``block_idx``: 1 where the tile (query block, KV block) has a non-causal pair."""
+    qmin = q_pos.reshape(-1, block_size).min(axis=1)  # [nQB]
+    kmax = k_pos.reshape(-1, block_size).max(axis=1)  # [nKB]
+    nqb = qmin.shape[0]
+    qmin_b = qmin.reshape((1, 1, nqb, 1))
+    return (kmax[block_idx] > qmin_b).astype(jnp.int32)
+
+
+def step_index_to_mask(index: StepIndex, sq: int, sk: int, block_size: int = DEFAULT_BLOCK):
+    """``bool [B, H, Sq, Sk]``: the (q, k) pairs the index allows, BEFORE the causal mask."""
+    B, H, nqb, mb = index.block_idx.shape
+    nkb = sk // block_size
+    valid_b = jnp.arange(mb)[None, None, None, :] < index.block_count[..., None]
+    blk = jnp.zeros((B, H, nqb, nkb + 1), bool)
+    bidx = jnp.where(valid_b, index.block_idx, nkb)  # invalid -> spill slot
+    blk = blk.at[
+        jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
+        jnp.arange(nqb)[None, None, :, None], bidx
+    ].set(True)[..., :nkb]
+    blk_tok = jnp.repeat(blk, block_size, axis=-1)  # [B, H, nQB, Sk]
+    mc = index.col_idx.shape[-1]
+    valid_c = jnp.arange(mc)[None, None, None, :] < index.col_count[..., None]
+    cidx = jnp.where(valid_c, index.col_idx, sk)
+    col = jnp.zeros((B, H, nqb, sk + 1), bool)
+    col = col.at[
+        jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
+        jnp.arange(nqb)[None, None, :, None], cidx
+    ].set(True)[..., :sk]
+    allowed = jnp.logical_or(blk_tok, col)
+    return jnp.repeat(allowed, block_size, axis=2)  # [B, H, Sq, Sk]
+
+
+def full_step_index(batch: int, heads: int, sq: int, sk: int, q_pos, k_pos, block_size: int = DEFAULT_BLOCK) -> StepIndex:
+    """Index with every KV block that has at least one causal pair active (dense causal work)."""
+    nqb, nkb = sq // block_size, sk // block_size
+    qmax = q_pos.reshape(nqb, block_size).max(axis=1)
+    kmin = k_pos.reshape(nkb, block_size).min(axis=1)
+    visible = kmin[None, :] <= qmax[:, None]  # [nQB, nKB]
+    # visible blocks first, ascending; stable sort on (not visible)
+    order = jnp.argsort(jnp.logical_not(visible), axis=1, stable=True).astype(jnp.int32)
+    count = visible.sum(axis=1).astype(jnp.int32)
+    bidx = jnp.broadcast_to(order, (batch, heads, nqb, nkb))
+    bcount = jnp.broadcast_to(count, (batch, heads, nqb))
+    flags = causal_flags(q_pos, k_pos, bidx, block_size)
+    cidx = jnp.zeros((batch, heads, nqb, 1), jnp.int32)
+    ccount = jnp.zeros((batch, heads, nqb), jnp.int32)
+    return StepIndex(bidx, bcount, flags, cidx, ccount)
