@@ -12,9 +12,10 @@ Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``),
 
 ``impl``: ``"auto"`` (Pallas on GPU, XLA twin elsewhere), ``"pallas"``, ``"xla"``.
 
-NOTE (foundation stage): the XLA path below materialises ``[B, Hq, Sq, Sk]`` scores per call; it is
-exact and serves tests and the ring until the block-gather XLA twin and the Pallas kernels land
-behind this same signature.
+``"pallas"`` runs :mod:`pallas_kernels.triton_kernels` (Triton backend; ``interpret=True`` off GPU),
+``"xla"`` the block-gather twin :mod:`pallas_kernels.xla_twin` (no ``[Sq, Sk]`` materialisation).
+Ground truth for both: ``mtraining_jax.attention.reference.dense_attention`` with
+``index_format.step_index_to_mask``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, check_step_index, step_index_to_mask
+from pallas_kernels import triton_kernels, xla_twin
+from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, check_step_index, full_step_index
 
 IMPLS = ("auto", "pallas", "xla")
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+SUPPORTED_BLOCKS = (16, 32, 64, 128)
 
 
 def attention_delta(out, do):
@@ -44,60 +48,65 @@ def _check(q, k, v, q_pos, k_pos, index, block_size):
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k.shape[2]})")
     if q_pos.shape != (Sq,) or k_pos.shape != (k.shape[1],):
         raise ValueError(f"q_pos {q_pos.shape} / k_pos {k_pos.shape} must be [Sq]={Sq} / [Sk]={k.shape[1]}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {D} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
+    if block_size not in SUPPORTED_BLOCKS:
+        raise ValueError(f"block_size {block_size} is not supported; expected one of {SUPPORTED_BLOCKS}")
+    if Sq % block_size or k.shape[1] % block_size:
+        raise ValueError(f"query length {Sq} and key length {k.shape[1]} must be multiples of "
+                         f"the block size {block_size}")
     if index is not None:
         check_step_index(index, B, Hq, Sq, k.shape[1], block_size)
 
 
-def _allowed(q, k, q_pos, k_pos, index, block_size):
-    causal = (k_pos[None, :] <= q_pos[:, None])[None, None]
-    if index is None:
-        return causal
-    return jnp.logical_and(causal, step_index_to_mask(index, q.shape[1], k.shape[1], block_size))
+def _resolve_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
 
 
-def _scores(q, k, sm_scale):
-    from mtraining_jax.attention.reference import attention_logits  # lazy: avoid import cycle
+def _scale(q, sm_scale):
+    return float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
 
-    return attention_logits(q, k, sm_scale)
+
+def _pallas_index(index, q, k, q_pos, k_pos, block_size):
+    if index is not None:
+        return index
+    return full_step_index(q.shape[0], q.shape[2], q.shape[1], k.shape[1], q_pos, k_pos, block_size)
 
 
 def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = None, *, sm_scale=None,
                                block_size: int = DEFAULT_BLOCK, impl: str = "auto"):
     """Forward for one (query chunk, K/V chunk) pair; see module docstring."""
     _check(q, k, v, q_pos, k_pos, index, block_size)
-    B, Sq, Hq, D = q.shape
-    Hkv = k.shape[2]
-    s = _scores(q, k, sm_scale)
-    m = _allowed(q, k, q_pos, k_pos, index, block_size)
-    s = jnp.where(jnp.broadcast_to(m, s.shape), s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-    p = p.reshape(B, Hkv, Hq // Hkv, Sq, -1)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(p.dtype), precision="highest")
-    return out.reshape(B, Sq, Hq, D).astype(jnp.float32), lse.astype(jnp.float32)
+    impl = _resolve_impl(impl)
+    q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
+    if impl == "xla":
+        return xla_twin.xla_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale, block_size=block_size)
+    idx = _pallas_index(index, q, k, q_pos, k_pos, block_size)
+    return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, idx, sm_scale=_scale(q, sm_scale),
+                                     block_size=block_size, interpret=_interpret())
 
 
 def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale=None,
                                block_size: int = DEFAULT_BLOCK, impl: str = "auto"):
     """Backward for one pair given the final ``lse`` and ``delta``; returns f32 ``(dq, dk, dv)``."""
     _check(q, k, v, q_pos, k_pos, index, block_size)
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    scale = D**-0.5 if sm_scale is None else sm_scale
-    s = _scores(q, k, sm_scale)
-    m = jnp.broadcast_to(_allowed(q, k, q_pos, k_pos, index, block_size), s.shape)
-    safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    p = jnp.where(m, jnp.exp(s - safe_lse[..., None]), 0.0)  # [B, Hq, Sq, Sk]
-    f32 = p.dtype
-    do5 = do.astype(f32).reshape(B, Sq, Hkv, g, D)
-    p5 = p.reshape(B, Hkv, g, Sq, Sk)
-    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p5, do5, precision="highest")
-    dp = jnp.einsum("bqhgd,bkhd->bhgqk", do5, v.astype(f32), precision="highest")
-    ds = p5 * (dp - delta.reshape(B, Hkv, g, Sq)[..., None]) * scale
-    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k.astype(f32), precision="highest").reshape(B, Sq, Hq, D)
-    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q.astype(f32).reshape(B, Sq, Hkv, g, D), precision="highest")
-    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+    impl = _resolve_impl(impl)
+    q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
+    if impl == "xla":
+        return xla_twin.xla_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale,
+                                block_size=block_size)
+    idx = _pallas_index(index, q, k, q_pos, k_pos, block_size)
+    return triton_kernels.pallas_bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta,
+                                     sm_scale=_scale(q, sm_scale), block_size=block_size,
+                                     interpret=_interpret())
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))

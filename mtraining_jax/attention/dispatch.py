@@ -1,0 +1,141 @@
+"""One attention entry point for the model; the backend is chosen by config (per layer).
+
+``attention(q, k, v, positions, *, backend, mesh=None, ring_order="hierarchical", sm_scale=None,
+impl="auto") -> out [B, S, Hq, D]`` in ``q.dtype``, causal by *global position*:
+``out[b, i, h] = softmax_j(q_i . k_j * sm_scale | positions[j] <= positions[i]) v_j`` with GQA
+(query head ``h`` reads KV head ``h // (Hq // Hkv)``). ``positions int32 [S]`` are the global
+positions of the laid-out tokens, shared by the batch.
+
+Backends:
+
+* ``reference`` — :func:`mtraining_jax.attention.reference.dense_attention` (float32 math, one
+  device, materialises ``[B, Hq, S, S]``); the ground truth.
+* ``cudnn``     — ``jax.nn.dot_product_attention(is_causal=True)``: cuDNN flash attention on GPU,
+  XLA elsewhere. Its causal mask is by array index, so ``positions`` must be ``arange(S)``
+  (natural order). Concrete positions are checked (``ValueError``); traced positions cannot be
+  checked at trace time, so the result is NaN-poisoned when they are not ``arange(S)`` — a wrong
+  layout fails loudly instead of training on a wrong mask.
+* ``ring``      — :func:`mtraining_jax.attention.ring.ring_attention` (dense ring over the
+  ``(node, local)`` mesh, flat or hierarchical order); needs ``mesh``.
+* ``mtraining`` — :func:`mtraining_jax.attention.mtraining.mtraining_attention`: the sparse
+  vertical-slash ring (online index + block-sparse kernel per ring step); needs ``mesh`` and an
+  :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` (``mtraining=``; default budgets
+  otherwise). Tokens must be in that config's layout: concrete positions are checked
+  (``ValueError``), traced ones NaN-poison the output when they differ, as for ``cudnn``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtraining_jax.attention.reference import check_gqa, dense_attention
+
+BACKENDS: tuple[str, ...] = ("reference", "cudnn", "ring", "mtraining")
+
+
+def _check_inputs(q, k, v, positions):
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [B,S,Hq,D] and k = v [B,S,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
+    B, S, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[1] != S or k.shape[3] != D:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, sequence or head_dim")
+    check_gqa(Hq, k.shape[2])
+    if tuple(positions.shape) != (S,):
+        raise ValueError(f"positions must have shape [S] = [{S}], got {tuple(positions.shape)}")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+
+
+def _cudnn_attention(q, k, v, positions, sm_scale):
+    S = q.shape[1]
+    natural = None
+    if not isinstance(positions, jax.core.Tracer):
+        pos = np.asarray(positions)
+        if not np.array_equal(pos, np.arange(S)):
+            bad = int(np.argmax(pos != np.arange(S)))
+            raise ValueError(
+                "the cudnn backend needs natural-order positions == arange(S) (its causal mask is by "
+                f"index); positions[{bad}] = {int(pos[bad])}, expected {bad}. Use 'reference' or 'ring' "
+                "for permuted layouts."
+            )
+    else:
+        natural = jnp.all(positions == jnp.arange(S, dtype=positions.dtype))
+    on_gpu = jax.default_backend() == "gpu"
+    out = jax.nn.dot_product_attention(
+        q, k, v, scale=sm_scale, is_causal=True, implementation="cudnn" if on_gpu else "xla"
+    )
+    return _nan_unless(out, natural)
+
+
+def _nan_unless(out, ok):
+    """``out`` where the traced check ``ok`` holds, NaN everywhere otherwise (``ok=None``: no check)."""
+    if ok is None:
+        return out
+    return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
+
+
+def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, impl):
+    import dataclasses
+
+    from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # lazy
+
+    if cfg is None:
+        cfg = MTrainingConfig(ring_order=ring_order, impl=impl)
+    if sm_scale is not None:
+        cfg = dataclasses.replace(cfg, sparsity=dataclasses.replace(cfg.sparsity, sm_scale=sm_scale))
+    out = mtraining_attention(q, k, v, mesh, cfg, positions=positions)  # checks concrete positions
+    ok = None
+    if isinstance(positions, jax.core.Tracer):
+        perm = cfg.make_layout(q.shape[1], mesh.shape["node"] * mesh.shape["local"]).perm
+        ok = jnp.all(positions == jnp.asarray(perm, positions.dtype))
+    return _nan_unless(out, ok)
+
+
+def attention(
+    q,
+    k,
+    v,
+    positions,
+    *,
+    backend: str,
+    mesh=None,
+    ring_order: str = "hierarchical",
+    sm_scale: float | None = None,
+    impl: str = "auto",
+    mtraining=None,
+):
+    """Causal attention by global position through ``backend`` (see module docstring).
+
+    Args:
+      q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]``; positions: ``int [S]`` global positions.
+      backend: one of :data:`BACKENDS`.
+      mesh: ``(node, local)`` mesh (``ring`` / ``mtraining``).
+      ring_order: ``"flat"`` or ``"hierarchical"`` (ring backends).
+      sm_scale: softmax scale, default ``D ** -0.5``.
+      impl: kernel implementation for the ring backends (``auto`` / ``pallas`` / ``xla``).
+      mtraining: :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` for ``mtraining``.
+
+    Returns:
+      ``[B, S, Hq, D]`` in ``q.dtype``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    positions = positions if isinstance(positions, jax.Array) else jnp.asarray(positions)
+    _check_inputs(q, k, v, positions)
+    if backend == "reference":
+        out, _ = dense_attention(q, k, v, positions, positions, sm_scale=sm_scale)
+        return out.astype(q.dtype)
+    if backend == "cudnn":
+        return _cudnn_attention(q, k, v, positions, sm_scale).astype(q.dtype)
+    if backend == "ring":
+        if mesh is None:
+            raise ValueError("the ring attention backend needs a mesh (got mesh=None)")
+        from mtraining_jax.attention.ring import ring_attention  # lazy: optional heavy import
+
+        out = ring_attention(q, k, v, positions, mesh, ring_order=ring_order, sm_scale=sm_scale, impl=impl)
+        return out.astype(q.dtype)
+    if mesh is None:
+        raise ValueError("the mtraining attention backend needs a mesh (got mesh=None)")
+    return _mtraining_attention(q, k, v, positions, mesh, mtraining, ring_order, sm_scale, impl).astype(q.dtype)

@@ -1,0 +1,178 @@
+"""MTraining attention: dynamic vertical-slash sparsity on a balanced, hierarchical sparse ring.
+
+The one operator the model calls for sparse attention (MTraining §4, Algorithms 1 and 2). Inside
+one ``shard_map`` over the ``(node, local)`` mesh, every rank
+
+1. estimates the global vertical-slash index from the ``last_q`` queries of the global sequence
+   (exact softmax via ``pmax``/``psum``; identical on every rank) — :func:`estimate_index_shard`;
+2. converts it into its own per-ring-step block + column index — :func:`convert_index`;
+3. runs the ring (flat or hierarchical) with the block-sparse kernel at every step —
+   :func:`ring_attention_shard`, whose ``custom_vjp`` backward runs the sparse backward ring.
+
+The index is computed once per forward from ``stop_gradient`` inputs and saved as a residual of
+the ring's ``custom_vjp``, so the backward reuses it and it is never differentiated. (Under layer
+rematerialisation the forward — estimation included — is recomputed, as any remat does.)
+
+Shapes: ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` global arrays in the configured layout's order;
+``S`` divisible by ``block_size x P`` (block_striped) or with 64-aligned chunks (zigzag, contiguous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from mtraining_jax.attention.ring import ring_attention_shard
+from mtraining_jax.layouts import Layout
+from mtraining_jax.mesh import CP_AXES, check_cp_mesh
+from mtraining_jax.ring_schedule import validate_ring_order
+from mtraining_jax.sparsity.config import SparsityConfig
+from mtraining_jax.sparsity.convert import convert_index
+from mtraining_jax.sparsity.estimate import estimate_index_shard
+from mtraining_jax.sparsity.index import VerticalSlashIndex
+from mtraining_jax.sparsity.metrics import step_imbalance, step_index_work, worker_imbalance
+
+SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
+IMPLS = ("auto", "pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTrainingConfig:
+    """Configuration of :func:`mtraining_attention` (validated on construction).
+
+    Attributes:
+      sparsity: budgets, ``last_q``, block size (:class:`SparsityConfig`, per head or global).
+      layout: sequence layout of the inputs: ``block_striped`` (MTraining, default), ``zigzag`` or
+        ``contiguous`` (for comparison).
+      ring_order: ``hierarchical`` (inner ring over ``local``, outer over ``node``) or ``flat``.
+      impl: per-step kernel: ``auto`` (Pallas on GPU, XLA twin elsewhere), ``pallas``, ``xla``.
+      force_full: use the full causal index (every block diagonal) instead of estimating one —
+        dense work through the sparse machinery; must equal the dense ring.
+    """
+
+    sparsity: SparsityConfig = SparsityConfig()
+    layout: str = "block_striped"
+    ring_order: str = "hierarchical"
+    impl: str = "auto"
+    force_full: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.sparsity, SparsityConfig):
+            raise ValueError(f"sparsity must be a SparsityConfig, got {type(self.sparsity).__name__}")
+        if self.layout not in SPARSE_LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not supported by sparse ring attention; "
+                             f"expected one of {SPARSE_LAYOUTS}")
+        validate_ring_order(self.ring_order)
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown impl {self.impl!r}; expected one of {IMPLS}")
+
+    @property
+    def block_size(self) -> int:
+        return int(self.sparsity.block_size)
+
+    def make_layout(self, seq_len: int, num_ranks: int) -> Layout:
+        """The :class:`Layout` the inputs must be in (stripe = block size)."""
+        return Layout(self.layout, seq_len, num_ranks, stripe=self.block_size)
+
+
+class MTrainingStats(NamedTuple):
+    """Per-call load statistics of the executed sparse ring (for logging).
+
+    ``work int64 [P workers, P steps]``: attended slots per (worker, ring step), in the unit of
+    :mod:`mtraining_jax.sparsity.metrics` (``block_count * bs^2 + col_count * bs``, summed over batch,
+    heads and query blocks). ``index``: the global index (identical on every rank).
+    """
+
+    work: jax.Array
+    index: VerticalSlashIndex
+
+    def worker_imbalance(self) -> float:
+        return worker_imbalance(np.asarray(self.work))
+
+    def step_imbalance(self) -> float:
+        return step_imbalance(np.asarray(self.work))
+
+
+def full_index(batch: int, heads: int, seq_len: int, block_size: int) -> VerticalSlashIndex:
+    """Every block diagonal active, no verticals: the index whose mask is the full causal mask."""
+    nb = seq_len // block_size
+    s_idx = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (batch, heads, nb))
+    return VerticalSlashIndex(
+        v_idx=jnp.full((batch, heads, 1), seq_len, jnp.int32),
+        v_count=jnp.zeros((batch, heads), jnp.int32),
+        s_idx=s_idx,
+        s_count=jnp.full((batch, heads), nb, jnp.int32),
+    )
+
+
+def _check_inputs(q, k, v, mesh, cfg: MTrainingConfig):
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q [B,S,Hq,D] and k = v [B,S,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, sequence or head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+    num_nodes, num_local = check_cp_mesh(mesh)
+    P = num_nodes * num_local
+    layout = cfg.make_layout(q.shape[1], P)  # validates divisibility, naming the values
+    cfg.sparsity.check(q.shape[1], q.shape[2], P)
+    return num_nodes, num_local, layout
+
+
+def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(), *, positions=None,
+                        return_stats: bool = False):
+    """Sparse ring attention with an online vertical-slash index (see module docstring).
+
+    Args:
+      q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]``; global arrays in ``cfg.layout`` order.
+      mesh: mesh with axes ``("node", "local")`` (optionally ``"data"`` for the batch).
+      cfg: :class:`MTrainingConfig`.
+      positions: optional ``int [S]`` global positions of the laid-out tokens; when concrete it is
+        checked against ``cfg.layout`` (the operator derives positions from the layout statically).
+      return_stats: also return :class:`MTrainingStats` (work per worker and ring step, the index).
+
+    Returns:
+      ``out [B, S, Hq, D]`` in ``q.dtype`` (layout order), and the stats when asked.
+    """
+    num_nodes, num_local, layout = _check_inputs(q, k, v, mesh, cfg)
+    if positions is not None and not isinstance(positions, jax.core.Tracer):
+        if not np.array_equal(np.asarray(positions), layout.perm):
+            raise ValueError(f"positions do not match the {cfg.layout!r} layout of {q.shape[1]} tokens over "
+                             f"{num_nodes * num_local} ranks; lay the tokens out with Layout.permute")
+    B, S, Hq, _ = q.shape
+    pos_table = layout.positions  # static [P, S/P]
+    batch_axis = "data" if "data" in mesh.shape else None
+    spec = PartitionSpec(batch_axis, CP_AXES, None, None)
+    sparsity, bs = cfg.sparsity, cfg.block_size
+
+    def body(q_l, k_l, v_l):
+        rank = jax.lax.axis_index(CP_AXES)
+        pos_l = jnp.asarray(pos_table, jnp.int32)[rank]
+        if cfg.force_full:
+            index = full_index(q_l.shape[0], Hq, S, bs)
+        else:
+            index = estimate_index_shard(jax.lax.stop_gradient(q_l), jax.lax.stop_gradient(k_l), pos_l,
+                                         sparsity, axis_names=CP_AXES)
+        step_index = convert_index(index, rank, pos_table, num_nodes=num_nodes, num_local=num_local,
+                                   ring_order=cfg.ring_order, block_size=bs, max_cols=sparsity.max_cols)
+        out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
+                                   ring_order=cfg.ring_order, step_index=step_index,
+                                   sm_scale=sparsity.sm_scale, impl=cfg.impl, block_size=bs)
+        work = (step_index.block_count.astype(jnp.float32) * bs * bs
+                + step_index.col_count.astype(jnp.float32) * bs).sum(axis=(1, 2, 3))  # [P steps]
+        if batch_axis is not None:
+            work = jax.lax.psum(work, batch_axis)
+        return out, work[None], index
+
+    idx_spec = VerticalSlashIndex(*(PartitionSpec(batch_axis),) * 4)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec),
+                       out_specs=(spec, PartitionSpec(CP_AXES), idx_spec), check_vma=False)
+    out, work, index = fn(q, k, v)
+    if return_stats:
+        return out, MTrainingStats(work, index)
+    return out

@@ -1,0 +1,303 @@
+"""Hugging Face ``transformers`` Qwen2 checkpoints <-> :class:`Qwen2ForCausalLM` parameters.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
+``model.safetensors.index.json`` (``{"weight_map": {tensor: file}}``). Tensors are read and written
+with the ``safetensors`` NumPy API (bfloat16 via ``ml_dtypes``); torch is never imported.
+
+Name mapping (HF ``nn.Linear.weight`` is ``[out, in]``; ``nnx.Linear.kernel`` is ``[in, out]``, so
+every projection is transposed; per-layer tensors are stacked on a leading ``[num_layers]`` axis)::
+
+  model.embed_tokens.weight              [V, H]   embed_tokens/embedding       [V, H]
+  model.layers.{i}.input_layernorm.weight [H]     layers/input_layernorm/weight [L, H]
+  model.layers.{i}.self_attn.q_proj.weight/bias   layers/self_attn/q_proj/kernel [L, H, Hq*D] / bias
+  ... k_proj, v_proj (with bias), o_proj (no bias), post_attention_layernorm,
+  ... mlp.gate_proj / up_proj / down_proj (no bias)
+  model.norm.weight                      [H]      norm/weight                  [H]
+  lm_head.weight                         [V, H]   lm_head                      [H, V]  (untied only)
+
+Errors: a missing file names its path (``FileNotFoundError``); an unsupported
+``model_type``/``architectures`` is a ``ValueError``; tensors that are missing, unexpected or
+mis-shaped are all listed in one :class:`CheckpointMismatchError` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from mtraining_jax.model.config import ModelConfig, check_hf_architecture
+from mtraining_jax.model.qwen2 import Qwen2ForCausalLM, abstract_model
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size="5GB"
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float64": np.float64}
+
+# (HF suffix under model.layers.{i}., our path under layers/, transpose)
+_LAYER_TENSORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("input_layernorm.weight", ("input_layernorm", "weight"), False),
+    ("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), False),
+    ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), True),
+    ("self_attn.q_proj.bias", ("self_attn", "q_proj", "bias"), False),
+    ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), True),
+    ("self_attn.k_proj.bias", ("self_attn", "k_proj", "bias"), False),
+    ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), True),
+    ("self_attn.v_proj.bias", ("self_attn", "v_proj", "bias"), False),
+    ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), True),
+    ("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), True),
+    ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), True),
+    ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), True),
+)
+
+
+class CheckpointMismatchError(ValueError):
+    """Checkpoint tensors do not match the config: lists every missing, unexpected and
+    mis-shaped tensor (attributes of the same names)."""
+
+    def __init__(self, missing, unexpected, mis_shaped, where: str = ""):
+        self.missing, self.unexpected, self.mis_shaped = list(missing), list(unexpected), list(mis_shaped)
+        parts = []
+        if self.missing:
+            parts.append(f"missing tensors {self.missing}")
+        if self.unexpected:
+            parts.append(f"unexpected tensors {self.unexpected}")
+        if self.mis_shaped:
+            parts.append(
+                "mis-shaped tensors "
+                + ", ".join(f"{n}: got {tuple(g)}, expected {tuple(e)}" for n, g, e in self.mis_shaped)
+            )
+        super().__init__(f"checkpoint{' ' + where if where else ''} does not match the config: " + "; ".join(parts))
+
+
+# --------------------------------------------------------------------------- shapes and names
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected HF tensor names and shapes for ``cfg`` (``lm_head.weight`` only when untied)."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (qd, h),
+        "self_attn.q_proj.bias": (qd,),
+        "self_attn.k_proj.weight": (kd, h),
+        "self_attn.k_proj.bias": (kd,),
+        "self_attn.v_proj.weight": (kd, h),
+        "self_attn.v_proj.bias": (kd,),
+        "self_attn.o_proj.weight": (h, qd),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        for k, s in per_layer.items():
+            shapes[f"model.layers.{i}.{k}"] = s
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def check_hf_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, where: str = "") -> None:
+    """Raise :class:`CheckpointMismatchError` unless ``tensors`` has exactly the expected names
+    and shapes (a tied checkpoint may also carry ``lm_head.weight`` equal to the embedding)."""
+    expected = hf_tensor_shapes(cfg)
+    names = set(tensors)
+    extra = set()
+    if cfg.tie_word_embeddings and "lm_head.weight" in names:
+        extra.add("lm_head.weight")  # transformers may save the tied copy; checked below
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected) - extra)
+    mis = [(n, tensors[n].shape, expected[n]) for n in sorted(names & set(expected)) if tuple(tensors[n].shape) != expected[n]]
+    if missing or unexpected or mis:
+        raise CheckpointMismatchError(missing, unexpected, mis, where)
+    if extra:
+        emb, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
+        if head.shape != emb.shape or not np.array_equal(np.asarray(head), np.asarray(emb)):
+            raise ValueError(
+                f"checkpoint{' ' + where if where else ''}: tie_word_embeddings is true but lm_head.weight "
+                "differs from model.embed_tokens.weight"
+            )
+
+
+# --------------------------------------------------------------------------- conversion
+def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, where: str = "") -> dict:
+    """HF tensors -> nested pure dict of ``Qwen2ForCausalLM`` parameters (NumPy, ``cfg.param_dtype``)."""
+    check_hf_tensors(tensors, cfg, where)
+    dt = _NP_DTYPES[cfg.param_dtype]
+
+    def conv(a, transpose=False):
+        a = np.asarray(a)
+        return np.ascontiguousarray((a.T if transpose else a).astype(dt))
+
+    params: dict = {
+        "embed_tokens": {"embedding": conv(tensors["model.embed_tokens.weight"])},
+        "norm": {"weight": conv(tensors["model.norm.weight"])},
+        "layers": {},
+    }
+    for suffix, path, transpose in _LAYER_TENSORS:
+        stacked = np.stack([conv(tensors[f"model.layers.{i}.{suffix}"], transpose) for i in range(cfg.num_layers)])
+        node = params["layers"]
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = stacked
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = conv(tensors["lm_head.weight"], transpose=True)
+    return params
+
+
+def params_to_hf(params: Mapping, cfg: ModelConfig, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """Nested pure dict (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``) -> HF tensors in
+    ``dtype`` (default ``cfg.param_dtype``)."""
+    dt = _NP_DTYPES[dtype or cfg.param_dtype]
+
+    def conv(a, transpose=False):
+        a = np.asarray(jax.device_get(a))
+        return np.ascontiguousarray((a.T if transpose else a).astype(dt))
+
+    out = {
+        "model.embed_tokens.weight": conv(params["embed_tokens"]["embedding"]),
+        "model.norm.weight": conv(params["norm"]["weight"]),
+    }
+    for suffix, path, transpose in _LAYER_TENSORS:
+        node = params["layers"]
+        for p in path:
+            node = node[p]
+        stacked = np.asarray(jax.device_get(node))
+        for i in range(cfg.num_layers):
+            out[f"model.layers.{i}.{suffix}"] = conv(stacked[i], transpose)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = conv(params["lm_head"], transpose=True)
+    return out
+
+
+def model_params(model: Qwen2ForCausalLM) -> dict:
+    """Nested pure dict of the model's parameters."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def model_from_params(cfg: ModelConfig, params: Mapping) -> Qwen2ForCausalLM:
+    """Build a model holding ``params`` without random initialisation (shapes checked)."""
+    graphdef, state = nnx.split(abstract_model(cfg))
+    want = nnx.to_pure_dict(state)
+    bad = []
+
+    def check(path, a, w):
+        if tuple(np.shape(a)) != tuple(w.shape):
+            bad.append(("/".join(str(getattr(k, "key", k)) for k in path), np.shape(a), w.shape))
+
+    jax.tree_util.tree_map_with_path(check, params, want)
+    if bad:
+        raise CheckpointMismatchError([], [], bad)
+    dt = jnp.dtype(cfg.param_dtype)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, dt), params))
+    return nnx.merge(graphdef, state)
+
+
+# --------------------------------------------------------------------------- files
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """Read and architecture-check ``<path>/config.json``."""
+    f = Path(path) / CONFIG_FILE
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"Hugging Face checkpoint directory not found: {path}")
+    if not f.is_file():
+        raise FileNotFoundError(f"config.json not found: {f}")
+    with open(f) as fh:
+        hf = json.load(fh)
+    check_hf_architecture(hf)
+    return hf
+
+
+def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of ``model.safetensors`` or of the shards in ``model.safetensors.index.json``."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    single, index = path / WEIGHTS_FILE, path / INDEX_FILE
+    if single.is_file():
+        return dict(load_file(str(single)))
+    if not index.is_file():
+        raise FileNotFoundError(f"no weights in {path}: neither {single} nor {index} exists")
+    with open(index) as fh:
+        weight_map = json.load(fh).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no 'weight_map' mapping")
+    tensors: dict[str, np.ndarray] = {}
+    for shard in sorted(set(weight_map.values())):
+        f = path / shard
+        if not f.is_file():
+            raise FileNotFoundError(f"shard listed in {index} not found: {f}")
+        part = load_file(str(f))
+        tensors.update({k: v for k, v in part.items() if weight_map.get(k) == shard})
+    missing = sorted(k for k in weight_map if k not in tensors)
+    if missing:
+        raise CheckpointMismatchError(missing, [], [], f"{path} (named in the index but absent from their shards)")
+    return tensors
+
+
+def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfig, Qwen2ForCausalLM]:
+    """Read a transformers Qwen2 checkpoint directory into ``(ModelConfig, Qwen2ForCausalLM)``.
+
+    ``overrides`` set ModelConfig fields (e.g. ``param_dtype="bfloat16"``,
+    ``attention_backend="ring"``); parameters are converted to ``param_dtype``.
+    """
+    cfg = ModelConfig.from_hf_config(read_hf_config(path), **overrides)
+    params = hf_to_params(read_hf_tensors(path), cfg, where=str(path))
+    return cfg, model_from_params(cfg, params)
+
+
+def save_hf_checkpoint(
+    model: Qwen2ForCausalLM,
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Write ``config.json`` + ``model.safetensors`` (or shards of at most ``max_shard_bytes``
+    plus ``model.safetensors.index.json``) loadable by transformers. Returns the weight files."""
+    from safetensors.numpy import save_file
+
+    cfg = model.config
+    dtype = dtype or cfg.param_dtype
+    if dtype not in _NP_DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(_NP_DTYPES)}, got {dtype!r}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    tensors = params_to_hf(model_params(model), cfg, dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / CONFIG_FILE, "w") as fh:
+        json.dump(cfg.to_hf_config(torch_dtype=dtype), fh, indent=2)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    for stale in [path / WEIGHTS_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        f = path / WEIGHTS_FILE
+        save_file(shards[0], str(f), metadata=meta)
+        return [f]
+    files, weight_map = [], {}
+    for j, shard in enumerate(shards):
+        f = path / f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(f), metadata=meta)
+        files.append(f)
+        weight_map.update({k: f.name for k in shard})
+    total = sum(t.nbytes for t in tensors.values())
+    with open(path / INDEX_FILE, "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    return files

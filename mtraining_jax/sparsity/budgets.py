@@ -1,0 +1,64 @@
+"""Top-p coverage budgets (MTraining App. B.1 (i) "online budget approximation"; poster ``score_cover``).
+
+Given non-negative scores (here: integer fixed-point attention mass per vertical column or per
+block-diagonal), the budget of a head is the smallest ``k`` such that the ``k`` largest scores
+cover a fraction ``p`` of the total mass,
+
+    k = min{ k : sum(top_k(scores)) >= p * sum(scores) },
+
+clipped to the head's ``[min, max]`` caps (and to the number of candidates). The selected lines are
+``argtopk(scores, k)`` (ties broken towards the lower position, ``lax.top_k``'s rule), returned
+sorted ascending. All arithmetic on the scores is integer, so the result does not depend on the
+order in which partial scores were reduced (see :mod:`mtraining_jax.sparsity.estimate`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtraining_jax.sparsity.index import compact_sorted
+
+
+def coverage_count(sorted_desc, total, p):
+    """Smallest ``k`` with ``sum(sorted_desc[..., :k]) >= ceil(p * total)``.
+
+    ``sorted_desc int32 [..., M]`` (descending), ``total int32 [...]`` (sum of ALL scores, not only
+    the ``M`` kept), ``p float [...]``. Returns ``int32 [...]`` in ``[1, M + 1]`` (``M + 1``: the
+    ``M`` largest do not reach the target).
+    """
+    thr = jnp.ceil(p.astype(jnp.float32) * total.astype(jnp.float32))
+    thr = jnp.minimum(thr.astype(jnp.int32), total)  # float rounding must not ask for > everything
+    csum = jnp.cumsum(sorted_desc, axis=-1, dtype=jnp.int32)
+    return (csum < thr[..., None]).sum(axis=-1, dtype=jnp.int32) + 1
+
+
+def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, pad: int):
+    """Select lines by top-p coverage with per-head caps.
+
+    Args:
+      scores: ``int32 [B, H, n]`` non-negative scores in natural order (position = line id).
+      p, kmin, kmax: ``[H]`` per-head coverage target and caps (NumPy or JAX arrays).
+      size: static number of slots ``M`` (``<= n``); counts are clipped to it.
+      force: a line id that is always selected first (the slash diagonal 0), or ``None``.
+      pad: value stored in unused slots.
+
+    Returns:
+      ``(idx int32 [B, H, size] ascending, count int32 [B, H])``.
+    """
+    n = scores.shape[-1]
+    if size > n:
+        raise ValueError(f"{size} slots requested but there are only {n} candidate lines")
+    scores = scores.astype(jnp.int32)
+    total = scores.sum(axis=-1, dtype=jnp.int32)
+    order_key = scores if force is None else scores.at[..., force].set(jnp.iinfo(jnp.int32).max)
+    _, top = jax.lax.top_k(order_key, size)
+    vals = jnp.take_along_axis(scores, top, axis=-1)
+    k = coverage_count(vals, total, jnp.asarray(p, jnp.float32)[None, :])
+    lo = jnp.asarray(np.minimum(np.asarray(kmin), size), jnp.int32)[None, :]
+    hi = jnp.asarray(np.minimum(np.asarray(kmax), size), jnp.int32)[None, :]
+    k = jnp.clip(k, lo, hi)
+    keep = jnp.arange(size) < k[..., None]
+    idx, count = compact_sorted(keep, top, size, pad)
+    return idx, count

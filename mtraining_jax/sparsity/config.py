@@ -1,0 +1,122 @@
+"""``SparsityConfig``: the knobs of MTraining's dynamic vertical-slash pattern (paper App. B.1).
+
+One config describes one attention layer; a model holds one per layer (``tuple[SparsityConfig, ...]``)
+so budgets are configurable per layer. Budget fields accept a scalar (every head) or a tuple with
+one entry per query head (configurable per head).
+
+Defaults and why:
+
+* ``block_size = 64``: slash diagonals are pooled over 64x64 blocks (App. B.1 (ii)) and 64 is the
+  block-striped stripe (§4.1 (ii)); the kernels' tile edge.
+* ``last_q = 64``: Algorithm 1's observation window (the public MTraining code's default).
+* ``vertical_p = slash_p = 0.9``: top-p coverage of the estimated attention mass (poster, ``score_cover``).
+* ``vertical_max = 4096`` tokens: the public code's per-head cap ("top-p 0.9, cap 4096").
+* ``vertical_min = 64`` tokens: the kernel gathers vertical columns in chunks of 64, so fewer than 64
+  columns cost the same as 64; keeping a full chunk also keeps the attention sinks.
+* ``slash_max = 64`` block-diagonals = 4096 tokens of band, the same 4096 cap expressed in the
+  unit slashes are selected in; ``slash_min = 1``: diagonal 0 (the local block) is always kept,
+  so no query row is ever empty.
+* ``max_cols``: static vertical-column slots per (query block, ring step) of the converted index
+  (``None`` = the exact bound ``min(MV, tokens per chunk)``; smaller values trade exactness for
+  memory, see :mod:`mtraining_jax.sparsity.convert`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Union
+
+import numpy as np
+
+PerHead = Union[int, float, tuple]
+
+#: fixed-point bits of the integer probability scores are chosen so that sums never overflow int32
+_INT32_HEADROOM = 29
+
+
+def _as_tuple(x):
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return tuple(np.asarray(x).tolist())
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityConfig:
+    """Vertical-slash budget configuration for one layer (see module docstring for defaults)."""
+
+    block_size: int = 64
+    last_q: int = 64
+    vertical_p: PerHead = 0.9
+    slash_p: PerHead = 0.9
+    vertical_min: PerHead = 64
+    vertical_max: PerHead = 4096
+    slash_min: PerHead = 1
+    slash_max: PerHead = 64
+    max_cols: int | None = None
+    sm_scale: float | None = None
+
+    def __post_init__(self):
+        for name in ("vertical_p", "slash_p", "vertical_min", "vertical_max", "slash_min", "slash_max"):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        if not isinstance(self.block_size, (int, np.integer)) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not isinstance(self.last_q, (int, np.integer)) or self.last_q < 1:
+            raise ValueError(f"last_q must be a positive integer, got {self.last_q!r}")
+        for name in ("vertical_p", "slash_p"):
+            p = np.asarray(getattr(self, name), dtype=np.float64)
+            bad = p[~((p > 0) & (p <= 1))]
+            if bad.size:
+                raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)!r}")
+        for name in ("vertical_min", "vertical_max", "slash_min", "slash_max"):
+            v = np.asarray(getattr(self, name))
+            if not np.issubdtype(v.dtype, np.integer):
+                raise ValueError(f"{name} must be integer(s), got {getattr(self, name)!r}")
+        if np.any(np.asarray(self.vertical_min) < 0):
+            raise ValueError(f"vertical_min must be >= 0, got {self.vertical_min!r}")
+        if np.any(np.asarray(self.slash_min) < 1):
+            raise ValueError(
+                f"slash_min must be >= 1 (diagonal 0 is always active), got {self.slash_min!r}")
+        for lo, hi in (("vertical_min", "vertical_max"), ("slash_min", "slash_max")):
+            a, b = np.broadcast_arrays(np.asarray(getattr(self, lo)), np.asarray(getattr(self, hi)))
+            if np.any(b < a):
+                raise ValueError(
+                    f"{hi}={getattr(self, hi)!r} is below the minimum {lo}={getattr(self, lo)!r}")
+        if self.max_cols is not None and (not isinstance(self.max_cols, (int, np.integer)) or self.max_cols < 1):
+            raise ValueError(f"max_cols must be None or a positive integer, got {self.max_cols!r}")
+
+    # ----------------------------------------------------------------------------------------------
+    def per_head(self, name: str, num_heads: int) -> np.ndarray:
+        """Field ``name`` as an array ``[num_heads]`` (``ValueError`` on a wrong per-head length)."""
+        v = getattr(self, name)
+        if isinstance(v, tuple):
+            if len(v) != num_heads:
+                raise ValueError(f"{name} has {len(v)} per-head entries but there are {num_heads} query heads")
+            return np.asarray(v)
+        return np.full((num_heads,), v)
+
+    def check(self, seq_len: int, num_heads: int, num_ranks: int = 1) -> None:
+        """Validate against a problem: ``ValueError`` naming the bad value."""
+        if self.last_q > seq_len:
+            raise ValueError(f"last_q={self.last_q} is larger than the sequence length {seq_len}")
+        if seq_len % num_ranks or (seq_len // num_ranks) % self.block_size:
+            raise ValueError(
+                f"block_size={self.block_size} does not divide the per-rank sequence length "
+                f"{seq_len}/{num_ranks} = {seq_len / num_ranks:g}")
+        if seq_len > 2**23:
+            raise ValueError(f"seq_len={seq_len} > 2^23 would overflow the int32 fixed-point softmax sums")
+        for name in ("vertical_p", "slash_p", "vertical_min", "vertical_max", "slash_min", "slash_max"):
+            self.per_head(name, num_heads)
+
+    def max_verticals(self, seq_len: int) -> int:
+        """Static ``MV``: vertical slots of the global index."""
+        return int(min(np.max(np.asarray(self.vertical_max)), seq_len))
+
+    def max_slashes(self, seq_len: int) -> int:
+        """Static ``MS``: slash slots of the global index (block-diagonals)."""
+        return int(min(np.max(np.asarray(self.slash_max)), seq_len // self.block_size))
+
+    @property
+    def score_bits(self) -> int:
+        """Fixed-point fraction bits ``F`` of the integer probability scores (``sum < 2^31``)."""
+        return _INT32_HEADROOM - math.ceil(math.log2(self.last_q)) if self.last_q > 1 else _INT32_HEADROOM

@@ -1,0 +1,142 @@
+"""Global vertical-slash index -> per-rank, per-ring-step :class:`~pallas_kernels.index_format.StepIndex`.
+
+MTraining poster, "convert_index(i_v, i_s, j)": every rank turns the (identical) global index into
+the block + column index of its own queries against the K/V chunk it holds at each ring step.
+
+Layouts must be block-aligned: every local run of ``block_size`` rows is one whole global block
+(``contiguous``, ``zigzag`` with chunks a multiple of 64, ``block_striped`` with stripe a multiple of
+the block). Then local query block ``i`` is global block ``QB_i`` and local KV block ``j`` of the
+visiting chunk is global block ``KB_j``, and for each query block:
+
+* active KV blocks: ``{ j : QB_i - KB_j = d >= 0, d a slash }`` (sorted; at most ``s_count`` over
+  all steps together); ``block_causal`` from :func:`~pallas_kernels.index_format.causal_flags`;
+* columns: verticals ``v`` held by the visiting chunk with ``v <= max(q_pos of block i)`` (causal for
+  at least one query of the block) whose block is not active (``QB_i - v//bs`` not a slash), as
+  local token ids, sorted.
+
+So every causal pair of the global mask is covered exactly once over all (rank, step), and
+nothing else is (tested over layouts, meshes and ring orders).
+
+Static sizes and memory. ``MB = min(MS, nKB)`` is exact (a query block has at most ``MS`` active
+blocks). ``MC = cfg.max_cols or min(MV, S/P)``; ``None`` is exact, a smaller ``MC`` keeps the first
+``MC`` columns (lowest positions, so attention sinks survive) and drops the rest. One step's index
+takes ``4 * B * H * nQB * (2*MB + MC + 2)`` bytes (``nQB = S / (P * bs)``); :func:`convert_index`
+materialises all ``P`` steps. Example at 512K tokens, P = 32, bs = 64, MS = 64, MV = 4096:
+``nQB = 256``, exact ``MC = 4096`` -> 4.3 MB per head per step (138 MB per head for all steps);
+with ``max_cols = 512`` -> 0.66 MB per head per step. A ring should call :func:`convert_step`
+inside its loop to hold one step at a time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtraining_jax.layouts import Layout
+from mtraining_jax.ring_schedule import source_rank, validate_ring_order
+from mtraining_jax.sparsity.index import VerticalSlashIndex, active_diagonals, compact_sorted
+from pallas_kernels.index_format import StepIndex, causal_flags
+
+
+def check_block_aligned(positions, block_size: int, what: str = "layout") -> None:
+    """``ValueError`` unless every run of ``block_size`` rows is one whole aligned global block."""
+    pos = np.asarray(positions)
+    if pos.shape[-1] % block_size:
+        raise ValueError(f"{what}: {pos.shape[-1]} rows per rank is not a multiple of block_size={block_size}")
+    blk = pos.reshape(-1, block_size)
+    ok = (blk[:, 0] % block_size == 0) & np.all(blk == blk[:, :1] + np.arange(block_size), axis=1)
+    if not ok.all():
+        raise ValueError(
+            f"{what} is not block-aligned for block_size={block_size}: local block of positions "
+            f"{blk[~ok][0][:4].tolist()}... is not one whole global block (token_striped, or a zigzag "
+            f"chunk / stripe that is not a multiple of the block, cannot carry a block-sparse index)")
+
+
+def _concrete(x):
+    """``np.ndarray`` of ``x``, or ``None`` when ``x`` is traced."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block_size: int = 64,
+                 max_cols: int | None = None) -> StepIndex:
+    """StepIndex of queries at ``q_pos [Sq]`` against keys at ``k_pos [Sk]`` (global positions).
+
+    Works with traced positions (inside ``shard_map`` / ``vmap``); concrete positions are checked
+    for block alignment. Single device: ``convert_step(index, arange(S), arange(S), seq_len=S)``.
+    Arrays: ``[B, H, nQB, MB]`` / ``[B, H, nQB, MC]`` / counts ``[B, H, nQB]``.
+    """
+    bs = block_size
+    sq, sk = q_pos.shape[0], k_pos.shape[0]
+    for name, p in (("q_pos", q_pos), ("k_pos", k_pos)):
+        c = _concrete(p)
+        if c is not None:
+            check_block_aligned(c, bs, name)
+        elif p.shape[0] % bs:
+            raise ValueError(f"{name} length {p.shape[0]} is not a multiple of block_size={bs}")
+    if seq_len % bs:
+        raise ValueError(f"seq_len={seq_len} is not a multiple of block_size={bs}")
+    nqb, nkb, nb = sq // bs, sk // bs, seq_len // bs
+    B, H, mv = index.v_idx.shape
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    k_pos = jnp.asarray(k_pos, jnp.int32)
+    QB = q_pos.reshape(nqb, bs)[:, 0] // bs
+    KB = k_pos.reshape(nkb, bs)[:, 0] // bs
+    qmax = q_pos.reshape(nqb, bs).max(axis=1)
+    diag = active_diagonals(index, nb)  # [B, H, nb]
+
+    # --- active blocks (slashes) ---
+    d = QB[:, None] - KB[None, :]  # [nQB, nKB]
+    act = (d >= 0)[None, None] & diag[:, :, jnp.clip(d, 0, nb - 1)]  # [B, H, nQB, nKB]
+    mb = min(index.max_slashes, nkb)
+    block_idx, block_count = compact_sorted(act, jnp.broadcast_to(jnp.arange(nkb), act.shape), mb, pad=0)
+    block_count = jnp.minimum(block_count, mb)  # never binds: <= s_count <= MS per query block
+    block_causal = causal_flags(q_pos, k_pos, block_idx, bs)
+
+    # --- vertical columns not covered by an active block ---
+    mc = min(mv, sk) if max_cols is None else min(max_cols, mv, sk)
+    blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[KB].set(jnp.arange(nkb, dtype=jnp.int32))
+    valid = jnp.arange(mv) < index.v_count[..., None]
+    v = jnp.where(valid, index.v_idx, 0)
+    vb = jnp.where(valid, v // bs, nb)
+    lb = blockmap[vb]  # [B, H, MV], -1: not in this chunk
+    local = lb * bs + v % bs
+    held = valid & (lb >= 0)
+    dv = QB[None, None, :, None] - vb[:, :, None, :]  # [B, H, nQB, MV]
+    diag_q = jnp.broadcast_to(diag[:, :, None, :], (B, H, nqb, nb))
+    covered = (dv >= 0) & jnp.take_along_axis(diag_q, jnp.clip(dv, 0, nb - 1), axis=-1)
+    cond = held[:, :, None, :] & (v[:, :, None, :] <= qmax[None, None, :, None]) & ~covered
+    col_idx, col_count = compact_sorted(cond, jnp.broadcast_to(local[:, :, None, :], cond.shape), mc, pad=0)
+    col_count = jnp.minimum(col_count, mc)
+    return StepIndex(block_idx, block_count, block_causal, col_idx, col_count)
+
+
+def convert_index(index: VerticalSlashIndex, rank, layout, *, num_nodes: int, num_local: int,
+                  ring_order: str = "hierarchical", block_size: int = 64,
+                  max_cols: int | None = None) -> StepIndex:
+    """All ring steps of one rank: StepIndex arrays with a leading ``[P]`` step axis.
+
+    Args:
+      index: the global index (identical on all ranks).
+      rank: this rank, node-major (``jax.lax.axis_index(("node", "local"))`` inside shard_map, or an int).
+      layout: a :class:`~mtraining_jax.layouts.Layout` or its ``positions`` array ``[P, S/P]``.
+      num_nodes, num_local: the ``(node, local)`` mesh shape; ``P = num_nodes * num_local``.
+      ring_order: ``"flat"`` or ``"hierarchical"`` (:func:`~mtraining_jax.ring_schedule.source_rank`).
+
+    Entry ``s`` is this rank's queries vs the chunk of ``source_rank(rank, s)``.
+    """
+    validate_ring_order(ring_order)
+    positions = np.asarray(layout.positions if isinstance(layout, Layout) else layout)
+    P = num_nodes * num_local
+    if positions.ndim != 2 or positions.shape[0] != P:
+        raise ValueError(f"layout positions have shape {positions.shape}, expected [P, S/P] with "
+                         f"P = {num_nodes} x {num_local} = {P}")
+    check_block_aligned(positions, block_size, "layout")
+    pos = jnp.asarray(positions, jnp.int32)
+    q_pos = pos[rank]
+    src = source_rank(rank, jnp.arange(P), num_nodes, num_local, ring_order)
+    return jax.vmap(lambda kp: convert_step(index, q_pos, kp, seq_len=positions.size,
+                                            block_size=block_size, max_cols=max_cols))(pos[src])

@@ -1,0 +1,191 @@
+"""Load and quality metrics of a vertical-slash index under sparse ring attention (MTraining §3.3, Table 3).
+
+Work unit. The kernels execute ``bs x bs`` tiles for active blocks and ``bs``-row column strips for
+verticals, so the work of one query block against one visiting chunk is
+
+    work = block_count * bs^2 + col_count * bs      (attended (q, k) slots the kernel computes),
+
+summed over the rank's query blocks, the batch and the heads. ``W[r, s]`` is the work of worker
+``r`` at ring step ``s``. (It counts the masked half of diagonal tiles and non-causal rows of a
+column strip, as a GPU does.)
+
+* worker-level imbalance degree: ``mean_s( max_r W[r, s] / mean_r W[r, s] )`` (Fig. 7: max/mean
+  across workers at a step, averaged over steps);
+* step-level imbalance degree: ``mean_r( max_s W[r, s] / mean_s W[r, s] )`` (across the steps of a
+  worker, averaged over workers);
+* computation ratio: ``sum_{r,s} W[r, s] / (P * sum_s T_s)`` with ``T_s = max(max_r W[r, s], C_s)``:
+  the fraction of worker time spent computing when each ring step ends at a barrier set by the
+  slowest worker or by the K/V transfer ``C_s`` (in work units; 0 = compute only). Table 3's
+  "Comp. Ratio" is measured time; this is its cost-model analogue.
+
+Quality: ``density`` / ``sparsity`` over the causal pairs of the global mask, and ``recall`` = the
+full causal softmax mass that the index keeps, averaged over query rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtraining_jax.attention.reference import attention_logits
+from mtraining_jax.layouts import Layout
+from mtraining_jax.ring_schedule import source_table
+from mtraining_jax.sparsity.convert import check_block_aligned
+from mtraining_jax.sparsity.index import VerticalSlashIndex
+from mtraining_jax.sparsity.masks import index_to_mask
+
+
+def _host_index(index: VerticalSlashIndex):
+    return [np.asarray(a) for a in index]
+
+
+def pair_work(index: VerticalSlashIndex, layout, block_size: int = 64) -> np.ndarray:
+    """``int64 [P, P]``: work of rank ``r``'s queries against rank ``o``'s keys (host NumPy).
+
+    Equals the total of the converted per-step counts (tested); ``O(B*H*(nb + MV)*MS)`` time, so it
+    runs at 512K tokens on a CPU.
+    """
+    positions = np.asarray(layout.positions if isinstance(layout, Layout) else layout)
+    check_block_aligned(positions, block_size, "layout")
+    P, sl = positions.shape
+    S, bs = positions.size, block_size
+    nb = S // bs
+    owner = np.empty(nb, np.int64)
+    owner[positions[:, ::bs] // bs] = np.arange(P)[:, None]
+    # suffix[r, g] = number of global query blocks >= g owned by rank r
+    onehot = np.zeros((P, nb + 1), np.int64)
+    onehot[owner, np.arange(nb)] = 1
+    suffix = np.cumsum(onehot[:, ::-1], axis=1)[:, ::-1]
+    v_idx, v_count, s_idx, s_count = _host_index(index)
+    B, H = v_count.shape
+    M = np.zeros((P, P), np.int64)
+    g = np.arange(nb)
+    for b in range(B):
+        for h in range(H):
+            ds = s_idx[b, h, : s_count[b, h]]
+            # tiles: query block g vs key block g - d
+            qg, dd = np.meshgrid(g, ds, indexing="ij")
+            ok = qg - dd >= 0
+            np.add.at(M, (owner[qg[ok]], owner[(qg - dd)[ok]]), bs * bs)
+            # columns: query blocks g >= v // bs whose diagonal g - v//bs is not a slash
+            vb = v_idx[b, h, : v_count[b, h]] // bs
+            ov = owner[vb]
+            np.add.at(M.T, ov, bs * suffix[:, vb].T)
+            qv, dv = np.meshgrid(vb, ds, indexing="ij")
+            q2 = qv + dv
+            ok = q2 < nb
+            np.add.at(M, (owner[q2[ok]], np.broadcast_to(ov[:, None], q2.shape)[ok]), -bs)
+    return M
+
+
+def work_matrix(index: VerticalSlashIndex, layout, *, num_nodes: int, num_local: int,
+                ring_order: str = "hierarchical", block_size: int = 64) -> np.ndarray:
+    """``int64 [P workers, P steps]``: ``W[r, s] = pair_work[r, source_rank(r, s)]``."""
+    M = pair_work(index, layout, block_size)
+    tab = source_table(num_nodes, num_local, ring_order)
+    if M.shape[0] != tab.shape[0]:
+        raise ValueError(f"layout has {M.shape[0]} ranks but the mesh {num_nodes} x {num_local} has {tab.shape[0]}")
+    return np.take_along_axis(M, tab.astype(np.int64), axis=1)
+
+
+def step_index_work(step_index, block_size: int = 64) -> np.ndarray:
+    """Work per leading step entry of a converted index (``[..., P steps, B, H, nQB]`` counts)."""
+    bc = np.asarray(step_index.block_count, np.int64)
+    cc = np.asarray(step_index.col_count, np.int64)
+    w = bc * block_size**2 + cc * block_size
+    return w.sum(axis=(-1, -2, -3))
+
+
+def worker_imbalance(W) -> float:
+    """Mean over steps of max/mean over workers."""
+    W = np.asarray(W, np.float64)
+    return float(np.mean(W.max(axis=0) / W.mean(axis=0)))
+
+
+def step_imbalance(W) -> float:
+    """Mean over workers of max/mean over steps."""
+    W = np.asarray(W, np.float64)
+    return float(np.mean(W.max(axis=1) / W.mean(axis=1)))
+
+
+def computation_ratio(W, comm=0.0) -> float:
+    """Busy fraction under step barriers: ``sum W / (P * sum_s max(max_r W[:, s], comm_s))``."""
+    W = np.asarray(W, np.float64)
+    T = np.maximum(W.max(axis=0), np.broadcast_to(np.asarray(comm, np.float64), W.shape[1:]))
+    return float(W.sum() / (W.shape[0] * T.sum()))
+
+
+def density(index: VerticalSlashIndex, seq_len: int, block_size: int = 64) -> np.ndarray:
+    """``float64 [B, H]``: attended causal (q, k) pairs / all causal pairs (host, closed form)."""
+    v_idx, v_count, s_idx, s_count = _host_index(index)
+    bs, S = block_size, seq_len
+    nb = S // bs
+    B, H = v_count.shape
+    out = np.zeros((B, H))
+    for b in range(B):
+        for h in range(H):
+            diag = np.zeros(nb, bool)
+            diag[s_idx[b, h, : s_count[b, h]]] = True
+            d = np.nonzero(diag)[0]
+            pairs = np.where(d == 0, nb * bs * (bs + 1) // 2, (nb - d) * bs * bs).sum()
+            v = v_idx[b, h, : v_count[b, h]]
+            vb = v // bs
+            own = np.where(diag[0], 0, (vb + 1) * bs - v)  # queries of its own block, q >= v
+            free = np.concatenate([[0], np.cumsum(~diag[1:])])  # free[j] = #inactive d in 1..j
+            pairs += own.sum() + bs * free[nb - 1 - vb].sum()
+            out[b, h] = pairs / (S * (S + 1) / 2)
+    return out
+
+
+def sparsity(index: VerticalSlashIndex, seq_len: int, block_size: int = 64) -> np.ndarray:
+    """``1 - density``."""
+    return 1.0 - density(index, seq_len, block_size)
+
+
+def recall(q, k, index: VerticalSlashIndex, *, rows=None, block_size: int = 64, sm_scale=None,
+           chunk: int = 64):
+    """``float64 [B, H]``: mean over query rows of the full causal softmax mass kept by the index.
+
+    ``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` in natural order. ``rows``: global query positions to
+    average over (default all); processed ``chunk`` rows at a time (``chunk x S`` logits per head).
+    """
+    S = k.shape[1]
+    rows = np.arange(S) if rows is None else np.asarray(rows)
+    vmask = jnp.zeros(index.v_idx.shape[:2] + (S + 1,), bool)
+    B, H, mv = index.v_idx.shape
+    valid = jnp.arange(mv) < index.v_count[..., None]
+    vmask = vmask.at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
+                     jnp.where(valid, index.v_idx, S)].set(True)[..., :S]
+    nb = S // block_size
+    ms = index.s_idx.shape[-1]
+    svalid = jnp.arange(ms) < index.s_count[..., None]
+    diag = jnp.zeros((B, H, nb + 1), bool).at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
+                                            jnp.where(svalid, index.s_idx, nb)].set(True)[..., :nb]
+
+    @jax.jit
+    def kept(qr, rpos):
+        z = attention_logits(qr, k, sm_scale)  # [B, H, R, S]
+        kp = jnp.arange(S)
+        causal = kp[None, :] <= rpos[:, None]
+        z = jnp.where(causal, z, -jnp.inf)
+        p = jax.nn.softmax(z, axis=-1)
+        d = rpos[:, None] // block_size - kp[None, :] // block_size
+        allowed = (diag[:, :, jnp.clip(d, 0, nb - 1)] | vmask[:, :, None, :]) & causal
+        return jnp.where(allowed, p, 0.0).sum(-1).sum(-1)  # [B, H]
+
+    total = 0.0
+    for i in range(0, len(rows), chunk):
+        r = rows[i: i + chunk]
+        total = total + np.asarray(kept(q[:, r], jnp.asarray(r)), np.float64)
+    return total / len(rows)
+
+
+def mask_recall(q, k, index: VerticalSlashIndex, block_size: int = 64):
+    """Same as :func:`recall` over all rows via the dense mask (small ``S``; used to test it)."""
+    S = q.shape[1]
+    z = attention_logits(q, k)
+    t = jnp.arange(S)
+    z = jnp.where(t[None, :] <= t[:, None], z, -jnp.inf)
+    p = jax.nn.softmax(z, axis=-1)
+    return np.asarray(jnp.where(index_to_mask(index, S, block_size), p, 0.0).sum(-1).mean(-1), np.float64)

@@ -1,0 +1,78 @@
+"""One process of the multi-process ring test (started by ``tests/test_ring_multiprocess.py``).
+
+Usage: ``python tests/_ring_mp_worker.py PORT PROCESS_ID NUM_PROCESSES LOCAL_DEVICES``.
+
+Every process builds the same global inputs from a fixed seed, joins the distributed runtime over
+localhost (gloo CPU collectives), runs ring attention with ``make_mesh()`` (node = process, local =
+its CPU devices) and checks ITS addressable shards of the output and of dq/dk/dv against the
+float64 dense reference. Prints one ``RESULT <order> <json>`` line per ring order; exits non-zero
+on any mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from _multiprocess import init_worker, report
+
+
+def main() -> int:
+    pid, nproc, ndev = init_worker(sys.argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mtraining_jax.attention.reference import dense_attention
+    from mtraining_jax.attention.ring import ring_attention
+    from mtraining_jax.layouts import Layout
+    from mtraining_jax.mesh import make_mesh, sequence_sharding
+
+    mesh = make_mesh()
+    assert dict(mesh.shape) == {"node": nproc, "local": ndev}, mesh.shape
+    assert all(d.process_index == n for n in range(nproc) for d in mesh.devices[n]), "node != process"
+
+    B, S, Hq, Hkv, D = 1, 128, 4, 2, 32
+    P = nproc * ndev
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, S, h, D)).astype(np.float32) for h in (Hq, Hkv, Hkv))
+    cot = (rng.standard_normal((B, S, Hq, D)) * (1 + rng.random((B, S, Hq, D)))).astype(np.float32)
+
+    def ref_loss(q, k, v):
+        out, _ = dense_attention(q, k, v)
+        return jnp.sum(out * cot), out
+
+    (_, ref_out), ref_grads = jax.value_and_grad(ref_loss, argnums=(0, 1, 2), has_aux=True)(
+        *(x.astype(np.float64) for x in (q, k, v)))
+
+    lay = Layout("block_striped", S, P, stripe=16)
+    shard = sequence_sharding(mesh)
+
+    def global_array(x):
+        x = lay.permute(x)
+        return jax.make_array_from_callback(x.shape, shard, lambda idx: x[idx])
+
+    ok = True
+    for order in ("hierarchical", "flat"):
+        def loss(q, k, v, c):
+            out = ring_attention(q, k, v, lay.perm, mesh, ring_order=order)
+            return jnp.sum(out * c), out
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        (_, out), grads = fn(*(global_array(x) for x in (q, k, v, cot)))
+        errs = {}
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+            ref_laid = lay.permute(np.asarray(ref))
+            num = den = 0.0
+            for sh in got.addressable_shards:
+                r = ref_laid[sh.index]
+                num += float(np.sum((np.asarray(sh.data, np.float64) - r) ** 2))
+                den += float(np.sum(r**2))
+            errs[name] = (num / den) ** 0.5
+        ok &= all(e <= 1e-5 for e in errs.values())
+        report(order, errs)
+    jax.distributed.shutdown()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

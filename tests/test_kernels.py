@@ -1,0 +1,200 @@
+"""Block-sparse attention kernels vs the masked dense float32 reference, one suite for every backend.
+
+``_KernelSuite`` holds the cases; subclasses pick the backend: the XLA twin, the Pallas kernel in
+interpret mode (CPU), and the Pallas kernel on a GPU (``@pytest.mark.gpu``, 8K-sized shapes;
+run with ``MTRAINING_TEST_GPU=1 pytest -m gpu tests/test_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtraining_jax.attention.reference import dense_attention
+from pallas_kernels import api
+from pallas_kernels.index_format import step_index_to_mask
+from pallas_kernels.testing import random_step_index
+
+BS = 64
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite values"
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _inputs(rng, B, Sq, Sk, H, Hkv, D, dtype):
+    q = jnp.asarray(rng.standard_normal((B, Sq, H, D)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, Sk, Hkv, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, Sk, Hkv, D)), dtype)
+    return q, k, v
+
+
+def _positions(rng, Sq, Sk, permuted):
+    """Global positions: plain arange, or a ring-like step (queries and keys from a permuted range)."""
+    if not permuted:
+        return jnp.arange(Sq, dtype=jnp.int32), jnp.arange(Sk, dtype=jnp.int32)
+    perm = rng.permutation(Sq + Sk).astype(np.int32)
+    return jnp.asarray(np.sort(perm[:Sq])), jnp.asarray(np.sort(perm[Sq:]))
+
+
+def _reference(q, k, v, q_pos, k_pos, index):
+    """Dense float32 reference with the index mask; ``(out, lse)``."""
+    mask = None if index is None else step_index_to_mask(index, q.shape[1], k.shape[1], BS)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return dense_attention(f32(q), f32(k), f32(v), q_pos, k_pos, mask)
+
+
+class _KernelSuite:
+    impl: str = "xla"
+    S: int = 128  # query and key length
+    H: int = 4
+    tol = {jnp.float32: 1e-3, jnp.bfloat16: 2e-2}
+    cases = [  # (gqa group, head_dim, dtype, permuted positions)
+        (1, 64, jnp.float32, False),
+        (4, 128, jnp.bfloat16, True),
+    ]
+
+    def _index(self, rng, B, q_pos, k_pos, sk):
+        return random_step_index(rng, B, self.H, self.S, sk, q_pos, k_pos, max_blocks=max(1, sk // BS - 1),
+                                 max_cols=12)
+
+    @pytest.mark.parametrize("case", range(2))
+    def test_forward_matches_reference(self, case):
+        g, D, dtype, permuted = self.cases[case]
+        rng = np.random.default_rng(10 + case)
+        B = 1
+        q, k, v = _inputs(rng, B, self.S, self.S, self.H, self.H // g, D, dtype)
+        q_pos, k_pos = _positions(rng, self.S, self.S, permuted)
+        index = self._index(rng, B, q_pos, k_pos, self.S)
+        out, lse = api.block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, impl=self.impl)
+        ref_out, ref_lse = _reference(q, k, v, q_pos, k_pos, index)
+        chex.assert_shape(out, q.shape)
+        chex.assert_shape(lse, (B, self.H, self.S))
+        assert _rel(out, ref_out) < self.tol[dtype]
+        fin = np.isfinite(np.asarray(ref_lse))
+        np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)  # empty rows: -inf
+        assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < self.tol[dtype]
+        np.testing.assert_array_equal(np.asarray(out)[~np.moveaxis(fin, 1, 2)], 0.0)
+
+    @pytest.mark.parametrize("case", range(2))
+    def test_gradients_match_reference(self, case):
+        g, D, dtype, permuted = self.cases[case]
+        rng = np.random.default_rng(20 + case)
+        B = 1
+        q, k, v = _inputs(rng, B, self.S, self.S, self.H, self.H // g, D, dtype)
+        q_pos, k_pos = _positions(rng, self.S, self.S, permuted)
+        index = self._index(rng, B, q_pos, k_pos, self.S)
+        ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)  # random non-uniform cotangent
+
+        def loss(fn, q, k, v):
+            return jnp.sum(fn(q, k, v).astype(jnp.float32) * ct)
+
+        mine = jax.grad(lambda *a: loss(lambda q, k, v: api.block_sparse_attention(
+            q, k, v, q_pos, k_pos, index, impl=self.impl), *a), argnums=(0, 1, 2))(q, k, v)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        ref = jax.grad(lambda *a: loss(lambda q, k, v: _reference(q, k, v, q_pos, k_pos, index)[0], *a),
+                       argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
+        for name, a, b in zip("qkv", mine, ref):
+            assert a.dtype == dtype, name
+            assert _rel(a, b) < 2 * self.tol[dtype], f"d{name}: {_rel(a, b)}"
+
+    def test_dense_index_none(self):
+        """``index=None`` is dense causal-by-position attention (fwd and bwd)."""
+        rng = np.random.default_rng(3)
+        q, k, v = _inputs(rng, 2, self.S, self.S, self.H, 2, 64, jnp.float32)
+        q_pos, k_pos = _positions(rng, self.S, self.S, True)
+        out, lse = api.block_sparse_attention_fwd(q, k, v, q_pos, k_pos, None, impl=self.impl)
+        ref_out, ref_lse = _reference(q, k, v, q_pos, k_pos, None)
+        assert _rel(out, ref_out) < 1e-3
+        do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+        delta = api.attention_delta(ref_out, do)
+        mine = api.block_sparse_attention_bwd(q, k, v, q_pos, k_pos, None, do, ref_lse, delta, impl=self.impl)
+        _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, q_pos, k_pos)[0], q, k, v)
+        for name, a, b in zip("qkv", mine, vjp(do)):
+            assert _rel(a, b) < 2e-3, name
+
+    def test_fully_masked_rows_no_nan(self):
+        """Rows whose keys all lie in the future (or whose index is empty): out 0, lse -inf, grads finite."""
+        rng = np.random.default_rng(4)
+        S = self.S
+        q, k, v = _inputs(rng, 1, S, S, self.H, self.H, 64, jnp.float32)
+        q_pos = jnp.arange(S, dtype=jnp.int32)
+        k_pos = q_pos + BS  # the first query block sees no key at all
+        index = random_step_index(rng, 1, self.H, S, S, q_pos, k_pos, p_empty=0.5, max_cols=4)
+        out, lse = api.block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, impl=self.impl)
+        assert np.all(np.isneginf(np.asarray(lse)[:, :, :BS]))
+        np.testing.assert_array_equal(np.asarray(out)[:, :BS], 0.0)
+        grads = jax.grad(lambda q, k, v: jnp.sum(api.block_sparse_attention(
+            q, k, v, q_pos, k_pos, index, impl=self.impl) ** 2), argnums=(0, 1, 2))(q, k, v)
+        for gr in grads:
+            assert np.all(np.isfinite(np.asarray(gr)))
+        ref_out, _ = _reference(q, k, v, q_pos, k_pos, index)
+        assert _rel(out, ref_out) < 1e-3
+
+
+class TestXlaTwin(_KernelSuite):
+    impl = "xla"
+
+    def test_ring_step_shapes_sq_ne_sk(self):
+        """A ring step with fewer queries than keys, columns only (no blocks)."""
+        rng = np.random.default_rng(5)
+        q, k, v = _inputs(rng, 1, 64, 192, 2, 1, 64, jnp.float32)
+        q_pos, k_pos = _positions(rng, 64, 192, True)
+        index = random_step_index(rng, 1, 2, 64, 192, q_pos, k_pos, max_blocks=1, max_cols=20,
+                                  p_empty=0.0, p_full=0.0)
+        index = index._replace(block_count=jnp.zeros_like(index.block_count))
+        out, lse = api.block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, impl="xla")
+        ref_out, _ = _reference(q, k, v, q_pos, k_pos, index)
+        assert _rel(out, ref_out) < 1e-5
+
+
+class TestPallasInterpret(_KernelSuite):
+    impl = "pallas"
+
+
+@pytest.mark.gpu
+class TestPallasGPU(_KernelSuite):
+    impl = "pallas"
+    S = 8192
+    H = 4
+    cases = [
+        (1, 64, jnp.float32, False),
+        (4, 128, jnp.bfloat16, True),
+    ]
+
+    def _index(self, rng, B, q_pos, k_pos, sk):
+        return random_step_index(rng, B, self.H, self.S, sk, q_pos, k_pos, max_blocks=24, max_cols=200)
+
+
+class TestValidation:
+    def _args(self, S=128, D=64, H=2, Hkv=2):
+        rng = np.random.default_rng(0)
+        q, k, v = _inputs(rng, 1, S, S, H, Hkv, D, jnp.float32)
+        return q, k, v, jnp.arange(S, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32)
+
+    def test_bad_head_dim(self):
+        with pytest.raises(ValueError, match="head_dim 48"):
+            api.block_sparse_attention_fwd(*self._args(D=48), None)
+
+    def test_bad_sequence_length(self):
+        q, k, v, qp, kp = self._args(S=100)
+        with pytest.raises(ValueError, match="multiples of the block size"):
+            api.block_sparse_attention_fwd(q, k, v, qp, kp, None)
+
+    def test_index_shape_mismatch(self):
+        q, k, v, qp, kp = self._args()
+        index = random_step_index(np.random.default_rng(0), 1, 3, 128, 128, qp, kp)  # 3 heads, q has 2
+        with pytest.raises(ValueError, match="block_count"):
+            api.block_sparse_attention_fwd(q, k, v, qp, kp, index)
+
+    def test_bad_impl_and_gqa(self):
+        q, k, v, qp, kp = self._args(H=3, Hkv=2)
+        with pytest.raises(ValueError, match="multiple of KV heads"):
+            api.block_sparse_attention_fwd(q, k, v, qp, kp, None)
+        with pytest.raises(ValueError, match="unknown impl"):
+            api.block_sparse_attention(*self._args(), impl="cuda")

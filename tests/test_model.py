@@ -1,0 +1,272 @@
+"""Qwen2 model: attention dispatch, layouts, remat policies, scan vs loop, ring vs reference."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtraining_jax.attention.dispatch import attention
+from mtraining_jax.attention.reference import dense_attention
+from mtraining_jax.layouts import Layout
+from mtraining_jax.mesh import make_mesh
+from mtraining_jax.model.config import ModelConfig
+from mtraining_jax.model.qwen2 import Qwen2ForCausalLM, backend_segments
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+            rope_theta=1e4, max_position_embeddings=512, initializer_range=0.2)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def _model(**kw):
+    return Qwen2ForCausalLM(ModelConfig(**{**TINY, **kw}), rngs=nnx.Rngs(0))
+
+
+def _with_config(model, **changes):
+    """The same parameters under a different execution config."""
+    graphdef, state = nnx.split(model)
+    clone = Qwen2ForCausalLM(model.config.replace(**changes), rngs=nnx.Rngs(1))
+    nnx.update(clone, state)
+    return clone
+
+
+def _tokens(b, s, seed=0, vocab=96):
+    return jnp.asarray(np.random.RandomState(seed).randint(0, vocab, (b, s)), jnp.int32)
+
+
+def _loss_and_grads(model, tokens, positions, mesh=None):
+    w = jnp.asarray(np.random.RandomState(7).randn(*tokens.shape, model.config.vocab_size), jnp.float32)
+
+    def loss(m):  # non-uniform cotangent on every logit; logits in the compute dtype
+        h = m(tokens, positions, mesh=mesh)
+        return jnp.sum(jnp.einsum("bsh,hv->bsv", h, m.lm_head_weight().astype(h.dtype)) * w.astype(h.dtype))
+
+    return nnx.jit(nnx.value_and_grad(loss))(model)
+
+
+# --------------------------------------------------------------------------- dispatch
+def _qkv(seed=0, b=2, s=32, hq=4, hkv=2, d=8, dtype=jnp.float32):
+    r = np.random.RandomState(seed)
+    return tuple(jnp.asarray(r.randn(b, s, h, d), dtype) for h in (hq, hkv, hkv))
+
+
+def test_dispatch_reference_and_cudnn_agree_in_natural_order():
+    q, k, v = _qkv()
+    pos = jnp.arange(32, dtype=jnp.int32)
+    ref = attention(q, k, v, pos, backend="reference")
+    out = attention(q, k, v, pos, backend="cudnn")
+    assert ref.dtype == q.dtype and ref.shape == q.shape
+    chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
+    out_jit = jax.jit(lambda q, k, v, p: attention(q, k, v, p, backend="cudnn"))(q, k, v, pos)
+    chex.assert_trees_all_close(out_jit, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_reference_is_dense_attention_by_position():
+    q, k, v = _qkv(1)
+    perm = Layout("zigzag", 32, 4).perm
+    out = attention(q, k, v, perm, backend="reference", sm_scale=0.3)
+    ref, _ = dense_attention(q, k, v, perm, perm, sm_scale=0.3)
+    chex.assert_trees_all_close(out, ref, atol=0, rtol=0)
+
+
+def test_dispatch_cudnn_rejects_permuted_positions():
+    q, k, v = _qkv()
+    perm = Layout("zigzag", 32, 4).perm
+    with pytest.raises(ValueError, match=r"arange\(S\).*positions\[4\] = 28, expected 4"):
+        attention(q, k, v, perm, backend="cudnn")
+    # traced positions cannot be checked at trace time: the result is poisoned instead
+    out = jax.jit(lambda p: attention(q, k, v, p, backend="cudnn"))(jnp.asarray(perm))
+    assert bool(jnp.all(jnp.isnan(out)))
+
+
+def test_dispatch_errors():
+    q, k, v = _qkv()
+    pos = jnp.arange(32, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="'flash'"):
+        attention(q, k, v, pos, backend="flash")
+    with pytest.raises(ValueError, match="mesh"):
+        attention(q, k, v, pos, backend="mtraining")
+    with pytest.raises(ValueError, match="mesh"):
+        attention(q, k, v, pos, backend="ring")
+    with pytest.raises(ValueError, match=r"\[S\] = \[32\]"):
+        attention(q, k, v, pos[:16], backend="reference")
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), pos, backend="reference")
+
+
+# --------------------------------------------------------------------------- model
+def test_forward_shapes_dtypes_and_contract():
+    m = _model(tie_word_embeddings=False)
+    t, pos = _tokens(2, 16), jnp.arange(16, dtype=jnp.int32)
+    h = m(t, pos)
+    assert h.shape == (2, 16, 32) and h.dtype == jnp.float32
+    assert m.lm_head_weight().shape == (32, 96)
+    lg = m.logits(t, pos)
+    assert lg.shape == (2, 16, 96) and lg.dtype == jnp.float32
+    chex.assert_trees_all_close(lg, jnp.einsum("bsh,hv->bsv", h, m.lm_head_weight()), atol=1e-5)
+    tied = _model(tie_word_embeddings=True)
+    np.testing.assert_array_equal(tied.lm_head_weight(), tied.embed_tokens.embedding[...].T)
+    bf = _model(dtype="bfloat16")
+    assert bf(t, pos).dtype == jnp.bfloat16
+    assert bf.embed_tokens.embedding[...].dtype == jnp.float32
+    with pytest.raises(ValueError, match=r"positions must be \[S\] = \[16\]"):
+        m(t, pos[:8])
+
+
+def test_model_is_causal():
+    m = _model()
+    pos = jnp.arange(24, dtype=jnp.int32)
+    t1, t2 = _tokens(1, 24, 0), _tokens(1, 24, 0).at[:, 12:].set(5)
+    h1, h2 = m(t1, pos), m(t2, pos)
+    np.testing.assert_array_equal(h1[:, :12], h2[:, :12])
+    assert float(jnp.abs(h1[:, 12:] - h2[:, 12:]).max()) > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "block_striped"])
+def test_permuted_layout_gives_permuted_output(layout):
+    """RoPE and the causal mask use global positions, so the layout is an exact relabelling."""
+    m = _model(rope_scaling=YARN, dtype="float64", param_dtype="float64")
+    S = 64
+    lay = Layout(layout, S, 4, stripe=8)
+    t = _tokens(2, S)
+    natural = m.logits(t, jnp.arange(S, dtype=jnp.int32))
+    laid = m.logits(lay.permute(t), jnp.asarray(lay.perm))
+    chex.assert_trees_all_close(lay.unpermute(laid), natural, atol=1e-11, rtol=1e-11)
+
+
+EXEC_VARIANTS = [
+    dict(scan_layers=False, remat="none"),
+    dict(scan_layers=True, remat="full"),
+    dict(scan_layers=False, remat="save_attn"),
+    dict(scan_layers=True, remat="save_attn"),
+]
+
+
+def test_remat_and_scan_variants_identical_outputs_and_gradients():
+    base = _model(dtype="float64", param_dtype="float64", scan_layers=True, remat="none", rope_scaling=YARN,
+                  num_layers=2)
+    t, pos = _tokens(1, 16), jnp.arange(16, dtype=jnp.int32)
+    loss0, g0 = _loss_and_grads(base, t, pos)
+    for change in EXEC_VARIANTS:
+        loss, g = _loss_and_grads(_with_config(base, **change), t, pos)
+        tol = 1e-12  # float64 throughout: only summation order may differ
+        np.testing.assert_allclose(loss, loss0, rtol=tol, err_msg=str(change))
+        chex.assert_trees_all_close(nnx.state(g), nnx.state(g0), atol=tol, rtol=tol)
+
+
+def test_remat_policies_change_what_is_saved():
+    """Residuals kept for the backward pass: none > save_attn (layer input + attention output) > full."""
+    base = _model(remat="none")
+    t, pos = _tokens(1, 16), jnp.arange(16, dtype=jnp.int32)
+
+    def n_residuals(model):
+        graphdef, state = nnx.split(model)
+        f = lambda s: nnx.merge(graphdef, s)(t, pos).sum()  # noqa: E731
+        _, vjp = jax.vjp(f, state)
+        return sum(x.size for x in jax.tree.leaves(vjp) if hasattr(x, "size"))
+
+    sizes = {p: n_residuals(_with_config(base, remat=p)) for p in ("none", "save_attn", "full")}
+    assert sizes["none"] > sizes["save_attn"] > sizes["full"], sizes
+
+
+def test_backend_segments():
+    assert backend_segments(("ring", "ring", "reference", "ring")) == [(0, 2, "ring"), (2, 3, "reference"), (3, 4, "ring")]
+
+
+# --------------------------------------------------------------------------- ring
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh((2, 4))
+
+
+def _ring_setup(ring_order):
+    S, P = 128, 8
+    lay = Layout("block_striped", S, P, stripe=8)
+    ref_model = _model(rope_scaling=YARN, tie_word_embeddings=False, head_dim=32)  # kernels: head_dim >= 32
+    ring_model = _with_config(ref_model, attention_backend="ring", dense_layers=(0,), dense_backend="reference",
+                              ring_order=ring_order)
+    assert ring_model.config.layer_backends == ("reference", "ring", "ring")
+    return lay, ref_model, ring_model, _tokens(2, S, 3)
+
+
+@pytest.mark.parametrize("ring_order", ["hierarchical", "flat"])
+def test_ring_backend_matches_reference_on_8_devices(mesh, ring_order):
+    """block_striped layout on a 2x4 mesh: permute, run with the ring, unpermute == reference."""
+    lay, ref_model, ring_model, t = _ring_setup(ring_order)
+    S = t.shape[1]
+    natural = ref_model.logits(t, jnp.arange(S, dtype=jnp.int32))
+    pos = jnp.asarray(lay.perm)
+    graphdef, state = nnx.split(ring_model)
+
+    @jax.jit
+    def run(state, tokens):
+        return nnx.merge(graphdef, state).logits(tokens, pos, mesh=mesh)
+
+    ring_logits = lay.unpermute(run(state, lay.permute(t)))
+    chex.assert_trees_all_close(ring_logits, natural, atol=1e-5, rtol=0)
+
+
+def test_ring_backend_gradients_match_reference(mesh):
+    """Parameter gradients through the ring's custom VJP == the reference backend's, same layout."""
+    lay, ref_model, ring_model, t = _ring_setup("hierarchical")
+    t_laid, pos = lay.permute(t), jnp.asarray(lay.perm)
+    loss_r, g_r = _loss_and_grads(ref_model, t_laid, pos)
+    loss_g, g_g = _loss_and_grads(ring_model, t_laid, pos, mesh=mesh)
+    np.testing.assert_allclose(loss_g, loss_r, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g_g)),
+                            jax.tree.leaves(nnx.to_pure_dict(g_r))):
+        scale = float(jnp.abs(b).max())
+        err = float(jnp.abs(a - b).max())
+        assert err <= 1e-5 * scale, (jax.tree_util.keystr(path), err, scale)
+
+
+# --------------------------------------------------------------------------- mtraining
+# 16-token blocks so 128 tokens split over 8 ranks; slash_min = all 8 block diagonals = full causal index.
+FULL_SPARSITY = {"block_size": 16, "last_q": 16, "vertical_min": 0, "vertical_max": 4, "slash_min": 8, "slash_max": 8}
+
+
+@pytest.mark.parametrize("ring_order", ["hierarchical", "flat"])
+def test_mtraining_backend_full_index_matches_reference(mesh, ring_order):
+    """reference, ring and mtraining (full index) backends give the same logits on a 2x4 mesh."""
+    lay, ref_model, ring_model, t = _ring_setup(ring_order)
+    lay = Layout("block_striped", t.shape[1], 8, stripe=16)
+    sparse_model = _with_config(ref_model, attention_backend="mtraining", dense_layers=(0,),
+                                dense_backend="reference", ring_order=ring_order, sparsity=FULL_SPARSITY)
+    assert sparse_model.config.layer_backends == ("reference", "mtraining", "mtraining")
+    natural = ref_model.logits(t, jnp.arange(t.shape[1], dtype=jnp.int32))
+    pos = jnp.asarray(lay.perm)
+    graphdef, state = nnx.split(sparse_model)
+    run = jax.jit(lambda state, tokens, pos: nnx.merge(graphdef, state).logits(tokens, pos, mesh=mesh))
+    chex.assert_trees_all_close(lay.unpermute(run(state, lay.permute(t), pos)), natural, atol=1e-5, rtol=0)
+    # tokens in a different layout than the config's: loud NaNs, never a silently wrong mask
+    wrong = jnp.asarray(Layout("zigzag", t.shape[1], 8).perm)
+    assert bool(jnp.all(jnp.isnan(run(state, t, wrong))))
+
+
+def test_mtraining_backend_sparse_gradients_flow(mesh):
+    """A genuinely sparse index: finite loss and gradients that differ from the dense model's."""
+    lay, ref_model, _, t = _ring_setup("hierarchical")
+    lay = Layout("block_striped", t.shape[1], 8, stripe=16)
+    sparse = dict(FULL_SPARSITY, slash_min=1, slash_max=2, vertical_max=4, slash_p=0.3, vertical_p=0.3)
+    sparse_model = _with_config(ref_model, attention_backend="mtraining", sparsity=sparse)
+    t_laid, pos = lay.permute(t), jnp.asarray(lay.perm)
+    loss_s, g_s = _loss_and_grads(sparse_model, t_laid, pos, mesh=mesh)
+    loss_r, g_r = _loss_and_grads(ref_model, t_laid, pos)
+    loss_s, loss_r = float(loss_s), float(loss_r)
+    assert np.isfinite(loss_s) and loss_s != pytest.approx(loss_r, rel=1e-6)
+    leaves = jax.tree.leaves(nnx.to_pure_dict(g_s))
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
+
+
+def test_mtraining_config_errors():
+    with pytest.raises(ValueError, match="unknown sparsity keys"):
+        ModelConfig(**_TINY_FOR_ERRORS, attention_backend="mtraining", sparsity={"p": 0.9})
+    with pytest.raises(ValueError, match="vertical_p"):
+        ModelConfig(**_TINY_FOR_ERRORS, attention_backend="mtraining", sparsity={"vertical_p": 1.5})
+    with pytest.raises(ValueError, match="token_striped"):
+        ModelConfig(**_TINY_FOR_ERRORS, attention_backend="mtraining", layout="token_striped")
+
+
+_TINY_FOR_ERRORS = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=32)

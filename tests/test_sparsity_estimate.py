@@ -1,0 +1,118 @@
+"""Vertical-slash index estimation: against a float64 NumPy model, layout invariance, and the sharded
+estimate equal (bit for bit) to the single-device one on 8 CPU devices (meshes 1x8 and 2x4)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as Ps
+
+from mtraining_jax.layouts import Layout
+from mtraining_jax.mesh import CP_AXES, make_mesh
+from mtraining_jax.sparsity import SparsityConfig, estimate_index, estimate_index_shard
+
+B, S, HQ, HKV, D = 2, 1024, 4, 2, 16
+CFG = SparsityConfig(vertical_min=4, vertical_max=64, slash_max=8, vertical_p=(0.5, 0.7, 0.9, 0.95))
+
+
+@functools.lru_cache(None)
+def _inputs():
+    kq, kk = jax.random.split(jax.random.PRNGKey(0))
+    q = jax.random.normal(kq, (B, S, HQ, D)) * 2.0
+    k = jax.random.normal(kk, (B, S, HKV, D)) * 2.0
+    return q.astype(jnp.float32), k.astype(jnp.float32)
+
+
+@functools.lru_cache(None)
+def _single():
+    q, k = _inputs()
+    return jax.jit(functools.partial(estimate_index, cfg=CFG))(q, k, jnp.arange(S))
+
+
+def _model_scores(q, k, cfg):
+    """Float64 Algorithm 1 statistics: vertical [B, H, S] and slash [B, H, nb] attention mass."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    g = q.shape[2] // k.shape[2]
+    kk = np.repeat(k, g, axis=2)
+    qp = np.arange(S - cfg.last_q, S)
+    z = np.einsum("bqhd,bkhd->bhqk", q[:, qp], kk) / np.sqrt(q.shape[-1])
+    z = np.where(np.arange(S)[None, :] <= qp[:, None], z, -np.inf)
+    a = np.exp(z - z.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    vert = a.sum(2)
+    d = qp[:, None] // cfg.block_size - np.arange(S)[None, :] // cfg.block_size
+    nb = S // cfg.block_size
+    slash = np.stack([np.where(d == j, a, 0).sum((2, 3)) for j in range(nb)], -1)
+    return vert, slash
+
+
+def _check_top_p(scores, idx, count, p, lo, hi, forced=None, tol=1e-5):
+    sel = np.asarray(idx)[:count]
+    assert np.all(np.diff(sel) > 0)
+    total = scores.sum()
+    free = sel if forced is None else sel[sel != forced]
+    rest = np.setdiff1d(np.arange(len(scores)), sel)
+    if len(free) and len(rest):
+        assert scores[free].min() >= scores[rest].max() - tol  # argtopk (up to fixed-point resolution)
+    mass = scores[sel].sum()
+    if count < hi:
+        assert mass >= p * total - tol  # covers p unless capped
+    if count > max(lo, 1):
+        assert mass - scores[free].min() < p * total + tol  # minimal
+
+
+def test_estimate_matches_float64_algorithm_1():
+    q, k = _inputs()
+    idx = jax.tree.map(np.asarray, _single())
+    vert, slash = _model_scores(q, k, CFG)
+    assert idx.v_idx.shape == (B, HQ, 64) and idx.s_idx.shape == (B, HQ, 8)
+    for b in range(B):
+        for h in range(HQ):
+            _check_top_p(vert[b, h], idx.v_idx[b, h], idx.v_count[b, h], CFG.vertical_p[h], 4, 64)
+            _check_top_p(slash[b, h], idx.s_idx[b, h], idx.s_count[b, h], 0.9, 1, 8, forced=0)
+            assert idx.s_idx[b, h, 0] == 0
+            assert np.all(idx.v_idx[b, h, idx.v_count[b, h]:] == S)  # padding
+    assert len(set(np.asarray(idx.v_count).ravel().tolist())) > 1  # per-head p changes the budget
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "token_striped", "block_striped"])
+def test_estimate_is_layout_invariant(layout):
+    q, k = _inputs()
+    lay = Layout(layout, S, 8)
+    got = estimate_index(lay.permute(q), lay.permute(k), lay.perm, CFG)
+    for a, b in zip(got, _single()):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+def test_sharded_estimate_equals_single_device(mesh_shape):
+    q, k = _inputs()
+    ref = _single()
+    mesh = make_mesh(mesh_shape)
+    seq = Ps(None, CP_AXES)
+
+    def body(ql, kl, pos):
+        return jax.tree.map(lambda x: x[None], estimate_index_shard(ql, kl, pos, CFG, CP_AXES))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, Ps(CP_AXES)), out_specs=Ps(CP_AXES)))
+    for layout in ("contiguous", "zigzag", "token_striped", "block_striped"):
+        lay = Layout(layout, S, 8)
+        out = f(lay.permute(q), lay.permute(k), jnp.asarray(lay.perm))
+        for a, b in zip(out, ref):  # every rank holds the identical, single-device index
+            np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(np.asarray(b)[None], a.shape))
+
+
+def test_estimate_bad_inputs():
+    q, k = _inputs()
+    with pytest.raises(ValueError, match="positions"):
+        estimate_index(q, k, jnp.arange(S - 1), CFG)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        estimate_index(q[:, :, :3], k, jnp.arange(S), CFG)
+    with pytest.raises(ValueError, match="last_q=2048"):
+        estimate_index(q, k, jnp.arange(S), SparsityConfig(last_q=2048))
+    with pytest.raises(ValueError, match="block_size=96"):
+        estimate_index(q, k, jnp.arange(S), SparsityConfig(block_size=96))
+    with pytest.raises(ValueError, match="SparsityConfig"):
+        estimate_index(q, k, jnp.arange(S), {"last_q": 64})
