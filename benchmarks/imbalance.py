@@ -15,6 +15,12 @@ and ``benchmarks/imbalance_heatmaps.png``.
 
     python benchmarks/imbalance.py                 # 512K tokens, 4 query heads (a few minutes on CPU)
     python benchmarks/imbalance.py --seq-len 65536 --no-write   # quick look
+    python benchmarks/imbalance.py --meshes 1x8 2x4 4x8 --append  # several worker counts, appended
+
+``--meshes`` (node x local, one index estimate shared by all meshes) also compares each scheme with
+the dense causal ring of the same layout and order: total work and barrier time (sum over steps
+of the slowest worker) of sparse / dense, and appends a section to ``imbalance_results.md``
+with ``--append`` (without ``--meshes`` the output is the single-mesh report above, unchanged).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import datetime
 import os
 import platform
+import sys
 import time
 
 import jax
@@ -76,6 +83,70 @@ def summarize(W) -> dict:
                 worker_std=float(np.std(W.max(0) / W.mean(0))), step_std=float(np.std(W.max(1) / W.mean(1))))
 
 
+def parse_mesh(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"mesh must be NODExLOCAL with positive integers, e.g. 2x4; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def mesh_rows(index, S, heads, N, L) -> list[tuple[str, dict]]:
+    """Per scheme on an ``N x L`` mesh: imbalance metrics plus sparse / dense work and barrier time,
+    the dense causal ring taken with the same layout and ring order (``heads`` heads, like the index)."""
+    P = N * L
+    rows = []
+    for name, layout, order in SCHEMES:
+        lay = Layout(layout, S, P)
+        W = metrics.work_matrix(index, lay, num_nodes=N, num_local=L, ring_order=order)
+        Wd = heads * metrics.work_matrix(dense_index(S), lay, num_nodes=N, num_local=L, ring_order=order)
+        r = summarize(W)
+        r.update(work_vs_dense=float(W.sum() / Wd.sum()),
+                 time_vs_dense=float(W.max(0).sum() / Wd.max(0).sum()),
+                 dense_ratio=metrics.computation_ratio(Wd))
+        rows.append((name, r))
+    return rows
+
+
+def sweep(args, argv, index, sp, t_est):
+    """``--meshes``: the metrics of every scheme on every mesh, from the one estimated index."""
+    S = args.seq_len
+    lines = ["| workers (node x local) | scheme | worker-level ID | step-level ID | comp. ratio | "
+             "dense comp. ratio | sparse / dense work | sparse / dense barrier time |",
+             "|---|---|---|---|---|---|---|---|"]
+    t0 = time.time()
+    for m in args.meshes:
+        N, L = parse_mesh(m)
+        for name, r in mesh_rows(index, S, args.heads, N, L):
+            lines.append(f"| {N * L} ({N}x{L}) | {name} | {r['worker']:.2f} ± {r['worker_std']:.2f} | "
+                         f"{r['step']:.2f} ± {r['step_std']:.2f} | {r['ratio']:.2f} | {r['dense_ratio']:.2f} | "
+                         f"{r['work_vs_dense']:.3f} | {r['time_vs_dense']:.3f} |")
+    table = "\n".join(lines)
+    print(table)
+    if not args.append:
+        return
+    cmd = "python benchmarks/imbalance.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    md = f"""
+
+## Worker counts {', '.join(f"{parse_mesh(m)[0] * parse_mesh(m)[1]} ({m})" for m in args.meshes)}: imbalance and sparse vs dense work
+
+Command: `{cmd}` ({S // 1024}K tokens, {args.heads} query heads, p = {args.p},
+caps {args.vertical_max} / {args.slash_max}). Date: {date};
+{platform.machine()} CPU, JAX {jax.__version__}; estimation {t_est:.0f} s, metrics {time.time() - t0:.0f} s.
+One index (mean sparsity {sp.mean():.3f}) is laid out over every mesh. "Dense" is the full causal
+mask under the SAME layout and ring order (block-striped for the MTraining rows; the section above
+uses zig-zag for its dense row). Sparse / dense work = total attended slots; sparse / dense barrier
+time = sum over ring steps of the slowest worker's work, i.e. the cost-model time of the sparse ring
+relative to the dense ring (communication ignored; its inverse bounds the sparse-over-dense speed-up).
+
+{table}
+
+On a one-level mesh (1xL) the hierarchical and flat orders are the same schedule.
+"""
+    with open(os.path.join(HERE, "imbalance_results.md"), "a") as f:
+        f.write(md)
+
+
 def plot(results, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -105,7 +176,11 @@ def main(argv=None):
     ap.add_argument("--slash-max", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--meshes", nargs="+", help="NODExLOCAL meshes to sweep (e.g. 1x8 2x4 4x8); see module doc")
+    ap.add_argument("--append", action="store_true", help="with --meshes: append the table to imbalance_results.md")
     args = ap.parse_args(argv)
+    for m in args.meshes or []:
+        parse_mesh(m)
     N, L, S = args.nodes, args.local, args.seq_len
     P = N * L
     t0 = time.time()
@@ -114,6 +189,8 @@ def main(argv=None):
     sp = metrics.sparsity(index, S)
     print(f"estimated in {t_est:.1f}s: sparsity per head {np.round(sp[0], 4)} (mean {sp.mean():.4f}); "
           f"verticals {np.asarray(index.v_count)[0]}, slashes {np.asarray(index.s_count)[0]}")
+    if args.meshes:
+        return sweep(args, argv, index, sp, t_est)
     results, rows = {}, []
     for name, layout, order in SCHEMES:
         W = metrics.work_matrix(index, Layout(layout, S, P), num_nodes=N, num_local=L, ring_order=order)

@@ -1,18 +1,32 @@
-"""Dense ring vs MTraining sparse ring, forward+backward, on 1 and 2 GPUs (issue 5).
+"""Dense ring vs MTraining sparse ring, forward+backward, scaling over GPUs (issues 5 and 8).
 
-For each GPU count P (mesh (1, P)) and total length S: B=1, 16 query / 2 KV heads, head_dim 128,
-bfloat16, q/k from the synthetic vertical-slash generator (RoPE, channel means, outlier keys),
-block_striped layout, hierarchical ring. Reports the median time of jit(value_and_grad) for
+For each mesh ``(node, local)`` (``--meshes 1x1 1x2 1x4 1x8 2x4``; ``--gpus P`` = ``1xP``), ring order
+(``--ring-orders hierarchical flat``; identical schedules on a ``1xP`` mesh, so run once there) and
+length, at a fixed TOTAL length (``--lengths``) and/or a fixed PER-GPU length
+(``--per-gpu-length``: ``S = that x P``): B=1, 16 query / 2 KV heads, head_dim 128, bfloat16, q/k
+from the synthetic vertical-slash generator (RoPE, channel means, outlier keys), block_striped layout.
+Reports the median time of jit(value_and_grad) for
 
 * dense ring (``ring_attention``: dense causal flash per step),
 * sparse ring (``mtraining_attention``: online index + block-sparse kernel per step),
 
-the index density, the exposed-communication estimate, and a sampled-row correctness check
-(output and dq of 256 random query rows against the masked float32 reference of the same index).
-Writes JSON lines and the optimized HLO of the 2-GPU sparse step (for the schedule of the
-collective-permutes) to ``--out``.
+the index density, worker- and step-level imbalance of the executed sparse ring, the time of one K/V
+ring transfer alone (per ring axis) and the exposed-communication bound it gives, and optionally
+(``--check``) a sampled-row correctness check (output and dq of 256 random query rows against the
+masked float32 reference of the same index). Appends JSON lines to ``--out/sparse_ring.jsonl``,
+writes the optimized HLO of each multi-GPU sparse step (to read the collective-permute schedule),
+then the scaling table (``scaling_table.md``) and a throughput-vs-GPUs plot (``scaling.png``).
+``--report JSONL...`` only turns existing records into the table and plot (records without a
+"mesh" field, as written before issue 8, are read as ``1xP``, hierarchical, fixed total length).
 
+    # issue 5 (1-2 GPUs)
     PYTHONPATH=. python benchmarks/sparse_ring.py --lengths 131072 262144 --gpus 1 2 --out /tmp/out
+    # issue 8 (8 GPUs): strong scaling at 256K/512K, weak scaling at 64K per GPU, (2,4) both orders
+    PYTHONPATH=. python benchmarks/sparse_ring.py --lengths 262144 524288 --per-gpu-length 65536 \\
+        --meshes 1x1 1x2 1x4 1x8 2x4 --ring-orders hierarchical flat --repeat 3 --check --out /tmp/out
+    # table + plot from existing records
+    PYTHONPATH=. python benchmarks/sparse_ring.py --report benchmarks/sparse_ring_results.jsonl \\
+        --plot benchmarks/scaling_2gpu.png --table /tmp/scaling_2gpu.md
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "")
@@ -36,13 +51,15 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
 from mtraining_jax.attention.reference import dense_attention  # noqa: E402
 from mtraining_jax.attention.ring import ring_attention  # noqa: E402
-from mtraining_jax.mesh import CP_AXES, make_mesh, sequence_sharding  # noqa: E402
+from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh, sequence_sharding  # noqa: E402
+from mtraining_jax.ring_schedule import validate_ring_order  # noqa: E402
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index_shard  # noqa: E402
 from mtraining_jax.sparsity.index import active_diagonals, vertical_flags  # noqa: E402
 from mtraining_jax.sparsity.metrics import density  # noqa: E402
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk  # noqa: E402
 
 HQ, HKV, D = 16, 2, 128
+METHODS = ("dense", "sparse")
 
 
 def timeit(fn, *args, warmup=1, repeat=5):
@@ -105,11 +122,67 @@ def index_only(q, k, mesh, cfg, layout):
                          check_vma=False)(q, k)
 
 
-def run_case(S, P, args, out_dir, log):
-    devices = jax.devices()[:P]
-    mesh = make_mesh((1, P), devices)
+# ----------------------------------------------------------------------------- communication model
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"NxL"`` -> ``(N, L)`` (node x local); ``ValueError`` naming the text otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"mesh must be NODExLOCAL with positive integers, e.g. 2x4; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def ring_transfers(num_nodes: int, num_local: int, ring_order: str) -> tuple[int, int]:
+    """``(inner, outer)`` bytes moved per rank by one forward+backward of the ring, in units of one
+    bf16 K/V buffer ``[2, B, S/P, Hkv, D]`` (f32 dK/dV counts 2), following ``attention/ring.py``:
+
+    * forward: the K/V buffer moves ``n_outer (n_inner - 1)`` times on the inner ring and
+      ``n_outer - 1`` times on the outer ring;
+    * backward: the V/K buffer moves the same way, each move joined by the travelling f32 dK/dV
+      (3 units per move), plus the f32 dK/dV "send home" after the last step (2 units; counted
+      as inner, it is one ppermute over all ranks).
+
+    The flat order (or a 1xP mesh) is one ring of P over ``("node", "local")``: all inner.
+    """
+    validate_ring_order(ring_order)
+    P = num_nodes * num_local
+    if ring_order == "flat":
+        n_outer, n_inner = 1, P
+    else:
+        n_outer, n_inner = num_nodes, num_local
+    inner_moves, outer_moves = n_outer * (n_inner - 1), n_outer - 1
+    home = 2 if P > 1 else 0
+    return inner_moves * (1 + 3) + home, outer_moves * (1 + 3)
+
+
+def time_ppermute(kv, mesh, axis, size, repeat):
+    """Median time of one ring shift of the stacked K/V buffer (sequence-sharded) along ``axis``."""
+    spec = PartitionSpec(None, None, CP_AXES)
+    shift = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, axis, [(i, (i + 1) % size) for i in range(size)]),
+                                  mesh=mesh, in_specs=spec, out_specs=spec))
+    return timeit(shift, jax.device_put(kv, NamedSharding(mesh, spec)), repeat=repeat)[0]
+
+
+def exposed_bound(rec: dict, step_s: float) -> float | None:
+    """Upper bound on the exposed communication fraction: all ring transfers serialized / step time."""
+    N, L = rec["nodes"], rec["local"]
+    if N * L == 1:
+        return 0.0
+    if "kv_ppermute_s" not in rec:
+        return None
+    inner, outer = ring_transfers(N, L, rec["ring_order"])
+    t_outer = rec.get("kv_ppermute_outer_s", rec["kv_ppermute_s"])
+    return (inner * rec["kv_ppermute_s"] + outer * t_outer) / step_s
+
+
+# ----------------------------------------------------------------------------- measurement
+
+def run_case(S, mesh_shape, ring_order, args, out_dir):
+    N, L = mesh_shape
+    P = N * L
+    mesh = make_mesh((N, L), jax.devices()[:P])
     sp = SparsityConfig()  # defaults: p = 0.9, verticals <= 4096, slashes <= 64 diagonals
-    cfg = MTrainingConfig(sparsity=sp, layout="block_striped", ring_order="hierarchical")
+    cfg = MTrainingConfig(sparsity=sp, layout="block_striped", ring_order=ring_order)
     layout = cfg.make_layout(S, P)
     q, k, v, cot = make_inputs(S, sharpness=args.sharpness)
     shard = sequence_sharding(mesh)
@@ -117,7 +190,7 @@ def run_case(S, P, args, out_dir, log):
     perm = jax.device_put(jnp.asarray(layout.perm), NamedSharding(mesh, PartitionSpec(CP_AXES)))
 
     def dense_loss(q, k, v, c):
-        o = ring_attention(q, k, v, perm, mesh, ring_order=cfg.ring_order)
+        o = ring_attention(q, k, v, perm, mesh, ring_order=ring_order)
         return jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32))
 
     def sparse_loss(q, k, v, c):
@@ -127,12 +200,13 @@ def run_case(S, P, args, out_dir, log):
     dense_fb = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))
     sparse_fb = jax.jit(jax.value_and_grad(sparse_loss, argnums=(0, 1, 2), has_aux=True))
     sparse_f = jax.jit(lambda q, k, v: mtraining_attention(q, k, v, mesh, cfg))
-    dense_f = jax.jit(lambda q, k, v: ring_attention(q, k, v, perm, mesh, ring_order=cfg.ring_order))
-    rec = {"S": S, "gpus": P, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    dense_f = jax.jit(lambda q, k, v: ring_attention(q, k, v, perm, mesh, ring_order=ring_order))
+    rec = {"S": S, "gpus": P, "mesh": f"{N}x{L}", "nodes": N, "local": L, "ring_order": ring_order,
+           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    if args.tag:
+        rec["run"] = args.tag
     rec["index_s"], _ = timeit(jax.jit(lambda q, k: index_only(q, k, mesh, cfg, layout)), lq, lk, repeat=args.repeat)
     if args.index_only:
-        print(json.dumps(rec), flush=True)
-        log.write(json.dumps(rec) + "\n")
         return rec
     rec["sparse_fwd_s"], _ = timeit(sparse_f, lq, lk, lv, repeat=args.repeat)
     rec["sparse_fwdbwd_s"], _ = timeit(sparse_fb, lq, lk, lv, lc, repeat=args.repeat)
@@ -148,45 +222,290 @@ def run_case(S, P, args, out_dir, log):
         rows = jnp.asarray(np.sort(np.random.default_rng(0).choice(S, 256, replace=False)), jnp.int32)
         rec["check_out_rel"], rec["check_dq_rel"] = sampled_check(
             q, k, v, cot, layout.unpermute(o), layout.unpermute(grads[0]), st.index, rows, cfg.block_size)
+    if args.profile:  # one traced step of each method, for an XLA/xprof timeline (not parsed here)
+        with jax.profiler.trace(os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}")):
+            jax.block_until_ready(sparse_fb(lq, lk, lv, lc))
+            if not args.skip_dense:
+                jax.block_until_ready(dense_fb(lq, lk, lv, lc))
     if P > 1:
-        # exposed communication: time one KV-buffer ppermute alone (what each ring step must hide)
+        # communication: one K/V-buffer ring shift alone (what each ring step must hide), per ring axis
         kv = jnp.stack([lk, lv])
-        spec = PartitionSpec(None, None, CP_AXES)
-        shift = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "local", [(i, (i + 1) % P) for i in range(P)]),
-                                      mesh=mesh, in_specs=spec, out_specs=spec))
-        kv = jax.device_put(kv, NamedSharding(mesh, spec))
-        rec["kv_ppermute_s"], _ = timeit(shift, kv, repeat=args.repeat)
+        if ring_order == "flat":
+            rec["kv_ppermute_s"] = time_ppermute(kv, mesh, CP_AXES, P, args.repeat)
+        else:
+            inner = LOCAL_AXIS if L > 1 else NODE_AXIS
+            rec["kv_ppermute_s"] = time_ppermute(kv, mesh, inner, L if L > 1 else N, args.repeat)
+            if N > 1 and L > 1:
+                rec["kv_ppermute_outer_s"] = time_ppermute(kv, mesh, NODE_AXIS, N, args.repeat)
+        for m in METHODS:
+            if f"{m}_fwdbwd_s" in rec:
+                rec[f"{m}_exposed_comm_bound"] = exposed_bound(rec, rec[f"{m}_fwdbwd_s"])
         hlo = sparse_fb.lower(lq, lk, lv, lc).compile().as_text()
-        with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_P{P}.hlo.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_{N}x{L}_{ring_order}.hlo.txt"), "w") as f:
             f.write(hlo)
         rec["hlo_collective_permute_starts"] = hlo.count("collective-permute-start")
         rec["hlo_collective_permute_sync"] = hlo.count("collective-permute(")
-    log.write(json.dumps(rec) + "\n")
-    log.flush()
-    print(json.dumps(rec), flush=True)
     return rec
 
 
-def main():
+def plan(args) -> list[tuple[str, int, tuple[int, int], str]]:
+    """``(mode, S, (N, L), ring_order)`` cases in run order; skips (with a message) meshes larger
+    than the device count and the flat order on ``1xP`` meshes (same schedule as hierarchical)."""
+    meshes = [parse_mesh(m) for m in args.meshes] if args.meshes else [(1, p) for p in args.gpus]
+    ndev = len(jax.devices())
+    cases = []
+    for N, L in meshes:
+        if N * L > ndev:
+            print(f"skip mesh {N}x{L}: needs {N * L} devices, only {ndev} available", flush=True)
+            continue
+        orders = args.ring_orders if N > 1 else args.ring_orders[:1]
+        if N == 1 and len(args.ring_orders) > 1:
+            print(f"mesh 1x{L}: ring orders {args.ring_orders} give the same schedule; running "
+                  f"{orders[0]} only", flush=True)
+        for order in orders:
+            cases += [("total", S, (N, L), order) for S in args.lengths]
+            if args.per_gpu_length:
+                cases.append(("per_gpu", args.per_gpu_length * N * L, (N, L), order))
+    return cases
+
+
+# ----------------------------------------------------------------------------- report
+
+def normalize(rec: dict) -> dict:
+    """Fill the issue-8 fields of older records (``gpus`` only: a ``1xP`` mesh, hierarchical, fixed total)."""
+    rec = dict(rec)
+    if "mesh" not in rec:
+        rec.update(mesh=f"1x{rec['gpus']}", nodes=1, local=rec["gpus"])
+    rec.setdefault("ring_order", "hierarchical")
+    rec.setdefault("mode", "total")
+    return rec
+
+
+def merge(records: list[dict]) -> list[dict]:
+    """One record per case ``(device, mode, S, mesh, ring order)``; for every field the LAST record that has it wins
+    (so a later ``--skip-dense`` or ``--index-only`` run updates only the fields it measured)."""
+    cases: dict[tuple, dict] = {}
+    for rec in map(normalize, records):
+        key = (rec.get("device"), rec["mode"], rec["S"], rec["mesh"], rec["ring_order"])
+        cases.setdefault(key, {}).update(rec)
+    return list(cases.values())
+
+
+def scaling_rows(cases: list[dict]) -> list[dict]:
+    """Per (case, method): time, tokens/s, speedup over P = 1, efficiency, imbalance, comm bound.
+
+    Speedup over P = 1: fixed total length, ``t(1) / t(P)`` at the same S; fixed per-GPU length,
+    the ratio of attended (q, k) pairs per second (dense: all causal pairs; sparse: density x causal
+    pairs), since the work of causal attention grows as S^2 while GPUs grow as P. Efficiency =
+    speedup / P. The P = 1 baseline is the 1x1 case of the same device, mode and length.
+    """
+    def pairs(c, m):
+        causal = c["S"] * (c["S"] + 1) / 2
+        return causal * (c["density"] if m == "sparse" else 1.0)
+
+    base = {}
+    for c in cases:
+        if c["gpus"] == 1:
+            base[(c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"])] = c
+    rows = []
+    for c in sorted(cases, key=lambda c: (c["mode"] != "total", c["S"] // (c["gpus"] if c["mode"] == "per_gpu" else 1),
+                                          c["gpus"], c["nodes"], c["ring_order"])):
+        b = base.get((c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"]))
+        for m in METHODS:
+            t = c.get(f"{m}_fwdbwd_s")
+            if t is None:
+                continue
+            row = dict(mode=c["mode"], S=c["S"], mesh=c["mesh"], gpus=c["gpus"], ring_order=c["ring_order"],
+                       method=m, time_s=t, tokens_per_s=c["S"] / t, speedup=None, efficiency=None,
+                       worker_imbalance=c.get("worker_imbalance") if m == "sparse" else None,
+                       step_imbalance=c.get("step_imbalance") if m == "sparse" else None,
+                       exposed_bound=exposed_bound(c, t), device=c.get("device"))
+            tb = b.get(f"{m}_fwdbwd_s") if b else None
+            if tb is not None:
+                if c["mode"] == "total":
+                    row["speedup"] = tb / t
+                elif m == "dense" or ("density" in c and "density" in b):
+                    row["speedup"] = (pairs(c, m) / t) / (pairs(b, m) / tb)
+                if row["speedup"] is not None:
+                    row["efficiency"] = row["speedup"] / c["gpus"]
+            rows.append(row)
+    return rows
+
+
+def _fmt(x, spec, suffix=""):
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _rate(x):
+    return f"{x / 1e6:.2f} M" if x >= 1e6 else f"{x / 1e3:.1f} k"
+
+
+def _len(S):
+    return f"{S // 1024}K" if S % 1024 == 0 else str(S)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| mode | S | mesh (node x local) | ring | method | fwd+bwd | tokens/s | speed-up vs P=1 | "
+            "efficiency | worker ID | step ID | exposed comm (bound) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        mode = "fixed total" if r["mode"] == "total" else f"{_len(r['S'] // r['gpus'])}/GPU"
+        lines.append(
+            f"| {mode} | {_len(r['S'])} | {r['mesh']} | {r['ring_order'] if r['gpus'] > 1 else '–'} | "
+            f"{r['method']} | "
+            f"{r['time_s'] * 1e3:.1f} ms | {_rate(r['tokens_per_s'])} | {_fmt(r['speedup'], '.2f', '×')} | "
+            f"{_fmt(None if r['efficiency'] is None else 100 * r['efficiency'], '.0f', ' %')} | "
+            f"{_fmt(r['worker_imbalance'], '.3f')} | {_fmt(r['step_imbalance'], '.3f')} | "
+            f"{_fmt(None if r['exposed_bound'] is None else 100 * r['exposed_bound'], '.1f', ' %')} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> str:
+    """Issue 8's targets, evaluated on what the rows contain ("not measured" otherwise)."""
+    def get(mode, S, mesh, method, order=None):
+        for r in rows:
+            if ((r["mode"], r["S"], r["mesh"], r["method"]) == (mode, S, mesh, method)
+                    and order in (None, r["ring_order"])):
+                return r
+        return None
+
+    S = 524288
+    out = ["| target | measured | met? |", "|---|---|---|"]
+    r8 = get("total", S, "1x8", "sparse")
+    if r8 and r8["efficiency"] is not None:
+        out.append(f"| sparse ring strong-scaling efficiency ≥ 85 % from 1 to 8 GPUs at 512K (1x8) | "
+                   f"{100 * r8['efficiency']:.0f} % | {'yes' if r8['efficiency'] >= 0.85 else '**no**'} |")
+    else:
+        out.append("| sparse ring strong-scaling efficiency ≥ 85 % from 1 to 8 GPUs at 512K | not measured | – |")
+    d8 = get("total", S, "1x8", "dense")
+    if r8 and d8:
+        x = d8["time_s"] / r8["time_s"]
+        out.append(f"| sparse ≥ 6× dense at 512K on 8 GPUs (1x8) | {x:.1f}× | {'yes' if x >= 6 else '**no**'} |")
+    else:
+        out.append("| sparse ≥ 6× dense at 512K on 8 GPUs | not measured | – |")
+    found = False
+    for r in rows:
+        if r["mesh"] == "2x4" and r["ring_order"] == "hierarchical":
+            f = get(r["mode"], r["S"], "2x4", r["method"], "flat")
+            if f:
+                found = True
+                ok = r["time_s"] <= f["time_s"]
+                out.append(f"| hierarchical no slower than flat on (2,4), {r['method']} {_len(r['S'])} | "
+                           f"{r['time_s'] * 1e3:.1f} vs {f['time_s'] * 1e3:.1f} ms | {'yes' if ok else '**no**'} |")
+    if not found:
+        out.append("| hierarchical no slower than flat on (2,4) | not measured | – |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Throughput (tokens/s, log-log) vs GPUs. One colour per (mode, length, method): solid/dashed
+    line with dots for the one-level meshes 1xP, hollow squares (hierarchical) and triangles (flat)
+    for two-level meshes NxL, and for fixed-total series a dotted ideal-linear line from P = 1."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["mode"] != "total", r["S"] if r["mode"] == "total" else r["S"] // r["gpus"],
+                           r["method"]), []).append(r)
+    fig, ax = plt.subplots(figsize=(7, 4.8), constrained_layout=True)
+    for i, ((per_gpu, length, method), rs) in enumerate(sorted(groups.items())):
+        color = f"C{i % 10}"
+        name = f"{method}, {_len(length)}" + ("/GPU" if per_gpu else " total")
+        one = sorted((r for r in rs if r["mesh"].startswith("1x")), key=lambda r: r["gpus"])
+        if one:
+            ax.plot([r["gpus"] for r in one], [r["tokens_per_s"] for r in one], marker="o", color=color,
+                    ls="-" if method == "sparse" else "--", label=f"{name}, 1xP")
+        for order, marker in (("hierarchical", "s"), ("flat", "^")):
+            two = [r for r in rs if not r["mesh"].startswith("1x") and r["ring_order"] == order]
+            if two:
+                meshes = "/".join(sorted({r["mesh"] for r in two}))
+                ax.plot([r["gpus"] for r in two], [r["tokens_per_s"] for r in two], ls="none", marker=marker,
+                        mfc="none", ms=9, color=color, label=f"{name}, {meshes} {order}")
+        if not per_gpu and one and one[0]["gpus"] == 1:
+            pmax = max(r["gpus"] for r in rs)
+            if pmax > 1:
+                ax.plot([1, pmax], [one[0]["tokens_per_s"], one[0]["tokens_per_s"] * pmax], ls=":", color=color,
+                        alpha=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    gp = sorted({r["gpus"] for r in rows})
+    ax.set_xticks(gp, [str(g) for g in gp])
+    ax.set_xlabel("GPUs (context-parallel ranks)")
+    ax.set_ylabel("tokens / s (forward + backward, one attention layer)")
+    dev = sorted({str(r["device"]) for r in rows})
+    ax.set_title(f"Ring attention throughput vs GPUs ({', '.join(dev)}); dotted: ideal linear", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(records: list[dict], table_path: str | None, plot_path: str | None) -> str:
+    rows = scaling_rows(merge(records))
+    if not rows:
+        raise ValueError("no forward+backward timings in the records: nothing to report")
+    text = markdown_table(rows) + "\n\nTargets (issue 8):\n\n" + targets(rows) + "\n"
+    if table_path:
+        with open(table_path, "w") as f:
+            f.write(text)
+    if plot_path:
+        plot(rows, plot_path)
+    return text
+
+
+def load_jsonl(paths) -> list[dict]:
+    records = []
+    for p in paths:
+        with open(p) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144])
-    ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[131072, 262144], help="fixed total lengths")
+    ap.add_argument("--per-gpu-length", type=int, default=0, help="also run S = this x P per mesh (weak scaling)")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="meshes 1xP (ignored with --meshes)")
+    ap.add_argument("--meshes", nargs="+", help="NODExLOCAL meshes, e.g. 1x1 1x2 1x4 1x8 2x4")
+    ap.add_argument("--ring-orders", nargs="+", default=["hierarchical"], choices=["hierarchical", "flat"])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--sharpness", type=float, default=1.0)
     ap.add_argument("--check", action="store_true", help="sampled-row correctness check")
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--index-only", action="store_true", help="time only index estimation + conversion")
+    ap.add_argument("--profile", action="store_true", help="write a jax.profiler trace of one step per case")
+    ap.add_argument("--tag", default="", help="stored as the records' \"run\" field")
     ap.add_argument("--out", default=".")
-    args = ap.parse_args()
+    ap.add_argument("--report", nargs="+", metavar="JSONL", help="only build the table + plot from these records")
+    ap.add_argument("--table", help="markdown table path (default OUT/scaling_table.md)")
+    ap.add_argument("--plot", help="PNG plot path (default OUT/scaling.png)")
+    args = ap.parse_args(argv)
+    if args.report:
+        print(report(load_jsonl(args.report), args.table, args.plot))
+        return
+    for m in args.meshes or []:
+        parse_mesh(m)  # fail before any work
+    if any(S < 1 for S in args.lengths) or args.per_gpu_length < 0:
+        raise ValueError(f"lengths must be positive: {args.lengths}, per-gpu {args.per_gpu_length}")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sparse_ring.jsonl"), "a") as log:
-        for P in args.gpus:
-            if P > len(jax.devices()):
-                print(f"skip P={P}: only {len(jax.devices())} devices")
-                continue
-            for S in args.lengths:
-                run_case(S, P, args, args.out, log)
+    log_path = os.path.join(args.out, "sparse_ring.jsonl")
+    records, done = [], {}
+    with open(log_path, "a") as log:
+        for mode, S, mesh_shape, order in plan(args):
+            key = (S, mesh_shape, order)
+            if key not in done:  # the same case in both modes is measured once
+                done[key] = run_case(S, mesh_shape, order, args, args.out)
+            rec = dict(done[key], mode=mode)
+            records.append(rec)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            print(json.dumps(rec), flush=True)
+    if records and not args.index_only:
+        print(report(records, args.table or os.path.join(args.out, "scaling_table.md"),
+                     args.plot or os.path.join(args.out, "scaling.png")))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -77,20 +77,22 @@ def _nan_unless(out, ok):
 
 
 def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, impl):
+    """``(out, stats)``: the sparse ring and its :func:`~mtraining_jax.attention.mtraining.stats_scalars`."""
     import dataclasses
 
-    from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # lazy
+    from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars  # lazy
 
     if cfg is None:
         cfg = MTrainingConfig(ring_order=ring_order, impl=impl)
     if sm_scale is not None:
         cfg = dataclasses.replace(cfg, sparsity=dataclasses.replace(cfg.sparsity, sm_scale=sm_scale))
-    out = mtraining_attention(q, k, v, mesh, cfg, positions=positions)  # checks concrete positions
+    out, st = mtraining_attention(q, k, v, mesh, cfg, positions=positions, return_stats=True)  # checks concrete positions
     ok = None
     if isinstance(positions, jax.core.Tracer):
         perm = cfg.make_layout(q.shape[1], mesh.shape["node"] * mesh.shape["local"]).perm
         ok = jnp.all(positions == jnp.asarray(perm, positions.dtype))
-    return _nan_unless(out, ok)
+    stats = stats_scalars(st.work, q.shape[0], q.shape[2], q.shape[1], cfg.block_size)
+    return _nan_unless(out, ok), stats
 
 
 def attention(
@@ -105,6 +107,7 @@ def attention(
     sm_scale: float | None = None,
     impl: str = "auto",
     mtraining=None,
+    return_stats: bool = False,
 ):
     """Causal attention by global position through ``backend`` (see module docstring).
 
@@ -116,6 +119,8 @@ def attention(
       sm_scale: softmax scale, default ``D ** -0.5``.
       impl: kernel implementation for the ring backends (``auto`` / ``pallas`` / ``xla``).
       mtraining: :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` for ``mtraining``.
+      return_stats: also return a dict of float32 scalars (``mtraining``: work fraction, worker and
+        step imbalance of the executed ring; other backends: empty).
 
     Returns:
       ``[B, S, Hq, D]`` in ``q.dtype``.
@@ -124,6 +129,17 @@ def attention(
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     positions = positions if isinstance(positions, jax.Array) else jnp.asarray(positions)
     _check_inputs(q, k, v, positions)
+    if backend == "mtraining":
+        if mesh is None:
+            raise ValueError("the mtraining attention backend needs a mesh (got mesh=None)")
+        out, stats = _mtraining_attention(q, k, v, positions, mesh, mtraining, ring_order, sm_scale, impl)
+        out = out.astype(q.dtype)
+        return (out, stats) if return_stats else out
+    out = _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl)
+    return (out, {}) if return_stats else out
+
+
+def _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl):
     if backend == "reference":
         out, _ = dense_attention(q, k, v, positions, positions, sm_scale=sm_scale)
         return out.astype(q.dtype)
@@ -136,6 +152,4 @@ def attention(
 
         out = ring_attention(q, k, v, positions, mesh, ring_order=ring_order, sm_scale=sm_scale, impl=impl)
         return out.astype(q.dtype)
-    if mesh is None:
-        raise ValueError("the mtraining attention backend needs a mesh (got mesh=None)")
-    return _mtraining_attention(q, k, v, positions, mesh, mtraining, ring_order, sm_scale, impl).astype(q.dtype)
+    raise AssertionError(backend)

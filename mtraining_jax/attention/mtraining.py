@@ -98,6 +98,24 @@ class MTrainingStats(NamedTuple):
         return step_imbalance(np.asarray(self.work))
 
 
+def stats_scalars(work, batch: int, heads: int, seq_len: int, block_size: int) -> dict:
+    """Traceable float32 scalars of one call's ``work [P workers, P steps]`` (for training logs).
+
+    * ``work_fraction``: executed kernel slots over those of the full causal block index
+      (``B * H * nb (nb + 1) / 2 * bs^2``, ``nb = S / bs``) — 1 for dense work;
+    * ``worker_imbalance`` / ``step_imbalance``: as :mod:`mtraining_jax.sparsity.metrics`.
+    """
+    w = work.astype(jnp.float32)
+    nb = seq_len // block_size
+    dense = batch * heads * nb * (nb + 1) / 2 * block_size**2
+    safe = lambda x: jnp.maximum(x, 1e-30)  # noqa: E731
+    return {
+        "work_fraction": w.sum() / dense,
+        "worker_imbalance": jnp.mean(w.max(axis=0) / safe(w.mean(axis=0))),
+        "step_imbalance": jnp.mean(w.max(axis=1) / safe(w.mean(axis=1))),
+    }
+
+
 def full_index(batch: int, heads: int, seq_len: int, block_size: int) -> VerticalSlashIndex:
     """Every block diagonal active, no verticals: the index whose mask is the full causal mask."""
     nb = seq_len // block_size

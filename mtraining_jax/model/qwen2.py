@@ -105,10 +105,10 @@ class Qwen2Attention(nnx.Module):
         k = self.k_proj(x).reshape(B, S, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, S, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attention(q, k, v, positions, backend=backend, mesh=mesh, ring_order=ring_order, impl=impl,
-                      mtraining=mtraining)
+        o, stats = attention(q, k, v, positions, backend=backend, mesh=mesh, ring_order=ring_order, impl=impl,
+                             mtraining=mtraining, return_stats=True)
         o = checkpoint_name(o, ATTN_OUT_NAME)
-        return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim)), stats
 
 
 class Qwen2MLP(nnx.Module):
@@ -136,11 +136,12 @@ class Qwen2DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
                  mtraining=None):
-        x = x + self.self_attn(
+        a, stats = self.self_attn(
             self.input_layernorm(x), cos, sin, positions, backend=backend, mesh=mesh, ring_order=ring_order, impl=impl,
             mtraining=mtraining,
         )
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), stats
 
 
 def _remat(fn, policy: str, prevent_cse: bool):
@@ -217,8 +218,13 @@ class Qwen2ForCausalLM(nnx.Module):
             raise ValueError(f"positions must be [S] = [{tokens.shape[1]}], got shape {positions.shape}")
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, tokens, positions, mesh=None):
-        """Final-normed hidden states ``[B, S, hidden]`` in ``cfg.dtype``."""
+    def __call__(self, tokens, positions, mesh=None, *, return_stats: bool = False):
+        """Final-normed hidden states ``[B, S, hidden]`` in ``cfg.dtype``.
+
+        ``return_stats=True`` also returns the attention statistics of the ``mtraining`` layers:
+        ``{name: float32 [num_mtraining_layers]}`` (work fraction, worker / step imbalance; empty
+        dict when no layer is sparse), emitted as outputs of the layer scan.
+        """
         cfg = self.config
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
         self._check_inputs(tokens, positions)
@@ -238,15 +244,25 @@ class Qwen2ForCausalLM(nnx.Module):
 
             return _remat(f, cfg.remat, prevent_cse=not cfg.scan_layers)
 
+        per_segment = []
         for start, stop, backend in backend_segments(cfg.layer_backends):
             f = run_layer(backend)
             if cfg.scan_layers:
                 seg = stacked if (start, stop) == (0, cfg.num_layers) else jax.tree.map(lambda t: t[start:stop], stacked)
-                x, _ = jax.lax.scan(lambda h, s: (f(h, s), None), x, seg)
+                x, st = jax.lax.scan(f, x, seg)
             else:
+                outs = []
                 for i in range(start, stop):
-                    x = f(x, jax.tree.map(lambda t: t[i], stacked))
-        return self.norm(x)
+                    x, s_i = f(x, jax.tree.map(lambda t: t[i], stacked))
+                    outs.append(s_i)
+                st = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+            if st:
+                per_segment.append(st)
+        h = self.norm(x)
+        if not return_stats:
+            return h
+        stats = {k: jnp.concatenate([s[k] for s in per_segment]) for k in (per_segment[0] if per_segment else {})}
+        return h, stats
 
     def logits(self, tokens, positions, mesh=None):
         """``float32 [B, S, vocab]`` logits (materialised: small models and tests only)."""

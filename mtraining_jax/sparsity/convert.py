@@ -35,7 +35,7 @@ import numpy as np
 
 from mtraining_jax.layouts import Layout
 from mtraining_jax.ring_schedule import source_rank, validate_ring_order
-from mtraining_jax.sparsity.index import VerticalSlashIndex, active_diagonals, compact_sorted
+from mtraining_jax.sparsity.index import VerticalSlashIndex, active_diagonals, compact_in_order, compact_sorted
 from pallas_kernels.index_format import StepIndex, causal_flags
 
 
@@ -88,28 +88,34 @@ def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block
     qmax = q_pos.reshape(nqb, bs).max(axis=1)
     diag = active_diagonals(index, nb)  # [B, H, nb]
 
-    # --- active blocks (slashes) ---
-    d = QB[:, None] - KB[None, :]  # [nQB, nKB]
-    act = (d >= 0)[None, None] & diag[:, :, jnp.clip(d, 0, nb - 1)]  # [B, H, nQB, nKB]
-    mb = min(index.max_slashes, nkb)
-    block_idx, block_count = compact_sorted(act, jnp.broadcast_to(jnp.arange(nkb), act.shape), mb, pad=0)
+    # --- active blocks (slashes): per query block, the <= MS candidate KV blocks QB - d ---
+    blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[KB].set(jnp.arange(nkb, dtype=jnp.int32))
+    ms = index.max_slashes
+    s_ok = jnp.arange(ms) < index.s_count[..., None]  # [B, H, MS]
+    kb = QB[None, None, :, None] - index.s_idx[:, :, None, :]  # [B, H, nQB, MS] global KV block
+    cand = jnp.where(s_ok[:, :, None, :] & (kb >= 0), blockmap[jnp.clip(kb, 0, nb)], -1)
+    mb = min(ms, nkb)
+    block_idx, block_count = compact_sorted(cand >= 0, cand, mb, pad=0)
     block_count = jnp.minimum(block_count, mb)  # never binds: <= s_count <= MS per query block
     block_causal = causal_flags(q_pos, k_pos, block_idx, bs)
 
     # --- vertical columns not covered by an active block ---
+    # Sort this chunk's verticals by local id once ([B, H, MV]); then every query block's list is
+    # the flagged entries in that order, compacted by a prefix sum (no [nQB, MV] sort).
     mc = min(mv, sk) if max_cols is None else min(max_cols, mv, sk)
-    blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[KB].set(jnp.arange(nkb, dtype=jnp.int32))
     valid = jnp.arange(mv) < index.v_count[..., None]
     v = jnp.where(valid, index.v_idx, 0)
     vb = jnp.where(valid, v // bs, nb)
     lb = blockmap[vb]  # [B, H, MV], -1: not in this chunk
-    local = lb * bs + v % bs
     held = valid & (lb >= 0)
+    big = jnp.iinfo(jnp.int32).max
+    order = jnp.argsort(jnp.where(held, lb * bs + v % bs, big), axis=-1)
+    v, vb, lb, held = (jnp.take_along_axis(a, order, axis=-1) for a in (v, vb, lb, held))
+    local = lb * bs + v % bs
     dv = QB[None, None, :, None] - vb[:, :, None, :]  # [B, H, nQB, MV]
-    diag_q = jnp.broadcast_to(diag[:, :, None, :], (B, H, nqb, nb))
-    covered = (dv >= 0) & jnp.take_along_axis(diag_q, jnp.clip(dv, 0, nb - 1), axis=-1)
+    covered = (dv >= 0) & jnp.take_along_axis(diag[:, :, None, :], jnp.clip(dv, 0, nb - 1), axis=-1)
     cond = held[:, :, None, :] & (v[:, :, None, :] <= qmax[None, None, :, None]) & ~covered
-    col_idx, col_count = compact_sorted(cond, jnp.broadcast_to(local[:, :, None, :], cond.shape), mc, pad=0)
+    col_idx, col_count = compact_in_order(cond, jnp.broadcast_to(local[:, :, None, :], cond.shape), mc, pad=0)
     col_count = jnp.minimum(col_count, mc)
     return StepIndex(block_idx, block_count, block_causal, col_idx, col_count)
 

@@ -77,6 +77,22 @@ def compact_sorted(flags, values, size: int, pad):
     return jnp.where(srt == big, jnp.int32(pad), srt), count
 
 
+def compact_in_order(flags, values, size: int, pad):
+    """Like :func:`compact_sorted` for ``values`` already ascending along the last axis: the first
+    ``size`` flagged entries in order, by a prefix sum and a scatter (``O(n)``, no sort).
+
+    Returns ``(idx int32 [..., size], count int32 [...])``; ``count`` is NOT clipped to ``size``.
+    """
+    slot = jnp.cumsum(flags, axis=-1, dtype=jnp.int32) - 1
+    slot = jnp.where(flags & (slot < size), slot, size)  # unflagged / overflow -> dropped slot
+    lead = jnp.indices(flags.shape[:-1], sparse=True)
+    lead = [a[..., None] for a in lead]
+    out = jnp.full(flags.shape[:-1] + (size + 1,), pad, jnp.int32)
+    out = out.at[(*lead, slot)].set(values.astype(jnp.int32), mode="drop", unique_indices=False)
+    count = flags.sum(axis=-1, dtype=jnp.int32)
+    return out[..., :size], count
+
+
 def random_index(seed: int, batch: int, heads: int, seq_len: int, block_size: int = 64,
                  max_verticals: int = 16, max_slashes: int = 4) -> VerticalSlashIndex:
     """A random valid index (host NumPy -> int32 arrays), for property tests and benchmarks.

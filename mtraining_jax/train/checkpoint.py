@@ -1,0 +1,82 @@
+"""Orbax checkpoints of a training run: parameters, optimizer state, step, RNG, data-iterator state.
+
+One :class:`orbax.checkpoint.CheckpointManager` under ``<run_dir>/checkpoints``: step folders
+``<step>/{state, data, meta}`` (``state`` = the array pytree ``{step, params, opt_state, rng}``,
+``data`` = the loader's small JSON dict, ``meta`` = JSON run info). Saves are asynchronous
+(orbax writes in a background thread after the device->host copy) and keep the last ``keep``.
+Orbax writes each step into a temporary folder and renames it when complete, so a run killed
+mid-save leaves that folder unfinalised and :meth:`latest_step` still returns the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Save/restore training checkpoints (see module docstring)."""
+
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._mgr = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "data", "meta")
+        )
+
+    def save(self, step: int, state, data_state: dict, meta: dict | None = None) -> bool:
+        """Start saving ``state`` (array pytree) + ``data_state`` (JSON dict) as ``step``."""
+        return self._mgr.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(dict(data_state)),
+                meta=ocp.args.JsonSave(dict(meta or {})),
+            ),
+            force=True,
+        )
+
+    def latest_step(self) -> int | None:
+        """Newest finalised step (unfinished temporary folders are ignored)."""
+        self._mgr.reload()
+        return self._mgr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self._mgr.reload()
+        return sorted(self._mgr.all_steps())
+
+    def restore(self, step: int, target=None):
+        """``(state, data_state, meta)`` of ``step``; ``target`` is a pytree of arrays or
+        ``jax.ShapeDtypeStruct`` giving structure, dtypes and shardings of ``state`` (``None``:
+        plain nested dicts of host arrays, for inspection)."""
+        abstract = None if target is None else jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), target
+        )
+        out = self._mgr.restore(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+        return out["state"], dict(out["data"]), dict(out["meta"] or {})
+
+    def run_info(self, step: int) -> dict:
+        """The JSON ``meta`` item of ``step`` (loss at that step, model name)."""
+        out = self._mgr.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"] or {})
+
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are finalised."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.wait_until_finished()
+        self._mgr.close()

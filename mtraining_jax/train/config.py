@@ -1,0 +1,421 @@
+"""Training configuration: frozen dataclasses loaded from YAML with validated dotted overrides.
+
+A run is described by one :class:`TrainConfig` with nested sections ``model``, ``data``, ``optim``,
+``mesh``, ``checkpoint``, ``eval``, ``logging`` and ``distributed``. ``load_config(path, overrides)``
+reads a YAML file, applies ``key=value`` overrides (``optim.lr=3e-4``, ``mesh.shape=[2,4]``; values
+are parsed as YAML scalars/lists) and validates every field. Unknown keys and bad values raise
+``ValueError`` naming the dotted key and the value.
+
+The model section either points at a model YAML (``model.path: configs/model/tiny.yaml``) or gives
+the model fields inline; any other ``model.<field>`` key overrides that field of the model config
+(checked against the model's own config class when the model is built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import yaml
+
+DATA_SOURCES = ("stdlib", "tokens", "text", "passkey")
+TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
+DEFAULT_MODEL_CLASS = "mtraining_jax.model.qwen2:Qwen2ForCausalLM"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which model to build.
+
+    Attributes:
+      path: model YAML (``configs/model/*.yaml``), resolved relative to the working directory and
+        then to the training YAML's folder and its parent; ``None``: all fields are in ``fields``.
+      cls: ``"module:Class"`` of the ``nnx.Module`` (contract: ``Class(cfg, rngs=...)``,
+        ``__call__(tokens, positions, mesh=None, *, return_stats=False) -> hidden`` (or ``(hidden,
+        {name: per-layer array})`` with ``return_stats``), ``lm_head_weight() -> [hidden, vocab]``).
+        Its config class is ``Class.config_class`` if defined, else
+        ``mtraining_jax.model.config.ModelConfig``.
+      fields: model config fields given inline or by ``model.<field>=...`` overrides; they
+        override the YAML's. Example: ``model.attention_backend=mtraining``.
+    """
+
+    path: Optional[str] = None
+    cls: str = DEFAULT_MODEL_CLASS
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if ":" not in self.cls:
+            raise ValueError(f"model.cls must look like 'package.module:Class', got {self.cls!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Packed fixed-length sequences (see :mod:`mtraining_jax.train.data`).
+
+    Attributes:
+      source: ``stdlib`` (this Python's standard-library sources, no download), ``tokens``
+        (``.npy`` or raw binary token file, ``path`` + ``token_dtype``), ``text`` (``.txt`` / ``.jsonl``
+        through ``tokenizer``), or ``passkey`` (synthetic passkey-retrieval sequences).
+      seq_len: tokens per sequence ``S`` (the model sees ``S`` inputs, labels are the next tokens).
+      batch_size: sequences per micro-batch (global, over all processes).
+      layout: sequence layout (``mtraining_jax.layouts``) applied in the loader.
+      stripe: stripe width of the ``block_striped`` layout; sequence length must divide into
+        ``stripe x ranks``.
+      tokenizer: ``byte`` (256 byte tokens + specials, no download) or a ``tokenizers`` JSON file.
+      heldout_percent: share (percent) of files/documents held out for evaluation.
+      eval_path: optional separate held-out file (tokens/text sources).
+    """
+
+    source: str = "stdlib"
+    path: Optional[str] = None
+    eval_path: Optional[str] = None
+    token_dtype: str = "uint16"
+    tokenizer: str = "byte"
+    text_key: str = "text"
+    seq_len: int = 8192
+    batch_size: int = 1
+    layout: str = "block_striped"
+    stripe: int = 64
+    heldout_percent: float = 5.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
+        if self.source in ("tokens", "text") and not self.path:
+            raise ValueError(f"data.path is required for data.source={self.source!r}")
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(f"data.token_dtype must be one of {TOKEN_DTYPES}, got {self.token_dtype!r}")
+        _positive("data.seq_len", self.seq_len)
+        _positive("data.batch_size", self.batch_size)
+        _positive("data.stripe", self.stripe)
+        if not 0 < self.heldout_percent < 100:
+            raise ValueError(f"data.heldout_percent must be in (0, 100), got {self.heldout_percent}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``, global-norm clipping
+    and gradient accumulation over ``grad_accum`` micro-batches per optimizer step."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    grad_accum: int = 1
+
+    def __post_init__(self):
+        _positive("optim.lr", self.lr)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        for k in ("b1", "b2"):
+            if not 0 <= getattr(self, k) < 1:
+                raise ValueError(f"optim.{k} must be in [0, 1), got {getattr(self, k)}")
+        _positive("optim.eps", self.eps)
+        if self.clip_norm < 0:
+            raise ValueError(f"optim.clip_norm must be >= 0 (0 disables), got {self.clip_norm}")
+        _positive("optim.grad_accum", self.grad_accum)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh ``(data?, node, local)``.
+
+    Attributes:
+      shape: ``[node, local]``; ``None``: one node per process, all its devices on ``local``.
+      data: size of the batch-parallel ``data`` axis in front (1: none).
+      cpu_devices: when set, the CLI runs on CPU with this many virtual devices (sets
+        ``XLA_FLAGS=--xla_force_host_platform_device_count`` before JAX is imported).
+    """
+
+    shape: Optional[tuple[int, int]] = None
+    data: int = 1
+    cpu_devices: Optional[int] = None
+
+    def __post_init__(self):
+        if self.shape is not None:
+            if len(self.shape) != 2 or any(int(s) != s or s < 1 for s in self.shape):
+                raise ValueError(f"mesh.shape must be [node, local] positive integers, got {self.shape!r}")
+        _positive("mesh.data", self.data)
+        if self.cpu_devices is not None:
+            _positive("mesh.cpu_devices", self.cpu_devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under ``<run_dir>/checkpoints`` (or ``dir``)."""
+
+    dir: Optional[str] = None
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = False
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0 (0 disables), got {self.every}")
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out perplexity over ``batches`` batches and passkey answer-token accuracy over
+    ``passkey_samples`` sequences of ``data.seq_len`` tokens, every ``every`` steps (0: never)."""
+
+    every: int = 100
+    batches: int = 2
+    passkey_samples: int = 4
+    passkey_digits: int = 5
+
+    def __post_init__(self):
+        for k in ("every", "batches", "passkey_samples"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"eval.{k} must be >= 0, got {getattr(self, k)}")
+        _positive("eval.passkey_digits", self.passkey_digits)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics: JSONL (always), TensorBoard (``tensorboardX`` if installed), a tqdm bar, and a
+    loss-curve PNG at the end."""
+
+    every: int = 1
+    progress: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+
+    def __post_init__(self):
+        _positive("logging.every", self.every)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process launch. ``auto``: call ``jax.distributed.initialize()`` when a cluster
+    launcher is detected (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``); explicit values win."""
+
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    auto: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run.
+
+    ``steps``: optimizer steps of the whole run (each ``optim.grad_accum`` micro-batches; the
+    learning-rate schedule spans them). ``run_steps``: at most this many steps in this invocation
+    (for time-limited jobs that continue with ``--resume``; a checkpoint is written when it stops).
+    ``loss_chunk_size``: tokens per chunk of the memory-bounded loss (:mod:`.loss`).
+    """
+
+    run_dir: str = "runs/default"
+    steps: int = 1000
+    run_steps: Optional[int] = None
+    seed: int = 0
+    loss_chunk_size: int = 1024
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    # Folder of the YAML this came from (resolves relative model paths); not a user key.
+    config_dir: Optional[str] = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        _positive("steps", self.steps)
+        if self.run_steps is not None:
+            _positive("run_steps", self.run_steps)
+        _positive("loss_chunk_size", self.loss_chunk_size)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("config_dir")
+        d["model"] = {"path": self.model.path, "cls": self.model.cls, **dict(self.model.fields)}
+        return d
+
+
+SECTIONS = {
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "mesh": MeshConfig,
+    "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
+    "logging": LoggingConfig,
+    "distributed": DistributedConfig,
+}
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
+        isinstance(value, float) and not math.isfinite(value)
+    ):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check/convert a YAML value to the annotated type ``tp``; ``ValueError`` naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        args = typing.get_args(tp)
+        elem = args[0]
+        return tuple(_coerce(key, v, elem) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build_section(name: str, cls, raw: Any):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config section {name!r} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(f'{name}.{k}' for k in unknown)}; "
+            f"section {name!r} accepts {sorted(names)}"
+        )
+    kwargs = {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: Mapping[str, Any], config_dir: Optional[str] = None) -> TrainConfig:
+    """Build and validate a :class:`TrainConfig` from a nested dict (parsed YAML)."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"a training config must be a mapping, got {type(raw).__name__}")
+    raw = dict(raw)
+    top_fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"config_dir"}
+    unknown = sorted(set(raw) - top_fields)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}; top-level keys are {sorted(top_fields)}")
+    hints = typing.get_type_hints(TrainConfig)
+    kwargs: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k in SECTIONS:
+            kwargs[k] = _build_section(k, SECTIONS[k], v)
+        elif k == "model":
+            m = dict(v or {})
+            if not isinstance(v or {}, Mapping):
+                raise ValueError(f"config section 'model' must be a mapping, got {v!r}")
+            path = m.pop("path", None)
+            cls = m.pop("cls", DEFAULT_MODEL_CLASS)
+            if path is not None and not isinstance(path, str):
+                raise ValueError(f"model.path must be a string, got {path!r}")
+            kwargs[k] = ModelSection(path=path, cls=_coerce("model.cls", cls, str), fields=m)
+        else:
+            kwargs[k] = _coerce(k, v, hints[k])
+    return TrainConfig(config_dir=config_dir, **kwargs)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"optim.lr=3e-4"`` -> ``(["optim", "lr"], 0.0003)`` (value parsed as YAML)."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like section.key=value")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ValueError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {item!r}: cannot parse value {text!r}: {e}") from None
+    # YAML 1.1 does not read "3e-4" as a float; accept it.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key.split("."), value
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict:
+    """Apply dotted ``key=value`` overrides to a nested dict (validation happens on build)."""
+    out = _deepcopy(raw)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = out
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def _deepcopy(d):
+    if isinstance(d, Mapping):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
+    """Load a training YAML (``None``: defaults) and apply ``key=value`` overrides."""
+    raw: dict = {}
+    config_dir = None
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f"config file {path!r} does not exist")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"config file {path!r} must hold a mapping")
+        config_dir = os.path.dirname(os.path.abspath(path))
+    return config_from_dict(apply_overrides(raw, overrides), config_dir=config_dir)

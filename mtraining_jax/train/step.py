@@ -1,0 +1,114 @@
+"""The jitted training and evaluation steps.
+
+One training step = ``A = optim.grad_accum`` micro-batches ``[A, B, S]`` scanned with
+``lax.scan``: each computes the summed token loss (:func:`~mtraining_jax.train.loss.sharded_cross_entropy`
+over the final hidden states, never materialising ``[S, vocab]``) and its gradient; sums of
+gradients, losses and token counts are accumulated, then ``grad = sum_grad / num_tokens`` (the
+exact token-mean over all micro-batches) goes through clipping + AdamW.
+
+Sharding: tokens / labels / mask ``P(None, data?, (node, local))`` — the sequence is split over
+the context-parallel ranks in layout order; parameters and optimizer state are replicated.
+Compute runs in the model's ``dtype`` (bfloat16 on accelerators) from float32 master weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mtraining_jax.mesh import CP_AXES
+from mtraining_jax.train.data import Batch
+from mtraining_jax.train.loss import sharded_cross_entropy
+from mtraining_jax.train.state import ModelParts, bind, replicated
+
+
+_global_norm = optax.tree.norm if hasattr(optax, "tree") and hasattr(optax.tree, "norm") else optax.global_norm
+
+
+def batch_shardings(mesh: Mesh | None, accum: bool):
+    """``Batch`` of shardings: sequence over ``(node, local)``, batch over ``data``."""
+    if mesh is None:
+        return None
+    b = "data" if "data" in mesh.shape else None
+    spec = P(None, b, CP_AXES) if accum else P(b, CP_AXES)
+    s = NamedSharding(mesh, spec)
+    return Batch(s, s, s, NamedSharding(mesh, P()))
+
+
+def forward_with_metrics(model, *args, **kwargs):
+    """``(hidden, metrics)``: ``metrics`` holds, keyed ``attn/<name>``, the mean over the sparse
+    (``mtraining``) layers of the attention statistics the model returns (work fraction, worker-
+    and step-level imbalance of the executed ring, MTraining §3.3); empty when no layer is sparse.
+    The train step averages them over micro-batches and logs them with the training metrics."""
+    out, stats = model(*args, return_stats=True, **kwargs)
+    return out, {f"attn/{k}": jnp.mean(v.astype(jnp.float32)) for k, v in stats.items()}
+
+
+def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int):
+    """``loss_fn(params, micro_batch) -> (loss_sum, (num_correct, num_tokens, extras))``."""
+
+    def loss_fn(params, batch: Batch):
+        model = bind(parts, params)
+        hidden, extras = forward_with_metrics(model, batch.tokens, batch.positions, mesh=mesh)
+        w = model.lm_head_weight()
+        loss_sum, correct, count = sharded_cross_entropy(hidden, w, batch.labels, batch.mask, mesh, chunk_size)
+        return loss_sum, (correct, count, extras)
+
+    return loss_fn
+
+
+def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, chunk_size: int, state_sharding=None):
+    """Jitted ``train_step(state, batch[A, B, S]) -> (state, metrics)``; ``state`` is donated."""
+    loss_fn = make_loss_fn(parts, mesh, chunk_size)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state, batch: Batch):
+        params = state["params"]
+
+        def micro(carry, mb):
+            g_acc, l_acc, c_acc, n_acc = carry
+            (loss, (corr, cnt, extras)), g = grad_fn(params, Batch(mb[0], mb[1], mb[2], batch.positions))
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
+            return (g_acc, l_acc + loss, c_acc + corr, n_acc + cnt), extras
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        z = jnp.zeros((), jnp.float32)
+        (g, loss, corr, cnt), extras = jax.lax.scan(
+            micro, (zeros, z, z, z), (batch.tokens, batch.labels, batch.mask)
+        )
+        denom = jnp.maximum(cnt, 1.0)
+        grads = jax.tree.map(lambda x: x / denom.astype(x.dtype), g)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss or gradient leaves parameters and optimizer state untouched (the loop
+        # then stops): the state in memory never holds NaNs.
+        ok = jnp.isfinite(loss) & jnp.isfinite(_global_norm(grads))
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+                     "opt_state": keep(opt_state, state["opt_state"]), "rng": state["rng"]}
+        metrics = {
+            "loss": loss / denom,
+            "accuracy": corr / denom,
+            "grad_norm": _global_norm(grads),
+            "lr": schedule(state["step"]),
+            "tokens": cnt,
+            **{k: jnp.mean(v) for k, v in extras.items()},
+        }
+        return new_state, metrics
+
+    out_sh = None if mesh is None else (state_sharding, replicated(mesh))
+    return jax.jit(train_step, donate_argnums=(0,), out_shardings=out_sh)
+
+
+def make_eval_step(parts: ModelParts, mesh: Mesh | None, chunk_size: int):
+    """Jitted ``eval_step(params, batch[B, S]) -> (loss_sum, num_correct, num_tokens)``."""
+    loss_fn = make_loss_fn(parts, mesh, chunk_size)
+
+    def eval_step(params, batch: Batch):
+        loss, (corr, cnt, _) = loss_fn(params, batch)
+        return loss, corr, cnt
+
+    return jax.jit(eval_step)

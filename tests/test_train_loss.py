@@ -1,0 +1,112 @@
+"""Chunked (memory-bounded) cross-entropy equals the plain loss: value and gradients."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtraining_jax.mesh import make_mesh, sequence_sharding
+from mtraining_jax.train.loss import chunked_cross_entropy, cross_entropy_reference, sharded_cross_entropy
+
+
+def _inputs(B=2, S=40, H=16, V=97, dtype=jnp.float64, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    h = jax.random.normal(k[0], (B, S, H), dtype)
+    w = jax.random.normal(k[1], (H, V), dtype) * 0.5
+    y = jax.random.randint(k[2], (B, S), 0, V)
+    m = (jax.random.uniform(k[3], (B, S)) > 0.3).astype(dtype)
+    return h, w, y, m
+
+
+def _weighted(fn):
+    # A non-uniform cotangent on the loss (and a zero one on the count) via a scale.
+    def f(h, w, y, m):
+        loss, corr = fn(h, w, y, m)[:2]
+        return 1.7 * loss, corr
+    return f
+
+
+@pytest.mark.parametrize("chunk", [3, 16, 80])
+def test_chunked_matches_plain_value_and_grads(chunk):
+    h, w, y, m = _inputs()
+    ref = _weighted(cross_entropy_reference)
+    got = _weighted(lambda *a: chunked_cross_entropy(*a, chunk_size=chunk))
+    (lr, cr), (lg, cg) = ref(h, w, y, m), got(h, w, y, m)
+    chex.assert_trees_all_close(lg, lr, rtol=1e-12, atol=1e-10)
+    assert float(cg) == float(cr) and float(cr) > 0
+    gr = jax.grad(lambda h, w: ref(h, w, y, m)[0], argnums=(0, 1))(h, w)
+    gg = jax.grad(lambda h, w: got(h, w, y, m)[0], argnums=(0, 1))(h, w)
+    chex.assert_trees_all_close(gg, gr, rtol=1e-10, atol=1e-12)
+    # masked tokens get exactly zero hidden gradient
+    assert float(jnp.abs(gg[0][m == 0]).max()) == 0.0
+
+
+def test_chunked_float32_and_bfloat16_hidden():
+    h, w, y, m = _inputs(dtype=jnp.float32)
+    lr, _ = cross_entropy_reference(h, w, y, m)
+    lg, _ = chunked_cross_entropy(h, w, y, m, chunk_size=16)
+    np.testing.assert_allclose(lg, lr, rtol=1e-5)
+    lb, _ = chunked_cross_entropy(h.astype(jnp.bfloat16), w, y, m, chunk_size=16)
+    assert lb.dtype == jnp.float32
+    np.testing.assert_allclose(lb, lr, rtol=3e-2)
+    gb = jax.grad(lambda h: chunked_cross_entropy(h, w, y, m, 16)[0])(h.astype(jnp.bfloat16))
+    assert gb.dtype == jnp.bfloat16
+
+
+def test_sharded_matches_plain_on_mesh():
+    mesh = make_mesh((2, 4))
+    h, w, y, m = _inputs(B=2, S=64, dtype=jnp.float64, seed=3)
+    hs = jax.device_put(h, sequence_sharding(mesh, 1, 3))
+    ys = jax.device_put(y, sequence_sharding(mesh, 1, 2))
+    ms = jax.device_put(m, sequence_sharding(mesh, 1, 2))
+
+    def f(h, w):
+        loss, corr, cnt = sharded_cross_entropy(h, w, ys, ms, mesh, chunk_size=3)
+        return 0.3 * loss, (corr, cnt)
+
+    (l, (c, n)), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(hs, w)
+    (lr, cr), gr = jax.value_and_grad(lambda h, w: (0.3 * cross_entropy_reference(h, w, y, m)[0],
+                                                     cross_entropy_reference(h, w, y, m)[1]),
+                                      argnums=(0, 1), has_aux=True)(h, w)
+    chex.assert_trees_all_close(l, lr, rtol=1e-12)
+    assert float(c) == float(cr) and float(n) == float(m.sum())
+    chex.assert_trees_all_close(g, gr, rtol=1e-10, atol=1e-12)
+
+
+def test_bad_shapes_rejected():
+    h, w, y, m = _inputs()
+    with pytest.raises(ValueError, match="weight must be"):
+        chunked_cross_entropy(h, w.T, y, m)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_cross_entropy(h, w, y, m, chunk_size=0)
+    with pytest.raises(ValueError, match="labels"):
+        chunked_cross_entropy(h, w, y[:, :-1], m)
+
+
+def test_sparse_attention_metrics_reach_the_step_metrics():
+    """The mtraining layers' work fraction and imbalance come out of the layer scan as attn/* metrics."""
+    from flax import nnx
+
+    from mtraining_jax.layouts import Layout
+    from mtraining_jax.mesh import make_mesh
+    from mtraining_jax.model.config import ModelConfig
+    from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
+    from mtraining_jax.train.step import forward_with_metrics
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2, num_kv_heads=1,
+                head_dim=32, sparsity={"block_size": 16, "last_q": 16, "vertical_min": 0, "vertical_max": 4,
+                                       "slash_max": 2, "slash_p": 0.5, "vertical_p": 0.5})
+    mesh, S = make_mesh((2, 4)), 256
+    lay = Layout("block_striped", S, 8, stripe=16)
+    tokens = lay.permute(jax.random.randint(jax.random.PRNGKey(0), (1, S), 0, 64))
+    pos = jnp.asarray(lay.perm)
+    sparse = Qwen2ForCausalLM(ModelConfig(**base, attention_backend="mtraining", dense_layers=(0,)), rngs=nnx.Rngs(0))
+    h, metrics = jax.jit(lambda t: forward_with_metrics(sparse, t, pos, mesh=mesh))(tokens)
+    assert set(metrics) == {"attn/work_fraction", "attn/worker_imbalance", "attn/step_imbalance"}
+    assert 0.0 < float(metrics["attn/work_fraction"]) < 1.0  # genuinely sparse, less than dense causal work
+    assert float(metrics["attn/worker_imbalance"]) >= 1.0 and float(metrics["attn/step_imbalance"]) >= 1.0
+    _, stats = sparse(tokens, pos, mesh=mesh, return_stats=True)
+    assert stats["work_fraction"].shape == (2,)  # one entry per mtraining layer (layer 0 is dense)
+    dense = Qwen2ForCausalLM(ModelConfig(**base, attention_backend="reference"), rngs=nnx.Rngs(0))
+    assert forward_with_metrics(dense, tokens, pos)[1] == {}
