@@ -60,7 +60,7 @@ def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
     return pad(bidx, mbp), pad(bcaus, mbp), counts, pad(cidx, mcp)
 
 
-def _tile_scores(q, k, qp, kp, ok, qk_scale):
+def _tile_scores(q, k, ok, qk_scale):
     """``[bs, n]`` log2-domain scores, ``-inf`` where not ``ok``."""
     s = dot(q, k, trans_b=True) * qk_scale
     return jnp.where(ok, s, -jnp.inf)
@@ -77,6 +77,32 @@ def _softmax_update(carry, s, v):
     return acc, m_new, l
 
 
+def _load_block(j, k_ref, v_ref, kpos_ref, bidx_ref, bcaus_ref, qp, bs):
+    """K/V rows of the ``j``-th active KV block and its mask (causal only where flagged)."""
+    start = pl.multiple_of(bidx_ref[j] * bs, bs)
+    kp = kpos_ref[pl.ds(start, bs)]
+    ok = (kp[None, :] <= qp[:, None]) | (bcaus_ref[j] == 0)
+    return start, k_ref[pl.ds(start, bs), :], v_ref[pl.ds(start, bs), :], ok
+
+
+def _load_cols(c, k_ref, v_ref, kpos_ref, cidx_ref, ncols, qp, cc):
+    """K/V rows of the ``c``-th chunk of ``cc`` vertical columns (gathered) and its mask."""
+    off = pl.multiple_of(c * cc, cc)
+    ids = cidx_ref[pl.ds(off, cc)]
+    kp = kpos_ref[ids]
+    ok = ((off + jnp.arange(cc, dtype=jnp.int32)) < ncols)[None, :] & (kp[None, :] <= qp[:, None])
+    return ids, k_ref[ids, :], v_ref[ids, :], ok
+
+
+def _load_query_rows(start, n, q_ref, do_ref, qpos_ref, lse_ref, delta_ref):
+    """``n`` query rows from ``start`` for a KV-stationary backward: q, dO, positions, log2-domain
+    lse (0 where the row is empty) and delta."""
+    lse = lse_ref[pl.ds(start, n)]
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    return (q_ref[pl.ds(start, n), :], do_ref[pl.ds(start, n), :], qpos_ref[pl.ds(start, n)], lse2,
+            delta_ref[pl.ds(start, n)])
+
+
 def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, bcaus_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref,
                 o_ref, lse_ref, *, qk_scale, bs, cc):
     q = q_ref[...]
@@ -86,24 +112,15 @@ def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, bcaus_ref, cnt_ref, cidx_ref, q_re
              jnp.zeros((bs,), jnp.float32))
 
     def block_body(j, carry):
-        start = pl.multiple_of(bidx_ref[j] * bs, bs)
-        k = k_ref[pl.ds(start, bs), :]
-        v = v_ref[pl.ds(start, bs), :]
-        kp = kpos_ref[pl.ds(start, bs)]
-        ok = (kp[None, :] <= qp[:, None]) | (bcaus_ref[j] == 0)
-        return _softmax_update(carry, _tile_scores(q, k, qp, kp, ok, qk_scale), v)
+        _, k, v, ok = _load_block(j, k_ref, v_ref, kpos_ref, bidx_ref, bcaus_ref, qp, bs)
+        return _softmax_update(carry, _tile_scores(q, k, ok, qk_scale), v)
 
     carry = lax.fori_loop(0, cnt_ref[0], block_body, carry)
     ncols = cnt_ref[1]
 
     def col_body(c, carry):
-        off = pl.multiple_of(c * cc, cc)
-        ids = cidx_ref[pl.ds(off, cc)]
-        k = k_ref[ids, :]
-        v = v_ref[ids, :]
-        kp = kpos_ref[ids]
-        ok = ((off + jnp.arange(cc, dtype=jnp.int32)) < ncols)[None, :] & (kp[None, :] <= qp[:, None])
-        return _softmax_update(carry, _tile_scores(q, k, qp, kp, ok, qk_scale), v)
+        _, k, v, ok = _load_cols(c, k_ref, v_ref, kpos_ref, cidx_ref, ncols, qp, cc)
+        return _softmax_update(carry, _tile_scores(q, k, ok, qk_scale), v)
 
     acc, m, l = lax.fori_loop(0, (ncols + cc - 1) // cc, col_body, carry)
     empty = l == 0.0
@@ -186,7 +203,7 @@ def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, bcaus_ref, cnt_ref, cidx_ref, q_ref
     d = q.shape[-1]
 
     def tile(dq, k, v, ok, with_dkv=True):
-        s = _tile_scores(q, k, None, None, ok, qk_scale)
+        s = _tile_scores(q, k, ok, qk_scale)
         p = jnp.exp2(s - lse2[:, None])  # exact 0 where masked
         dp = dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
@@ -198,11 +215,7 @@ def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, bcaus_ref, cnt_ref, cidx_ref, q_ref
         return dq, dk_t, dv_t
 
     def block_body(j, dq):
-        start = pl.multiple_of(bidx_ref[j] * bs, bs)
-        k = k_ref[pl.ds(start, bs), :]
-        v = v_ref[pl.ds(start, bs), :]
-        kp = kpos_ref[pl.ds(start, bs)]
-        ok = (kp[None, :] <= qp[:, None]) | (bcaus_ref[j] == 0)
+        start, k, v, ok = _load_block(j, k_ref, v_ref, kpos_ref, bidx_ref, bcaus_ref, qp, bs)
         dq, dk_t, dv_t = tile(dq, k, v, ok, block_dkv)
         if block_dkv:
             _add_tile(dk_ref, start, bs, dk_t, interpret)
@@ -213,12 +226,7 @@ def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, bcaus_ref, cnt_ref, cidx_ref, q_ref
     ncols = cnt_ref[1]
 
     def col_body(c, dq):
-        off = pl.multiple_of(c * cc, cc)
-        ids = cidx_ref[pl.ds(off, cc)]
-        k = k_ref[ids, :]
-        v = v_ref[ids, :]
-        kp = kpos_ref[ids]
-        ok = ((off + jnp.arange(cc, dtype=jnp.int32)) < ncols)[None, :] & (kp[None, :] <= qp[:, None])
+        ids, k, v, ok = _load_cols(c, k_ref, v_ref, kpos_ref, cidx_ref, ncols, qp, cc)
         dq, dk_t, dv_t = tile(dq, k, v, ok, col_dkv)
         if col_dkv:
             _add_rows(dk_ref, ids, dk_t, interpret)
@@ -320,12 +328,7 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, uniq_ref, nuniq_ref, lq_ref, lw0_ref, lw
         start = pl.multiple_of(lq_ref[j] * cc, cc)
         w = jnp.where(lane < 32, lw0_ref[j], lw1_ref[j])
         member = jnp.bitwise_and(jnp.right_shift(w, lane % 32), 1) != 0
-        q = q_ref[pl.ds(start, cc), :]
-        do = do_ref[pl.ds(start, cc), :]
-        qp = qpos_ref[pl.ds(start, cc)]
-        lse = lse_ref[pl.ds(start, cc)]
-        lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
-        delta = delta_ref[pl.ds(start, cc)]
+        q, do, qp, lse2, delta = _load_query_rows(start, cc, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
         ok = member[:, None] & (kp[:, None] <= qp[None, :])
         st = jnp.where(ok, dot(k, q, trans_b=True) * qk_scale, -jnp.inf)
         pt = jnp.exp2(st - lse2[None, :])
@@ -397,12 +400,7 @@ def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_
         dk, dv = carry
         e = tidx_ref[j]
         start = pl.multiple_of((e // 2) * bs, bs)
-        q = q_ref[pl.ds(start, bs), :]
-        do = do_ref[pl.ds(start, bs), :]
-        qp = qpos_ref[pl.ds(start, bs)]
-        lse = lse_ref[pl.ds(start, bs)]
-        lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
-        delta = delta_ref[pl.ds(start, bs)]
+        q, do, qp, lse2, delta = _load_query_rows(start, bs, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
         ok = (kp[:, None] <= qp[None, :]) | (e % 2 == 0)
         st = jnp.where(ok, dot(k, q, trans_b=True) * qk_scale, -jnp.inf)  # [kv, q]
         pt = jnp.exp2(st - lse2[None, :])

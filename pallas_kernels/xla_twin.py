@@ -50,6 +50,17 @@ def _dense_per_block_index(B, H, sq, sk, q_pos, k_pos, bs):
     return full_step_index(B, H, sq, sk, q_pos, k_pos, bs)
 
 
+def _setup(q, k, q_pos, k_pos, index, sm_scale, bs):
+    """Shapes, compute dtype, scale and the per-query-block row ids shared by forward and backward."""
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if index is None:
+        index = _dense_per_block_index(B, H, Sq, Sk, q_pos, k_pos, bs)
+    ids, valid = _per_block_index(index, Sk, bs)
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    return B, Sq, H, D, H // Hkv, Sq // bs, _compute_dtype(q.dtype), scale, ids, valid
+
+
 def _gather_rows(x, ids, g):
     """``x [B, Sk, Hkv, D]``, ``ids [B, H, L]`` -> ``[B, H, L, D]`` rows of KV head ``h // g``."""
     B, _, Hkv, _ = x.shape
@@ -71,15 +82,8 @@ def _mask(ids, valid, qpb, k_pos):
 
 def xla_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None, *, sm_scale, block_size: int):
     """Forward of one (query chunk, KV chunk) pair; see module docstring."""
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    g, bs = H // Hkv, block_size
-    nqb = Sq // bs
-    dt = _compute_dtype(q.dtype)
-    scale = D**-0.5 if sm_scale is None else sm_scale
-    if index is None:
-        index = _dense_per_block_index(B, H, Sq, Sk, q_pos, k_pos, bs)
-    ids, valid = _per_block_index(index, Sk, bs)
+    bs = block_size
+    B, Sq, H, D, g, nqb, dt, scale, ids, valid = _setup(q, k, q_pos, k_pos, index, sm_scale, bs)
     qblocks = jnp.moveaxis(q.reshape(B, nqb, bs, H, D), 1, 0)
     qpos_b = q_pos.reshape(nqb, bs)
 
@@ -104,15 +108,8 @@ def xla_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None, *, sm_scale, block_s
 
 def xla_bwd(q, k, v, q_pos, k_pos, index: StepIndex | None, do, lse, delta, *, sm_scale, block_size: int):
     """Backward of one pair given the final ``lse``/``delta``: f32 ``(dq, dk, dv)``."""
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    g, bs = H // Hkv, block_size
-    nqb = Sq // bs
-    dt = _compute_dtype(q.dtype)
-    scale = D**-0.5 if sm_scale is None else sm_scale
-    if index is None:
-        index = _dense_per_block_index(B, H, Sq, Sk, q_pos, k_pos, bs)
-    ids, valid = _per_block_index(index, Sk, bs)
+    bs = block_size
+    B, Sq, H, D, g, nqb, dt, scale, ids, valid = _setup(q, k, q_pos, k_pos, index, sm_scale, bs)
     blk = lambda x: jnp.moveaxis(x.reshape(B, nqb, bs, H, D), 1, 0)  # noqa: E731
     row = lambda x: jnp.moveaxis(x.reshape(B, H, nqb, bs), 2, 0)  # noqa: E731
     safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(dt)
@@ -137,7 +134,7 @@ def xla_bwd(q, k, v, q_pos, k_pos, index: StepIndex | None, do, lse, delta, *, s
         dv = dv.at[b_ix, idb, hk_ix].add(dv_rows)
         return (dk, dv), dqb.astype(jnp.float32)
 
-    zeros = jnp.zeros((B, Sk, Hkv, D), dt)
+    zeros = jnp.zeros(k.shape[:3] + (D,), dt)
     (dk, dv), dq = jax.lax.scan(
         one_block, (zeros, zeros),
         (blk(q), blk(do), q_pos.reshape(nqb, bs), row(safe_lse), row(delta.astype(dt)), ids, valid))

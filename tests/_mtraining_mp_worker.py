@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from _multiprocess import init_worker, report
+from _multiprocess import check_and_report, global_array, init_worker
 
 
 def main() -> int:
@@ -45,27 +45,13 @@ def main() -> int:
         cfg = MTrainingConfig(sparsity=sparsity, ring_order=order, impl="xla")
         lay = cfg.make_layout(S, nproc * ndev)
 
-        def global_array(x):
-            x = lay.permute(x)
-            return jax.make_array_from_callback(x.shape, shard, lambda idx: x[idx])
-
         def loss(q, k, v, c):
             out = mtraining_attention(q, k, v, mesh, cfg)
             return jnp.sum(out * c), out
 
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-            *(global_array(x) for x in (q, k, v, cot)))
-        errs = {}
-        for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
-            ref_laid = lay.permute(np.asarray(ref))
-            num = den = 0.0
-            for sh in got.addressable_shards:
-                r = ref_laid[sh.index]
-                num += float(np.sum((np.asarray(sh.data, np.float64) - r) ** 2))
-                den += float(np.sum(r ** 2))
-            errs[name] = (num / den) ** 0.5
-        ok &= all(e <= 1e-5 for e in errs.values())
-        report(order, errs)
+            *(global_array(lay.permute(x), shard) for x in (q, k, v, cot)))
+        ok &= check_and_report(order, (out, *grads), (ref_out, *ref_grads), lay.permute)
     jax.distributed.shutdown()
     return 0 if ok else 1
 

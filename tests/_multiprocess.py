@@ -50,6 +50,41 @@ def report(name: str, value) -> None:
     print(f"RESULT {name} {json.dumps(value)}", flush=True)
 
 
+def global_array(x, sharding):
+    """A global ``jax.Array`` with ``sharding`` from the full host array ``x`` (each process
+    supplies only its addressable shards)."""
+    import jax
+
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def shard_rel_errors(got: dict, ref: dict) -> dict:
+    """``{name: ||got - ref|| / ||ref||}`` over THIS process's addressable shards of each global
+    array in ``got``, against the full host array ``ref[name]`` (same global layout), in float64."""
+    import numpy as np
+
+    errs = {}
+    for name, arr in got.items():
+        num = den = 0.0
+        for sh in arr.addressable_shards:
+            r = np.asarray(ref[name], np.float64)[sh.index]
+            num += float(np.sum((np.asarray(sh.data, np.float64) - r) ** 2))
+            den += float(np.sum(r ** 2))
+        errs[name] = (num / den) ** 0.5
+    return errs
+
+
+def check_and_report(name: str, got: tuple, ref: tuple, permute, tol: float = 1e-5) -> bool:
+    """Relative errors of (out, dq, dk, dv) global arrays vs natural-order host references laid out by
+    ``permute``; prints ``RESULT name {...}`` and returns whether all are ``<= tol``."""
+    import numpy as np
+
+    names = ("out", "dq", "dk", "dv")
+    errs = shard_rel_errors(dict(zip(names, got)), {n: permute(np.asarray(r)) for n, r in zip(names, ref)})
+    report(name, errs)
+    return all(e <= tol for e in errs.values())
+
+
 def run_workers(worker: str | Path, num_processes: int = 2, local_devices: int = 4, timeout_s: float = 240,
                 extra_args: tuple[str, ...] = ()) -> list[dict]:
     worker = Path(worker)

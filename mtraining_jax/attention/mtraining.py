@@ -35,7 +35,7 @@ from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.convert import convert_index
 from mtraining_jax.sparsity.estimate import estimate_index_shard
 from mtraining_jax.sparsity.index import VerticalSlashIndex
-from mtraining_jax.sparsity.metrics import step_imbalance, step_index_work, worker_imbalance
+from mtraining_jax.sparsity.metrics import step_imbalance, worker_imbalance
 
 SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
 IMPLS = ("auto", "pallas", "xla")
