@@ -19,12 +19,12 @@ import argparse
 import datetime
 import functools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _timing import timeit
 from pallas_kernels import api
 from pallas_kernels.index_format import full_step_index
 from pallas_kernels.testing import vertical_slash_index
@@ -33,14 +33,14 @@ H, HKV, D, BS = 16, 2, 128, 64
 
 
 def _time(fn, *args, reps=5, warmup=2):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return float(timeit(fn, *args, warmup=warmup, repeat=reps)[0])
+
+
+def _inputs(S, seed, last_dtype):
+    """``q, k, v`` bf16 and the cotangent / dO (``last_dtype``), shapes of the benchmark."""
+    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return (jax.random.normal(kq, (1, S, H, D), jnp.bfloat16), jax.random.normal(kk, (1, S, HKV, D), jnp.bfloat16),
+            jax.random.normal(kv, (1, S, HKV, D), jnp.bfloat16), jax.random.normal(kc, (1, S, H, D), last_dtype))
 
 
 def _fwd_bwd(f):
@@ -53,12 +53,7 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0):
     rows = []
     rng = np.random.default_rng(seed)
     for S in seqs:
-        key = jax.random.PRNGKey(S)
-        kq, kk, kv, kc = jax.random.split(key, 4)
-        q = jax.random.normal(kq, (1, S, H, D), jnp.bfloat16)
-        k = jax.random.normal(kk, (1, S, HKV, D), jnp.bfloat16)
-        v = jax.random.normal(kv, (1, S, HKV, D), jnp.bfloat16)
-        ct = jax.random.normal(kc, (1, S, H, D), jnp.float32)
+        q, k, v, ct = _inputs(S, S, jnp.float32)
         pos = jnp.arange(S, dtype=jnp.int32)
         dense_pairs = H * S * (S + 1) / 2
         scale = D**-0.5
@@ -103,12 +98,7 @@ def sweep(S, sparsities, reps, seed=1):
     from pallas_kernels import triton_kernels as tk
 
     rng = np.random.default_rng(seed)
-    key = jax.random.PRNGKey(seed)
-    kq, kk, kv, kd = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (1, S, H, D), jnp.bfloat16)
-    k = jax.random.normal(kk, (1, S, HKV, D), jnp.bfloat16)
-    v = jax.random.normal(kv, (1, S, HKV, D), jnp.bfloat16)
-    do = jax.random.normal(kd, (1, S, H, D), jnp.bfloat16)
+    q, k, v, do = _inputs(S, seed, jnp.bfloat16)
     pos = jnp.arange(S, dtype=jnp.int32)
     scale = D**-0.5
     idxs = {} if S > 32768 else {"full": full_step_index(1, H, S, S, pos, pos, BS)}

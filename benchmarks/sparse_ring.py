@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "")
 for flag in ("--xla_gpu_enable_latency_hiding_scheduler=true",):
@@ -48,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+from _timing import timeit  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
 from mtraining_jax.attention.reference import dense_attention  # noqa: E402
 from mtraining_jax.attention.ring import ring_attention  # noqa: E402
@@ -60,18 +59,6 @@ from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk  #
 
 HQ, HKV, D = 16, 2, 128
 METHODS = ("dense", "sparse")
-
-
-def timeit(fn, *args, warmup=1, repeat=5):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), ts
-
 
 def make_inputs(S, seed=0, sharpness=1.0):
     syn = SyntheticAttention(seq_len=S, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, seed=seed,

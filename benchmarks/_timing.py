@@ -1,0 +1,22 @@
+"""Wall-clock timing shared by the benchmark scripts (imported as ``from _timing import timeit``:
+a script's own folder is first on ``sys.path``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def timeit(fn, *args, warmup: int = 1, repeat: int = 5):
+    """``(median seconds, samples)`` of ``fn(*args)`` after ``warmup`` calls; every call is waited
+    for with ``block_until_ready`` so device work is inside the clock."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
