@@ -93,8 +93,13 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0):
     return rows
 
 
+FWD_CONFIGS = [dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=2)]
+BWD_CONFIGS = [dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3)]
+
+
 def sweep(S, sparsities, reps, seed=1):
-    """Time the raw kernels (fwd, bwd) over num_warps / num_stages and the two dK/dV strategies."""
+    """Time each piece on its own: the index preparation (XLA), the forward kernel and the three
+    backward passes over the tuning options (``num_warps``, ``num_stages``)."""
     from pallas_kernels import triton_kernels as tk
 
     rng = np.random.default_rng(seed)
@@ -105,28 +110,63 @@ def sweep(S, sparsities, reps, seed=1):
     for sp in sparsities:
         idxs[f"vs{int(round(sp * 100))}"] = jax.tree.map(jnp.asarray, vertical_slash_index(rng, 1, H, S, sp))
     rows = []
+    it = jax.default_backend() != "gpu"  # interpret mode off GPU (a CPU smoke run of the script)
+
+    def rec(name, kernel, ms, **cfg):
+        rows.append(dict(seq=S, index=name, kernel=kernel, ms=ms, **cfg))
+        print(json.dumps(rows[-1]), flush=True)
+
     for name, idx in idxs.items():
-        for tname, tf in [("transpose_blocks", tk.transpose_block_index), ("transpose_cols", tk.transpose_col_index)]:
-            t = _time(jax.jit(functools.partial(tf, sk=S, **({"bs": BS} if tname == "transpose_blocks" else
-                                                            {"chunk": BS}))), idx, reps=reps)
-            rows.append(dict(seq=S, index=name, kernel=tname, num_warps=0, num_stages=0, ms=t * 1e3))
-            print(json.dumps(rows[-1]), flush=True)
-        out, lse = tk.pallas_fwd(q, k, v, pos, pos, idx, sm_scale=scale, block_size=BS)
+        for tname, tf in [("prepare_index", functools.partial(tk.prepare_index, sk=S, bs=BS, col_chunk=64)),
+                          ("transpose_blocks", functools.partial(tk.transpose_block_index, sk=S, bs=BS)),
+                          ("transpose_cols", functools.partial(tk.transpose_col_index, sk=S, chunk=BS))]:
+            rec(name, tname, _time(jax.jit(tf), idx, reps=reps) * 1e3)
+        out, lse = tk.pallas_fwd(q, k, v, pos, pos, idx, sm_scale=scale, block_size=BS, interpret=it)
         delta = api.attention_delta(out, do)
-        for nw, ns in [(4, 2), (4, 3)]:
-            f = functools.partial(tk.pallas_fwd, sm_scale=scale, block_size=BS, num_warps=nw, num_stages=ns)
-            t = _time(f, q, k, v, pos, pos, idx, reps=reps)
-            rows.append(dict(seq=S, index=name, kernel="fwd", num_warps=nw, num_stages=ns, ms=t * 1e3))
-            print(json.dumps(rows[-1]), flush=True)
-        for dkv, nw, ns in [("kv_stationary", 4, 2), ("kv_stationary", 4, 3), ("atomic_cols", 4, 2),
-                            ("atomic", 4, 2)]:
-            if dkv == "atomic" and (name == "full" or S > 32768):
-                continue  # 327 ms at 32K (run 2): not worth the lease time
-            f = functools.partial(tk.pallas_bwd, sm_scale=scale, block_size=BS, num_warps=nw, num_stages=ns,
-                                  dkv=dkv)
-            t = _time(f, q, k, v, pos, pos, idx, do, lse, delta, reps=reps)
-            rows.append(dict(seq=S, index=name, kernel=f"bwd_{dkv}", num_warps=nw, num_stages=ns, ms=t * 1e3))
-            print(json.dumps(rows[-1]), flush=True)
+        args = (q, k, v, pos, pos, idx, do, lse, delta)
+        for cfg in FWD_CONFIGS:
+            opts = dict(cfg, interpret=it)
+            f = functools.partial(tk.pallas_fwd, sm_scale=scale, block_size=BS, **opts)
+            rec(name, "fwd", _time(f, q, k, v, pos, pos, idx, reps=reps) * 1e3, **opts)
+        for cfg in BWD_CONFIGS:
+            opts = dict(cfg, interpret=it)
+            for kname, kf in [("bwd_dq", tk.dq_pass), ("bwd_dkv_blocks", tk.dkv_block_pass)]:
+                f = functools.partial(kf, sm_scale=scale, block_size=BS, **opts)
+                rec(name, kname, _time(f, *args, reps=reps) * 1e3, **opts)
+            if name != "full":
+                dk_h, dv_h = tk.dkv_block_pass(*args, sm_scale=scale, block_size=BS, **opts)
+                f = functools.partial(tk.dkv_col_pass, sm_scale=scale, block_size=BS, **opts)
+                rec(name, "bwd_dkv_cols", _time(f, *args, dk_h, dv_h, reps=reps) * 1e3, **opts)
+            f = functools.partial(tk.pallas_bwd, sm_scale=scale, block_size=BS, **opts)
+            rec(name, "bwd_total", _time(f, *args, reps=reps) * 1e3, **opts)
+    return rows
+
+
+def mha_sweep(S, reps, seed=2):
+    """JAX's Pallas Triton ``mha`` over its block sizes / warps: the best dense Triton flash
+    attention on this device, forward and forward+backward (the Triton backend's bar)."""
+    from jax.experimental.pallas.ops.gpu.attention import BlockSizes, mha
+
+    q, k, v, ct = _inputs(S, seed, jnp.float32)
+    g = H // HKV
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    fl = 4 * H * S * (S + 1) / 2 * D
+    rows = []
+    for bq, bk, bwd_b, nw, ns in [(128, 128, 32, None, 2), (128, 64, 32, 8, 2), (128, 128, 64, 8, 3),
+                                  (128, 64, 64, 4, 3), (64, 64, 64, 4, 2)]:
+        bsz = BlockSizes(block_q=bq, block_k=bk, block_q_dkv=bwd_b, block_kv_dkv=bwd_b, block_q_dq=bwd_b,
+                         block_kv_dq=bwd_b)
+        f = functools.partial(mha, segment_ids=None, sm_scale=D**-0.5, causal=True, block_sizes=bsz,
+                              num_warps=nw, num_stages=ns)
+        row = dict(seq=S, block_q=bq, block_k=bk, bwd_block=bwd_b, num_warps=nw, num_stages=ns)
+        try:
+            t = _time(jax.jit(f), q, k, v, reps=reps)
+            tb = _time(_fwd_bwd(lambda q, k, v: f(q, k, v)), q, k, v, ct, reps=reps)
+            row.update(fwd_ms=t * 1e3, fwd_tflops=fl / t / 1e12, fb_ms=tb * 1e3, fb_tflops=3.5 * fl / tb / 1e12)
+        except Exception as e:  # a config the Triton compiler rejects (shared memory) is recorded
+            row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -153,15 +193,20 @@ def main():
     ap.add_argument("--dense-max", type=int, default=32768, help="longest sequence for ours_full")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--sweep", type=int, default=0, help="sequence length for a kernel-config sweep (0: none)")
+    ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")
+    ap.add_argument("--mha-sweep", type=int, default=0, help="sequence length for a Triton mha config sweep")
+    ap.add_argument("--only-sweeps", action="store_true", help="skip the main comparison table")
     a = ap.parse_args()
-    if a.sweep:
-        sw = sweep(a.sweep, [0.95], a.reps)
-        if a.json:
-            with open(a.json.replace(".json", "_sweep.json"), "w") as f:
-                json.dump(sw, f, indent=1)
-        for r in sw:
-            print(f"{r['index']:>5} {r['kernel']:>18} w{r['num_warps']} s{r['num_stages']}: {r['ms']:.2f} ms")
+    sweeps = []
+    for S in [int(x) for x in a.sweep.split(",") if x and x != "0"]:
+        sweeps += sweep(S, [0.95], a.reps)
+    if a.mha_sweep:
+        sweeps += mha_sweep(a.mha_sweep, a.reps)
+    if sweeps and a.json:
+        with open(a.json.replace(".json", "_sweep.json"), "w") as f:
+            json.dump(sweeps, f, indent=1)
+    if a.only_sweeps:
+        return
     seqs = [int(s) for s in a.seqs.split(",")]
     sps = [float(s) for s in a.sparsities.split(",") if s]
     rows = run(seqs, sps, a.mha_max, a.dense_max, a.reps)

@@ -13,7 +13,9 @@ Reports the median time of jit(value_and_grad) for
 the index density, worker- and step-level imbalance of the executed sparse ring, the time of one K/V
 ring transfer alone (per ring axis) and the exposed-communication bound it gives, and optionally
 (``--check``) a sampled-row correctness check (output and dq of 256 random query rows against the
-masked float32 reference of the same index). Appends JSON lines to ``--out/sparse_ring.jsonl``,
+masked float32 reference of the same index), and with ``--profile`` a traced step
+(``benchmarks/trace_summary.py``: per-GPU kernel breakdown and the MEASURED exposed communication:
+NCCL time with no compute kernel running). Appends JSON lines to ``--out/sparse_ring.jsonl``,
 writes the optimized HLO of each multi-GPU sparse step (to read the collective-permute schedule),
 then the scaling table (``scaling_table.md``) and a throughput-vs-GPUs plot (``scaling.png``).
 ``--report JSONL...`` only turns existing records into the table and plot (records without a
@@ -47,6 +49,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from _timing import timeit  # noqa: E402
+from trace_summary import summarize_dir  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
 from mtraining_jax.attention.reference import dense_attention  # noqa: E402
 from mtraining_jax.attention.ring import ring_attention  # noqa: E402
@@ -209,11 +212,20 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
         rows = jnp.asarray(np.sort(np.random.default_rng(0).choice(S, 256, replace=False)), jnp.int32)
         rec["check_out_rel"], rec["check_dq_rel"] = sampled_check(
             q, k, v, cot, layout.unpermute(o), layout.unpermute(grads[0]), st.index, rows, cfg.block_size)
-    if args.profile:  # one traced step of each method, for an XLA/xprof timeline (not parsed here)
-        with jax.profiler.trace(os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}")):
+    if args.profile:  # one traced sparse fwd+bwd step: per-GPU kernel breakdown and measured exposed comm
+        tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}")
+        with jax.profiler.trace(tdir, create_perfetto_trace=True):
             jax.block_until_ready(sparse_fb(lq, lk, lv, lc))
-            if not args.skip_dense:
-                jax.block_until_ready(dense_fb(lq, lk, lv, lc))
+        summary = summarize_dir(tdir, top=12)
+        rec["sparse_trace"] = summary
+        spans = [d["span_ms"] for d in summary.values() if d.get("kernels")]
+        if spans:
+            rec["sparse_exposed_comm_measured"] = max(d["exposed_comm_ms"] / d["span_ms"]
+                                                      for d in summary.values() if d.get("kernels"))
+        for dev, d in summary.items():
+            print(f"{dev}: " + json.dumps({k: v for k, v in d.items() if k != "top"}), flush=True)
+            for t in d.get("top", []):
+                print(f"    {t['ms']:8.2f} ms x{t['count']:<4} {t['name']}", flush=True)
     if P > 1:
         # communication: one K/V-buffer ring shift alone (what each ring step must hide), per ring axis
         kv = jnp.stack([lk, lv])
@@ -306,7 +318,8 @@ def scaling_rows(cases: list[dict]) -> list[dict]:
                        method=m, time_s=t, tokens_per_s=c["S"] / t, speedup=None, efficiency=None,
                        worker_imbalance=c.get("worker_imbalance") if m == "sparse" else None,
                        step_imbalance=c.get("step_imbalance") if m == "sparse" else None,
-                       exposed_bound=exposed_bound(c, t), device=c.get("device"))
+                       exposed_bound=exposed_bound(c, t), exposed_measured=c.get(f"{m}_exposed_comm_measured"),
+                       device=c.get("device"))
             tb = b.get(f"{m}_fwdbwd_s") if b else None
             if tb is not None:
                 if c["mode"] == "total":
@@ -331,9 +344,17 @@ def _len(S):
     return f"{S // 1024}K" if S % 1024 == 0 else str(S)
 
 
+def _exposed(r) -> str:
+    """Exposed communication: measured from a trace where there is one, then the upper bound."""
+    pct = lambda x: _fmt(None if x is None else 100 * x, ".1f", " %")  # noqa: E731
+    if r.get("exposed_measured") is None:
+        return f"({pct(r['exposed_bound'])})"
+    return f"{pct(r['exposed_measured'])} ({pct(r['exposed_bound'])})"
+
+
 def markdown_table(rows: list[dict]) -> str:
     head = ("| mode | S | mesh (node x local) | ring | method | fwd+bwd | tokens/s | speed-up vs P=1 | "
-            "efficiency | worker ID | step ID | exposed comm (bound) |")
+            "efficiency | worker ID | step ID | exposed comm: traced (bound) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         mode = "fixed total" if r["mode"] == "total" else f"{_len(r['S'] // r['gpus'])}/GPU"
@@ -343,7 +364,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['time_s'] * 1e3:.1f} ms | {_rate(r['tokens_per_s'])} | {_fmt(r['speedup'], '.2f', '×')} | "
             f"{_fmt(None if r['efficiency'] is None else 100 * r['efficiency'], '.0f', ' %')} | "
             f"{_fmt(r['worker_imbalance'], '.3f')} | {_fmt(r['step_imbalance'], '.3f')} | "
-            f"{_fmt(None if r['exposed_bound'] is None else 100 * r['exposed_bound'], '.1f', ' %')} |")
+            f"{_exposed(r)} |")
     return "\n".join(lines)
 
 
@@ -462,7 +483,8 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="sampled-row correctness check")
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--index-only", action="store_true", help="time only index estimation + conversion")
-    ap.add_argument("--profile", action="store_true", help="write a jax.profiler trace of one step per case")
+    ap.add_argument("--profile", action="store_true",
+                    help="trace one sparse fwd+bwd step per case: per-GPU kernel breakdown, measured exposed comm")
     ap.add_argument("--tag", default="", help="stored as the records' \"run\" field")
     ap.add_argument("--out", default=".")
     ap.add_argument("--report", nargs="+", metavar="JSONL", help="only build the table + plot from these records")

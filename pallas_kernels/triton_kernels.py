@@ -1,21 +1,28 @@
 """Pallas (Triton backend) kernels for vertical-slash block-sparse flash attention.
 
-One program per (64-query block ``i``, query head ``h``, batch ``b``); query head ``h`` reads KV
-head ``h // g`` in place (GQA without repeating K/V). MTraining Algorithm 1 (paper Sec. 3):
+MTraining Algorithm 1 (paper Sec. 3) on the per-step index of :mod:`pallas_kernels.index_format`.
+Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
 
-* forward: loop over the ``block_count`` active KV blocks (contiguous ``bs``-row tiles; the
-  token-level causal mask by global position is applied only where ``block_causal`` is set),
-  then over the vertical columns in chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``),
-  masked by count and by position. Online softmax in float32 with ``exp2`` and a
-  ``log2(e)``-prescaled scale (FlashAttention-2, Dao 2023, Alg. 1); writes ``out`` (f32) and the
-  natural-log ``lse`` so ring steps can be merged. Rows with no allowed key: out 0, lse -inf.
-* backward (one fused pass, same query-stationary schedule): recompute ``P = exp2(S*c - lse2)``,
-  accumulate ``dQ`` in registers, and add each tile's ``dK = dS^T Q`` / ``dV = P^T dO`` into
-  float32 dK/dV with ``atomic_add`` (GQA heads of a group add into the same KV head).
-  ``delta = rowsum(dO * O)`` is an input (computed once by ``api.attention_delta``).
+* **forward** (:func:`pallas_fwd`): one program per (64-query block ``i``, query head ``h``,
+  batch ``b``). The active KV blocks come in two groups (:func:`prepare_index`): first the *free*
+  tiles (``block_causal == 0``: every pair causal), computed with no mask at all, then the few
+  tiles that need the token-level causal mask by global position; then the vertical columns in
+  chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``), masked by count and position. Online
+  softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled scale (FlashAttention-2, Dao 2023,
+  Alg. 1). Writes ``out`` (f32) and the natural-log ``lse`` so ring steps can be merged; rows with
+  no allowed key get out 0, lse -inf.
+* **backward** (:func:`pallas_bwd`), three passes (measurements and the alternatives tried in
+  ``benchmarks/KERNEL_NOTES.md``): (1) :func:`dq_pass`, query-stationary like the forward;
+  (2) :func:`dkv_block_pass`, KV-stationary over the transposed schedule
+  (:func:`transpose_block_index`: for every KV block the query blocks listing it, free ones first);
+  (3) :func:`dkv_col_pass`, column-stationary: chunks of 64 distinct vertical columns of a head,
+  gathered once, against the query blocks of one segment (:func:`transpose_col_index`), added
+  into the rows with float32 atomics (one add per chunk and segment). Passes 2-3 write per-query-
+  head dK/dV, summed per GQA group at the end. ``delta = rowsum(dO * O)`` is an input
+  (``api.attention_delta``).
 
-In interpret mode (CPU tests) the scatter of gathered column rows falls back to a row-by-row
-read-modify-write (Pallas' interpreter cannot discharge a masked/gather atomic).
+The same source runs on the GPU and in interpret mode on CPU (tests); only the atomic row add
+has an interpret-mode twin (:func:`_add_rows`).
 """
 
 from __future__ import annotations
@@ -27,13 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._compat import atomic_add, dot, triton_compiler_params
 from pallas_kernels.index_format import StepIndex
 
 LOG2E = math.log2(math.e)
-DKV_MODES = ("kv_stationary", "atomic_cols", "atomic")
 LN2 = math.log(2.0)
 
 
@@ -41,35 +46,73 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
-    """Kernel-ready index arrays: pads clipped in range, slots padded to a power of two / chunk.
+def _partition_slots(first, second):
+    """Destination slot of every entry when the ``first`` entries are moved to the front and the
+    ``second`` ones right after (each group keeps its order), the rest last. Bool ``[..., M]`` in,
+    ``(dst int32 [..., M], n_first [...], n_both [...])`` out — a stable partition without a sort."""
+    c1 = jnp.cumsum(first, axis=-1, dtype=jnp.int32)
+    c2 = jnp.cumsum(second, axis=-1, dtype=jnp.int32)
+    rest = jnp.logical_not(first | second)
+    c3 = jnp.cumsum(rest, axis=-1, dtype=jnp.int32)
+    n1, n2 = c1[..., -1:], c2[..., -1:]
+    dst = jnp.where(first, c1 - 1, jnp.where(second, n1 + c2 - 1, n1 + n2 + c3 - 1))
+    return dst, n1[..., 0], (n1 + n2)[..., 0]
 
-    Returns ``(block_idx [B,H,nQB,MBp], block_causal [B,H,nQB,MBp], counts [B,H,nQB,2],
-    col_idx [B,H,nQB,MCp])`` int32 with ``counts[..., 0] = block_count``, ``[..., 1] = col_count``.
+
+def _scatter_last(x, dst, size):
+    """``out[..., dst[..., j]] = x[..., j]`` into a zero array with last dim ``size``."""
+    ix = jnp.indices(x.shape[:-1], sparse=True)
+    ix = tuple(i[..., None] for i in ix)
+    return jnp.zeros(x.shape[:-1] + (size,), x.dtype).at[ix + (dst,)].set(x)
+
+
+def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
+    """Kernel-ready index: each row's active blocks reordered free-first, slots padded.
+
+    Returns ``(block_idx int32 [B,H,nQB,MBp], counts int32 [B,H,nQB,3], col_idx int32 [B,H,nQB,MCp])``:
+    ``block_idx`` holds first the ``counts[..., 0]`` blocks whose tile needs no mask
+    (``block_causal == 0``), then the masked ones up to ``counts[..., 1]`` (= ``block_count``),
+    each group in index order; ``counts[..., 2] = col_count``. Padding is in range (block 0 /
+    token 0) and never read as active; ``MBp`` is a power of two, ``MCp`` a multiple of
+    ``col_chunk``.
     """
     mb, mc = index.max_blocks, index.max_cols
     mbp = _pow2(mb)
     mcp = max(col_chunk, _pow2(-(-mc // col_chunk) * col_chunk))
-    bvalid = jnp.arange(mb) < index.block_count[..., None]
-    bidx = jnp.clip(jnp.where(bvalid, index.block_idx, 0), 0, sk // bs - 1).astype(jnp.int32)
-    bcaus = jnp.where(bvalid, index.block_causal, 1).astype(jnp.int32)
+    valid = jnp.arange(mb) < index.block_count[..., None]
+    free = valid & (index.block_causal == 0)
+    dst, n_free, n_blk = _partition_slots(free, valid & ~free)
+    bidx = _scatter_last(jnp.clip(jnp.where(valid, index.block_idx, 0), 0, sk // bs - 1).astype(jnp.int32),
+                         dst, mbp)
     cvalid = jnp.arange(mc) < index.col_count[..., None]
     cidx = jnp.clip(jnp.where(cvalid, index.col_idx, 0), 0, sk - 1).astype(jnp.int32)
-    pad = lambda x, n: jnp.pad(x, [(0, 0)] * 3 + [(0, n - x.shape[-1])])  # noqa: E731
-    counts = jnp.stack([index.block_count, index.col_count], axis=-1).astype(jnp.int32)
-    return pad(bidx, mbp), pad(bcaus, mbp), counts, pad(cidx, mcp)
+    cidx = jnp.pad(cidx, [(0, 0)] * 3 + [(0, mcp - mc)])
+    counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1).astype(jnp.int32)
+    return bidx, counts, cidx
 
 
-def _tile_scores(q, k, ok, qk_scale):
-    """``[bs, n]`` log2-domain scores, ``-inf`` where not ``ok``."""
-    s = dot(q, k, trans_b=True) * qk_scale
-    return jnp.where(ok, s, -jnp.inf)
+def _block_rows(idx_ref, j, bs: int):
+    """Contiguous rows of the block ``idx_ref[j]``."""
+    return pl.ds(pl.multiple_of(idx_ref[j] * bs, bs), bs)
 
 
-def _softmax_update(carry, s, v):
+def _for_blocks(idx_ref, lo, hi, bs: int, body, carry):
+    """``carry = body(rows, carry)`` over the blocks ``idx_ref[lo:hi]``, one ``bs``-row tile each."""
+    return lax.fori_loop(lo, hi, lambda j, c: body(_block_rows(idx_ref, j, bs), c), carry)
+
+
+def _col_rows(cidx_ref, c, ncols, cc):
+    """Gathered row ids of the ``c``-th chunk of ``cc`` vertical columns and their validity."""
+    off = pl.multiple_of(c * cc, cc)
+    return cidx_ref[pl.ds(off, cc)], (off + jnp.arange(cc, dtype=jnp.int32)) < ncols
+
+
+def _softmax_update(carry, s, v, masked: bool):
+    """Online-softmax step with log2-domain scores ``s [bq, n]`` (``-inf`` = masked)."""
     acc, m, l = carry
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    # an unmasked tile has finite scores, so m_new is finite; a masked one may leave a row at -inf
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
     alpha = jnp.exp2(m - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
@@ -77,173 +120,121 @@ def _softmax_update(carry, s, v):
     return acc, m_new, l
 
 
-def _load_block(j, k_ref, v_ref, kpos_ref, bidx_ref, bcaus_ref, qp, bs):
-    """K/V rows of the ``j``-th active KV block and its mask (causal only where flagged)."""
-    start = pl.multiple_of(bidx_ref[j] * bs, bs)
-    kp = kpos_ref[pl.ds(start, bs)]
-    ok = (kp[None, :] <= qp[:, None]) | (bcaus_ref[j] == 0)
-    return start, k_ref[pl.ds(start, bs), :], v_ref[pl.ds(start, bs), :], ok
-
-
-def _load_cols(c, k_ref, v_ref, kpos_ref, cidx_ref, ncols, qp, cc):
-    """K/V rows of the ``c``-th chunk of ``cc`` vertical columns (gathered) and its mask."""
-    off = pl.multiple_of(c * cc, cc)
-    ids = cidx_ref[pl.ds(off, cc)]
-    kp = kpos_ref[ids]
-    ok = ((off + jnp.arange(cc, dtype=jnp.int32)) < ncols)[None, :] & (kp[None, :] <= qp[:, None])
-    return ids, k_ref[ids, :], v_ref[ids, :], ok
-
-
-def _load_query_rows(start, n, q_ref, do_ref, qpos_ref, lse_ref, delta_ref):
-    """``n`` query rows from ``start`` for a KV-stationary backward: q, dO, positions, log2-domain
-    lse (0 where the row is empty) and delta."""
-    lse = lse_ref[pl.ds(start, n)]
-    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
-    return (q_ref[pl.ds(start, n), :], do_ref[pl.ds(start, n), :], qpos_ref[pl.ds(start, n)], lse2,
-            delta_ref[pl.ds(start, n)])
-
-
-def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, bcaus_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref,
-                o_ref, lse_ref, *, qk_scale, bs, cc):
+def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                qk_scale, bs, cc):
     q = q_ref[...]
     qp = qpos_ref[...]
-    d = q.shape[-1]
-    carry = (jnp.zeros((bs, d), jnp.float32), jnp.full((bs,), -jnp.inf, jnp.float32),
+    carry = (jnp.zeros((bs, q.shape[-1]), jnp.float32), jnp.full((bs,), -jnp.inf, jnp.float32),
              jnp.zeros((bs,), jnp.float32))
 
-    def block_body(j, carry):
-        _, k, v, ok = _load_block(j, k_ref, v_ref, kpos_ref, bidx_ref, bcaus_ref, qp, bs)
-        return _softmax_update(carry, _tile_scores(q, k, ok, qk_scale), v)
+    def free(rows, carry):
+        s = dot(q, k_ref[rows, :], trans_b=True) * qk_scale
+        return _softmax_update(carry, s, v_ref[rows, :], masked=False)
 
-    carry = lax.fori_loop(0, cnt_ref[0], block_body, carry)
-    ncols = cnt_ref[1]
+    def masked(rows, carry, valid=None):
+        ok = kpos_ref[rows][None, :] <= qp[:, None]
+        ok = ok if valid is None else ok & valid[None, :]
+        s = jnp.where(ok, dot(q, k_ref[rows, :], trans_b=True) * qk_scale, -jnp.inf)
+        return _softmax_update(carry, s, v_ref[rows, :], masked=True)
 
     def col_body(c, carry):
-        _, k, v, ok = _load_cols(c, k_ref, v_ref, kpos_ref, cidx_ref, ncols, qp, cc)
-        return _softmax_update(carry, _tile_scores(q, k, ok, qk_scale), v)
+        ids, valid = _col_rows(cidx_ref, c, n_col, cc)
+        return masked(ids, carry, valid)
 
-    acc, m, l = lax.fori_loop(0, (ncols + cc - 1) // cc, col_body, carry)
+    n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
+    carry = _for_blocks(bidx_ref, 0, n_free, bs, free, carry)
+    carry = _for_blocks(bidx_ref, n_free, n_blk, bs, masked, carry)
+    carry = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, carry)
+    acc, m, l = carry
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
 
-def _specs(B, H, g, sq, sk, d, bs, mbp, mcp):
-    qspec = pl.BlockSpec((None, bs, None, d), lambda i, h, b: (b, i, h, 0))
-    kvspec = pl.BlockSpec((None, sk, None, d), lambda i, h, b: (b, 0, h // g, 0))
+def _query_specs(H, g, sk, d, bs, mbp, mcp):
+    """BlockSpecs of the query-stationary passes (grid ``(nQB, H, B)``)."""
     return dict(
         qpos=pl.BlockSpec((bs,), lambda i, h, b: (i,)),
         kpos=pl.BlockSpec((sk,), lambda i, h, b: (0,)),
         bidx=pl.BlockSpec((None, None, None, mbp), lambda i, h, b: (b, h, i, 0)),
-        cnt=pl.BlockSpec((None, None, None, 2), lambda i, h, b: (b, h, i, 0)),
+        cnt=pl.BlockSpec((None, None, None, 3), lambda i, h, b: (b, h, i, 0)),
         cidx=pl.BlockSpec((None, None, None, mcp), lambda i, h, b: (b, h, i, 0)),
-        q=qspec, kv=kvspec,
+        q=pl.BlockSpec((None, bs, None, d), lambda i, h, b: (b, i, h, 0)),
+        kv=pl.BlockSpec((None, sk, None, d), lambda i, h, b: (b, 0, h // g, 0)),
         row=pl.BlockSpec((None, None, bs), lambda i, h, b: (b, h, i)),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "col_chunk", "num_warps",
-                                             "num_stages", "interpret"))
+_STATIC = ("sm_scale", "block_size", "col_chunk", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, *, sm_scale: float, block_size: int,
                col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32, lse f32)``."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
-    bidx, bcaus, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
-    sp = _specs(B, H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
+    bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
+    sp = _query_specs(H, H // hkv, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
     kernel = functools.partial(_fwd_kernel, qk_scale=sm_scale * LOG2E, bs=bs, cc=col_chunk)
-    out, lse = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(sq // bs, H, B),
-        in_specs=[sp["qpos"], sp["kpos"], sp["bidx"], sp["bidx"], sp["cnt"], sp["cidx"],
-                  sp["q"], sp["kv"], sp["kv"]],
+        in_specs=[sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"], sp["q"], sp["kv"], sp["kv"]],
         out_specs=[sp["q"], sp["row"]],
         out_shape=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
                    jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
         compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_fwd",
-    )(q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), bidx, bcaus, cnt, cidx, q, k, v)
-    return out, lse
+    )(q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), bidx, cnt, cidx, q, k, v)
 
 
-def _add_rows(ref, ids, val, interpret: bool):
-    """``ref[ids[r], :] += val[r]`` for every r (duplicates accumulate)."""
-    if not interpret:
-        atomic_add(ref, (ids, slice(None)), val)
-        return
-
-    def body(r, _):
-        row = ids[r]  # interpret mode: plain jnp values
-        ref[pl.ds(row, 1), :] = ref[pl.ds(row, 1), :] + lax.dynamic_slice_in_dim(val, r, 1, 0)
-        return 0
-
-    lax.fori_loop(0, ids.shape[0], body, 0)
-
-
-def _add_tile(ref, start, n, val, interpret: bool):
-    if not interpret:
-        atomic_add(ref, (pl.ds(start, n), slice(None)), val)
-    else:
-        ref[pl.ds(start, n), :] = ref[pl.ds(start, n), :] + val
-
-
-def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, bcaus_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref,
-               do_ref, lse_ref, delta_ref, dk_in, dv_in, dq_ref, dk_ref, dv_ref, *, qk_scale,
-               scale, bs, cc, interpret, block_dkv, col_dkv):
-    del dk_in, dv_in  # aliased to dk_ref / dv_ref (zero-initialised accumulators)
+def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               delta_ref, dq_ref, *, qk_scale, scale, bs, cc):
     q = q_ref[...]
     do = do_ref[...]
     qp = qpos_ref[...]
     lse = lse_ref[...]
     lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
     delta = delta_ref[...]
-    d = q.shape[-1]
 
-    def tile(dq, k, v, ok, with_dkv=True):
-        s = _tile_scores(q, k, ok, qk_scale)
+    def tile(rows, dq, ok=None):
+        k = k_ref[rows, :]
+        s = dot(q, k, trans_b=True) * qk_scale
+        if ok is not None:
+            s = jnp.where(ok, s, -jnp.inf)
         p = jnp.exp2(s - lse2[:, None])  # exact 0 where masked
-        dp = dot(do, v, trans_b=True)
-        ds = p * (dp - delta[:, None])
-        dq = dq + dot(ds.astype(k.dtype), k)
-        if not with_dkv:
-            return dq, None, None
-        dv_t = dot(p.astype(do.dtype), do, trans_a=True)
-        dk_t = dot(ds.astype(q.dtype), q, trans_a=True) * scale
-        return dq, dk_t, dv_t
+        ds = p * (dot(do, v_ref[rows, :], trans_b=True) - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k)
 
-    def block_body(j, dq):
-        start, k, v, ok = _load_block(j, k_ref, v_ref, kpos_ref, bidx_ref, bcaus_ref, qp, bs)
-        dq, dk_t, dv_t = tile(dq, k, v, ok, block_dkv)
-        if block_dkv:
-            _add_tile(dk_ref, start, bs, dk_t, interpret)
-            _add_tile(dv_ref, start, bs, dv_t, interpret)
-        return dq
+    def masked(rows, dq, valid=None):
+        ok = kpos_ref[rows][None, :] <= qp[:, None]
+        return tile(rows, dq, ok if valid is None else ok & valid[None, :])
 
-    dq = lax.fori_loop(0, cnt_ref[0], block_body, jnp.zeros((bs, d), jnp.float32))
-    ncols = cnt_ref[1]
+    n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = _for_blocks(bidx_ref, 0, n_free, bs, tile, dq)
+    dq = _for_blocks(bidx_ref, n_free, n_blk, bs, masked, dq)
 
     def col_body(c, dq):
-        ids, k, v, ok = _load_cols(c, k_ref, v_ref, kpos_ref, cidx_ref, ncols, qp, cc)
-        dq, dk_t, dv_t = tile(dq, k, v, ok, col_dkv)
-        if col_dkv:
-            _add_rows(dk_ref, ids, dk_t, interpret)
-            _add_rows(dv_ref, ids, dv_t, interpret)
-        return dq
+        ids, valid = _col_rows(cidx_ref, c, n_col, cc)
+        return masked(ids, dq, valid)
 
-    dq = lax.fori_loop(0, (ncols + cc - 1) // cc, col_body, dq)
+    dq = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def transpose_block_index(index: StepIndex, sk: int, bs: int):
     """KV-stationary schedule: for every (b, h, KV block), the query blocks that list it.
 
-    Returns ``(tidx int32 [B, H, nKB, MTp], tcnt int32 [B, H, nKB, 1])`` with entries
-    ``2 * query_block + block_causal`` sorted by query block (``MTp`` = ``nQB`` padded to a
-    power of two). Built with one scatter of the ``B*H*nQB*MB`` entries into a dense
-    ``[B, H, nKB, nQB]`` int8 map, a cumsum for the list positions and one scatter into the lists.
+    Returns ``(tidx int32 [B, H, nKB, MTp], tcnt int32 [B, H, nKB, 2])``: each list holds first
+    the ``tcnt[..., 0]`` query blocks whose tile needs no mask, then the masked ones up to
+    ``tcnt[..., 1]``, each group sorted by query block (``MTp`` = ``nQB`` padded to a power of
+    two). Built from a dense ``[B, H, nKB, nQB]`` int8 map of the tiles (1 free, 2 masked) with a
+    cumsum per group for the list positions and one scatter of the ``B*H*nQB*MB`` entries.
     """
     B, H, nqb, mb = index.block_idx.shape
     nkb = sk // bs
@@ -253,28 +244,36 @@ def transpose_block_index(index: StepIndex, sk: int, bs: int):
     b_ix = jnp.arange(B)[:, None, None, None]
     h_ix = jnp.arange(H)[None, :, None, None]
     q_ix = jnp.broadcast_to(jnp.arange(nqb, dtype=jnp.int32)[None, None, :, None], kb.shape)
-    act = jnp.zeros((B, H, nkb + 1, nqb), jnp.int8).at[b_ix, h_ix, kb, q_ix].set(1)[:, :, :nkb]
-    pos_all = jnp.cumsum(act, axis=-1, dtype=jnp.int32) - 1  # [B, H, nKB, nQB]
-    tcnt = act.sum(-1, dtype=jnp.int32)[..., None]
-    pos = pos_all[b_ix, h_ix, jnp.minimum(kb, nkb - 1), q_ix]
+    masked = index.block_causal != 0
+    code = (1 + masked).astype(jnp.int8)
+    tiles = jnp.zeros((B, H, nkb + 1, nqb), jnp.int8).at[b_ix, h_ix, kb, q_ix].set(code)[:, :, :nkb]
+    free_map, masked_map = tiles == 1, tiles == 2
+    pos_free = jnp.cumsum(free_map, axis=-1, dtype=jnp.int32) - 1  # [B, H, nKB, nQB]
+    pos_masked = jnp.cumsum(masked_map, axis=-1, dtype=jnp.int32) - 1
+    n_free = pos_free[..., -1] + 1
+    tcnt = jnp.stack([n_free, n_free + pos_masked[..., -1] + 1], axis=-1)
+    kbc = jnp.minimum(kb, nkb - 1)
+    pos = jnp.where(masked, n_free[b_ix, h_ix, kbc] + pos_masked[b_ix, h_ix, kbc, q_ix],
+                    pos_free[b_ix, h_ix, kbc, q_ix])
     pos = jnp.where(valid, pos, mtp)  # invalid -> spill column
-    entry = 2 * q_ix + (index.block_causal != 0).astype(jnp.int32)
-    tidx = jnp.zeros((B, H, nkb + 1, mtp + 1), jnp.int32).at[b_ix, h_ix, kb, pos].set(entry)
+    tidx = jnp.zeros((B, H, nkb + 1, mtp + 1), jnp.int32).at[b_ix, h_ix, kb, pos].set(q_ix)
     return tidx[:, :, :nkb, :mtp], tcnt
 
 
 def transpose_col_index(index: StepIndex, sk: int, chunk: int):
-    """Column-stationary schedule for the vertical columns of each (b, h).
+    """Column-stationary view of the vertical columns of each (b, h).
 
-    The distinct columns of a head, sorted, are cut into chunks of ``chunk``. Returns
-    ``uniq int32 [B, H, U]`` (distinct columns, 0-padded), ``nuniq int32 [B, H, 1]``, and per chunk
-    the query blocks listing any of its columns: ``lq, lw0, lw1 int32 [B, H, nCh, nQBp]`` (query
-    block and the two 32-bit words of its membership mask over the chunk) with ``lcnt [B, H, nCh, 1]``.
-    ``U = min(Sk, nQB * MC)`` rounded up to ``chunk``. Memory is ``O(B H nCh nQB)`` int32 (dense
-    membership words, then one scatter of the ``B*H*nQB*MC`` entries into each list).
+    The distinct columns of a head, sorted, are cut into chunks of ``chunk`` (<= 64). Returns
+    ``uniq int32 [B, H, U]`` (distinct columns, 0-padded), ``nuniq int32 [B, H, 1]`` and the
+    membership words ``w0, w1 int32 [B, H, nChp, nQBp]``: bit ``r`` of ``w0`` (``r < 32``) or
+    ``w1`` (``r - 32``) says query block ``i`` lists column ``uniq[c * chunk + r]``.
+    ``U = min(Sk, nQB * MC)`` rounded up to ``chunk``; ``nChp``, ``nQBp`` padded to powers of two.
+    Built with one scatter-add of the ``B*H*nQB*MC`` entries (distinct columns of a row set
+    distinct bits, so add == bitwise or).
     """
+    if chunk > 64:
+        raise ValueError(f"column chunk {chunk} > 64 does not fit two 32-bit membership words")
     B, H, nqb, mc = index.col_idx.shape
-    nqbp = _pow2(nqb)
     ucap = -(-min(sk, nqb * mc) // chunk) * chunk
     nch = ucap // chunk
     valid = jnp.arange(mc) < index.col_count[..., None]
@@ -287,68 +286,89 @@ def transpose_col_index(index: StepIndex, sk: int, chunk: int):
     tok = jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (B, H, sk))
     uniq = jnp.zeros((B, H, ucap + 1), jnp.int32).at[b3, h3, jnp.where(present, rank, ucap)].set(tok)[..., :ucap]
     u = rank[b4, h4, jnp.minimum(cols, sk - 1)]
-    ch = jnp.where(valid, u // chunk, nch)
+    nchp, nqbp = _pow2(nch), _pow2(nqb)
+    ch = jnp.where(valid, u // chunk, nchp)  # invalid -> spill chunk
     bit = u % chunk
     one = jnp.int32(1)
     w0 = jnp.where(bit < 32, jnp.left_shift(one, jnp.minimum(bit, 31)), 0).astype(jnp.int32)
     w1 = jnp.where(bit >= 32, jnp.left_shift(one, jnp.maximum(bit - 32, 0)), 0).astype(jnp.int32)
     q4 = jnp.broadcast_to(jnp.arange(nqb, dtype=jnp.int32)[None, None, :, None], cols.shape)
-    # distinct columns of one row set distinct bits, so add == bitwise or
-    m0 = jnp.zeros((B, H, nch + 1, nqb), jnp.int32).at[b4, h4, ch, q4].add(w0)[:, :, :nch]
-    m1 = jnp.zeros((B, H, nch + 1, nqb), jnp.int32).at[b4, h4, ch, q4].add(w1)[:, :, :nch]
-    act = (m0 | m1) != 0
-    pos = jnp.cumsum(act, axis=-1, dtype=jnp.int32) - 1
-    lcnt = act.sum(-1, dtype=jnp.int32)[..., None]
-    # one scatter per list from the B*H*nQB*MC entries (entries of one (row, chunk) agree)
-    chc = jnp.minimum(ch, nch - 1)
-    dst = jnp.where(valid, pos[b4, h4, chc, q4], nqbp)
-    at = lambda x: x[b4, h4, chc, q4]  # noqa: E731
-
-    def put(x):
-        lists = jnp.zeros((B, H, nch + 1, nqbp + 1), jnp.int32).at[b4, h4, ch, dst].set(x)
-        return lists[:, :, :nch, :nqbp]
-
-    return uniq, nuniq, put(q4), put(at(m0)), put(at(m1)), lcnt
+    # two scalar scatter-adds: one scatter with a trailing [2] window was measured 40x slower on GPU
+    words = lambda w: jnp.zeros((B, H, nchp + 1, nqbp), jnp.int32).at[b4, h4, ch, q4].add(w)[:, :, :nchp]  # noqa: E731
+    return uniq, nuniq, words(w0), words(w1)
 
 
-def _dkv_col_kernel(qpos_ref, kpos_ref, uniq_ref, nuniq_ref, lq_ref, lw0_ref, lw1_ref, lcnt_ref, q_ref, k_ref,
-                    v_ref, do_ref, lse_ref, delta_ref, dk_in, dv_in, dk_ref, dv_ref, *, qk_scale, scale, cc,
+def col_segment_blocks(nqb: int, heads_x_batch: int) -> int:
+    """Query blocks per program of the column pass (a power of two, at most 64): about 512
+    programs, enough to fill an H100/H200 (longer segments, i.e. fewer programs and fewer atomic
+    adds, measured slower: see KERNEL_NOTES.md)."""
+    return max(1, min(64, _pow2(max(1, nqb * heads_x_batch // 512))))
+
+
+def _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref):
+    """Query rows ``rows`` (a slice or gathered ids) for a KV-stationary backward: q, dO,
+    positions, log2-domain lse (0 where the row is empty) and delta."""
+    lse = lse_ref[rows]
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    return q_ref[rows, :], do_ref[rows, :], qpos_ref[rows], lse2, delta_ref[rows]
+
+
+def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
+    """Adds one ``[kv, q]`` tile's ``dV += P^T dO`` and (unscaled) ``dK += dS^T Q``."""
+    dk, dv = carry
+    st = dot(k, q, trans_b=True) * qk_scale  # [kv, q]
+    if ok is not None:
+        st = jnp.where(ok, st, -jnp.inf)
+    pt = jnp.exp2(st - lse2[None, :])
+    dv = dv + dot(pt.astype(do.dtype), do)
+    dst = pt * (dot(v, do, trans_b=True) - delta[None, :])
+    return dk + dot(dst.astype(q.dtype), q), dv
+
+
+def _dkv_col_kernel(qpos_ref, kpos_ref, uniq_ref, nuniq_ref, first_ref, w0_ref, w1_ref, q_ref, k_ref, v_ref, do_ref,
+                    lse_ref, delta_ref, dk_in, dv_in, dk_ref, dv_ref, *, qk_scale, scale, cc, seg, nqb,
                     interpret):
+    """One program per (segment of ``seg`` query blocks, query head, batch): for every chunk of
+    ``cc`` distinct columns, gather their K/V rows once, walk the segment's query blocks that list
+    any of them (membership words) and add the chunk's dK/dV into the per-head outputs."""
     del dk_in, dv_in  # aliased to dk_ref / dv_ref (the block pass's per-head dK/dV)
-    ids = uniq_ref[...]
-    n_valid = nuniq_ref[0] - pl.program_id(0) * cc
-    k = k_ref[ids, :]
-    v = v_ref[ids, :]
-    kp = kpos_ref[ids]
     lane = jnp.arange(cc, dtype=jnp.int32)
-    d = k.shape[-1]
+    lo = pl.program_id(0) * seg
+    hi = jnp.minimum(lo + seg, nqb)
 
-    def body(j, carry):
-        dk, dv = carry
-        start = pl.multiple_of(lq_ref[j] * cc, cc)
-        w = jnp.where(lane < 32, lw0_ref[j], lw1_ref[j])
-        member = jnp.bitwise_and(jnp.right_shift(w, lane % 32), 1) != 0
-        q, do, qp, lse2, delta = _load_query_rows(start, cc, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
-        ok = member[:, None] & (kp[:, None] <= qp[None, :])
-        st = jnp.where(ok, dot(k, q, trans_b=True) * qk_scale, -jnp.inf)
-        pt = jnp.exp2(st - lse2[None, :])
-        dv = dv + dot(pt.astype(do.dtype), do)
-        dst = pt * (dot(v, do, trans_b=True) - delta[None, :])
-        dk = dk + dot(dst.astype(q.dtype), q)
-        return dk, dv
+    def chunk_body(c, carry_through):
+        ids = uniq_ref[pl.ds(pl.multiple_of(c * cc, cc), cc)]  # padded lanes: token 0, never members
+        k, v, kp = k_ref[ids, :], v_ref[ids, :], kpos_ref[ids]
 
-    zeros = jnp.zeros((cc, d), jnp.float32)
-    dk, dv = lax.fori_loop(0, lcnt_ref[0], body, (zeros, zeros))
-    _store_rows_add(dk_ref, ids, dk * scale, lane < n_valid, n_valid, interpret)
-    _store_rows_add(dv_ref, ids, dv, lane < n_valid, n_valid, interpret)
+        def query_block(i, carry):
+            w0, w1 = w0_ref[c, i], w1_ref[c, i]
+
+            def tile(carry):
+                w = jnp.where(lane < 32, w0, w1)
+                member = jnp.bitwise_and(jnp.right_shift(w, lane % 32), 1) != 0
+                rows = pl.ds(pl.multiple_of(i * cc, cc), cc)
+                q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
+                ok = member[:, None] & (kp[:, None] <= qp[None, :])
+                return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
+
+            return lax.cond((w0 | w1) != 0, tile, lambda carry: carry, carry)
+
+        zeros = jnp.zeros(k.shape, jnp.float32)
+        dk, dv = lax.fori_loop(jnp.maximum(lo, first_ref[c]), hi, query_block, (zeros, zeros))
+        # other segments add into the same rows: atomics on the GPU; padded lanes add exact zeros
+        _add_rows(dk_ref, ids, dk * scale, interpret)
+        _add_rows(dv_ref, ids, dv, interpret)
+        return carry_through  # a loop value: Triton cannot yield a literal
+
+    lax.fori_loop(0, (nuniq_ref[0] + cc - 1) // cc, chunk_body, jnp.int32(0))
 
 
-def _store_rows_add(ref, ids, val, mask, n_valid, interpret):
-    """``ref[ids[r], :] += val[r]`` for the first ``n_valid`` (distinct) rows."""
+def _add_rows(ref, ids, val, interpret: bool):
+    """``ref[ids[r], :] += val[r]`` for every ``r`` (duplicates accumulate): float32 atomics on
+    the GPU; a row-by-row read-modify-write in interpret mode (programs run one at a time there,
+    and Pallas' interpreter cannot discharge a gather-indexed atomic)."""
     if not interpret:
-        view = ref.at[ids, :]
-        old = plgpu.load(view, mask=mask[:, None], other=0.0)
-        plgpu.store(view, old + val, mask=mask[:, None])
+        atomic_add(ref, (ids, slice(None)), val)
         return
 
     def body(r, _):
@@ -356,37 +376,39 @@ def _store_rows_add(ref, ids, val, mask, n_valid, interpret):
         ref[pl.ds(row, 1), :] = ref[pl.ds(row, 1), :] + lax.dynamic_slice_in_dim(val, r, 1, 0)
         return 0
 
-    lax.fori_loop(0, jnp.clip(n_valid, 0, ids.shape[0]), body, 0)
+    lax.fori_loop(0, ids.shape[0], body, 0)
 
 
 def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, dk_h, dv_h, *, sm_scale, bs, params, interpret):
     """Pass 3: adds the vertical columns' dK/dV into the per-head ``dk_h, dv_h [B, Sk, H, D]``."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    g = H // hkv
-    uniq, nuniq, lq, lw0, lw1, lcnt = transpose_col_index(index, sk, bs)
-    nch, nqbp = lq.shape[2], lq.shape[3]
-    lst = pl.BlockSpec((None, None, None, nqbp), lambda c, h, b: (b, h, c, 0))
-    full_q = pl.BlockSpec((None, sq, None, d), lambda c, h, b: (b, 0, h, 0))
-    full_kv = pl.BlockSpec((None, sk, None, d), lambda c, h, b: (b, 0, h // g, 0))
-    full_row = pl.BlockSpec((None, None, sq), lambda c, h, b: (b, h, 0))
-    full_out = pl.BlockSpec((None, sk, None, d), lambda c, h, b: (b, 0, h, 0))
+    g, nqb = H // hkv, sq // bs
+    uniq, nuniq, w0, w1 = transpose_col_index(index, sk, bs)
+    seg = col_segment_blocks(nqb, H * B)
+    listed = (w0 | w1) != 0  # [B, H, nChp, nQBp]
+    first = jnp.where(listed.any(-1), jnp.argmax(listed, axis=-1), nqb).astype(jnp.int32)  # per chunk
+    words = pl.BlockSpec((None, None) + w0.shape[2:], lambda s, h, b: (b, h, 0, 0))
+    full_q = pl.BlockSpec((None, sq, None, d), lambda s, h, b: (b, 0, h, 0))
+    full_kv = pl.BlockSpec((None, sk, None, d), lambda s, h, b: (b, 0, h // g, 0))
+    full_row = pl.BlockSpec((None, None, sq), lambda s, h, b: (b, h, 0))
+    full_out = pl.BlockSpec((None, sk, None, d), lambda s, h, b: (b, 0, h, 0))
     return pl.pallas_call(
-        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, cc=bs,
+        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, cc=bs, seg=seg, nqb=nqb,
                           interpret=interpret),
-        grid=(nch, H, B),
-        in_specs=[pl.BlockSpec((sq,), lambda c, h, b: (0,)), pl.BlockSpec((sk,), lambda c, h, b: (0,)),
-                  pl.BlockSpec((None, None, bs), lambda c, h, b: (b, h, c)),
-                  pl.BlockSpec((None, None, 1), lambda c, h, b: (b, h, 0)),
-                  lst, lst, lst, pl.BlockSpec((None, None, None, 1), lambda c, h, b: (b, h, c, 0)),
-                  full_q, full_kv, full_kv, full_q, full_row, full_row, full_out, full_out],
+        grid=(-(-nqb // seg), H, B),
+        in_specs=[pl.BlockSpec((sq,), lambda s, h, b: (0,)), pl.BlockSpec((sk,), lambda s, h, b: (0,)),
+                  pl.BlockSpec((None, None, uniq.shape[-1]), lambda s, h, b: (b, h, 0)),
+                  pl.BlockSpec((None, None, 1), lambda s, h, b: (b, h, 0)),
+                  pl.BlockSpec((None, None, first.shape[-1]), lambda s, h, b: (b, h, 0)),
+                  words, words, full_q, full_kv, full_kv, full_q, full_row, full_row, full_out, full_out],
         out_specs=[full_out, full_out],
         out_shape=[jax.ShapeDtypeStruct((B, sk, H, d), jnp.float32)] * 2,
-        input_output_aliases={14: 0, 15: 1},
+        input_output_aliases={13: 0, 14: 1},
         compiler_params=params,
         interpret=interpret,
         name="block_sparse_bwd_dkv_cols",
-    )(q_pos, k_pos, uniq, nuniq, lq, lw0, lw1, lcnt, q, k, v, do, lse, delta, dk_h, dv_h)
+    )(q_pos, k_pos, uniq, nuniq, first, w0, w1, q, k, v, do, lse, delta, dk_h, dv_h)
 
 
 def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -394,98 +416,101 @@ def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_
     k = k_ref[...]
     v = v_ref[...]
     kp = kpos_ref[...]
-    d = k.shape[-1]
 
-    def body(j, carry):
-        dk, dv = carry
-        e = tidx_ref[j]
-        start = pl.multiple_of((e // 2) * bs, bs)
-        q, do, qp, lse2, delta = _load_query_rows(start, bs, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
-        ok = (kp[:, None] <= qp[None, :]) | (e % 2 == 0)
-        st = jnp.where(ok, dot(k, q, trans_b=True) * qk_scale, -jnp.inf)  # [kv, q]
-        pt = jnp.exp2(st - lse2[None, :])
-        dv = dv + dot(pt.astype(do.dtype), do)
-        dpt = dot(v, do, trans_b=True)
-        dst = pt * (dpt - delta[None, :])
-        dk = dk + dot(dst.astype(q.dtype), q)
-        return dk, dv
+    def tile(rows, carry, masked=False):
+        q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
+        ok = (kp[:, None] <= qp[None, :]) if masked else None
+        return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
 
-    zeros = jnp.zeros((bs, d), jnp.float32)
-    dk, dv = lax.fori_loop(0, tcnt_ref[0], body, (zeros, zeros))
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    n_free, n_all = tcnt_ref[0], tcnt_ref[1]
+    carry = _for_blocks(tidx_ref, 0, n_free, bs, tile, (zeros, zeros))
+    dk, dv = _for_blocks(tidx_ref, n_free, n_all, bs, functools.partial(tile, masked=True), carry)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "col_chunk", "num_warps",
-                                             "num_stages", "interpret", "dkv"))
-def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
-               block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
-               interpret: bool = False, dkv: str = "kv_stationary"):
-    """Backward kernels; returns f32 ``(dq, dk, dv)``.
+def _bwd_inputs(q, q_pos, k_pos, do, lse, delta):
+    return (q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), do.astype(q.dtype), lse.astype(jnp.float32),
+            delta.astype(jnp.float32))
 
-    ``dkv="kv_stationary"`` (default): pass 1 (query-stationary) computes dQ; pass 2 (one program
-    per (KV block, query head, batch)) walks the transposed block schedule and writes per-query-head
-    dK/dV; pass 3 (one program per chunk of 64 distinct vertical columns of a head) walks the query
-    blocks that list any of them and adds into those rows; heads are summed per GQA group last.
-    ``dkv="atomic_cols"``: as above but the columns' dK/dV are added with atomics in pass 1
-    instead of a column-stationary pass 3. ``dkv="atomic"``: one fused pass, every tile's dK/dV
-    added with float32 atomics. See benchmarks/KERNEL_NOTES.md for the measurements.
-    """
-    if dkv not in DKV_MODES:
-        raise ValueError(f"dkv={dkv!r}; expected one of {DKV_MODES}")
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float, block_size: int,
+            col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """Backward pass 1: ``dq f32 [B, Sq, Hq, D]``, query-stationary over the forward's schedule."""
+    B, sq, H, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    bs = block_size
+    q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
+    bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
+    sp = _query_specs(H, H // hkv, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, cc=col_chunk),
+        grid=(sq // bs, H, B),
+        in_specs=[sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"],
+                  sp["q"], sp["kv"], sp["kv"], sp["q"], sp["row"], sp["row"]],
+        out_specs=sp["q"],
+        out_shape=jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
+        compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="block_sparse_bwd_dq",
+    )(q_pos, k_pos, bidx, cnt, cidx, q, k, v, do, lse, delta)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
+                   block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
+                   interpret: bool = False):
+    """Backward pass 2: per-query-head ``(dk_h, dv_h) f32 [B, Sk, Hq, D]`` of the active blocks,
+    one program per (KV block, query head, batch) over :func:`transpose_block_index`."""
+    del col_chunk
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g, bs = H // hkv, block_size
-    bidx, bcaus, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
-    sp = _specs(B, H, g, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
-    params = triton_compiler_params(num_warps=num_warps, num_stages=num_stages)
-    kernel = functools.partial(_dq_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs,
-                               cc=col_chunk, interpret=interpret, block_dkv=(dkv == "atomic"),
-                               col_dkv=(dkv != "kv_stationary"))
-    zeros = jnp.zeros((B, sk, hkv, d), jnp.float32)
-    do = do.astype(q.dtype)
-    lse = lse.astype(jnp.float32)
-    delta = delta.astype(jnp.float32)
-    q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
-    dq, dk, dv = pl.pallas_call(
-        kernel,
-        grid=(sq // bs, H, B),
-        in_specs=[sp["qpos"], sp["kpos"], sp["bidx"], sp["bidx"], sp["cnt"], sp["cidx"],
-                  sp["q"], sp["kv"], sp["kv"], sp["q"], sp["row"], sp["row"], sp["kv"], sp["kv"]],
-        out_specs=[sp["q"], sp["kv"], sp["kv"]],
-        out_shape=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
-                   jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32),
-                   jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)],
-        input_output_aliases={12: 1, 13: 2},
-        compiler_params=params,
-        interpret=interpret,
-        name="block_sparse_bwd_dq",
-    )(q_pos, k_pos, bidx, bcaus, cnt, cidx, q, k, v, do, lse, delta, zeros, zeros)
-    if dkv == "atomic":
-        return dq, dk, dv
-
+    q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
     tidx, tcnt = transpose_block_index(index, sk, bs)
     mtp = tidx.shape[-1]
     kv_blk = pl.BlockSpec((None, bs, None, d), lambda j, h, b: (b, j, h // g, 0))
     head_out = pl.BlockSpec((None, bs, None, d), lambda j, h, b: (b, j, h, 0))
     full_q = pl.BlockSpec((None, sq, None, d), lambda j, h, b: (b, 0, h, 0))
     full_row = pl.BlockSpec((None, None, sq), lambda j, h, b: (b, h, 0))
-    dk_h, dv_h = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_dkv_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs),
         grid=(sk // bs, H, B),
         in_specs=[pl.BlockSpec((sq,), lambda j, h, b: (0,)), pl.BlockSpec((bs,), lambda j, h, b: (j,)),
                   pl.BlockSpec((None, None, None, mtp), lambda j, h, b: (b, h, j, 0)),
-                  pl.BlockSpec((None, None, None, 1), lambda j, h, b: (b, h, j, 0)),
+                  pl.BlockSpec((None, None, None, 2), lambda j, h, b: (b, h, j, 0)),
                   full_q, kv_blk, kv_blk, full_q, full_row, full_row],
         out_specs=[head_out, head_out],
         out_shape=[jax.ShapeDtypeStruct((B, sk, H, d), jnp.float32)] * 2,
-        compiler_params=params,
+        compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_bwd_dkv",
     )(q_pos, k_pos, tidx, tcnt, q, k, v, do, lse, delta)
-    if dkv == "kv_stationary":
-        dk_h, dv_h = _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, dk_h, dv_h, sm_scale=sm_scale,
-                              bs=bs, params=params, interpret=interpret)
-    dk = dk + dk_h.reshape(B, sk, hkv, g, d).sum(axis=3)
-    dv = dv + dv_h.reshape(B, sk, hkv, g, d).sum(axis=3)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk_h, dv_h, *, sm_scale: float,
+                 block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
+                 interpret: bool = False):
+    """Backward pass 3: adds the vertical columns' dK/dV into the per-head ``dk_h, dv_h``."""
+    del col_chunk
+    q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
+    return _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, dk_h, dv_h, sm_scale=sm_scale,
+                    bs=block_size, params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+                    interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, **options):
+    """Backward kernels (module docstring: three passes); returns f32 ``(dq, dk, dv)``.
+    ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`."""
+    B, sk, hkv, d = k.shape
+    g = q.shape[2] // hkv
+    args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
+    dq = dq_pass(*args, **options)
+    dk_h, dv_h = dkv_col_pass(*args, *dkv_block_pass(*args, **options), **options)
+    dk = dk_h.reshape(B, sk, hkv, g, d).sum(axis=3)
+    dv = dv_h.reshape(B, sk, hkv, g, d).sum(axis=3)
     return dq, dk, dv

@@ -154,7 +154,9 @@ class TestXlaTwin(_KernelSuite):
 
 
 class TestPallasInterpret(_KernelSuite):
+    """Five blocks per side, so rows hold pairs of free tiles, odd tails and masked tiles."""
     impl = "pallas"
+    S = 320
 
 
 @pytest.mark.gpu

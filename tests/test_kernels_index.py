@@ -32,7 +32,7 @@ def test_transpose_block_index_lists_exactly_the_active_tiles(seed):
     nqb, nkb, heads = 6, 5, 2
     index, sq, sk = _index(seed, nqb, nkb, heads, 4, mb=4)
     tidx, tcnt = tk.transpose_block_index(index, sk, BS)
-    tidx, tcnt = np.asarray(tidx), np.asarray(tcnt)[..., 0]
+    tidx, tcnt = np.asarray(tidx), np.asarray(tcnt)
     bidx, bcnt, bcaus = (np.asarray(x) for x in (index.block_idx, index.block_count, index.block_causal))
     for h in range(heads):
         want = {}
@@ -40,8 +40,11 @@ def test_transpose_block_index_lists_exactly_the_active_tiles(seed):
             for j in range(bcnt[0, h, i]):
                 want.setdefault(int(bidx[0, h, i, j]), []).append(2 * i + int(bcaus[0, h, i, j]))
         for kb in range(nkb):
-            got = tidx[0, h, kb, : tcnt[0, h, kb]].tolist()
-            assert got == sorted(want.get(kb, [])), (h, kb)
+            entries = want.get(kb, [])
+            free = sorted(e // 2 for e in entries if e % 2 == 0)
+            masked = sorted(e // 2 for e in entries if e % 2 == 1)
+            assert tcnt[0, h, kb].tolist() == [len(free), len(entries)], (h, kb)
+            assert tidx[0, h, kb, : len(entries)].tolist() == free + masked, (h, kb)
 
 
 @settings(max_examples=20, deadline=None)
@@ -50,28 +53,37 @@ def test_transpose_col_index_reproduces_column_mask(seed):
     nqb, nkb, heads = 6, 5, 2
     index, sq, sk = _index(seed, nqb, nkb, heads, 40, mb=2)
     chunk = BS
-    uniq, nuniq, lq, lw0, lw1, lcnt = (np.asarray(x) for x in tk.transpose_col_index(index, sk, chunk))
-    # rebuild the [H, nQB, Sk] column membership from the transposed lists
+    uniq, nuniq, w0, w1 = (np.asarray(x) for x in tk.transpose_col_index(index, sk, chunk))
+    assert w0.shape[2:] == (tk._pow2(-(-sk // chunk)), tk._pow2(nqb))
+    # rebuild the [H, nQB, Sk] column membership from the distinct columns and the words
     got = np.zeros((heads, nqb, sk), bool)
     for h in range(heads):
         u = uniq[0, h, : nuniq[0, h, 0]]
         assert np.all(np.diff(u) > 0)
-        for c in range(lq.shape[2]):
-            for e in range(lcnt[0, h, c, 0]):
-                words = (int(lw0[0, h, c, e]) & 0xFFFFFFFF) | ((int(lw1[0, h, c, e]) & 0xFFFFFFFF) << 32)
+        for c in range(w0.shape[2]):
+            for i in range(w0.shape[3]):
+                words = (int(w0[0, h, c, i]) & 0xFFFFFFFF) | ((int(w1[0, h, c, i]) & 0xFFFFFFFF) << 32)
                 for lane in range(chunk):
                     if words >> lane & 1:
-                        got[h, lq[0, h, c, e], u[c * chunk + lane]] = True
+                        got[h, i, u[c * chunk + lane]] = True
     cols_only = index._replace(block_count=jnp.zeros_like(index.block_count))
     want = np.asarray(step_index_to_mask(cols_only, sq, sk, BS))[0][:, ::BS]
     np.testing.assert_array_equal(got, want)
 
 
-def test_prepare_index_pads_to_power_of_two_and_clips():
-    index, sq, sk = _index(0, 3, 5, 2, 7)
-    bidx, bcaus, cnt, cidx = tk.prepare_index(index, sk, BS, col_chunk=BS)
-    assert bidx.shape[-1] == 8 or bidx.shape[-1] == tk._pow2(index.max_blocks)
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_prepare_index_puts_free_blocks_first_pads_and_clips(seed):
+    index, sq, sk = _index(seed, 3, 5, 2, 7)
+    bidx, cnt, cidx = (np.asarray(x) for x in tk.prepare_index(index, sk, BS, col_chunk=BS))
+    assert bidx.shape[-1] == tk._pow2(index.max_blocks)
     assert cidx.shape[-1] % BS == 0
     assert int(bidx.max()) < sk // BS and int(cidx.max()) < sk
-    np.testing.assert_array_equal(np.asarray(cnt[..., 0]), np.asarray(index.block_count))
-    np.testing.assert_array_equal(np.asarray(cnt[..., 1]), np.asarray(index.col_count))
+    src, bcnt, caus = (np.asarray(x) for x in (index.block_idx, index.block_count, index.block_causal))
+    for h in range(2):
+        for i in range(3):
+            n = bcnt[0, h, i]
+            blocks, flags = src[0, h, i, :n], caus[0, h, i, :n]
+            want = blocks[flags == 0].tolist() + blocks[flags != 0].tolist()
+            assert cnt[0, h, i].tolist() == [int((flags == 0).sum()), n, int(index.col_count[0, h, i])]
+            assert bidx[0, h, i, :n].tolist() == want

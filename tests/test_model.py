@@ -170,6 +170,27 @@ def test_remat_policies_change_what_is_saved():
     assert sizes["none"] > sizes["save_attn"] > sizes["full"], sizes
 
 
+def test_save_attn_never_recomputes_the_attention_forward():
+    """Compiled FLOPs of jit(grad): ``none`` < ``save_attn`` (re-runs projections, norms, MLP) <
+    ``full`` (re-runs the whole layer). A checkpoint that saved only the attention output would
+    re-run the attention forward to rebuild its residuals, costing as much as ``full``."""
+    base = _model(remat="none")
+    t, pos = _tokens(1, 64), jnp.arange(64, dtype=jnp.int32)
+
+    def flops(model):
+        graphdef, state = nnx.split(model)
+        grad = jax.jit(jax.grad(lambda s: nnx.merge(graphdef, s)(t, pos).astype(jnp.float32).sum()))
+        cost = grad.lower(state).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    f = {p: flops(_with_config(base, remat=p)) for p in ("none", "save_attn", "full")}
+    assert f["none"] < f["save_attn"] < f["full"], f
+    # what full recomputes on top of save_attn is the attention core: at least the two S x S matmuls
+    cfg = base.config
+    attn_core = 2 * 2 * 64 * 64 * cfg.num_heads * cfg.head_dim * cfg.num_layers / 2  # causal half
+    assert f["full"] - f["save_attn"] >= attn_core, (f, attn_core)
+
+
 def test_backend_segments():
     assert backend_segments(("ring", "ring", "reference", "ring")) == [(0, 2, "ring"), (2, 3, "reference"), (3, 4, "ring")]
 

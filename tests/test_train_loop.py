@@ -7,6 +7,7 @@ All runs use configs/tiny_cpu.yaml with overrides that shrink it to CI size (2 l
 import json
 import math
 import os
+import re
 import shutil
 
 import jax
@@ -72,6 +73,9 @@ def test_cli_end_to_end_loss_falls_with_checkpoint_and_plot(tmp_path, capsys):
     assert 0.0 <= evals[1]["passkey_accuracy"] <= 1.0
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"]
     assert (tmp_path / "loss.png").stat().st_size > 1000
+    events = os.listdir(tmp_path / "tensorboard")
+    assert len(events) == 1 and events[0].startswith("events.out.tfevents")
+    assert (tmp_path / "tensorboard" / events[0]).stat().st_size > 100
     assert "done: step 6" in capsys.readouterr().out
 
 
@@ -138,10 +142,11 @@ def test_interrupted_save_leaves_previous_checkpoint_usable(tmp_path):
         (["model.vocab_size=100"], "tokenizer 'byte' has 259 tokens but model.vocab_size is 100"),
         (["mesh.shape=[3,4]"], "needs 12 devices, but 8 are available"),
         (["data.batch_size=3", "mesh.shape=[1,4]", "mesh.data=2"], "data.batch_size=3 is not divisible by mesh.data=2"),
+        (["model.dense_backend=cudnn"], "'cudnn' runs on one device (natural token order); the mesh has 8 CP ranks"),
     ],
 )
 def test_bad_run_inputs_are_rejected_up_front(tmp_path, overrides, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         run(_cfg(tmp_path, "steps=1", *overrides))
     assert not (tmp_path / "checkpoints").exists()
 

@@ -53,7 +53,8 @@ dK/dV accumulators travel with them:
   forward's outer K/V hop;
 * after the last step ``tot`` for the chunk this rank held at step ``P-1`` is complete and one
   permute ``rank -> source_rank(rank, P-1)`` brings it home (flat: +1; hierarchical: +1 node and
-  +1 local at once)::
+  +1 local at once), already rounded to K/V's dtype (the owner adds nothing to it; for bf16 this
+  halves the one transfer no compute can hide)::
 
       outer step i:  acc --inner--> acc --inner--> ... acc ─┐
                                                     tot_in ─┴─(+)─ tot ──outer +1──> next outer step
@@ -200,7 +201,8 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index):
 
 
 def _backward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index, out, lse, do):
-    """The backward ring (see module docstring); returns float32 ``(dq, dk, dv)``."""
+    """The backward ring (see module docstring); returns ``dq`` float32 and ``dk, dv`` in k's dtype
+    (accumulated in float32 on the way)."""
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner
     rank = _my_rank(cfg)
@@ -231,7 +233,9 @@ def _backward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index, out, lse, d
         if i < n_outer - 1:
             tot = _shift(tot, outer_axis, n_outer)
             vk = vk_outer
-    dkv = _send_home(tot, cfg)
+    # The owner adds nothing after this, so rounding to K/V's dtype before the transfer gives the
+    # same bits as after it, and halves the one transfer no compute is left to hide (bf16).
+    dkv = _send_home(tot.astype(k.dtype), cfg)
     return dq, dkv[0], dkv[1]
 
 

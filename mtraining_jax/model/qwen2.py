@@ -27,9 +27,9 @@ graph); ``False`` unrolls a Python loop over slices. Both are wrapped per layer 
 
 * ``none``      keep every activation for the backward pass;
 * ``full``      save only the layer input (recompute the whole layer in the backward pass);
-* ``save_attn`` save the layer input and the attention output (named ``"attn_out"`` with
-  ``checkpoint_name``), so the backward pass recomputes the projections/MLP but not the attention
-  forward.
+* ``save_attn`` checkpoint the projections/norms before and the output projection/MLP after the
+  attention core separately, leaving the core outside: its own residuals (q, k, v, out, lse, the
+  sparse index) are kept, so the backward pass recomputes everything but the attention forward.
 
 Scan vs loop, measured on CPU (JAX 0.10.2, hidden 256, 8/2 heads, B=1, S=512, float32,
 jit(value_and_grad); full table in benchmarks/model_scan_vs_loop.md): compile time is flat in depth
@@ -47,13 +47,10 @@ import itertools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from mtraining_jax.attention.dispatch import attention
 from mtraining_jax.model.config import ModelConfig
 from mtraining_jax.model.rope import apply_rope, rope_cos_sin, rope_parameters
-
-ATTN_OUT_NAME = "attn_out"
 
 
 def _dtype(name: str):
@@ -98,17 +95,29 @@ class Qwen2Attention(nnx.Module):
         self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, True, rngs)
         self.o_proj = _linear(cfg, cfg.num_heads * d, h, False, rngs)
 
-    def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
-                 mtraining=None):
+    def qkv(self, x, cos, sin):
+        """``x [B, S, hidden]`` -> RoPE'd ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]``."""
         B, S, _ = x.shape
         q = self.q_proj(x).reshape(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, S, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, S, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o, stats = attention(q, k, v, positions, backend=backend, mesh=mesh, ring_order=ring_order, impl=impl,
-                             mtraining=mtraining, return_stats=True)
-        o = checkpoint_name(o, ATTN_OUT_NAME)
-        return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim)), stats
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, o):
+        """``o [B, S, Hq, D]`` -> ``[B, S, hidden]``."""
+        B, S = o.shape[:2]
+        return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))
+
+    def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
+                 mtraining=None):
+        o, stats = attend(*self.qkv(x, cos, sin), positions, backend=backend, mesh=mesh, ring_order=ring_order,
+                          impl=impl, mtraining=mtraining)
+        return self.output(o), stats
+
+
+def attend(q, k, v, positions, **kwargs):
+    """The attention core of a layer (no parameters): ``(o [B, S, Hq, D], stats)``."""
+    return attention(q, k, v, positions, return_stats=True, **kwargs)
 
 
 class Qwen2MLP(nnx.Module):
@@ -134,26 +143,51 @@ class Qwen2DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=p)
         self.mlp = Qwen2MLP(cfg, rngs=rngs)
 
+    def attention_inputs(self, x, cos, sin):
+        """``(q, k, v)`` of ``norm(x)`` (the part of the layer before the attention core)."""
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def finish(self, x, o):
+        """``x + O(o)`` then the MLP block (the part of the layer after the attention core)."""
+        x = x + self.self_attn.output(o)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
     def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
                  mtraining=None):
-        a, stats = self.self_attn(
-            self.input_layernorm(x), cos, sin, positions, backend=backend, mesh=mesh, ring_order=ring_order, impl=impl,
-            mtraining=mtraining,
-        )
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), stats
+        o, stats = attend(*self.attention_inputs(x, cos, sin), positions, backend=backend, mesh=mesh,
+                          ring_order=ring_order, impl=impl, mtraining=mtraining)
+        return self.finish(x, o), stats
 
 
-def _remat(fn, policy: str, prevent_cse: bool):
+def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, prevent_cse: bool):
+    """``f(h, layer_state) -> (h, stats)`` for one decoder layer under the remat ``policy``.
+
+    ``save_attn`` checkpoints the two parameter pieces around the attention core separately and
+    leaves the core itself outside ``jax.checkpoint``: its ``custom_vjp`` residuals (q, k, v, out,
+    lse and, for ``mtraining``, the sparse index) are saved as usual, so the backward pass
+    recomputes the projections, norms and MLP but never the attention forward (nor the index
+    estimate). A single checkpoint around the whole layer that saves only the attention output
+    would still have to rerun the attention forward to rebuild those residuals.
+    """
+
+    def whole(h, layer_state):
+        return nnx.merge(graphdef, layer_state)(h, cos, sin, positions, **attn_kwargs)
+
     if policy == "none":
-        return fn
+        return whole
     if policy == "full":
-        return jax.checkpoint(fn, prevent_cse=prevent_cse)
-    if policy == "save_attn":
-        return jax.checkpoint(
-            fn, prevent_cse=prevent_cse, policy=jax.checkpoint_policies.save_only_these_names(ATTN_OUT_NAME)
-        )
-    raise ValueError(f"unknown remat policy {policy!r}")
+        return jax.checkpoint(whole, prevent_cse=prevent_cse)
+    if policy != "save_attn":
+        raise ValueError(f"unknown remat policy {policy!r}")
+    before = jax.checkpoint(lambda h, st: nnx.merge(graphdef, st).attention_inputs(h, cos, sin),
+                            prevent_cse=prevent_cse)
+    after = jax.checkpoint(lambda h, o, st: nnx.merge(graphdef, st).finish(h, o), prevent_cse=prevent_cse)
+
+    def split(h, layer_state):
+        o, stats = attend(*before(h, layer_state), positions, **attn_kwargs)
+        return after(h, o, layer_state), stats
+
+    return split
 
 
 @functools.lru_cache(maxsize=32)
@@ -233,16 +267,9 @@ class Qwen2ForCausalLM(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
 
         def run_layer(backend):
-            mtraining = cfg.mtraining_config() if backend == "mtraining" else None
-
-            def f(h, layer_state):
-                layer = nnx.merge(graphdef, layer_state)
-                return layer(
-                    h, cos, sin, positions, backend=backend, mesh=mesh,
-                    ring_order=cfg.ring_order, impl=cfg.attention_impl, mtraining=mtraining,
-                )
-
-            return _remat(f, cfg.remat, prevent_cse=not cfg.scan_layers)
+            attn_kwargs = dict(backend=backend, mesh=mesh, ring_order=cfg.ring_order, impl=cfg.attention_impl,
+                               mtraining=cfg.mtraining_config() if backend == "mtraining" else None)
+            return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, cfg.remat, prevent_cse=not cfg.scan_layers)
 
         per_segment = []
         for start, stop, backend in backend_segments(cfg.layer_backends):

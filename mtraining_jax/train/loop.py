@@ -74,10 +74,9 @@ def check_run_config(cfg: TrainConfig, model_cfg, mesh, tokenizer) -> Layout:
     if d.batch_size % data_ax:
         raise ValueError(f"data.batch_size={d.batch_size} is not divisible by mesh.data={data_ax}")
     backends = set(model_cfg.layer_backends)
-    if "cudnn" in backends and d.layout != "contiguous":
-        raise ValueError(f"attention backend 'cudnn' needs data.layout=contiguous, got {d.layout!r}")
-    if "cudnn" in backends and P_ > 1:
-        raise ValueError(f"attention backend 'cudnn' runs on one device; the mesh has {P_} CP ranks")
+    if "cudnn" in backends and P_ > 1:  # on one rank every layout is the identity permutation
+        raise ValueError(f"attention backend 'cudnn' runs on one device (natural token order); the mesh "
+                         f"has {P_} CP ranks and data.layout={d.layout!r}")
     if "mtraining" in backends:
         mcfg = model_cfg.mtraining_config()
         if model_cfg.layout != d.layout:

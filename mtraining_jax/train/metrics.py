@@ -1,4 +1,5 @@
-"""Run metrics: JSONL (always), TensorBoard event files (if ``tensorboardX`` is installed), a
+"""Run metrics: JSONL and TensorBoard event files (``tensorboardX``, a dependency; skipped with a
+warning where it is missing, e.g. an offline GPU image), a
 tqdm progress bar, and a loss-curve PNG (matplotlib Agg) at the end.
 
 Every record is one JSON line ``{"step": int, "split": "train"|"eval", "time": float, ...}``;
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import time
+import warnings
 
 import jax
 
@@ -33,7 +35,7 @@ class MetricsWriter:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:
-                pass
+                warnings.warn("tensorboardX is not installed: no TensorBoard event files (metrics.jsonl only)")
             else:
                 self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
                 self.tensorboard_backend = "tensorboardX"

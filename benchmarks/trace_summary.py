@@ -1,0 +1,131 @@
+"""Per-device breakdown of a ``jax.profiler`` trace: where the GPU time of a step goes.
+
+``jax.profiler.trace(dir, create_perfetto_trace=True)`` writes
+``dir/plugins/profile/<run>/perfetto_trace.json.gz`` (Chrome trace-event JSON). On a GPU, each
+device is a process named ``/device:GPU:<n>`` whose ``Stream #...`` threads hold one complete
+event (``"ph": "X"``) per kernel or copy. From those this module computes, per device:
+
+* ``span_ms``   first kernel start to last kernel end;
+* ``compute_ms`` union of the intervals of non-communication kernels;
+* ``comm_ms``   union of the intervals of communication kernels (names matching ``nccl``);
+* ``exposed_comm_ms`` the part of ``comm_ms`` with no compute kernel running on that device — the
+  communication the step actually waits for (the measured counterpart of an upper bound from
+  transfer sizes);
+* ``idle_ms``   ``span_ms`` minus the union of all kernels (launch gaps, host sync);
+* ``top``       kernels grouped by name: total ms and count, largest first.
+
+Usage: ``python benchmarks/trace_summary.py TRACE_DIR [--top 20]`` (prints JSON), or
+:func:`summarize_dir` from a benchmark script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+
+COMM = re.compile(r"nccl|all[-_]?reduce|collective|sendrecv", re.IGNORECASE)
+
+
+def find_trace(trace_dir: str) -> str:
+    """Newest ``perfetto_trace.json.gz`` (or ``*.trace.json.gz``) under ``trace_dir``."""
+    hits = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    hits = hits or glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not hits:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz / *.trace.json.gz under {trace_dir!r}")
+    return max(hits, key=os.path.getmtime)
+
+
+def device_kernels(events: list[dict]) -> dict[str, list[tuple[str, float, float]]]:
+    """``{device: [(name, start_us, end_us)]}`` from the GPU processes' ``Stream`` threads."""
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    gpus = {pid: n for pid, n in procs.items() if n.startswith("/device:")}
+    out: dict[str, list] = {n: [] for n in gpus.values()}
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpus:
+            continue
+        if not threads.get((e["pid"], e.get("tid")), "").startswith("Stream"):
+            continue  # derived rows ("XLA Ops", "XLA Modules", "Steps") repeat the kernels' time
+        out[gpus[e["pid"]]].append((e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+    return out
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(a_set, b_set) -> float:
+    """Length of the intersection of two sorted lists of disjoint intervals (two pointers)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a_set) and j < len(b_set):
+        lo, hi = max(a_set[i][0], b_set[j][0]), min(a_set[i][1], b_set[j][1])
+        total += max(0.0, hi - lo)
+        if a_set[i][1] < b_set[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(kernels: list[tuple[str, float, float]], top: int = 20) -> dict:
+    """Timing summary of one device's kernels (see module docstring); times in ms."""
+    if not kernels:
+        return {"kernels": 0}
+    comm = _union((s, e) for n, s, e in kernels if COMM.search(n))
+    compute = _union((s, e) for n, s, e in kernels if not COMM.search(n))
+    every = _union((s, e) for _, s, e in kernels)
+    span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
+    by_name: dict[str, list[float]] = {}
+    for n, s, e in kernels:
+        acc = by_name.setdefault(n, [0.0, 0])
+        acc[0] += e - s
+        acc[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "kernels": len(kernels),
+        "span_ms": span / 1e3,
+        "compute_ms": _length(compute) / 1e3,
+        "comm_ms": _length(comm) / 1e3,
+        "exposed_comm_ms": (_length(comm) - _overlap(comm, compute)) / 1e3,
+        "idle_ms": (span - _length(every)) / 1e3,
+        "top": [{"name": n[:120], "ms": t / 1e3, "count": c} for n, (t, c) in ranked],
+    }
+
+
+def summarize_dir(trace_dir: str, top: int = 20) -> dict[str, dict]:
+    """``{device: summary}`` of the newest trace under ``trace_dir``."""
+    with gzip.open(find_trace(trace_dir)) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return {dev: summarize(ks, top) for dev, ks in sorted(device_kernels(events).items())}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace_dir")
+    ap.add_argument("--top", type=int, default=20)
+    a = ap.parse_args()
+    print(json.dumps(summarize_dir(a.trace_dir, a.top), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,433 @@
+"""Training throughput on one GPU: dense (``cudnn``) vs sparse (``mtraining``) attention (issue 7).
+
+Measures the real training step of ``mtraining-train --config CONFIG`` — the same config loader and
+``key=value`` overrides (:func:`mtraining_jax.train.config.load_config`), the same validation
+(:func:`~mtraining_jax.train.loop.check_run_config`), model split, optimizer, replicated state and
+jitted ``train_step`` as :func:`mtraining_jax.train.loop.run` — for every (sequence length,
+attention backend) pair, and reports the step time, training tokens/s, peak device memory and
+compile time, plus the loss of every step and the attention statistics the step returns.
+
+Per configuration the benchmark forces, on top of the config file and the user's ``--set``
+overrides (the benchmark's own keys win):
+
+* ``data.seq_len=S``, ``data.batch_size=--batch`` (1), ``optim.grad_accum=1``,
+  ``mesh.shape=[1,1]``, ``mesh.data=1`` (one device; the first one when the host has several);
+* ``model.attention_backend=BACKEND`` and, per backend:
+
+  - ``cudnn``: ``model.dense_backend=cudnn`` (the config's dense layers too, so every layer is
+    cuDNN flash attention); ``check_run_config`` accepts cuDNN on one CP rank, where every layout
+    is the identity permutation (its causal mask is by index);
+  - ``mtraining``: ``data.layout=model.layout`` (block_striped) and ``data.stripe`` = the sparse
+    block size (``model.sparsity.block_size``, 64), as ``check_run_config`` demands; the config's
+    dense layers run on cuDNN (``model.dense_backend=cudnn``), the fastest dense attention on one
+    GPU, so the two rows differ only in the sparse layers;
+  - ``ring`` / ``reference``: ``model.dense_backend=BACKEND``; layout as configured.
+
+On one device every layout is the identity permutation, so all backends see the same tokens in
+the same order. Inputs are uniformly random token ids (no corpus is read) cut into
+:class:`~mtraining_jax.train.data.Batch` es by the real :class:`~mtraining_jax.train.data.PackedLoader`
+(labels shifted before the layout permutation, ``positions`` = the layout's permutation), placed
+on the device with the loop's shardings *before* timing, so the clock covers only the step.
+
+Timing: ``train_step.lower(state, batch).compile()`` (reported as ``compile_s``), ``--warmup``
+steps, then ``--steps`` timed steps, each waited for with ``jax.block_until_ready`` on the new
+state and the metrics; ``step_ms`` is the median, ``tokens_per_s = seq_len * batch / step``.
+``peak_gib`` is ``memory_stats()["peak_bytes_in_use"]`` of the device after the last step (None
+where the backend has no memory statistics, e.g. CPU). That peak cannot be reset, so the driver
+runs every configuration in a fresh subprocess (``--one``, which prints one JSON row as its last
+stdout line); a failure in a child (OOM, compile error, timeout, crash) becomes an error row.
+The peak covers everything the child allocated through JAX's allocator: state, batches, the step,
+and any scratch XLA's autotuner took while compiling (``memory_analysis`` records the compiler's
+own argument/output/temp sizes next to it). Children get ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95``
+unless set, so that the default 75 % pool does not cause an OOM the device could avoid; the
+measured peak does not depend on the pool size.
+
+    # issue 7 (one H200; the 4 configurations, cut off after 5 minutes in all)
+    PYTHONPATH=. python benchmarks/train_throughput.py --warmup 1 --steps 3 --time-budget 290 \\
+        --out /tmp/train_tp
+    # re-print the table of saved rows (several files: one table)
+    PYTHONPATH=. python benchmarks/train_throughput.py --report /tmp/train_tp/train_throughput.jsonl
+    # one configuration in this process (what the driver's children run)
+    PYTHONPATH=. python benchmarks/train_throughput.py --one --seq-len 65536 --backend mtraining
+
+Rows (``OUT/train_throughput.jsonl``, one per configuration; the table also goes to
+``OUT/train_throughput.md``): see :data:`ROW_KEYS`; error rows carry ``error`` and the
+configuration keys. The driver adds ``date`` and ``command``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # `python benchmarks/train_throughput.py` without PYTHONPATH=.
+    sys.path.insert(0, REPO)
+
+from mtraining_jax.train.config import TrainConfig, load_config  # noqa: E402  (no JAX backend start)
+
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "qwen2.5-0.5b-128k.yaml")
+BACKENDS = ("reference", "cudnn", "ring", "mtraining")
+BASELINE = "cudnn"
+GIB = 2.0**30
+#: keys of a successful row (error rows: seq_len, backend, batch, error, + what the child knew)
+ROW_KEYS = (
+    "seq_len", "backend", "batch", "tokens_per_step", "step_ms", "step_ms_all", "tokens_per_s",
+    "compile_s", "peak_bytes", "peak_gib", "memory_analysis", "losses", "loss_finite", "metrics",
+    "work_fraction", "num_params", "model", "layer_backends", "layout", "remat", "dtype",
+    "loss_chunk_size", "overrides", "device_kind", "platform", "jax_version", "error",
+)
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+def backend_overrides(backend: str, model_cfg) -> list[str]:
+    """The overrides ``backend`` needs beyond ``model.attention_backend`` (module docstring);
+    ``model_cfg`` is the model config already built with that backend."""
+    if backend == "cudnn":
+        return ["model.dense_backend=cudnn"]
+    if backend == "mtraining":
+        mcfg = model_cfg.mtraining_config()
+        return [f"data.layout={model_cfg.layout}", f"data.stripe={mcfg.block_size}", "model.dense_backend=cudnn"]
+    return [f"model.dense_backend={backend}"]
+
+
+def bench_config(config: str, sets: Sequence[str], seq_len: int, backend: str, batch: int = 1):
+    """``(TrainConfig, overrides)`` of one benchmark configuration: ``config`` + ``sets`` + the
+    benchmark's keys (which win). Two passes: the backend's layout needs the model config."""
+    from mtraining_jax.train.state import build_model_config
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    base = list(sets) + [
+        f"data.seq_len={int(seq_len)}", f"data.batch_size={int(batch)}", "optim.grad_accum=1",
+        "mesh.shape=[1,1]", "mesh.data=1", f"model.attention_backend={backend}",
+    ]
+    cfg = load_config(config, base)
+    _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    overrides = base + backend_overrides(backend, model_cfg)
+    return load_config(config, overrides), overrides
+
+
+def random_batches(cfg: TrainConfig, layout, vocab_size: int, num: int, seed: int = 0):
+    """``num`` host :class:`Batch` es ``[1, B, S]`` of uniform random tokens in ``layout`` order,
+    cut by the training loader itself."""
+    import numpy as np
+
+    from mtraining_jax.train.data import PackedLoader
+
+    S, B = cfg.data.seq_len, cfg.data.batch_size
+    stream = np.random.default_rng(seed).integers(0, vocab_size, size=num * B * S + 1, dtype=np.int32)
+    loader = PackedLoader(stream, S, B, layout, seed=seed, accum=1, name="random")
+    return [next(loader) for _ in range(num)]
+
+
+# ------------------------------------------------------------------------------ one configuration
+
+
+def _memory_analysis(compiled) -> Optional[dict]:
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001  (not every backend implements it)
+        return None
+    if ma is None:
+        return None
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+            "temp_size_in_bytes", "generated_code_size_in_bytes")
+    return {k: int(getattr(ma, k)) for k in keys if hasattr(ma, k)}
+
+
+def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, batch: int = 1,
+            warmup: int = 2, steps: int = 5, seed: int = 0) -> dict:
+    """Build, compile and time one configuration in this process; returns its row (raises on
+    error — the ``--one`` entry point turns exceptions into error rows)."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    cfg, overrides = bench_config(config, sets, seq_len, backend, batch)
+    from mtraining_jax.train.cli import _setup_platform
+
+    _setup_platform(cfg.mesh.cpu_devices)  # as the CLI does (CPU configs); no-op on GPU configs
+
+    import jax
+    import numpy as np
+
+    from mtraining_jax.train.loop import build_mesh, check_run_config, to_global
+    from mtraining_jax.train.optim import build_optimizer
+    from mtraining_jax.train.state import (abstract_train_state, build_model_config, num_params,
+                                           split_model, train_state_fn)
+    from mtraining_jax.train.step import batch_shardings, make_train_step
+    from mtraining_jax.train.tokenizer import load_tokenizer
+
+    # --- exactly loop.run's construction -----------------------------------------------------
+    mesh = build_mesh(cfg.mesh)
+    model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    layout = check_run_config(cfg, model_cfg, mesh, load_tokenizer(cfg.data.tokenizer))
+    optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
+    parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
+    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed)
+    state_sh = jax.tree.map(lambda x: x.sharding, abstract_train_state(state_fn, mesh))
+    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
+    sh_acc = batch_shardings(mesh, True)
+
+    n = warmup + steps
+    host = random_batches(cfg, layout, model_cfg.vocab_size, min(n, 4), seed)
+    batches = [jax.tree.map(to_global, b, sh_acc) for b in host]
+    state = state_fn()
+    jax.block_until_ready(state)
+    device = mesh.devices.flat[0]
+
+    t0 = time.perf_counter()
+    compiled = train_step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+
+    times, losses, metrics = [], [], {}
+    for i in range(n):
+        t0 = time.perf_counter()
+        state, out = compiled(state, batches[i % len(batches)])
+        jax.block_until_ready((state, out))
+        dt = time.perf_counter() - t0
+        metrics = {k: float(v) for k, v in jax.device_get(out).items()}
+        losses.append(metrics["loss"])
+        if i >= warmup:
+            times.append(dt)
+
+    step_s = statistics.median(times)
+    tokens = cfg.data.seq_len * cfg.data.batch_size
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    peak = int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+    return {
+        "seq_len": cfg.data.seq_len,
+        "backend": backend,
+        "batch": cfg.data.batch_size,
+        "tokens_per_step": tokens,
+        "step_ms": 1e3 * step_s,
+        "step_ms_all": [1e3 * t for t in times],
+        "tokens_per_s": tokens / step_s,
+        "compile_s": compile_s,
+        "peak_bytes": peak,
+        "peak_gib": None if peak is None else peak / GIB,
+        "memory_analysis": _memory_analysis(compiled),
+        "losses": losses,
+        "loss_finite": bool(np.all(np.isfinite(losses))),
+        "metrics": metrics,
+        "work_fraction": metrics.get("attn/work_fraction"),
+        "num_params": num_params(state["params"]),
+        "model": model_cfg.name,
+        "layer_backends": _runs(model_cfg.layer_backends),
+        "layout": layout.name,
+        "remat": model_cfg.remat,
+        "dtype": model_cfg.dtype,
+        "loss_chunk_size": cfg.loss_chunk_size,
+        "overrides": list(overrides),
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "jax_version": jax.__version__,
+        "error": None,
+    }
+
+
+def _runs(backends) -> str:
+    """``("ring", "ring", "mtraining", ...)`` -> ``"2xring+22xmtraining"``."""
+    import itertools
+
+    return "+".join(f"{len(list(g))}x{b}" for b, g in itertools.groupby(backends))
+
+
+def error_row(seq_len: int, backend: str, batch: int, message: str, **extra) -> dict:
+    """A row for a configuration that did not finish (message truncated to 2000 characters)."""
+    message = message.strip()
+    if len(message) > 2000:
+        message = message[:1000] + " ... " + message[-995:]
+    return {"seq_len": int(seq_len), "backend": backend, "batch": int(batch), "error": message, **extra}
+
+
+def _one_main(args) -> int:
+    try:
+        row = run_one(args.config, args.set, args.seq_len, args.backend, batch=args.batch,
+                      warmup=args.warmup, steps=args.steps, seed=args.seed)
+    except Exception as e:  # noqa: BLE001  (OOM, compile errors, bad config: all become rows)
+        extra = {}
+        try:
+            import jax
+
+            extra = {"jax_version": jax.__version__, "device_kind": jax.devices()[0].device_kind}
+        except Exception:  # noqa: BLE001
+            pass
+        row = error_row(args.seq_len, args.backend, args.batch, f"{type(e).__name__}: {e}", **extra)
+    sys.stdout.flush()
+    print(json.dumps(row), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def child_command(args, seq_len: int, backend: str) -> list[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", "--config", args.config,
+           "--seq-len", str(seq_len), "--backend", backend, "--batch", str(args.batch),
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
+    if args.set:
+        cmd += ["--set", *args.set]
+    return cmd
+
+
+def run_child(cmd: Sequence[str], seq_len: int, backend: str, batch: int, timeout: float) -> dict:
+    """Run one ``--one`` child; its last JSON stdout line, or an error row."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return error_row(seq_len, backend, batch, f"timeout: no result within {timeout:g} s")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                break
+    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-15:]
+    return error_row(seq_len, backend, batch, f"child exited with status {proc.returncode}: " + "\n".join(tail))
+
+
+def _fmt(x, spec: str) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-" if x is None else str(x)
+    return format(x, spec)
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Markdown table: one line per row, speed-up = tokens/s over the ``cudnn`` row of the same
+    length and batch."""
+    base = {(r["seq_len"], r.get("batch", 1)): r["tokens_per_s"] for r in rows
+            if r.get("backend") == BASELINE and not r.get("error")}
+    head = ("| seq | backend | step ms | tokens/s | vs cudnn | peak GiB | compile s | work frac "
+            "| loss (first -> last) |")
+    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["seq_len"], BACKENDS.index(r["backend"]) if r["backend"] in BACKENDS else 99)):
+        if r.get("error"):
+            msg = " ".join(str(r["error"]).split())[:160].replace("|", "/")
+            lines.append(f"| {r['seq_len']} | {r['backend']} | error: {msg} | | | | | | |")
+            continue
+        b = base.get((r["seq_len"], r.get("batch", 1)))
+        speed = f"{r['tokens_per_s'] / b:.2f}x" if b else "-"
+        losses = r.get("losses") or []
+        loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
+        lines.append(
+            f"| {r['seq_len']} | {r['backend']} | {_fmt(r['step_ms'], '.1f')} | {_fmt(r['tokens_per_s'], ',.0f')} "
+            f"| {speed} | {_fmt(r.get('peak_gib'), '.2f')} | {_fmt(r.get('compile_s'), '.1f')} "
+            f"| {_fmt(r.get('work_fraction'), '.3f')} | {loss} |"
+        )
+    dev = sorted({r.get("device_kind") for r in rows if r.get("device_kind")})
+    ver = sorted({r.get("jax_version") for r in rows if r.get("jax_version")})
+    if dev or ver:
+        lines.append("")
+        lines.append(f"device: {', '.join(dev) or '?'}; jax {', '.join(ver) or '?'}")
+    return "\n".join(lines)
+
+
+def load_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _backend_list(text: str) -> list[str]:
+    vals = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [v for v in vals if v not in BACKENDS]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(f"backends must be from {BACKENDS}, got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="training YAML (default: %(default)s)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="config overrides as for mtraining-train (e.g. model.remat=full)")
+    p.add_argument("--seq-lens", type=_int_list, default=[65536, 131072], help="comma-separated")
+    p.add_argument("--backends", type=_backend_list, default=["cudnn", "mtraining"], help="comma-separated")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration (child)")
+    p.add_argument("--time-budget", type=float, help="seconds for the whole run: each child gets at most "
+                   "what is left (a configuration cut off becomes a timeout row)")
+    p.add_argument("--out", help="folder for train_throughput.jsonl / .md")
+    p.add_argument("--report", nargs="+", metavar="JSONL", help="only print the table of saved rows")
+    p.add_argument("--one", action="store_true", help="run one configuration here, print its JSON row")
+    p.add_argument("--seq-len", type=int, help="--one: sequence length")
+    p.add_argument("--backend", choices=BACKENDS, help="--one: attention backend")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.report:
+        print(format_table([r for path in args.report for r in load_rows(path)]))
+        return 0
+    if args.batch < 1 or args.steps < 1 or args.warmup < 0:
+        raise SystemExit(f"need --batch >= 1, --steps >= 1, --warmup >= 0; got {args.batch}, {args.steps}, {args.warmup}")
+    if args.one:
+        if args.seq_len is None or args.backend is None:
+            raise SystemExit("--one needs --seq-len and --backend")
+        return _one_main(args)
+    load_config(args.config, args.set)  # bad config / override: fail before spawning anything
+    command = " ".join(shlex.quote(a) for a in [os.path.relpath(os.path.abspath(__file__), REPO)] +
+                       list(sys.argv[1:] if argv is None else argv))
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    log = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        log = open(os.path.join(args.out, "train_throughput.jsonl"), "w")
+    rows = []
+    deadline = None if args.time_budget is None else time.time() + args.time_budget
+    try:
+        for S in args.seq_lens:
+            for b in args.backends:
+                t0 = time.time()
+                timeout = args.timeout if deadline is None else min(args.timeout, deadline - t0)
+                if timeout <= 0:
+                    row = error_row(S, b, args.batch, f"skipped: --time-budget {args.time_budget:g} s spent")
+                else:
+                    row = run_child(child_command(args, S, b), S, b, args.batch, timeout)
+                row.update(date=date, command=command)
+                rows.append(row)
+                status = row["error"] or f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s"
+                print(f"[{time.time() - t0:6.1f}s] S={S} {b}: {status}", file=sys.stderr, flush=True)
+                if log is not None:
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+    finally:
+        if log is not None:
+            log.close()
+    table = format_table(rows)
+    print(table)
+    if args.out:
+        with open(os.path.join(args.out, "train_throughput.md"), "w") as f:
+            f.write(f"`{command}` ({date})\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
