@@ -75,6 +75,13 @@ def check_step_index(index: StepIndex, batch: int, heads: int, sq: int, sk: int,
         raise ValueError(f"index has {index.max_blocks} block slots but the KV chunk has only {sk // block_size} blocks")
 
 
+def step_work(index: StepIndex, block_size: int = DEFAULT_BLOCK):
+    """Attended kernel slots of an index (float32, summed over everything but a leading step
+    axis, if any): ``block_count * bs^2 + col_count * bs`` — the unit of the load metrics."""
+    w = index.block_count.astype(jnp.float32) * block_size**2 + index.col_count.astype(jnp.float32) * block_size
+    return w.reshape(w.shape[0], -1).sum(axis=1) if w.ndim == 4 else w.sum()
+
+
 def causal_flags(q_pos, k_pos, block_idx, block_size: int = DEFAULT_BLOCK):
     """``int32`` like ``block_idx``: 1 where the tile (query block, KV block) has a non-causal pair."""
     qmin = q_pos.reshape(-1, block_size).min(axis=1)  # [nQB]

@@ -12,7 +12,7 @@ from mtraining_jax.attention.mtraining import MTrainingConfig, full_index, mtrai
 from mtraining_jax.attention.reference import dense_attention
 from mtraining_jax.attention.ring import ring_attention
 from mtraining_jax.mesh import make_mesh
-from mtraining_jax.sparsity import SparsityConfig, estimate_index, masked_reference
+from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index, masked_reference
 from mtraining_jax.sparsity.metrics import work_matrix
 
 S, B, HQ, HKV, D = 1024, 1, 4, 2, 32
@@ -147,3 +147,24 @@ def test_bad_inputs():
         mtraining_attention(q[:, :, :3], k, v, mesh, MTrainingConfig(sparsity=SPARSE))
     with pytest.raises(ValueError, match="positions do not match"):
         mtraining_attention(q, k, v, mesh, MTrainingConfig(sparsity=SPARSE), positions=np.arange(S))
+
+
+def test_backward_keeps_the_compact_index_not_every_step():
+    """The ring converts one step at a time (``RankStepIndex``): the residuals saved for the
+    backward hold the compact global index, not the ``[P steps, B, H, nQB, MC]`` per-step index
+    that converting every step up front would keep alive between forward and backward."""
+    P = 4
+    mesh = make_mesh((1, P), jax.devices()[:P])
+    cfg = MTrainingConfig(sparsity=SparsityConfig(vertical_p=0.9, vertical_min=64, vertical_max=256,
+                                                  slash_min=1, slash_max=4))
+    layout = cfg.make_layout(S, P)
+    q, k, v, _ = _inputs(0)
+    lq, lk, lv = (layout.permute(x) for x in (q, k, v))
+    f = jax.jit(lambda a, b, c: mtraining_attention(a, b, c, mesh, cfg, return_stats=True))
+    _, vjp, stats = jax.vjp(f, lq, lk, lv, has_aux=True)
+    int_residuals = sum(x.size for x in jax.tree.leaves(vjp)
+                        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer))
+    all_steps = sum(  # what every rank would hold if all P steps were converted in the forward
+        x.size for r in range(P) for x in jax.tree.leaves(convert_index(
+            stats.index, r, layout, num_nodes=1, num_local=P, ring_order=cfg.ring_order)))
+    assert int_residuals * 8 < all_steps, (int_residuals, all_steps)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as Ps
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, make_mesh
 from mtraining_jax.ring_schedule import source_table
-from mtraining_jax.sparsity import convert_index, convert_step, index_to_mask
+from mtraining_jax.sparsity import RankStepIndex, convert_index, convert_step, index_to_mask
 from mtraining_jax.sparsity.index import random_index
 from pallas_kernels.index_format import causal_flags
 
@@ -123,6 +123,31 @@ def test_convert_inside_shard_map_with_traced_rank(order):
     got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Ps(CP_AXES), out_specs=Ps(CP_AXES)))(jnp.zeros(8))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("order,layout", [("hierarchical", "block_striped"), ("flat", "zigzag")])
+def test_rank_step_index_converts_each_step_like_convert_index(order, layout):
+    """``RankStepIndex(...).step(s)`` (one step on demand, traced rank and step) == entry ``s`` of
+    ``convert_index``, for every rank and step; it flattens to the compact index + rank only."""
+    S, bs, N, L = 1024, 64, 2, 2
+    index = random_index(5, 1, 2, S, bs, max_verticals=24, max_slashes=5)
+    lay, f = _converter(N, L, order, layout, S, bs, None)
+    want = f(index)  # [P ranks, P steps, ...]
+    src = RankStepIndex(index, jnp.int32(0), lay, N, L, order, bs)
+    leaves = jax.tree.leaves(src)
+    assert len(leaves) == 5 and sum(x.size for x in leaves) == sum(x.size for x in jax.tree.leaves(index)) + 1
+
+    @jax.jit
+    def one(idx, rank, s):
+        return RankStepIndex(idx, rank, lay, N, L, order, bs).step(s)
+
+    for r in range(N * L):
+        for s in range(N * L):
+            got = one(index, jnp.int32(r), jnp.int32(s))
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[r, s])
+    with pytest.raises(ValueError, match="layout has 4 ranks, the mesh 1 x 2"):
+        RankStepIndex(index, jnp.int32(0), lay, 1, 2, order, bs)
 
 
 def test_convert_bad_inputs():

@@ -5,13 +5,16 @@ one ``shard_map`` over the ``(node, local)`` mesh, every rank
 
 1. estimates the global vertical-slash index from the ``last_q`` queries of the global sequence
    (exact softmax via ``pmax``/``psum``; identical on every rank) — :func:`estimate_index_shard`;
-2. converts it into its own per-ring-step block + column index — :func:`convert_index`;
+2. converts it into its own per-ring-step block + column index, one step at a time inside the ring
+   (:class:`~mtraining_jax.sparsity.convert.RankStepIndex`; the backward converts again, so only the
+   compact global index is kept between forward and backward);
 3. runs the ring (flat or hierarchical) with the block-sparse kernel at every step —
    :func:`ring_attention_shard`, whose ``custom_vjp`` backward runs the sparse backward ring.
 
-The index is computed once per forward from ``stop_gradient`` inputs and saved as a residual of
-the ring's ``custom_vjp``, so the backward reuses it and it is never differentiated. (Under layer
-rematerialisation the forward — estimation included — is recomputed, as any remat does.)
+The index is computed once per forward from ``stop_gradient`` inputs and saved (compact, per head)
+as a residual of the ring's ``custom_vjp``, so the backward reuses it and it is never
+differentiated. (Under ``remat: full`` the forward, estimation included, is recomputed as any remat
+does; ``save_attn`` keeps the attention's residuals.)
 
 Shapes: ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` global arrays in the configured layout's order;
 ``S`` divisible by ``block_size x P`` (block_striped) or with 64-aligned chunks (zigzag, contiguous).
@@ -32,7 +35,7 @@ from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
 from mtraining_jax.ring_schedule import validate_ring_order
 from mtraining_jax.sparsity.config import SparsityConfig
-from mtraining_jax.sparsity.convert import convert_index
+from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.estimate import estimate_index_shard
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from mtraining_jax.sparsity.metrics import step_imbalance, worker_imbalance
@@ -176,13 +179,12 @@ def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(),
         else:
             index = estimate_index_shard(jax.lax.stop_gradient(q_l), jax.lax.stop_gradient(k_l), pos_l,
                                          sparsity, axis_names=CP_AXES)
-        step_index = convert_index(index, rank, pos_table, num_nodes=num_nodes, num_local=num_local,
-                                   ring_order=cfg.ring_order, block_size=bs, max_cols=sparsity.max_cols)
-        out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
-                                   ring_order=cfg.ring_order, step_index=step_index,
-                                   sm_scale=sparsity.sm_scale, impl=cfg.impl, block_size=bs)
-        work = (step_index.block_count.astype(jnp.float32) * bs * bs
-                + step_index.col_count.astype(jnp.float32) * bs).sum(axis=(1, 2, 3))  # [P steps]
+        # one ring step's StepIndex at a time, converted in the forward and again in the backward
+        step_index = RankStepIndex(index, rank, layout, num_nodes, num_local, cfg.ring_order, bs, sparsity.max_cols)
+        out, work = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
+                                         ring_order=cfg.ring_order, step_index=step_index,
+                                         sm_scale=sparsity.sm_scale, impl=cfg.impl, block_size=bs,
+                                         return_work=True)  # work: [P steps]
         if batch_axis is not None:
             work = jax.lax.psum(work, batch_axis)
         return out, work[None], index

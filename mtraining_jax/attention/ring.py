@@ -80,7 +80,7 @@ from mtraining_jax.attention.reference import check_gqa
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring_schedule import source_rank, validate_ring_order
 from pallas_kernels.api import IMPLS, attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd
-from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex
+from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, step_work
 
 __all__ = ["RingConfig", "ring_attention", "ring_attention_shard"]
 
@@ -169,27 +169,35 @@ def _step_positions(kpos_all, rank, step: int, cfg: RingConfig):
 
 
 def _step_index(step_index, step: int):
+    """Step ``step``'s :class:`StepIndex`: a slice of a ``[P]``-stacked index, or converted on
+    demand by an index source (``step_index.step(s)``, e.g. ``sparsity.convert.RankStepIndex``)."""
     if step_index is None:
         return None
-    return jax.tree.map(lambda a: a[step], step_index)
+    if isinstance(step_index, StepIndex):
+        return jax.tree.map(lambda a: a[step], step_index)
+    return step_index.step(step)
 
 
 # ----------------------------------------------------------------------------- forward / backward
 
 def _forward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index):
-    """The forward ring; returns ``(out f32 [B,Sl,Hq,D], lse f32 [B,Hq,Sl])``."""
+    """The forward ring; returns ``(out f32 [B,Sl,Hq,D], lse f32 [B,Hq,Sl], work f32 [P])`` with
+    ``work[s]`` the kernel slots step ``s`` attended (``index_format.step_work``; 0 when dense)."""
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner
     rank = _my_rank(cfg)
     kv = jnp.stack([k, v])
     out = lse = None
+    work = []
     for i in range(n_outer):
         kv_outer = _shift(kv, outer_axis, n_outer) if i < n_outer - 1 else None
         for j in range(n_inner):
             kv_next = _shift(kv, inner_axis, n_inner) if j < n_inner - 1 else None
             s = i * n_inner + j
+            index_s = _step_index(step_index, s)
+            work.append(jnp.float32(0) if index_s is None else step_work(index_s, cfg.block_size))
             o_s, l_s = block_sparse_attention_fwd(
-                q, kv[0], kv[1], q_pos, _step_positions(kpos_all, rank, s, cfg), _step_index(step_index, s),
+                q, kv[0], kv[1], q_pos, _step_positions(kpos_all, rank, s, cfg), index_s,
                 sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl)
             if out is None:
                 out, lse = o_s.astype(jnp.float32), l_s.astype(jnp.float32)
@@ -197,7 +205,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index):
                 out, lse = merge_partials(out, lse, o_s, l_s)
             kv = kv_next
         kv = kv_outer
-    return out, lse
+    return out, lse, jnp.stack(work)
 
 
 def _backward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index, out, lse, do):
@@ -241,19 +249,22 @@ def _backward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index, out, lse, d
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index):
-    out, _ = _forward(cfg, q, k, v, q_pos, _gather_positions(k_pos, cfg), step_index)
-    return out.astype(q.dtype)
+    """``(out [B, Sl, Hq, D] in q's dtype, work f32 [P])``; ``work`` is not differentiated."""
+    out, _, work = _forward(cfg, q, k, v, q_pos, _gather_positions(k_pos, cfg), step_index)
+    return out.astype(q.dtype), work
 
 
 def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index):
     kpos_all = _gather_positions(k_pos, cfg)
-    out, lse = _forward(cfg, q, k, v, q_pos, kpos_all, step_index)
+    out, lse, work = _forward(cfg, q, k, v, q_pos, kpos_all, step_index)
     out = out.astype(q.dtype)
     # O is kept in q's dtype (as FlashAttention does); delta = rowsum(dO * O) is formed from it.
-    return out, (q, k, v, q_pos, kpos_all, step_index, out, lse)
+    # An on-demand index source (RankStepIndex) is saved as its compact global index only.
+    return (out, work), (q, k, v, q_pos, kpos_all, step_index, out, lse)
 
 
-def _ring_bwd(cfg: RingConfig, res, do):
+def _ring_bwd(cfg: RingConfig, res, cotangents):
+    do = cotangents[0]  # work carries no gradient
     q, k, v, q_pos, kpos_all, step_index, out, lse = res
     dq, dk, dv = _backward(cfg, q, k, v, q_pos, kpos_all, step_index, out, lse, do)
     # positions and the sparse index are integer data: zero cotangents (None).
@@ -287,7 +298,10 @@ def _check_step_index(step_index, num_ranks: int) -> None:
     if step_index is None:
         return
     if not isinstance(step_index, StepIndex):
-        raise ValueError(f"step_index must be None or a StepIndex, got {type(step_index).__name__}")
+        if callable(getattr(step_index, "step", None)) and getattr(step_index, "num_steps", None) == num_ranks:
+            return
+        raise ValueError(f"step_index must be None, a StepIndex with a leading [P] axis or an index source "
+                         f"with .step(s) and num_steps == P = {num_ranks}; got {type(step_index).__name__}")
     for name, a in step_index._asdict().items():
         if a.ndim < 1 or a.shape[0] != num_ranks:
             raise ValueError(
@@ -310,7 +324,7 @@ def _check_axis_sizes(cfg: RingConfig) -> None:
 # ----------------------------------------------------------------------------- public API
 
 def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_order, step_index=None,
-                         sm_scale=None, impl="auto", block_size: int | None = None):
+                         sm_scale=None, impl="auto", block_size: int | None = None, return_work: bool = False):
     """Per-rank ring attention body, to be called INSIDE ``shard_map`` over ``("node", "local")``.
 
     Args:
@@ -319,18 +333,25 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
       q_pos, k_pos: ``int32 [Sl]`` this rank's global token positions (for the causal mask).
       num_nodes, num_local: sizes of the ``node`` and ``local`` mesh axes.
       ring_order: ``"flat"`` or ``"hierarchical"``.
-      step_index: ``None`` (dense causal) or a :class:`pallas_kernels.StepIndex` whose arrays have a
-        leading ``[P]`` ring-step axis; entry ``s`` describes this rank's queries against the chunk
-        it holds at step ``s`` (source ``ring_schedule.source_rank(rank, s, ...)``), with blocks of
-        ``block_size`` tokens. Never differentiated.
+      step_index: ``None`` (dense causal), a :class:`pallas_kernels.StepIndex` whose arrays have a
+        leading ``[P]`` ring-step axis, or an index source converting one step on demand
+        (``step(s) -> StepIndex``, ``num_steps == P``: :class:`mtraining_jax.sparsity.RankStepIndex`,
+        which keeps one step's index alive at a time and only the compact index for the backward).
+        Entry ``s`` describes this rank's queries against the chunk it holds at step ``s`` (source
+        ``ring_schedule.source_rank(rank, s, ...)``), with blocks of ``block_size`` tokens. Never
+        differentiated.
       sm_scale: softmax scale (default ``D ** -0.5``).
       impl: ``"auto"``, ``"pallas"`` or ``"xla"`` for the per-step kernels.
       block_size: kernel block size (the ``StepIndex`` block size when one is given). ``None``:
         ``DEFAULT_BLOCK`` (64) with an index; for the dense ring the largest power of two
         ``<= DEFAULT_BLOCK`` dividing ``Sl``.
 
+      return_work: also return ``work f32 [P]``, the kernel slots each ring step attended
+        (``index_format.step_work``; zeros for the dense ring), for load statistics.
+
     Returns:
-      ``out [B, Sl, Hq, D]`` in ``q.dtype``. Differentiable in ``q, k, v`` (custom VJP ring).
+      ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
+      VJP ring).
     """
     _check_qkv(q, k, v)
     sl = q.shape[1]
@@ -343,7 +364,8 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
     _check_axis_sizes(cfg)
     q_pos = jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.asarray(k_pos, jnp.int32)
-    return _ring(cfg, q, k, v, q_pos, k_pos, step_index)
+    out, work = _ring(cfg, q, k, v, q_pos, k_pos, step_index)
+    return (out, work) if return_work else out
 
 
 def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_scale=None, impl="auto"):

@@ -11,12 +11,12 @@
 """
 
 from mtraining_jax.sparsity.config import SparsityConfig
-from mtraining_jax.sparsity.convert import convert_index, convert_step
+from mtraining_jax.sparsity.convert import RankStepIndex, convert_index, convert_step
 from mtraining_jax.sparsity.estimate import estimate_index, estimate_index_shard
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from mtraining_jax.sparsity.masks import index_to_mask, masked_reference
 
 __all__ = [
-    "SparsityConfig", "VerticalSlashIndex", "convert_index", "convert_step", "estimate_index",
+    "RankStepIndex", "SparsityConfig", "VerticalSlashIndex", "convert_index", "convert_step", "estimate_index",
     "estimate_index_shard", "index_to_mask", "masked_reference",
 ]

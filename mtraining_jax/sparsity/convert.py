@@ -22,12 +22,15 @@ blocks). ``MC = cfg.max_cols or min(MV, S/P)``; ``None`` is exact, a smaller ``M
 ``MC`` columns (lowest positions, so attention sinks survive) and drops the rest. One step's index
 takes ``4 * B * H * nQB * (2*MB + MC + 2)`` bytes (``nQB = S / (P * bs)``); :func:`convert_index`
 materialises all ``P`` steps. Example at 512K tokens, P = 32, bs = 64, MS = 64, MV = 4096:
-``nQB = 256``, exact ``MC = 4096`` -> 4.3 MB per head per step (138 MB per head for all steps);
-with ``max_cols = 512`` -> 0.66 MB per head per step. A ring should call :func:`convert_step`
-inside its loop to hold one step at a time.
+``nQB = 256``, exact ``MC = 4096`` -> 4.3 MB per head per step (138 MB per head for all steps,
+2.2 GB per 16-head layer, kept for the backward of every layer). :class:`RankStepIndex` converts
+one step at a time instead, inside the ring's forward and again in its backward: only the compact
+global index (``[B, H, MV + MS]``) is kept between them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -146,3 +149,54 @@ def convert_index(index: VerticalSlashIndex, rank, layout, *, num_nodes: int, nu
     src = source_rank(rank, jnp.arange(P), num_nodes, num_local, ring_order)
     return jax.vmap(lambda kp: convert_step(index, q_pos, kp, seq_len=positions.size,
                                             block_size=block_size, max_cols=max_cols))(pos[src])
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class RankStepIndex:
+    """One rank's per-ring-step index, converted on demand: ``step(s)`` is entry ``s`` of
+    :func:`convert_index` (same arguments), computed alone.
+
+    A ring that calls ``step(s)`` inside its loop holds one step's :class:`StepIndex` at a time,
+    and a ``custom_vjp`` that saves this object keeps only the compact global index for its
+    backward (which converts each step again). Leaves: ``index`` and ``rank`` (traced inside
+    ``shard_map``); the layout, mesh shape, ring order, block size and column cap are static.
+    """
+
+    index: VerticalSlashIndex
+    rank: jax.Array
+    layout: Layout
+    num_nodes: int
+    num_local: int
+    ring_order: str = "hierarchical"
+    block_size: int = 64
+    max_cols: int | None = None
+
+    def __post_init__(self):
+        validate_ring_order(self.ring_order)
+        if self.layout.num_ranks != self.num_nodes * self.num_local:
+            raise ValueError(f"layout has {self.layout.num_ranks} ranks, the mesh {self.num_nodes} x {self.num_local}")
+        check_block_aligned(self.layout.positions, self.block_size, "layout")
+
+    @property
+    def num_steps(self) -> int:
+        return self.num_nodes * self.num_local
+
+    def step(self, s) -> StepIndex:
+        """:class:`StepIndex` of this rank's queries vs the chunk it holds at ring step ``s``."""
+        pos = jnp.asarray(self.layout.positions, jnp.int32)
+        src = source_rank(self.rank, s, self.num_nodes, self.num_local, self.ring_order)
+        return convert_step(self.index, pos[self.rank], pos[src], seq_len=self.layout.seq_len,
+                            block_size=self.block_size, max_cols=self.max_cols)
+
+    def tree_flatten(self):
+        static = (self.layout, self.num_nodes, self.num_local, self.ring_order, self.block_size, self.max_cols)
+        return (self.index, self.rank), static
+
+    @classmethod
+    def tree_unflatten(cls, static, leaves):
+        obj = object.__new__(cls)  # leaves may be tracers or placeholders: skip __post_init__'s checks
+        for name, val in zip(("index", "rank", "layout", "num_nodes", "num_local", "ring_order", "block_size",
+                              "max_cols"), (*leaves, *static)):
+            object.__setattr__(obj, name, val)
+        return obj
