@@ -26,7 +26,7 @@ import numpy as np
 
 from _timing import timeit
 from pallas_kernels import api
-from pallas_kernels.index_format import full_step_index
+from pallas_kernels.index_format import full_step_index, row_columns
 from pallas_kernels.testing import vertical_slash_index
 
 H, HKV, D, BS = 16, 2, 128, 64
@@ -86,7 +86,7 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0):
             idx = vertical_slash_index(rng, 1, H, S, sp, block_size=BS)
             idx = jax.tree.map(jnp.asarray, idx)
             bc = np.asarray(idx.block_count, np.float64).sum()
-            cc = np.asarray(idx.col_count, np.float64).sum()
+            cc = float(np.asarray(row_columns(idx, S, BS)[1]).sum())  # columns outside the rows' blocks
             pairs = bc * BS * BS + cc * BS
             add(f"ours_vs{int(round(sp * 100))}", pairs, lambda q, k, v, idx=idx: api.block_sparse_attention(
                 q, k, v, pos, pos, idx, impl="pallas"))
@@ -118,8 +118,7 @@ def sweep(S, sparsities, reps, seed=1):
 
     for name, idx in idxs.items():
         for tname, tf in [("prepare_index", functools.partial(tk.prepare_index, sk=S, bs=BS, col_chunk=64)),
-                          ("transpose_blocks", functools.partial(tk.transpose_block_index, sk=S, bs=BS)),
-                          ("transpose_cols", functools.partial(tk.transpose_col_index, sk=S, chunk=BS))]:
+                          ("transpose_blocks", functools.partial(tk.transpose_block_index, sk=S, bs=BS))]:
             rec(name, tname, _time(jax.jit(tf), idx, reps=reps) * 1e3)
         out, lse = tk.pallas_fwd(q, k, v, pos, pos, idx, sm_scale=scale, block_size=BS, interpret=it)
         delta = api.attention_delta(out, do)
@@ -139,6 +138,29 @@ def sweep(S, sparsities, reps, seed=1):
                 rec(name, "bwd_dkv_cols", _time(f, *args, dk_h, dv_h, reps=reps) * 1e3, **opts)
             f = functools.partial(tk.pallas_bwd, sm_scale=scale, block_size=BS, **opts)
             rec(name, "bwd_total", _time(f, *args, reps=reps) * 1e3, **opts)
+    return rows
+
+
+def col_segment_sweep(S, max_cols, reps, segments=(8, 16, 32, 64), seed=3):
+    """The column dK/dV pass alone over its segment length (query blocks per program) on a 95 %
+    vertical-slash index with ``max_cols`` columns per head (``S = 131072, max_cols = 1024`` is one
+    ring step of 512K tokens on 4 GPUs; ``524288, 4096`` the same on one)."""
+    from pallas_kernels import triton_kernels as tk
+
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _inputs(S, seed, jnp.bfloat16)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    it = jax.default_backend() != "gpu"  # interpret mode off GPU (a CPU smoke run of the script)
+    idx = jax.tree.map(jnp.asarray, vertical_slash_index(rng, 1, H, S, 0.95, max_cols=max_cols))
+    out, lse = tk.pallas_fwd(q, k, v, pos, pos, idx, sm_scale=D**-0.5, block_size=BS, interpret=it)
+    args = (q, k, v, pos, pos, idx, do, lse, api.attention_delta(out, do))
+    dk_h, dv_h = tk.dkv_block_pass(*args, sm_scale=D**-0.5, block_size=BS, interpret=it)
+    rows = []
+    for seg in (None,) + tuple(segments):
+        f = functools.partial(tk.dkv_col_pass, sm_scale=D**-0.5, block_size=BS, col_segment=seg, interpret=it)
+        rows.append(dict(seq=S, max_cols=max_cols, kernel="bwd_dkv_cols", col_segment=seg or "auto",
+                         auto=tk.col_segment_blocks(S // BS, H), ms=_time(f, *args, dk_h, dv_h, reps=reps) * 1e3))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -196,12 +218,16 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")
     ap.add_argument("--mha-sweep", type=int, default=0, help="sequence length for a Triton mha config sweep")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the main comparison table")
+    ap.add_argument("--col-seg-sweep", default="", help="S:max_cols pairs, e.g. 131072:1024,524288:4096")
     a = ap.parse_args()
     sweeps = []
     for S in [int(x) for x in a.sweep.split(",") if x and x != "0"]:
         sweeps += sweep(S, [0.95], a.reps)
     if a.mha_sweep:
         sweeps += mha_sweep(a.mha_sweep, a.reps)
+    for pair in [x for x in a.col_seg_sweep.split(",") if x]:
+        S, mc = (int(y) for y in pair.split(":"))
+        sweeps += col_segment_sweep(S, mc, a.reps)
     if sweeps and a.json:
         with open(a.json.replace(".json", "_sweep.json"), "w") as f:
             json.dump(sweeps, f, indent=1)

@@ -13,12 +13,19 @@ Fields (``H`` = query heads; the index is per query head, MTraining Algorithm 1)
 * ``block_causal int32 [B, H, nQB, MB]`` 1 where the (query block, KV block) tile holds a
   non-causal pair and so needs the token-level causal mask; 0 promises every pair of the tile
   is causal, letting kernels skip the mask. ``causal_flags`` computes it from positions.
-* ``col_idx     int32 [B, H, nQB, MC]``  local token ids (``0 <= id < Sk``) of vertical columns in
-  the visiting chunk, distinct, sorted ascending, none inside an active block of the same row.
-* ``col_count   int32 [B, H, nQB]``      valid columns per query block.
+* ``col_idx     int32 [B, H, MC]``       the vertical columns of the visiting chunk, ONE list per
+  (batch, head) shared by all query blocks: local token ids (``0 <= id < Sk``), distinct, ordered
+  so that each query block's columns are a prefix (the builder sorts them by global position).
+* ``col_count   int32 [B, H, nQB]``      query block ``i`` uses the prefix
+  ``col_idx[..., :col_count[i]]`` (``0 <= count <= MC``).
 
 Meaning: query ``i`` (block ``i // bs``) may attend to key ``j`` iff
-``(j // bs in active blocks of that row or j in its columns) and k_pos[j] <= q_pos[i]``.
+``(j // bs in active blocks of that row or j in its column prefix) and k_pos[j] <= q_pos[i]``.
+A column of the prefix that lies inside an active block of the row is that block's key, counted
+once: kernels skip it in the column phase (so the builder need not remove it per row).
+Sharing one column list keeps a step's index ``O(nQB * MB + MC)`` instead of ``O(nQB * MC)``:
+its conversion costs next to nothing and scales down with the number of ranks (see
+``benchmarks/KERNEL_NOTES.md``, run 11).
 ``q_pos [Sq]`` and ``k_pos [Sk]`` are global positions (after the layout permutation), shared by
 the batch. ``index = None`` everywhere means dense causal-by-position attention.
 """
@@ -63,10 +70,13 @@ def check_step_index(index: StepIndex, batch: int, heads: int, sq: int, sk: int,
         got = getattr(index, name).shape
         if tuple(got) != want:
             raise ValueError(f"index.{name} has shape {tuple(got)}, expected [B, H, nQB] = {want}")
-    for name in ("block_idx", "block_causal", "col_idx"):
+    for name in ("block_idx", "block_causal"):
         got = getattr(index, name).shape
         if tuple(got[:3]) != want or len(got) != 4:
             raise ValueError(f"index.{name} has shape {tuple(got)}, expected [B, H, nQB, M] with [B, H, nQB] = {want}")
+    got = index.col_idx.shape
+    if tuple(got[:2]) != want[:2] or len(got) != 3:
+        raise ValueError(f"index.col_idx has shape {tuple(got)}, expected [B, H, MC] with [B, H] = {want[:2]}")
     if index.block_causal.shape != index.block_idx.shape:
         raise ValueError(
             f"index.block_causal shape {index.block_causal.shape} != block_idx shape {index.block_idx.shape}"
@@ -91,25 +101,40 @@ def causal_flags(q_pos, k_pos, block_idx, block_size: int = DEFAULT_BLOCK):
     return (kmax[block_idx] > qmin_b).astype(jnp.int32)
 
 
-def step_index_to_mask(index: StepIndex, sq: int, sk: int, block_size: int = DEFAULT_BLOCK):
-    """``bool [B, H, Sq, Sk]``: the (q, k) pairs the index allows, BEFORE the causal mask."""
+def row_block_map(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):
+    """``bool [B, H, nQB, nKB]``: whether KV block ``j`` is active in query block row ``i``."""
     B, H, nqb, mb = index.block_idx.shape
     nkb = sk // block_size
     valid_b = jnp.arange(mb)[None, None, None, :] < index.block_count[..., None]
-    blk = jnp.zeros((B, H, nqb, nkb + 1), bool)
     bidx = jnp.where(valid_b, index.block_idx, nkb)  # invalid -> spill slot
-    blk = blk.at[
+    blk = jnp.zeros((B, H, nqb, nkb + 1), bool)
+    return blk.at[
         jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
         jnp.arange(nqb)[None, None, :, None], bidx
     ].set(True)[..., :nkb]
-    blk_tok = jnp.repeat(blk, block_size, axis=-1)  # [B, H, nQB, Sk]
+
+
+def row_columns(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):
+    """Per query block, the columns its column phase attends: ``(ids int32 [B, H, nQB, MC]``
+    (clipped into range), ``valid bool [B, H, nQB, MC])`` — in the row's prefix and not inside
+    one of the row's active blocks (those keys belong to the block phase)."""
+    nqb = index.block_idx.shape[2]
     mc = index.col_idx.shape[-1]
-    valid_c = jnp.arange(mc)[None, None, None, :] < index.col_count[..., None]
-    cidx = jnp.where(valid_c, index.col_idx, sk)
+    ids = jnp.broadcast_to(jnp.clip(index.col_idx, 0, sk - 1)[:, :, None, :], index.col_idx.shape[:2] + (nqb, mc))
+    in_prefix = jnp.arange(mc)[None, None, None, :] < index.col_count[..., None]
+    in_block = jnp.take_along_axis(row_block_map(index, sk, block_size), ids // block_size, axis=-1)
+    return ids.astype(jnp.int32), in_prefix & ~in_block
+
+
+def step_index_to_mask(index: StepIndex, sq: int, sk: int, block_size: int = DEFAULT_BLOCK):
+    """``bool [B, H, Sq, Sk]``: the (q, k) pairs the index allows, BEFORE the causal mask."""
+    B, H, nqb, _ = index.block_idx.shape
+    blk_tok = jnp.repeat(row_block_map(index, sk, block_size), block_size, axis=-1)  # [B, H, nQB, Sk]
+    ids, valid = row_columns(index, sk, block_size)
     col = jnp.zeros((B, H, nqb, sk + 1), bool)
     col = col.at[
         jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
-        jnp.arange(nqb)[None, None, :, None], cidx
+        jnp.arange(nqb)[None, None, :, None], jnp.where(valid, ids, sk)
     ].set(True)[..., :sk]
     allowed = jnp.logical_or(blk_tok, col)
     return jnp.repeat(allowed, block_size, axis=2)  # [B, H, Sq, Sk]
@@ -127,6 +152,6 @@ def full_step_index(batch: int, heads: int, sq: int, sk: int, q_pos, k_pos, bloc
     bidx = jnp.broadcast_to(order, (batch, heads, nqb, nkb))
     bcount = jnp.broadcast_to(count, (batch, heads, nqb))
     flags = causal_flags(q_pos, k_pos, bidx, block_size)
-    cidx = jnp.zeros((batch, heads, nqb, 1), jnp.int32)
+    cidx = jnp.zeros((batch, heads, 1), jnp.int32)
     ccount = jnp.zeros((batch, heads, nqb), jnp.int32)
     return StepIndex(bidx, bcount, flags, cidx, ccount)

@@ -1,8 +1,9 @@
 """Random :class:`StepIndex` generators honouring the index contract (tests and benchmarks).
 
-``random_step_index`` draws, per (batch, head, query block), distinct sorted active KV blocks and
-distinct sorted vertical columns outside them, with padding slots filled by random in-range
-values (kernels must never read them), and ``block_causal`` from :func:`causal_flags`.
+``random_step_index`` draws, per (batch, head, query block), distinct sorted active KV blocks, per
+(batch, head) one shared list of distinct columns in random order (some inside active blocks, which
+kernels must skip) and per row a random prefix length; padding slots hold random in-range values
+(kernels must never read them); ``block_causal`` comes from :func:`causal_flags`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ def random_step_index(rng: np.random.Generator, batch: int, heads: int, sq: int,
     mc = max(1, max_cols)
     bidx = rng.integers(0, nkb, size=(batch, heads, nqb, mb)).astype(np.int32)
     bcnt = np.zeros((batch, heads, nqb), np.int32)
-    cidx = rng.integers(0, sk, size=(batch, heads, nqb, mc)).astype(np.int32)
+    cidx = rng.integers(0, sk, size=(batch, heads, mc)).astype(np.int32)
     ccnt = np.zeros((batch, heads, nqb), np.int32)
     for b in range(batch):
         for h in range(heads):
+            nc = int(rng.integers(0, min(mc, sk) + 1))
+            cidx[b, h, :nc] = rng.choice(sk, size=nc, replace=False)  # random order, distinct
             for i in range(nqb):
                 u = rng.random()
                 if u < p_empty:
@@ -35,14 +38,9 @@ def random_step_index(rng: np.random.Generator, batch: int, heads: int, sq: int,
                     nb = mb
                 else:
                     nb = int(rng.integers(0, mb + 1))
-                blocks = np.sort(rng.choice(nkb, size=nb, replace=False))
-                bidx[b, h, i, :nb] = blocks
+                bidx[b, h, i, :nb] = np.sort(rng.choice(nkb, size=nb, replace=False))
                 bcnt[b, h, i] = nb
-                free = np.setdiff1d(np.arange(sk), (blocks[:, None] * bs + np.arange(bs)).ravel())
-                nc = int(rng.integers(0, min(mc, free.size) + 1)) if rng.random() > p_empty else 0
-                cols = np.sort(rng.choice(free, size=nc, replace=False))
-                cidx[b, h, i, :nc] = cols
-                ccnt[b, h, i] = nc
+                ccnt[b, h, i] = int(rng.integers(0, nc + 1)) if rng.random() > p_empty else 0
     bidx_j = jnp.asarray(bidx)
     flags = causal_flags(jnp.asarray(q_pos), jnp.asarray(k_pos), bidx_j, bs)
     return StepIndex(bidx_j, jnp.asarray(bcnt), flags.astype(jnp.int32), jnp.asarray(cidx), jnp.asarray(ccnt))
@@ -54,8 +52,10 @@ def vertical_slash_index(rng: np.random.Generator, batch: int, heads: int, seq: 
     """Synthetic vertical-slash index on one device (positions ``arange``) at about ``sparsity``.
 
     Slash blocks: the diagonal block, ``near`` blocks just below it and ``far_slashes`` far
-    diagonals; verticals: the first ``sink_cols`` tokens plus random columns. ``near`` is chosen so
-    that the active fraction of the causal area is about ``1 - sparsity``.
+    diagonals; verticals: the first ``sink_cols`` tokens plus random columns, one list per head in
+    position order, each row using the prefix up to its last position (columns inside its active
+    blocks are skipped by the kernels). ``near`` is chosen so that the active fraction of the causal
+    area is about ``1 - sparsity``.
     """
     bs = block_size
     n = seq // bs
@@ -71,20 +71,15 @@ def vertical_slash_index(rng: np.random.Generator, batch: int, heads: int, seq: 
     bcnt = (blocks < n).sum(-1).astype(np.int32)
     bidx = np.where(blocks < n, blocks, 0).astype(np.int32)
     nrand = max_cols - sink_cols
-    cidx = np.zeros((heads, n, max_cols), np.int32)
+    cidx = np.zeros((heads, max_cols), np.int32)
     ccnt = np.zeros((heads, n), np.int32)
     for h in range(heads):
         rand = np.sort(rng.choice(np.arange(sink_cols, seq), size=nrand, replace=False))
-        cand = np.concatenate([np.arange(sink_cols), rand])
-        cblk = cand // bs
-        for r in range(n):
-            act = set(bidx[h, r, : bcnt[h, r]].tolist())
-            keep = cand[(cand <= (r + 1) * bs - 1) & ~np.isin(cblk, list(act))]
-            cidx[h, r, : keep.size] = keep
-            ccnt[h, r] = keep.size
+        cidx[h] = np.concatenate([np.arange(sink_cols), rand])  # ascending position: rows use prefixes
+        ccnt[h] = np.searchsorted(cidx[h], (np.arange(n) + 1) * bs - 1, side="right")
     pos = jnp.arange(seq, dtype=jnp.int32)
     bidx_j = jnp.broadcast_to(jnp.asarray(bidx), (batch, heads, n, mb))
     flags = causal_flags(pos, pos, bidx_j, bs)
     return StepIndex(bidx_j, jnp.broadcast_to(jnp.asarray(bcnt), (batch, heads, n)), flags,
-                     jnp.broadcast_to(jnp.asarray(cidx), (batch, heads, n, max_cols)),
+                     jnp.broadcast_to(jnp.asarray(cidx), (batch, heads, max_cols)),
                      jnp.broadcast_to(jnp.asarray(ccnt), (batch, heads, n)))

@@ -6,8 +6,9 @@ Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
 * **forward** (:func:`pallas_fwd`): one program per (64-query block ``i``, query head ``h``,
   batch ``b``). The active KV blocks come in two groups (:func:`prepare_index`): first the *free*
   tiles (``block_causal == 0``: every pair causal), computed with no mask at all, then the few
-  tiles that need the token-level causal mask by global position; then the vertical columns in
-  chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``), masked by count and position. Online
+  tiles that need the token-level causal mask by global position; then the row's prefix of the
+  head's column list in chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``), masked by count,
+  by position and where a column lies in one of the row's active blocks (:func:`_outside_blocks`). Online
   softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled scale (FlashAttention-2, Dao 2023,
   Alg. 1). Writes ``out`` (f32) and the natural-log ``lse`` so ring steps can be merged; rows with
   no allowed key get out 0, lse -inf.
@@ -15,8 +16,8 @@ Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
   ``benchmarks/KERNEL_NOTES.md``): (1) :func:`dq_pass`, query-stationary like the forward;
   (2) :func:`dkv_block_pass`, KV-stationary over the transposed schedule
   (:func:`transpose_block_index`: for every KV block the query blocks listing it, free ones first);
-  (3) :func:`dkv_col_pass`, column-stationary: chunks of 64 distinct vertical columns of a head,
-  gathered once, against the query blocks of one segment (:func:`transpose_col_index`), added
+  (3) :func:`dkv_col_pass`, column-stationary: chunks of 64 columns of the head's shared list,
+  gathered once, against the query blocks of one segment whose prefix reaches the chunk, added
   into the rows with float32 atomics (one add per chunk and segment). Passes 2-3 write per-query-
   head dK/dV, summed per GQA group at the end. ``delta = rowsum(dO * O)`` is an input
   (``api.attention_delta``).
@@ -69,12 +70,12 @@ def _scatter_last(x, dst, size):
 def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
     """Kernel-ready index: each row's active blocks reordered free-first, slots padded.
 
-    Returns ``(block_idx int32 [B,H,nQB,MBp], counts int32 [B,H,nQB,3], col_idx int32 [B,H,nQB,MCp])``:
+    Returns ``(block_idx int32 [B,H,nQB,MBp], counts int32 [B,H,nQB,3], col_idx int32 [B,H,MCp])``:
     ``block_idx`` holds first the ``counts[..., 0]`` blocks whose tile needs no mask
     (``block_causal == 0``), then the masked ones up to ``counts[..., 1]`` (= ``block_count``),
-    each group in index order; ``counts[..., 2] = col_count``. Padding is in range (block 0 /
-    token 0) and never read as active; ``MBp`` is a power of two, ``MCp`` a multiple of
-    ``col_chunk``.
+    each group in index order; ``counts[..., 2] = col_count`` (the row's prefix of the head's
+    column list ``col_idx``). Padding is in range (block 0 / token 0) and never read as active;
+    ``MBp`` is a power of two, ``MCp`` a multiple of ``col_chunk``.
     """
     mb, mc = index.max_blocks, index.max_cols
     mbp = _pow2(mb)
@@ -84,9 +85,7 @@ def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
     dst, n_free, n_blk = _partition_slots(free, valid & ~free)
     bidx = _scatter_last(jnp.clip(jnp.where(valid, index.block_idx, 0), 0, sk // bs - 1).astype(jnp.int32),
                          dst, mbp)
-    cvalid = jnp.arange(mc) < index.col_count[..., None]
-    cidx = jnp.clip(jnp.where(cvalid, index.col_idx, 0), 0, sk - 1).astype(jnp.int32)
-    cidx = jnp.pad(cidx, [(0, 0)] * 3 + [(0, mcp - mc)])
+    cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1).astype(jnp.int32), [(0, 0), (0, 0), (0, mcp - mc)])
     counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1).astype(jnp.int32)
     return bidx, counts, cidx
 
@@ -105,6 +104,14 @@ def _col_rows(cidx_ref, c, ncols, cc):
     """Gathered row ids of the ``c``-th chunk of ``cc`` vertical columns and their validity."""
     off = pl.multiple_of(c * cc, cc)
     return cidx_ref[pl.ds(off, cc)], (off + jnp.arange(cc, dtype=jnp.int32)) < ncols
+
+
+def _outside_blocks(ids, blocks, n_blk, bs: int):
+    """``bool [cc]``: the column ``ids`` whose block is NOT among the row's active ``blocks[:n_blk]``
+    (a column inside an active block is that block's key: the column phase must skip it)."""
+    live = jnp.arange(blocks.shape[0], dtype=jnp.int32) < n_blk
+    hit = ((ids // bs)[:, None] == blocks[None, :]) & live[None, :]
+    return jnp.max(hit.astype(jnp.int32), axis=1) == 0
 
 
 def _softmax_update(carry, s, v, masked: bool):
@@ -139,7 +146,7 @@ def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v
 
     def col_body(c, carry):
         ids, valid = _col_rows(cidx_ref, c, n_col, cc)
-        return masked(ids, carry, valid)
+        return masked(ids, carry, valid & _outside_blocks(ids, bidx_ref[...], n_blk, bs))
 
     n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
     carry = _for_blocks(bidx_ref, 0, n_free, bs, free, carry)
@@ -159,7 +166,7 @@ def _query_specs(H, g, sk, d, bs, mbp, mcp):
         kpos=pl.BlockSpec((sk,), lambda i, h, b: (0,)),
         bidx=pl.BlockSpec((None, None, None, mbp), lambda i, h, b: (b, h, i, 0)),
         cnt=pl.BlockSpec((None, None, None, 3), lambda i, h, b: (b, h, i, 0)),
-        cidx=pl.BlockSpec((None, None, None, mcp), lambda i, h, b: (b, h, i, 0)),
+        cidx=pl.BlockSpec((None, None, mcp), lambda i, h, b: (b, h, 0)),
         q=pl.BlockSpec((None, bs, None, d), lambda i, h, b: (b, i, h, 0)),
         kv=pl.BlockSpec((None, sk, None, d), lambda i, h, b: (b, 0, h // g, 0)),
         row=pl.BlockSpec((None, None, bs), lambda i, h, b: (b, h, i)),
@@ -221,7 +228,7 @@ def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_
 
     def col_body(c, dq):
         ids, valid = _col_rows(cidx_ref, c, n_col, cc)
-        return masked(ids, dq, valid)
+        return masked(ids, dq, valid & _outside_blocks(ids, bidx_ref[...], n_blk, bs))
 
     dq = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -260,44 +267,6 @@ def transpose_block_index(index: StepIndex, sk: int, bs: int):
     return tidx[:, :, :nkb, :mtp], tcnt
 
 
-def transpose_col_index(index: StepIndex, sk: int, chunk: int):
-    """Column-stationary view of the vertical columns of each (b, h).
-
-    The distinct columns of a head, sorted, are cut into chunks of ``chunk`` (<= 64). Returns
-    ``uniq int32 [B, H, U]`` (distinct columns, 0-padded), ``nuniq int32 [B, H, 1]`` and the
-    membership words ``w0, w1 int32 [B, H, nChp, nQBp]``: bit ``r`` of ``w0`` (``r < 32``) or
-    ``w1`` (``r - 32``) says query block ``i`` lists column ``uniq[c * chunk + r]``.
-    ``U = min(Sk, nQB * MC)`` rounded up to ``chunk``; ``nChp``, ``nQBp`` padded to powers of two.
-    Built with one scatter-add of the ``B*H*nQB*MC`` entries (distinct columns of a row set
-    distinct bits, so add == bitwise or).
-    """
-    if chunk > 64:
-        raise ValueError(f"column chunk {chunk} > 64 does not fit two 32-bit membership words")
-    B, H, nqb, mc = index.col_idx.shape
-    ucap = -(-min(sk, nqb * mc) // chunk) * chunk
-    nch = ucap // chunk
-    valid = jnp.arange(mc) < index.col_count[..., None]
-    cols = jnp.where(valid, jnp.clip(index.col_idx, 0, sk - 1), sk)
-    b3, h3 = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-    b4, h4 = b3[..., None], h3[..., None]
-    present = jnp.zeros((B, H, sk + 1), bool).at[b4, h4, cols].set(True)[..., :sk]
-    rank = jnp.cumsum(present, axis=-1, dtype=jnp.int32) - 1
-    nuniq = present.sum(-1, dtype=jnp.int32)[..., None]
-    tok = jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (B, H, sk))
-    uniq = jnp.zeros((B, H, ucap + 1), jnp.int32).at[b3, h3, jnp.where(present, rank, ucap)].set(tok)[..., :ucap]
-    u = rank[b4, h4, jnp.minimum(cols, sk - 1)]
-    nchp, nqbp = _pow2(nch), _pow2(nqb)
-    ch = jnp.where(valid, u // chunk, nchp)  # invalid -> spill chunk
-    bit = u % chunk
-    one = jnp.int32(1)
-    w0 = jnp.where(bit < 32, jnp.left_shift(one, jnp.minimum(bit, 31)), 0).astype(jnp.int32)
-    w1 = jnp.where(bit >= 32, jnp.left_shift(one, jnp.maximum(bit - 32, 0)), 0).astype(jnp.int32)
-    q4 = jnp.broadcast_to(jnp.arange(nqb, dtype=jnp.int32)[None, None, :, None], cols.shape)
-    # two scalar scatter-adds: one scatter with a trailing [2] window was measured 40x slower on GPU
-    words = lambda w: jnp.zeros((B, H, nchp + 1, nqbp), jnp.int32).at[b4, h4, ch, q4].add(w)[:, :, :nchp]  # noqa: E731
-    return uniq, nuniq, words(w0), words(w1)
-
-
 def col_segment_blocks(nqb: int, heads_x_batch: int) -> int:
     """Query blocks per program of the column pass (a power of two, at most 64): about 512
     programs, enough to fill an H100/H200 (longer segments, i.e. fewer programs and fewer atomic
@@ -325,42 +294,44 @@ def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
     return dk + dot(dst.astype(q.dtype), q), dv
 
 
-def _dkv_col_kernel(qpos_ref, kpos_ref, uniq_ref, nuniq_ref, first_ref, w0_ref, w1_ref, q_ref, k_ref, v_ref, do_ref,
-                    lse_ref, delta_ref, dk_in, dv_in, dk_ref, dv_ref, *, qk_scale, scale, cc, seg, nqb,
-                    interpret):
+def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, segmax_ref, bidx_ref, nblk_ref, ncol_ref, q_ref, k_ref, v_ref,
+                    do_ref, lse_ref, delta_ref, dk_in, dv_in, dk_ref, dv_ref, *, qk_scale, scale, bs, seg, nqb,
+                    mbp, interpret):
     """One program per (segment of ``seg`` query blocks, query head, batch): for every chunk of
-    ``cc`` distinct columns, gather their K/V rows once, walk the segment's query blocks that list
-    any of them (membership words) and add the chunk's dK/dV into the per-head outputs."""
+    ``bs`` columns of the head's list that some row of the segment uses, gather their K/V rows
+    once, walk the segment's rows whose prefix reaches the chunk, and add the chunk's dK/dV into
+    the per-head outputs."""
     del dk_in, dv_in  # aliased to dk_ref / dv_ref (the block pass's per-head dK/dV)
-    lane = jnp.arange(cc, dtype=jnp.int32)
+    lane = jnp.arange(bs, dtype=jnp.int32)
     lo = pl.program_id(0) * seg
     hi = jnp.minimum(lo + seg, nqb)
 
     def chunk_body(c, carry_through):
-        ids = uniq_ref[pl.ds(pl.multiple_of(c * cc, cc), cc)]  # padded lanes: token 0, never members
+        off = pl.multiple_of(c * bs, bs)
+        ids = cidx_ref[pl.ds(off, bs)]
         k, v, kp = k_ref[ids, :], v_ref[ids, :], kpos_ref[ids]
 
         def query_block(i, carry):
-            w0, w1 = w0_ref[c, i], w1_ref[c, i]
+            n_col = ncol_ref[i]
 
             def tile(carry):
-                w = jnp.where(lane < 32, w0, w1)
-                member = jnp.bitwise_and(jnp.right_shift(w, lane % 32), 1) != 0
-                rows = pl.ds(pl.multiple_of(i * cc, cc), cc)
+                blocks = bidx_ref[pl.ds(pl.multiple_of(i * mbp, mbp), mbp)]
+                keep = ((off + lane) < n_col) & _outside_blocks(ids, blocks, nblk_ref[i], bs)
+                rows = pl.ds(pl.multiple_of(i * bs, bs), bs)
                 q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
-                ok = member[:, None] & (kp[:, None] <= qp[None, :])
+                ok = keep[:, None] & (kp[:, None] <= qp[None, :])
                 return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
 
-            return lax.cond((w0 | w1) != 0, tile, lambda carry: carry, carry)
+            return lax.cond(off < n_col, tile, lambda carry: carry, carry)
 
         zeros = jnp.zeros(k.shape, jnp.float32)
-        dk, dv = lax.fori_loop(jnp.maximum(lo, first_ref[c]), hi, query_block, (zeros, zeros))
-        # other segments add into the same rows: atomics on the GPU; padded lanes add exact zeros
+        dk, dv = lax.fori_loop(lo, hi, query_block, (zeros, zeros))
+        # other segments add into the same rows: atomics on the GPU; masked lanes add exact zeros
         _add_rows(dk_ref, ids, dk * scale, interpret)
         _add_rows(dv_ref, ids, dv, interpret)
         return carry_through  # a loop value: Triton cannot yield a literal
 
-    lax.fori_loop(0, (nuniq_ref[0] + cc - 1) // cc, chunk_body, jnp.int32(0))
+    lax.fori_loop(0, (segmax_ref[0] + bs - 1) // bs, chunk_body, jnp.int32(0))
 
 
 def _add_rows(ref, ids, val, interpret: bool):
@@ -379,36 +350,38 @@ def _add_rows(ref, ids, val, interpret: bool):
     lax.fori_loop(0, ids.shape[0], body, 0)
 
 
-def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, dk_h, dv_h, *, sm_scale, bs, params, interpret):
+def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, dk_h, dv_h, *, sm_scale, bs, params, interpret,
+             col_segment=None):
     """Pass 3: adds the vertical columns' dK/dV into the per-head ``dk_h, dv_h [B, Sk, H, D]``."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g, nqb = H // hkv, sq // bs
-    uniq, nuniq, w0, w1 = transpose_col_index(index, sk, bs)
-    seg = col_segment_blocks(nqb, H * B)
-    listed = (w0 | w1) != 0  # [B, H, nChp, nQBp]
-    first = jnp.where(listed.any(-1), jnp.argmax(listed, axis=-1), nqb).astype(jnp.int32)  # per chunk
-    words = pl.BlockSpec((None, None) + w0.shape[2:], lambda s, h, b: (b, h, 0, 0))
+    bidx, cnt, cidx = prepare_index(index, sk, bs, bs)
+    mbp = bidx.shape[-1]
+    seg = col_segment or col_segment_blocks(nqb, H * B)
+    nseg = -(-nqb // seg)
+    ncol = cnt[..., 2]
+    segmax = jnp.pad(ncol, [(0, 0), (0, 0), (0, nseg * seg - nqb)]).reshape(B, H, nseg, seg).max(-1)
+    per_head = lambda n: pl.BlockSpec((None, None, n), lambda s, h, b: (b, h, 0))  # noqa: E731
     full_q = pl.BlockSpec((None, sq, None, d), lambda s, h, b: (b, 0, h, 0))
     full_kv = pl.BlockSpec((None, sk, None, d), lambda s, h, b: (b, 0, h // g, 0))
-    full_row = pl.BlockSpec((None, None, sq), lambda s, h, b: (b, h, 0))
     full_out = pl.BlockSpec((None, sk, None, d), lambda s, h, b: (b, 0, h, 0))
     return pl.pallas_call(
-        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, cc=bs, seg=seg, nqb=nqb,
-                          interpret=interpret),
-        grid=(-(-nqb // seg), H, B),
+        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, seg=seg, nqb=nqb,
+                          mbp=mbp, interpret=interpret),
+        grid=(nseg, H, B),
         in_specs=[pl.BlockSpec((sq,), lambda s, h, b: (0,)), pl.BlockSpec((sk,), lambda s, h, b: (0,)),
-                  pl.BlockSpec((None, None, uniq.shape[-1]), lambda s, h, b: (b, h, 0)),
-                  pl.BlockSpec((None, None, 1), lambda s, h, b: (b, h, 0)),
-                  pl.BlockSpec((None, None, first.shape[-1]), lambda s, h, b: (b, h, 0)),
-                  words, words, full_q, full_kv, full_kv, full_q, full_row, full_row, full_out, full_out],
+                  per_head(cidx.shape[-1]), pl.BlockSpec((None, None, 1), lambda s, h, b: (b, h, s)),
+                  per_head(nqb * mbp), per_head(nqb), per_head(nqb),
+                  full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq), full_out, full_out],
         out_specs=[full_out, full_out],
         out_shape=[jax.ShapeDtypeStruct((B, sk, H, d), jnp.float32)] * 2,
         input_output_aliases={13: 0, 14: 1},
         compiler_params=params,
         interpret=interpret,
         name="block_sparse_bwd_dkv_cols",
-    )(q_pos, k_pos, uniq, nuniq, first, w0, w1, q, k, v, do, lse, delta, dk_h, dv_h)
+    )(q_pos, k_pos, cidx, segmax, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, q, k, v, do, lse, delta,
+      dk_h, dv_h)
 
 
 def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -490,16 +463,17 @@ def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, s
     )(q_pos, k_pos, tidx, tcnt, q, k, v, do, lse, delta)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("col_segment",))
 def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk_h, dv_h, *, sm_scale: float,
                  block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 interpret: bool = False):
-    """Backward pass 3: adds the vertical columns' dK/dV into the per-head ``dk_h, dv_h``."""
+                 interpret: bool = False, col_segment: int | None = None):
+    """Backward pass 3: adds the vertical columns' dK/dV into the per-head ``dk_h, dv_h``.
+    ``col_segment``: query blocks per program (default :func:`col_segment_blocks`; a tuning knob)."""
     del col_chunk
     q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
     return _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, dk_h, dv_h, sm_scale=sm_scale,
                     bs=block_size, params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
-                    interpret=interpret)
+                    interpret=interpret, col_segment=col_segment)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -2,7 +2,8 @@
 
 Portable path (CPU training, tests) behind :mod:`pallas_kernels.api`. For every 64-query block
 (MTraining Algorithm 1, paper Sec. 3), the keys it may see are the ``MB`` active KV blocks
-(``MB * bs`` contiguous rows) followed by ``MC`` gathered vertical columns. The twin gathers
+(``MB * bs`` contiguous rows) followed by the ``MC`` gathered vertical columns of the head's
+shared list (those outside the row's prefix or inside its active blocks masked). The twin gathers
 those ``L = MB * bs + MC`` rows of K/V and does an exact softmax over them, masked by count and
 by global position (``k_pos <= q_pos``). A ``lax.scan`` runs over the query blocks, so live
 memory is ``O(B * Hq * bs * L)`` for scores plus ``O(B * Hq * L * D)`` for the gathered rows:
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.index_format import StepIndex
+from pallas_kernels.index_format import StepIndex, row_columns
 
 
 def _compute_dtype(dtype):
@@ -29,15 +30,15 @@ def _compute_dtype(dtype):
 
 
 def _per_block_index(index: StepIndex, sk: int, bs: int):
-    """Token ids ``int32 [nQB, B, H, L]`` and validity ``bool`` of the rows each query block reads."""
+    """Token ids ``int32 [nQB, B, H, L]`` and validity ``bool`` of the rows each query block reads:
+    its ``MB`` active blocks, then the ``MC`` slots of the shared column list (valid in the row's
+    prefix and outside its active blocks, :func:`~pallas_kernels.index_format.row_columns`)."""
     B, H, nqb, mb = index.block_idx.shape
-    mc = index.col_idx.shape[-1]
     bvalid = jnp.arange(mb)[None, None, None, :] < index.block_count[..., None]
     bidx = jnp.clip(jnp.where(bvalid, index.block_idx, 0), 0, sk // bs - 1)
     tok = (bidx[..., None] * bs + jnp.arange(bs)).reshape(B, H, nqb, mb * bs)
     tvalid = jnp.repeat(bvalid, bs, axis=-1)
-    cvalid = jnp.arange(mc)[None, None, None, :] < index.col_count[..., None]
-    cidx = jnp.clip(jnp.where(cvalid, index.col_idx, 0), 0, sk - 1)
+    cidx, cvalid = row_columns(index, sk, bs)
     ids = jnp.concatenate([tok, cidx], axis=-1).astype(jnp.int32)
     valid = jnp.concatenate([tvalid, cvalid], axis=-1)
     return jnp.moveaxis(ids, 2, 0), jnp.moveaxis(valid, 2, 0)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import triton_kernels as tk
-from pallas_kernels.index_format import step_index_to_mask
+from pallas_kernels.index_format import row_columns
 from pallas_kernels.testing import random_step_index
 
 BS = 16  # index math is block-size agnostic; small blocks keep the examples cheap
@@ -49,26 +49,23 @@ def test_transpose_block_index_lists_exactly_the_active_tiles(seed):
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16))
-def test_transpose_col_index_reproduces_column_mask(seed):
+def test_row_columns_are_the_prefix_outside_active_blocks(seed):
+    """The column phase of row ``i``: slots ``< col_count[i]`` of the head's shared list whose block
+    is not active in the row — both the XLA helper and the kernels' in-register test."""
     nqb, nkb, heads = 6, 5, 2
-    index, sq, sk = _index(seed, nqb, nkb, heads, 40, mb=2)
-    chunk = BS
-    uniq, nuniq, w0, w1 = (np.asarray(x) for x in tk.transpose_col_index(index, sk, chunk))
-    assert w0.shape[2:] == (tk._pow2(-(-sk // chunk)), tk._pow2(nqb))
-    # rebuild the [H, nQB, Sk] column membership from the distinct columns and the words
-    got = np.zeros((heads, nqb, sk), bool)
+    index, sq, sk = _index(seed, nqb, nkb, heads, 40, mb=3)
+    ids, valid = (np.asarray(x) for x in row_columns(index, sk, BS))
+    bidx, bcnt, cidx, ccnt = (np.asarray(x) for x in (index.block_idx, index.block_count, index.col_idx,
+                                                         index.col_count))
     for h in range(heads):
-        u = uniq[0, h, : nuniq[0, h, 0]]
-        assert np.all(np.diff(u) > 0)
-        for c in range(w0.shape[2]):
-            for i in range(w0.shape[3]):
-                words = (int(w0[0, h, c, i]) & 0xFFFFFFFF) | ((int(w1[0, h, c, i]) & 0xFFFFFFFF) << 32)
-                for lane in range(chunk):
-                    if words >> lane & 1:
-                        got[h, i, u[c * chunk + lane]] = True
-    cols_only = index._replace(block_count=jnp.zeros_like(index.block_count))
-    want = np.asarray(step_index_to_mask(cols_only, sq, sk, BS))[0][:, ::BS]
-    np.testing.assert_array_equal(got, want)
+        for i in range(nqb):
+            active = set(bidx[0, h, i, : bcnt[0, h, i]].tolist())
+            want = [m < ccnt[0, h, i] and cidx[0, h, m] // BS not in active for m in range(cidx.shape[-1])]
+            assert valid[0, h, i].tolist() == want, (h, i)
+            assert ids[0, h, i].tolist() == cidx[0, h].tolist()
+            blocks = jnp.asarray(np.r_[bidx[0, h, i], np.zeros(8 - bidx.shape[-1], np.int32)])  # padded slots
+            got = tk._outside_blocks(jnp.asarray(cidx[0, h]), blocks, int(bcnt[0, h, i]), BS)
+            assert np.asarray(got).tolist() == [cidx[0, h, m] // BS not in active for m in range(cidx.shape[-1])]
 
 
 @settings(max_examples=20, deadline=None)
@@ -77,7 +74,8 @@ def test_prepare_index_puts_free_blocks_first_pads_and_clips(seed):
     index, sq, sk = _index(seed, 3, 5, 2, 7)
     bidx, cnt, cidx = (np.asarray(x) for x in tk.prepare_index(index, sk, BS, col_chunk=BS))
     assert bidx.shape[-1] == tk._pow2(index.max_blocks)
-    assert cidx.shape[-1] % BS == 0
+    assert cidx.shape[-1] % BS == 0 and cidx.shape[:2] == (1, 2)
+    np.testing.assert_array_equal(cidx[..., : index.max_cols], np.asarray(index.col_idx))
     assert int(bidx.max()) < sk // BS and int(cidx.max()) < sk
     src, bcnt, caus = (np.asarray(x) for x in (index.block_idx, index.block_count, index.block_causal))
     for h in range(2):

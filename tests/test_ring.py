@@ -179,16 +179,16 @@ def _random_step_index(rng, P, B, H, sl, bs, q_pos, k_pos, max_cols, empty_rows)
     nqb = nkb = sl // bs
     bidx = np.zeros((P, P, B, H, nqb, nkb), np.int32)
     bcnt = np.zeros((P, P, B, H, nqb), np.int32)
-    cidx = np.zeros((P, P, B, H, nqb, max_cols), np.int32)
+    cidx = np.zeros((P, P, B, H, max_cols), np.int32)
     ccnt = np.zeros((P, P, B, H, nqb), np.int32)
+    for head in np.ndindex(P, P, B, H):  # one shared column list per head, some inside active blocks
+        n = int(rng.integers(0, max_cols + 1))
+        cidx[head][:n] = rng.choice(sl, size=n, replace=False)
+        ccnt[head] = rng.integers(0, n + 1, size=nqb)
     for row in np.ndindex(P, P, B, H, nqb):
         blocks = np.sort(rng.choice(nkb, size=rng.integers(0, nkb + 1), replace=False))
         bidx[row][: len(blocks)] = blocks
         bcnt[row] = len(blocks)
-        free = np.setdiff1d(np.arange(sl), (blocks[:, None] * bs + np.arange(bs)).ravel())
-        n = min(len(free), int(rng.integers(0, max_cols + 1)))
-        cidx[row][:n] = np.sort(rng.choice(free, size=n, replace=False))
-        ccnt[row] = n
     if empty_rows:
         bcnt[0, :, 0, 0, 0] = 0
         ccnt[0, :, 0, 0, 0] = 0

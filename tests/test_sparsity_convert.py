@@ -22,7 +22,8 @@ MESHES = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (2, 4), (4, 2), (1, 8)]
 
 
 def np_step_mask(st, sq, sk, bs):
-    """NumPy twin of ``step_index_to_mask``: ``bool [B, H, Sq, Sk]`` before the causal mask."""
+    """NumPy twin of ``step_index_to_mask``: ``bool [B, H, Sq, Sk]`` before the causal mask (row
+    ``i`` uses the prefix ``col_idx[..., :col_count[i]]`` of its head's column list)."""
     bi, bc, _, ci, cc = (np.asarray(a) for a in st)
     B, H, nqb, mb = bi.shape
     nkb = sk // bs
@@ -31,7 +32,7 @@ def np_step_mask(st, sq, sk, bs):
     blk[b_[..., None], h_[..., None], q_[..., None], np.where(np.arange(mb) < bc[..., None], bi, nkb)] = True
     col = np.zeros((B, H, nqb, sk + 1), bool)
     col[b_[..., None], h_[..., None], q_[..., None],
-        np.where(np.arange(ci.shape[-1]) < cc[..., None], ci, sk)] = True
+        np.where(np.arange(ci.shape[-1]) < cc[..., None], ci[:, :, None, :], sk)] = True
     allowed = np.repeat(blk[..., :nkb], bs, axis=-1) | col[..., :sk]
     return np.repeat(allowed, bs, axis=2)
 
@@ -60,9 +61,12 @@ def coverage_counts(index, N, L, order, layout, S, bs, max_cols=None):
             qp, kp = pos[r], pos[tab[r, s]]
             # structural contract of StepIndex
             bi, bc, bcz, ci, cc = st
-            for row_i, row_c, m in ((bi, bc, bi.shape[-1]), (ci, cc, ci.shape[-1])):
-                valid = np.arange(m) < row_c[..., None]
-                assert np.all(np.where(valid[..., 1:] & valid[..., :-1], np.diff(row_i, axis=-1) > 0, True))
+            valid = np.arange(bi.shape[-1]) < bc[..., None]  # blocks: distinct, ascending
+            assert np.all(np.where(valid[..., 1:] & valid[..., :-1], np.diff(bi, axis=-1) > 0, True))
+            # columns: one list per head, distinct, in ascending global position; row prefixes
+            used = np.arange(ci.shape[-1]) < cc.max(axis=-1, initial=0)[..., None]
+            cpos = np.where(used, kp[np.clip(ci, 0, sl - 1)], -1)
+            assert np.all(np.where(used[..., 1:], np.diff(cpos, axis=-1) > 0, True))
             np.testing.assert_array_equal(bcz, np.asarray(causal_flags(qp, kp, jnp.asarray(bi), bs)))
             m = np_step_mask(st, sl, sl, bs) & (kp[None, :] <= qp[:, None])
             cnt[:, :, qp[:, None], kp[None, :]] += m
@@ -102,7 +106,7 @@ def test_single_device_step_index():
     index = random_index(7, 2, 2, S, bs, max_verticals=16, max_slashes=4)
     f = jax.jit(functools.partial(convert_step, seq_len=S, block_size=bs))
     st = f(index, jnp.arange(S), jnp.arange(S))
-    assert st.block_idx.shape == (2, 2, S // bs, 4) and st.col_idx.shape == (2, 2, S // bs, 16)
+    assert st.block_idx.shape == (2, 2, S // bs, 4) and st.col_idx.shape == (2, 2, 16)
     m = np_step_mask(st, S, S, bs) & np.tril(np.ones((S, S), bool))
     np.testing.assert_array_equal(m, np.asarray(index_to_mask(index, S, bs)))
 

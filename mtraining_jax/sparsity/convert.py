@@ -10,22 +10,24 @@ visiting chunk is global block ``KB_j``, and for each query block:
 
 * active KV blocks: ``{ j : QB_i - KB_j = d >= 0, d a slash }`` (sorted; at most ``s_count`` over
   all steps together); ``block_causal`` from :func:`~pallas_kernels.index_format.causal_flags`;
-* columns: verticals ``v`` held by the visiting chunk with ``v <= max(q_pos of block i)`` (causal for
-  at least one query of the block) whose block is not active (``QB_i - v//bs`` not a slash), as
-  local token ids, sorted.
+* columns: ONE list per head, the verticals ``v`` held by the visiting chunk as local token ids
+  in ascending global position; query block ``i`` uses the prefix of those with
+  ``v <= max(q_pos of block i)`` (causal for at least one query of the block). Verticals inside
+  one of the row's active blocks stay in the list: the kernels skip them for that row
+  (:func:`~pallas_kernels.index_format.row_columns`), so no per-row list is ever built.
 
 So every causal pair of the global mask is covered exactly once over all (rank, step), and
 nothing else is (tested over layouts, meshes and ring orders).
 
 Static sizes and memory. ``MB = min(MS, nKB)`` is exact (a query block has at most ``MS`` active
 blocks). ``MC = cfg.max_cols or min(MV, S/P)``; ``None`` is exact, a smaller ``MC`` keeps the first
-``MC`` columns (lowest positions, so attention sinks survive) and drops the rest. One step's index
-takes ``4 * B * H * nQB * (2*MB + MC + 2)`` bytes (``nQB = S / (P * bs)``); :func:`convert_index`
-materialises all ``P`` steps. Example at 512K tokens, P = 32, bs = 64, MS = 64, MV = 4096:
-``nQB = 256``, exact ``MC = 4096`` -> 4.3 MB per head per step (138 MB per head for all steps,
-2.2 GB per 16-head layer, kept for the backward of every layer). :class:`RankStepIndex` converts
-one step at a time instead, inside the ring's forward and again in its backward: only the compact
-global index (``[B, H, MV + MS]``) is kept between them.
+``MC`` held columns (lowest positions, so attention sinks survive) and drops the rest. One step's
+index takes ``4 * B * H * (nQB * (2*MB + 1) + MC)`` bytes (``nQB = S / (P * bs)``) and costs
+``O(B * H * (nQB * MS + MV))`` to build: per rank and ring pass that is ``O(S / bs * MS + P * MV)``,
+so it shrinks with ``P`` (a per-row column list, ``O(nQB * MC)`` per step, did not: it was 40 % of
+the 4-GPU step at 512K; ``sparse_ring_results.md``). :func:`convert_index` materialises all ``P``
+steps; :class:`RankStepIndex` converts one step at a time, inside the ring's forward and again in its
+backward: only the compact global index (``[B, H, MV + MS]``) is kept between them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np
 
 from mtraining_jax.layouts import Layout
 from mtraining_jax.ring_schedule import source_rank, validate_ring_order
-from mtraining_jax.sparsity.index import VerticalSlashIndex, active_diagonals, compact_in_order, compact_sorted
+from mtraining_jax.sparsity.index import VerticalSlashIndex, compact_in_order, compact_sorted
 from pallas_kernels.index_format import StepIndex, causal_flags
 
 
@@ -70,7 +72,7 @@ def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block
 
     Works with traced positions (inside ``shard_map`` / ``vmap``); concrete positions are checked
     for block alignment. Single device: ``convert_step(index, arange(S), arange(S), seq_len=S)``.
-    Arrays: ``[B, H, nQB, MB]`` / ``[B, H, nQB, MC]`` / counts ``[B, H, nQB]``.
+    Arrays: blocks ``[B, H, nQB, MB]``, columns ``[B, H, MC]``, counts ``[B, H, nQB]``.
     """
     bs = block_size
     sq, sk = q_pos.shape[0], k_pos.shape[0]
@@ -89,7 +91,6 @@ def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block
     QB = q_pos.reshape(nqb, bs)[:, 0] // bs
     KB = k_pos.reshape(nkb, bs)[:, 0] // bs
     qmax = q_pos.reshape(nqb, bs).max(axis=1)
-    diag = active_diagonals(index, nb)  # [B, H, nb]
 
     # --- active blocks (slashes): per query block, the <= MS candidate KV blocks QB - d ---
     blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[KB].set(jnp.arange(nkb, dtype=jnp.int32))
@@ -102,24 +103,18 @@ def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block
     block_count = jnp.minimum(block_count, mb)  # never binds: <= s_count <= MS per query block
     block_causal = causal_flags(q_pos, k_pos, block_idx, bs)
 
-    # --- vertical columns not covered by an active block ---
-    # Sort this chunk's verticals by local id once ([B, H, MV]); then every query block's list is
-    # the flagged entries in that order, compacted by a prefix sum (no [nQB, MV] sort).
+    # --- vertical columns held by the visiting chunk: one list per head, in position order ---
+    # v_idx is ascending by global position, so a stable compaction of the held entries keeps that
+    # order and every query block's causal columns (position <= its last query) are a prefix.
     mc = min(mv, sk) if max_cols is None else min(max_cols, mv, sk)
     valid = jnp.arange(mv) < index.v_count[..., None]
     v = jnp.where(valid, index.v_idx, 0)
-    vb = jnp.where(valid, v // bs, nb)
-    lb = blockmap[vb]  # [B, H, MV], -1: not in this chunk
+    lb = blockmap[jnp.where(valid, v // bs, nb)]  # [B, H, MV], -1: not in this chunk
     held = valid & (lb >= 0)
-    big = jnp.iinfo(jnp.int32).max
-    order = jnp.argsort(jnp.where(held, lb * bs + v % bs, big), axis=-1)
-    v, vb, lb, held = (jnp.take_along_axis(a, order, axis=-1) for a in (v, vb, lb, held))
-    local = lb * bs + v % bs
-    dv = QB[None, None, :, None] - vb[:, :, None, :]  # [B, H, nQB, MV]
-    covered = (dv >= 0) & jnp.take_along_axis(diag[:, :, None, :], jnp.clip(dv, 0, nb - 1), axis=-1)
-    cond = held[:, :, None, :] & (v[:, :, None, :] <= qmax[None, None, :, None]) & ~covered
-    col_idx, col_count = compact_in_order(cond, jnp.broadcast_to(local[:, :, None, :], cond.shape), mc, pad=0)
-    col_count = jnp.minimum(col_count, mc)
+    col_idx, n_held = compact_in_order(held, lb * bs + v % bs, mc, pad=0)
+    held_pos, _ = compact_in_order(held, v, mc, pad=seq_len)  # ascending; padding sorts last
+    col_count = jax.vmap(jax.vmap(lambda p: jnp.searchsorted(p, qmax, side="right")))(held_pos)
+    col_count = jnp.minimum(col_count, jnp.minimum(n_held, mc)[..., None]).astype(jnp.int32)
     return StepIndex(block_idx, block_count, block_causal, col_idx, col_count)
 
 

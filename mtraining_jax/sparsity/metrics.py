@@ -6,8 +6,9 @@ verticals, so the work of one query block against one visiting chunk is
     work = block_count * bs^2 + col_count * bs      (attended (q, k) slots the kernel computes),
 
 summed over the rank's query blocks, the batch and the heads. ``W[r, s]`` is the work of worker
-``r`` at ring step ``s``. (It counts the masked half of diagonal tiles and non-causal rows of a
-column strip, as a GPU does.)
+``r`` at ring step ``s``. (It counts the masked half of diagonal tiles, non-causal rows of a
+column strip and columns that fall inside an active block of the row, as the GPU kernels compute
+them all.)
 
 * worker-level imbalance degree: ``mean_s( max_r W[r, s] / mean_r W[r, s] )`` (Fig. 7: max/mean
   across workers at a step, averaged over steps);
@@ -43,7 +44,7 @@ def _host_index(index: VerticalSlashIndex):
 def pair_work(index: VerticalSlashIndex, layout, block_size: int = 64) -> np.ndarray:
     """``int64 [P, P]``: work of rank ``r``'s queries against rank ``o``'s keys (host NumPy).
 
-    Equals the total of the converted per-step counts (tested); ``O(B*H*(nb + MV)*MS)`` time, so it
+    Equals the total of the converted per-step counts (tested); ``O(B*H*(nb*MS + MV*P))`` time, so it
     runs at 512K tokens on a CPU.
     """
     positions = np.asarray(layout.positions if isinstance(layout, Layout) else layout)
@@ -68,14 +69,10 @@ def pair_work(index: VerticalSlashIndex, layout, block_size: int = 64) -> np.nda
             qg, dd = np.meshgrid(g, ds, indexing="ij")
             ok = qg - dd >= 0
             np.add.at(M, (owner[qg[ok]], owner[(qg - dd)[ok]]), bs * bs)
-            # columns: query blocks g >= v // bs whose diagonal g - v//bs is not a slash
+            # columns: every query block g >= v // bs runs vertical v in its column phase (the
+            # kernels mask, but still compute, the rows where v lies inside an active block)
             vb = v_idx[b, h, : v_count[b, h]] // bs
-            ov = owner[vb]
-            np.add.at(M.T, ov, bs * suffix[:, vb].T)
-            qv, dv = np.meshgrid(vb, ds, indexing="ij")
-            q2 = qv + dv
-            ok = q2 < nb
-            np.add.at(M, (owner[q2[ok]], np.broadcast_to(ov[:, None], q2.shape)[ok]), -bs)
+            np.add.at(M.T, owner[vb], bs * suffix[:, vb].T)
     return M
 
 
