@@ -78,8 +78,8 @@ def compact_sorted(flags, values, size: int, pad):
 
 
 def compact_in_order(flags, values, size: int, pad):
-    """Like :func:`compact_sorted` for ``values`` already ascending along the last axis: the first
-    ``size`` flagged entries in order, by a prefix sum and a scatter (``O(n)``, no sort).
+    """The first ``size`` flagged entries of ``values`` in their order (last axis), by a prefix sum
+    and a scatter (``O(n)``, no sort); equals :func:`compact_sorted` when ``values`` is ascending.
 
     Returns ``(idx int32 [..., size], count int32 [...])``; ``count`` is NOT clipped to ``size``.
     """
