@@ -133,16 +133,16 @@ def sweep(S, sparsities, reps, seed=1):
                 f = functools.partial(kf, sm_scale=scale, block_size=BS, **opts)
                 rec(name, kname, _time(f, *args, reps=reps) * 1e3, **opts)
             if name != "full":
-                dk_h, dv_h = tk.dkv_block_pass(*args, sm_scale=scale, block_size=BS, **opts)
+                dk, dv = tk.dkv_block_pass(*args, sm_scale=scale, block_size=BS, **opts)
                 f = functools.partial(tk.dkv_col_pass, sm_scale=scale, block_size=BS, **opts)
-                rec(name, "bwd_dkv_cols", _time(f, *args, dk_h, dv_h, reps=reps) * 1e3, **opts)
+                rec(name, "bwd_dkv_cols", _time(f, *args, dk, dv, reps=reps) * 1e3, **opts)
             f = functools.partial(tk.pallas_bwd, sm_scale=scale, block_size=BS, **opts)
             rec(name, "bwd_total", _time(f, *args, reps=reps) * 1e3, **opts)
     return rows
 
 
-def col_segment_sweep(S, max_cols, reps, segments=(8, 16, 32, 64), seed=3):
-    """The column dK/dV pass alone over its segment length (query blocks per program) on a 95 %
+def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
+    """The column dK/dV pass alone over its row ranges per column chunk (``col_splits``) on a 95 %
     vertical-slash index with ``max_cols`` columns per head (``S = 131072, max_cols = 1024`` is one
     ring step of 512K tokens on 4 GPUs; ``524288, 4096`` the same on one)."""
     from pallas_kernels import triton_kernels as tk
@@ -154,12 +154,12 @@ def col_segment_sweep(S, max_cols, reps, segments=(8, 16, 32, 64), seed=3):
     idx = jax.tree.map(jnp.asarray, vertical_slash_index(rng, 1, H, S, 0.95, max_cols=max_cols))
     out, lse = tk.pallas_fwd(q, k, v, pos, pos, idx, sm_scale=D**-0.5, block_size=BS, interpret=it)
     args = (q, k, v, pos, pos, idx, do, lse, api.attention_delta(out, do))
-    dk_h, dv_h = tk.dkv_block_pass(*args, sm_scale=D**-0.5, block_size=BS, interpret=it)
+    dk, dv = tk.dkv_block_pass(*args, sm_scale=D**-0.5, block_size=BS, interpret=it)
     rows = []
-    for seg in (None,) + tuple(segments):
-        f = functools.partial(tk.dkv_col_pass, sm_scale=D**-0.5, block_size=BS, col_segment=seg, interpret=it)
-        rows.append(dict(seq=S, max_cols=max_cols, kernel="bwd_dkv_cols", col_segment=seg or "auto",
-                         auto=tk.col_segment_blocks(S // BS, H), ms=_time(f, *args, dk_h, dv_h, reps=reps) * 1e3))
+    for sp in (None,) + tuple(splits):
+        f = functools.partial(tk.dkv_col_pass, sm_scale=D**-0.5, block_size=BS, col_splits=sp, interpret=it)
+        rows.append(dict(seq=S, max_cols=max_cols, kernel="bwd_dkv_cols", col_splits=sp or "auto",
+                         ms=_time(f, *args, dk, dv, reps=reps) * 1e3))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -218,16 +218,16 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")
     ap.add_argument("--mha-sweep", type=int, default=0, help="sequence length for a Triton mha config sweep")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the main comparison table")
-    ap.add_argument("--col-seg-sweep", default="", help="S:max_cols pairs, e.g. 131072:1024,524288:4096")
+    ap.add_argument("--col-split-sweep", default="", help="S:max_cols pairs, e.g. 131072:1024,524288:4096")
     a = ap.parse_args()
     sweeps = []
     for S in [int(x) for x in a.sweep.split(",") if x and x != "0"]:
         sweeps += sweep(S, [0.95], a.reps)
     if a.mha_sweep:
         sweeps += mha_sweep(a.mha_sweep, a.reps)
-    for pair in [x for x in a.col_seg_sweep.split(",") if x]:
+    for pair in [x for x in a.col_split_sweep.split(",") if x]:
         S, mc = (int(y) for y in pair.split(":"))
-        sweeps += col_segment_sweep(S, mc, a.reps)
+        sweeps += col_split_sweep(S, mc, a.reps)
     if sweeps and a.json:
         with open(a.json.replace(".json", "_sweep.json"), "w") as f:
             json.dump(sweeps, f, indent=1)

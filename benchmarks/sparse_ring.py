@@ -216,7 +216,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
         tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}")
         with jax.profiler.trace(tdir, create_perfetto_trace=True):
             jax.block_until_ready(sparse_fb(lq, lk, lv, lc))
-        summary = summarize_dir(tdir, top=12)
+        summary = summarize_dir(tdir, top=30)
         rec["sparse_trace"] = summary
         spans = [d["span_ms"] for d in summary.values() if d.get("kernels")]
         if spans:

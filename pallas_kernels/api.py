@@ -5,9 +5,12 @@ Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``),
 :class:`~pallas_kernels.index_format.StepIndex` or ``None`` (dense causal by position).
 
 * :func:`block_sparse_attention_fwd` -> ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` — one
-  partial result a ring step can merge (rows with no allowed key: out 0, lse -inf).
+  partial result (rows with no allowed key: out 0, lse -inf); given ``acc``, the ``(out, lse)``
+  of earlier ring steps, it returns their merge (:func:`pallas_kernels.merge.merge_partials`; fused
+  into the Pallas kernel, which updates the float32 accumulators in place).
 * :func:`block_sparse_attention_bwd` -> ``(dq, dk, dv)`` in float32 for one step, given the
-  FINAL (merged) ``lse`` and ``delta = rowsum(dO * O)`` of the full attention (flash backward).
+  FINAL (merged) ``lse`` and ``delta = rowsum(dO * O)`` of the full attention (flash backward);
+  ``dq_acc`` / ``dkv_acc`` are added in (in place on the Pallas path).
 * :func:`block_sparse_attention` — single-device op with ``custom_vjp`` (output in q's dtype).
 
 ``impl``: ``"auto"`` (Pallas on GPU, XLA twin elsewhere), ``"pallas"``, ``"xla"``.
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import triton_kernels, xla_twin
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, check_step_index, full_step_index
+from pallas_kernels.merge import merge_partials
 
 IMPLS = ("auto", "pallas", "xla")
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -59,6 +63,13 @@ def _check(q, k, v, q_pos, k_pos, index, block_size):
         check_step_index(index, B, Hq, Sq, k.shape[1], block_size)
 
 
+def _check_acc(name, got, want):
+    """``ValueError`` unless every accumulator in ``got`` has the shape in ``want``."""
+    for i, (a, shape) in enumerate(zip(got, want)):
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name}[{i}] has shape {tuple(a.shape)}, expected {tuple(shape)}")
+
+
 def _resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
@@ -78,29 +89,47 @@ def _pallas_index(index, q, k, q_pos, k_pos, block_size):
 
 
 def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = None, *, sm_scale=None,
-                               block_size: int = DEFAULT_BLOCK, impl: str = "auto"):
-    """Forward for one (query chunk, K/V chunk) pair; see module docstring."""
+                               block_size: int = DEFAULT_BLOCK, impl: str = "auto", acc=None):
+    """Forward for one (query chunk, K/V chunk) pair; see module docstring.
+
+    ``acc``: ``None`` or ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` of the same queries over
+    keys disjoint from this chunk's (earlier ring steps); the result is then the merged
+    ``(out, lse)`` over both key sets."""
     _check(q, k, v, q_pos, k_pos, index, block_size)
+    if acc is not None:
+        _check_acc("acc", acc, [q.shape, (q.shape[0], q.shape[2], q.shape[1])])
     impl = _resolve_impl(impl)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     if impl == "xla":
-        return xla_twin.xla_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale, block_size=block_size)
+        out, lse = xla_twin.xla_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale, block_size=block_size)
+        return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
     idx = _pallas_index(index, q, k, q_pos, k_pos, block_size)
-    return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, idx, sm_scale=_scale(q, sm_scale),
+    return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, idx, acc, sm_scale=_scale(q, sm_scale),
                                      block_size=block_size, interpret=_interpret())
 
 
 def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale=None,
-                               block_size: int = DEFAULT_BLOCK, impl: str = "auto"):
-    """Backward for one pair given the final ``lse`` and ``delta``; returns f32 ``(dq, dk, dv)``."""
+                               block_size: int = DEFAULT_BLOCK, impl: str = "auto", dq_acc=None, dkv_acc=None):
+    """Backward for one pair given the final ``lse`` and ``delta``; returns f32 ``(dq, dk, dv)``.
+
+    ``dq_acc`` (``f32 [B, Sq, Hq, D]``) and ``dkv_acc = (dk, dv)`` (``f32 [B, Sk, Hkv, D]`` each),
+    if given, are added to the result (ring steps accumulating over chunks)."""
     _check(q, k, v, q_pos, k_pos, index, block_size)
+    if dq_acc is not None:
+        _check_acc("dq_acc", [dq_acc], [q.shape])
+    if dkv_acc is not None:
+        _check_acc("dkv_acc", dkv_acc, [k.shape, k.shape])
     impl = _resolve_impl(impl)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     if impl == "xla":
-        return xla_twin.xla_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale,
-                                block_size=block_size)
+        dq, dk, dv = xla_twin.xla_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale,
+                                      block_size=block_size)
+        dq = dq if dq_acc is None else dq_acc + dq
+        if dkv_acc is not None:
+            dk, dv = dkv_acc[0] + dk, dkv_acc[1] + dv
+        return dq, dk, dv
     idx = _pallas_index(index, q, k, q_pos, k_pos, block_size)
-    return triton_kernels.pallas_bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta,
+    return triton_kernels.pallas_bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
                                      sm_scale=_scale(q, sm_scale), block_size=block_size,
                                      interpret=_interpret())
 

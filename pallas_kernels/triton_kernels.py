@@ -4,23 +4,27 @@ MTraining Algorithm 1 (paper Sec. 3) on the per-step index of :mod:`pallas_kerne
 Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
 
 * **forward** (:func:`pallas_fwd`): one program per (64-query block ``i``, query head ``h``,
-  batch ``b``). The active KV blocks come in two groups (:func:`prepare_index`): first the *free*
-  tiles (``block_causal == 0``: every pair causal), computed with no mask at all, then the few
-  tiles that need the token-level causal mask by global position; then the row's prefix of the
-  head's column list in chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``), masked by count,
-  by position and where a column lies in one of the row's active blocks (:func:`_outside_blocks`). Online
-  softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled scale (FlashAttention-2, Dao 2023,
-  Alg. 1). Writes ``out`` (f32) and the natural-log ``lse`` so ring steps can be merged; rows with
-  no allowed key get out 0, lse -inf.
+  batch ``b``), heaviest rows first (the grid walks query blocks from the last: a causal row's
+  work grows with its position). The active KV blocks come in two groups (:func:`prepare_index`):
+  first the *free* tiles (``block_causal == 0``: every pair causal), computed with no mask at all,
+  then the few tiles that need the token-level causal mask by global position; then the row's
+  prefix of the head's column list in chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``),
+  masked by count, by position and where a column lies in one of the row's active blocks
+  (:func:`_outside_blocks`). Online softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled
+  scale (FlashAttention-2, Dao 2023, Alg. 1). Writes ``out`` (f32) and the natural-log ``lse``;
+  rows with no allowed key get out 0, lse -inf. Given the ``(out, lse)`` of earlier ring steps
+  (``acc``), the kernel merges into them in place (:func:`_merge_rows`; MTraining Algorithm 2's
+  ``merge_out_and_lse`` without a separate pass over the float32 output).
 * **backward** (:func:`pallas_bwd`), three passes (measurements and the alternatives tried in
-  ``benchmarks/KERNEL_NOTES.md``): (1) :func:`dq_pass`, query-stationary like the forward;
-  (2) :func:`dkv_block_pass`, KV-stationary over the transposed schedule
-  (:func:`transpose_block_index`: for every KV block the query blocks listing it, free ones first);
-  (3) :func:`dkv_col_pass`, column-stationary: chunks of 64 columns of the head's shared list,
-  gathered once, against the query blocks of one segment whose prefix reaches the chunk, added
-  into the rows with float32 atomics (one add per chunk and segment). Passes 2-3 write per-query-
-  head dK/dV, summed per GQA group at the end. ``delta = rowsum(dO * O)`` is an input
-  (``api.attention_delta``).
+  ``benchmarks/KERNEL_NOTES.md``): (1) :func:`dq_pass`, query-stationary like the forward, adding
+  into a given ``dq`` accumulator in place; (2) :func:`dkv_block_pass`, KV-stationary over the
+  transposed schedule (:func:`transpose_block_index`: for every KV block the query blocks listing
+  it, free ones first): one program per (KV block, KV head) walks the lists of the ``g`` query
+  heads of its group, so GQA is reduced in registers and dK/dV are written once per KV head; (3) :func:`dkv_col_pass`, column-stationary: one program per chunk of 64
+  columns of the head's shared list (gathered once) walks the query blocks whose prefix reaches the
+  chunk and writes the chunk's dK/dV into a compact ``[B, Hq, MC, D]`` buffer indexed by list slot
+  (no atomics unless a short chunk's rows are split over a few programs), which one XLA
+  scatter-add then adds into the KV heads' dK/dV. ``delta = rowsum(dO * O)`` is an input (``api.attention_delta``).
 
 The same source runs on the GPU and in interpret mode on CPU (tests); only the atomic row add
 has an interpret-mode twin (:func:`_add_rows`).
@@ -90,14 +94,14 @@ def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
     return bidx, counts, cidx
 
 
-def _block_rows(idx_ref, j, bs: int):
-    """Contiguous rows of the block ``idx_ref[j]``."""
-    return pl.ds(pl.multiple_of(idx_ref[j] * bs, bs), bs)
+def _for_blocks(block_at, lo, hi, bs: int, body, carry):
+    """``carry = body(rows, carry)`` over the blocks ``block_at(j)`` (a block id read from the
+    index) for ``j`` in ``[lo, hi)``, one tile of ``bs`` contiguous rows each."""
 
+    def step(j, c):
+        return body(pl.ds(pl.multiple_of(block_at(j) * bs, bs), bs), c)
 
-def _for_blocks(idx_ref, lo, hi, bs: int, body, carry):
-    """``carry = body(rows, carry)`` over the blocks ``idx_ref[lo:hi]``, one ``bs``-row tile each."""
-    return lax.fori_loop(lo, hi, lambda j, c: body(_block_rows(idx_ref, j, bs), c), carry)
+    return lax.fori_loop(lo, hi, step, carry)
 
 
 def _col_rows(cidx_ref, c, ncols, cc):
@@ -127,8 +131,31 @@ def _softmax_update(carry, s, v, masked: bool):
     return acc, m_new, l
 
 
-def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                qk_scale, bs, cc):
+def _merge_rows(acc, m, l, out_prev, lse_prev):
+    """Merge this step's online-softmax state (``acc [bq, D]``, log2-domain running max ``m`` and
+    sum ``l``; ``acc / l`` is its output) with earlier steps' normalised ``out_prev`` and natural
+    ``lse_prev`` over disjoint keys. With ``M = max(lse2_prev, m + log2 l)`` (log2 domain):
+    ``out = (2^(lse2_prev - M) out_prev + 2^(m - M) acc) / den``, ``den = 2^(lse2_prev - M) +
+    2^(m - M) l``, ``lse = (M + log2 den) ln 2``; a row empty on both sides stays out 0, lse -inf."""
+    lp = lse_prev * LOG2E  # -inf stays -inf
+    new = jnp.where(l > 0.0, m + jnp.log2(jnp.where(l > 0.0, l, 1.0)), -jnp.inf)
+    mm = jnp.maximum(lp, new)
+    mm = jnp.where(mm == -jnp.inf, 0.0, mm)
+    wp = jnp.exp2(lp - mm)  # 0 where lse_prev = -inf
+    wn = jnp.where(l > 0.0, jnp.exp2(m - mm), 0.0)
+    den = wp + wn * l
+    empty = den == 0.0
+    den_safe = jnp.where(empty, 1.0, den)
+    out = (wp[:, None] * out_prev + wn[:, None] * acc) / den_safe[:, None]
+    return out, jnp.where(empty, -jnp.inf, (mm + jnp.log2(den_safe)) * LN2)
+
+
+def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, *refs, qk_scale, bs, cc,
+                merge: bool):
+    if merge:  # out_prev / lse_prev are aliased to o_ref / lse_ref: read before writing
+        oprev_ref, lprev_ref, o_ref, lse_ref = refs
+    else:
+        o_ref, lse_ref = refs
     q = q_ref[...]
     qp = qpos_ref[...]
     carry = (jnp.zeros((bs, q.shape[-1]), jnp.float32), jnp.full((bs,), -jnp.inf, jnp.float32),
@@ -149,27 +176,36 @@ def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v
         return masked(ids, carry, valid & _outside_blocks(ids, bidx_ref[...], n_blk, bs))
 
     n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
-    carry = _for_blocks(bidx_ref, 0, n_free, bs, free, carry)
-    carry = _for_blocks(bidx_ref, n_free, n_blk, bs, masked, carry)
+    block_at = lambda j: bidx_ref[j]  # noqa: E731
+    carry = _for_blocks(block_at, 0, n_free, bs, free, carry)
+    carry = _for_blocks(block_at, n_free, n_blk, bs, masked, carry)
     carry = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, carry)
     acc, m, l = carry
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    if merge:
+        out, lse = _merge_rows(acc, m, l, oprev_ref[...], lprev_ref[...])
+    else:
+        empty = l == 0.0
+        l_safe = jnp.where(empty, 1.0, l)
+        out = acc / l_safe[:, None]
+        lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
-def _query_specs(H, g, sk, d, bs, mbp, mcp):
-    """BlockSpecs of the query-stationary passes (grid ``(nQB, H, B)``)."""
+def _query_specs(H, g, sq, sk, d, bs, mbp, mcp):
+    """BlockSpecs of the query-stationary passes, grid ``(nQB, H, B)``: program ``i`` takes query
+    block ``nQB - 1 - i`` (heaviest causal rows first, so the last wave is the light rows)."""
+    nqb = sq // bs
+    r = lambda i: nqb - 1 - i  # noqa: E731
     return dict(
-        qpos=pl.BlockSpec((bs,), lambda i, h, b: (i,)),
+        qpos=pl.BlockSpec((bs,), lambda i, h, b: (r(i),)),
         kpos=pl.BlockSpec((sk,), lambda i, h, b: (0,)),
-        bidx=pl.BlockSpec((None, None, None, mbp), lambda i, h, b: (b, h, i, 0)),
-        cnt=pl.BlockSpec((None, None, None, 3), lambda i, h, b: (b, h, i, 0)),
+        bidx=pl.BlockSpec((None, None, None, mbp), lambda i, h, b: (b, h, r(i), 0)),
+        cnt=pl.BlockSpec((None, None, None, 3), lambda i, h, b: (b, h, r(i), 0)),
         cidx=pl.BlockSpec((None, None, mcp), lambda i, h, b: (b, h, 0)),
-        q=pl.BlockSpec((None, bs, None, d), lambda i, h, b: (b, i, h, 0)),
+        q=pl.BlockSpec((None, bs, None, d), lambda i, h, b: (b, r(i), h, 0)),
         kv=pl.BlockSpec((None, sk, None, d), lambda i, h, b: (b, 0, h // g, 0)),
-        row=pl.BlockSpec((None, None, bs), lambda i, h, b: (b, h, i)),
+        row=pl.BlockSpec((None, None, bs), lambda i, h, b: (b, h, r(i))),
     )
 
 
@@ -177,30 +213,40 @@ _STATIC = ("sm_scale", "block_size", "col_chunk", "num_warps", "num_stages", "in
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, *, sm_scale: float, block_size: int,
+def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int,
                col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
-    """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32, lse f32)``."""
+    """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32, lse f32)``;
+    with ``acc = (out_prev f32 [B, Sq, Hq, D], lse_prev f32 [B, Hq, Sq])`` (earlier ring steps,
+    disjoint keys) the result is merged into them, in place (their buffers are aliased)."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
     bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
-    sp = _query_specs(H, H // hkv, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
-    kernel = functools.partial(_fwd_kernel, qk_scale=sm_scale * LOG2E, bs=bs, cc=col_chunk)
+    sp = _query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
+    merge = acc is not None
+    kernel = functools.partial(_fwd_kernel, qk_scale=sm_scale * LOG2E, bs=bs, cc=col_chunk, merge=merge)
+    args = [q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), bidx, cnt, cidx, q, k, v]
+    in_specs = [sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"], sp["q"], sp["kv"], sp["kv"]]
+    if merge:
+        args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
+        in_specs += [sp["q"], sp["row"]]
     return pl.pallas_call(
         kernel,
         grid=(sq // bs, H, B),
-        in_specs=[sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"], sp["q"], sp["kv"], sp["kv"]],
+        in_specs=in_specs,
         out_specs=[sp["q"], sp["row"]],
         out_shape=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
                    jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
+        input_output_aliases={8: 0, 9: 1} if merge else {},
         compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_fwd",
-    )(q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), bidx, cnt, cidx, q, k, v)
+    )(*args)
 
 
 def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-               delta_ref, dq_ref, *, qk_scale, scale, bs, cc):
+               delta_ref, *refs, qk_scale, scale, bs, cc, accumulate: bool):
+    dq_prev_ref, dq_ref = refs if accumulate else (None, refs[0])  # aliased: read before writing
     q = q_ref[...]
     do = do_ref[...]
     qp = qpos_ref[...]
@@ -222,16 +268,19 @@ def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_
         return tile(rows, dq, ok if valid is None else ok & valid[None, :])
 
     n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
+    block_at = lambda j: bidx_ref[j]  # noqa: E731
     dq = jnp.zeros(q.shape, jnp.float32)
-    dq = _for_blocks(bidx_ref, 0, n_free, bs, tile, dq)
-    dq = _for_blocks(bidx_ref, n_free, n_blk, bs, masked, dq)
+    dq = _for_blocks(block_at, 0, n_free, bs, tile, dq)
+    dq = _for_blocks(block_at, n_free, n_blk, bs, masked, dq)
 
     def col_body(c, dq):
         ids, valid = _col_rows(cidx_ref, c, n_col, cc)
         return masked(ids, dq, valid & _outside_blocks(ids, bidx_ref[...], n_blk, bs))
 
-    dq = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, dq)
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, dq) * scale
+    if accumulate:
+        dq = dq + dq_prev_ref[...]
+    dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def transpose_block_index(index: StepIndex, sk: int, bs: int):
@@ -267,19 +316,30 @@ def transpose_block_index(index: StepIndex, sk: int, bs: int):
     return tidx[:, :, :nkb, :mtp], tcnt
 
 
-def col_segment_blocks(nqb: int, heads_x_batch: int) -> int:
-    """Query blocks per program of the column pass (a power of two, at most 64): about 512
-    programs, enough to fill an H100/H200 (longer segments, i.e. fewer programs and fewer atomic
-    adds, measured slower: see KERNEL_NOTES.md)."""
-    return max(1, min(64, _pow2(max(1, nqb * heads_x_batch // 512))))
+COL_RANGE_BLOCKS = 128
 
 
-def _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref):
+def col_row_splits(nqb: int, range_blocks: int = COL_RANGE_BLOCKS) -> int:
+    """Query-block ranges of the column pass: ``ceil(nQB / range_blocks)``. A column chunk's
+    program walks at most ``range_blocks`` query blocks, so the chunks that every row reaches (the
+    attention sink's, ~``nQB`` tiles) do not become one long serial tail of the kernel while the
+    rest of the GPU idles (measured: on a ring step of 2048 query blocks one range per chunk made
+    the pass ~2x slower than its tile count; ``benchmarks/KERNEL_NOTES.md``). A step of at most
+    ``range_blocks`` query blocks is one range and needs no atomics."""
+    return max(1, -(-nqb // max(1, range_blocks)))
+
+
+def _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref, head=None):
     """Query rows ``rows`` (a slice or gathered ids) for a KV-stationary backward: q, dO,
-    positions, log2-domain lse (0 where the row is empty) and delta."""
-    lse = lse_ref[rows]
+    positions, log2-domain lse (0 where the row is empty) and delta. ``head``: the query head
+    within a group block (refs ``q/do [Sq, g, D]``, ``lse/delta [g, Sq]``), or ``None`` for refs
+    of one head (``[Sq, D]``, ``[Sq]``)."""
+    if head is None:
+        q, do, lse, delta = q_ref[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
+    else:
+        q, do, lse, delta = q_ref[rows, head, :], do_ref[rows, head, :], lse_ref[head, rows], delta_ref[head, rows]
     lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
-    return q_ref[rows, :], do_ref[rows, :], qpos_ref[rows], lse2, delta_ref[rows]
+    return q, do, qpos_ref[rows], lse2, delta
 
 
 def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
@@ -294,111 +354,150 @@ def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
     return dk + dot(dst.astype(q.dtype), q), dv
 
 
-def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, segmax_ref, bidx_ref, nblk_ref, ncol_ref, q_ref, k_ref, v_ref,
-                    do_ref, lse_ref, delta_ref, dk_in, dv_in, dk_ref, dv_ref, *, qk_scale, scale, bs, seg, nqb,
-                    mbp, interpret):
-    """One program per (segment of ``seg`` query blocks, query head, batch): for every chunk of
-    ``bs`` columns of the head's list that some row of the segment uses, gather their K/V rows
-    once, walk the segment's rows whose prefix reaches the chunk, and add the chunk's dK/dV into
-    the per-head outputs."""
-    del dk_in, dv_in  # aliased to dk_ref / dv_ref (the block pass's per-head dK/dV)
+def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref, ncol_ref, q_ref, k_ref, v_ref,
+                    do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, heads, nqb, splits, interpret):
+    """One program per (query head and batch, chunk ``c`` of ``bs`` slots of the head's column
+    list, range ``r`` of at most ``ceil(nQB / splits)`` query blocks): gather the chunk's K/V rows
+    once, walk the range's query blocks whose prefix reaches the chunk (from ``first_ref[c]`` on)
+    from the LAST one down, and store (one range) or atomically add (several) the chunk's dK/dV
+    into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
+    query rows at the same time (they share them in L2); ranges go heaviest (last) first."""
+    dk_ref, dv_ref = refs[-2:]  # with several ranges, refs[:2] are the zero buffers aliased to them
+    del heads
+    c = pl.program_id(1)
+    rows_per = -(-nqb // splits)
+    r = splits - 1 - pl.program_id(2)
+    off = pl.multiple_of(c * bs, bs)
     lane = jnp.arange(bs, dtype=jnp.int32)
-    lo = pl.program_id(0) * seg
-    hi = jnp.minimum(lo + seg, nqb)
+    ids = cidx_ref[pl.ds(off, bs)]
+    k, v, kp = k_ref[ids, :], v_ref[ids, :], kpos_ref[ids]
+    lo = jnp.maximum(first_ref[c], r * rows_per)
+    hi = jnp.minimum(nqb, (r + 1) * rows_per)
+    mbp = bidx_ref.shape[0] // nqb
 
-    def chunk_body(c, carry_through):
-        off = pl.multiple_of(c * bs, bs)
-        ids = cidx_ref[pl.ds(off, bs)]
-        k, v, kp = k_ref[ids, :], v_ref[ids, :], kpos_ref[ids]
+    def query_block(t, carry):
+        i = hi - 1 - t
+        n_col = ncol_ref[i]
 
-        def query_block(i, carry):
-            n_col = ncol_ref[i]
+        def tile(carry):
+            blocks = bidx_ref[pl.ds(pl.multiple_of(i * mbp, mbp), mbp)]
+            keep = ((off + lane) < n_col) & _outside_blocks(ids, blocks, nblk_ref[i], bs)
+            rows = pl.ds(pl.multiple_of(i * bs, bs), bs)
+            q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
+            ok = keep[:, None] & (kp[:, None] <= qp[None, :])
+            return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
 
-            def tile(carry):
-                blocks = bidx_ref[pl.ds(pl.multiple_of(i * mbp, mbp), mbp)]
-                keep = ((off + lane) < n_col) & _outside_blocks(ids, blocks, nblk_ref[i], bs)
-                rows = pl.ds(pl.multiple_of(i * bs, bs), bs)
-                q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
-                ok = keep[:, None] & (kp[:, None] <= qp[None, :])
-                return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
+        return lax.cond(off < n_col, tile, lambda carry: carry, carry)
 
-            return lax.cond(off < n_col, tile, lambda carry: carry, carry)
-
+    def walk():
         zeros = jnp.zeros(k.shape, jnp.float32)
-        dk, dv = lax.fori_loop(lo, hi, query_block, (zeros, zeros))
-        # other segments add into the same rows: atomics on the GPU; masked lanes add exact zeros
-        _add_rows(dk_ref, ids, dk * scale, interpret)
-        _add_rows(dv_ref, ids, dv, interpret)
-        return carry_through  # a loop value: Triton cannot yield a literal
+        dk, dv = lax.fori_loop(0, jnp.maximum(hi - lo, 0), query_block, (zeros, zeros))
+        return dk * scale, dv
 
-    lax.fori_loop(0, (segmax_ref[0] + bs - 1) // bs, chunk_body, jnp.int32(0))
+    slots = pl.ds(off, bs)
+    if splits == 1:  # this program owns the chunk's slots (masked lanes hold exact zeros)
+        dk, dv = walk()
+        dk_ref[slots, :] = dk
+        dv_ref[slots, :] = dv
+    else:  # the other ranges add into the same zero-initialised slots; empty ranges add nothing
 
-
-def _add_rows(ref, ids, val, interpret: bool):
-    """``ref[ids[r], :] += val[r]`` for every ``r`` (duplicates accumulate): float32 atomics on
-    the GPU; a row-by-row read-modify-write in interpret mode (programs run one at a time there,
-    and Pallas' interpreter cannot discharge a gather-indexed atomic)."""
-    if not interpret:
-        atomic_add(ref, (ids, slice(None)), val)
-        return
-
-    def body(r, _):
-        row = ids[r]
-        ref[pl.ds(row, 1), :] = ref[pl.ds(row, 1), :] + lax.dynamic_slice_in_dim(val, r, 1, 0)
-        return 0
-
-    lax.fori_loop(0, ids.shape[0], body, 0)
+        @pl.when(hi > lo)
+        def _():
+            dk, dv = walk()
+            _add_slots(dk_ref, slots, dk, interpret)
+            _add_slots(dv_ref, slots, dv, interpret)
 
 
-def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, dk_h, dv_h, *, sm_scale, bs, params, interpret,
-             col_segment=None):
-    """Pass 3: adds the vertical columns' dK/dV into the per-head ``dk_h, dv_h [B, Sk, H, D]``."""
+def _add_slots(ref, rows, val, interpret: bool):
+    """``ref[rows, :] += val``: float32 atomics on the GPU (several programs add into the same
+    rows); a plain read-modify-write in interpret mode, where programs run one at a time."""
+    if interpret:
+        ref[rows, :] = ref[rows, :] + val
+    else:
+        atomic_add(ref, (rows, slice(None)), val)
+
+
+def column_first_rows(col_count, nchunks: int, bs: int):
+    """``int32 [B, H, nchunks]``: for every chunk ``c`` of ``bs`` list slots, the first query block
+    whose column prefix reaches it (``col_count > c * bs``), or ``nQB`` if none does."""
+    nqb = col_count.shape[-1]
+    reach = col_count[..., None, :] > (jnp.arange(nchunks, dtype=jnp.int32) * bs)[:, None]  # [B,H,nch,nQB]
+    return jnp.where(reach.any(-1), jnp.argmax(reach, axis=-1), nqb).astype(jnp.int32)
+
+
+def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, params, interpret, col_splits=None):
+    """Pass 3 kernel: the vertical columns' ``(dk, dv) f32 [B, Hq, MCp, D]`` by slot of the head's
+    column list, and that list ``col_idx int32 [B, Hq, MCp]`` (local key ids, padding -> 0 with
+    exactly zero gradient)."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g, nqb = H // hkv, sq // bs
     bidx, cnt, cidx = prepare_index(index, sk, bs, bs)
-    mbp = bidx.shape[-1]
-    seg = col_segment or col_segment_blocks(nqb, H * B)
-    nseg = -(-nqb // seg)
+    mbp, mcp = bidx.shape[-1], cidx.shape[-1]
+    nch = mcp // bs
+    splits = col_splits or col_row_splits(nqb)
     ncol = cnt[..., 2]
-    segmax = jnp.pad(ncol, [(0, 0), (0, 0), (0, nseg * seg - nqb)]).reshape(B, H, nseg, seg).max(-1)
-    per_head = lambda n: pl.BlockSpec((None, None, n), lambda s, h, b: (b, h, 0))  # noqa: E731
-    full_q = pl.BlockSpec((None, sq, None, d), lambda s, h, b: (b, 0, h, 0))
-    full_kv = pl.BlockSpec((None, sk, None, d), lambda s, h, b: (b, 0, h // g, 0))
-    full_out = pl.BlockSpec((None, sk, None, d), lambda s, h, b: (b, 0, h, 0))
-    return pl.pallas_call(
-        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, seg=seg, nqb=nqb,
-                          mbp=mbp, interpret=interpret),
-        grid=(nseg, H, B),
-        in_specs=[pl.BlockSpec((sq,), lambda s, h, b: (0,)), pl.BlockSpec((sk,), lambda s, h, b: (0,)),
-                  per_head(cidx.shape[-1]), pl.BlockSpec((None, None, 1), lambda s, h, b: (b, h, s)),
-                  per_head(nqb * mbp), per_head(nqb), per_head(nqb),
-                  full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq), full_out, full_out],
-        out_specs=[full_out, full_out],
-        out_shape=[jax.ShapeDtypeStruct((B, sk, H, d), jnp.float32)] * 2,
-        input_output_aliases={13: 0, 14: 1},
+    first = column_first_rows(ncol, nch, bs)
+    bh = lambda i: (i // H, i % H)  # noqa: E731  grid axis 0 = batch * heads, head fastest
+    per_head = lambda n: pl.BlockSpec((None, None, n), lambda i, c, r: (*bh(i), 0))  # noqa: E731
+    full_q = pl.BlockSpec((None, sq, None, d), lambda i, c, r: (i // H, 0, i % H, 0))
+    full_kv = pl.BlockSpec((None, sk, None, d), lambda i, c, r: (i // H, 0, (i % H) // g, 0))
+    slots = pl.BlockSpec((None, None, mcp, d), lambda i, c, r: (*bh(i), 0, 0))
+    args = [q_pos, k_pos, cidx, first, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, q, k, v, do, lse, delta]
+    in_specs = [pl.BlockSpec((sq,), lambda i, c, r: (0,)), pl.BlockSpec((sk,), lambda i, c, r: (0,)),
+                per_head(mcp), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb),
+                full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq)]
+    if splits > 1:  # ranges add into zero-initialised slots
+        zeros = jnp.zeros((B, H, mcp, d), jnp.float32)
+        args += [zeros, zeros]
+        in_specs += [slots, slots]
+    dkc, dvc = pl.pallas_call(
+        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, heads=H, nqb=nqb,
+                          splits=splits, interpret=interpret),
+        grid=(B * H, nch, splits),
+        in_specs=in_specs,
+        out_specs=[slots, slots],
+        out_shape=[jax.ShapeDtypeStruct((B, H, mcp, d), jnp.float32)] * 2,
+        input_output_aliases={13: 0, 14: 1} if splits > 1 else {},
         compiler_params=params,
         interpret=interpret,
         name="block_sparse_bwd_dkv_cols",
-    )(q_pos, k_pos, cidx, segmax, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, q, k, v, do, lse, delta,
-      dk_h, dv_h)
+    )(*args)
+    return dkc, dvc, cidx
+
+
+def add_column_grads(dk, dv, dkc, dvc, col_idx):
+    """``dk[b, col_idx[b, h, m], h // g] += dkc[b, h, m]`` (and ``dv``) for every query head ``h``
+    and list slot ``m``: one XLA scatter-add of the column pass's per-slot gradients into the KV
+    heads' ``dk, dv f32 [B, Sk, Hkv, D]`` (a column listed by several heads of a group adds up)."""
+    B, H, _ = col_idx.shape
+    g = H // dk.shape[2]
+    b_ix = jnp.arange(B)[:, None, None]
+    hk_ix = (jnp.arange(H) // g)[None, :, None]
+    return dk.at[b_ix, col_idx, hk_ix].add(dkc), dv.at[b_ix, col_idx, hk_ix].add(dvc)
 
 
 def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, qk_scale, scale, bs):
+                dk_ref, dv_ref, *, qk_scale, scale, bs, g):
+    """One program per (KV block, KV head, batch): the ``g`` query heads of the group in turn,
+    each over the query blocks that list this KV block (free tiles, then masked ones)."""
     k = k_ref[...]
     v = v_ref[...]
     kp = kpos_ref[...]
 
-    def tile(rows, carry, masked=False):
-        q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
-        ok = (kp[:, None] <= qp[None, :]) if masked else None
-        return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
+    def head(t, carry):
+        def tile(rows, carry, masked=False):
+            q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref, head=t)
+            ok = (kp[:, None] <= qp[None, :]) if masked else None
+            return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
+
+        block_at = lambda j: tidx_ref[t, j]  # noqa: E731
+        n_free, n_all = tcnt_ref[t, 0], tcnt_ref[t, 1]
+        carry = _for_blocks(block_at, 0, n_free, bs, tile, carry)
+        return _for_blocks(block_at, n_free, n_all, bs, functools.partial(tile, masked=True), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    n_free, n_all = tcnt_ref[0], tcnt_ref[1]
-    carry = _for_blocks(tidx_ref, 0, n_free, bs, tile, (zeros, zeros))
-    dk, dv = _for_blocks(tidx_ref, n_free, n_all, bs, functools.partial(tile, masked=True), carry)
+    dk, dv = lax.fori_loop(0, g, head, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -409,34 +508,44 @@ def _bwd_inputs(q, q_pos, k_pos, do, lse, delta):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float, block_size: int,
-            col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
-    """Backward pass 1: ``dq f32 [B, Sq, Hq, D]``, query-stationary over the forward's schedule."""
+def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
+            block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """Backward pass 1: ``dq f32 [B, Sq, Hq, D]``, query-stationary over the forward's schedule;
+    added to ``dq_acc`` (same shape, aliased: in place) when one is given."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
     q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
     bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
-    sp = _query_specs(H, H // hkv, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
+    sp = _query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
+    accumulate = dq_acc is not None
+    args = [q_pos, k_pos, bidx, cnt, cidx, q, k, v, do, lse, delta]
+    in_specs = [sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"],
+                sp["q"], sp["kv"], sp["kv"], sp["q"], sp["row"], sp["row"]]
+    if accumulate:
+        args.append(dq_acc.astype(jnp.float32))
+        in_specs.append(sp["q"])
     return pl.pallas_call(
-        functools.partial(_dq_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, cc=col_chunk),
+        functools.partial(_dq_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, cc=col_chunk,
+                          accumulate=accumulate),
         grid=(sq // bs, H, B),
-        in_specs=[sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"],
-                  sp["q"], sp["kv"], sp["kv"], sp["q"], sp["row"], sp["row"]],
+        in_specs=in_specs,
         out_specs=sp["q"],
         out_shape=jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
+        input_output_aliases={11: 0} if accumulate else {},
         compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_bwd_dq",
-    )(q_pos, k_pos, bidx, cnt, cidx, q, k, v, do, lse, delta)
+    )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
                    block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
                    interpret: bool = False):
-    """Backward pass 2: per-query-head ``(dk_h, dv_h) f32 [B, Sk, Hq, D]`` of the active blocks,
-    one program per (KV block, query head, batch) over :func:`transpose_block_index`."""
+    """Backward pass 2: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks, summed over each
+    KV head's group of query heads in the kernel; one program per (KV block, KV head, batch) over
+    :func:`transpose_block_index`."""
     del col_chunk
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -444,47 +553,52 @@ def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, s
     q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
     tidx, tcnt = transpose_block_index(index, sk, bs)
     mtp = tidx.shape[-1]
-    kv_blk = pl.BlockSpec((None, bs, None, d), lambda j, h, b: (b, j, h // g, 0))
-    head_out = pl.BlockSpec((None, bs, None, d), lambda j, h, b: (b, j, h, 0))
-    full_q = pl.BlockSpec((None, sq, None, d), lambda j, h, b: (b, 0, h, 0))
-    full_row = pl.BlockSpec((None, None, sq), lambda j, h, b: (b, h, 0))
+    kv_blk = pl.BlockSpec((None, bs, None, d), lambda j, hk, b: (b, j, hk, 0))
+    group_q = pl.BlockSpec((None, sq, g, d), lambda j, hk, b: (b, 0, hk, 0))
+    group_row = pl.BlockSpec((None, g, sq), lambda j, hk, b: (b, hk, 0))
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs),
-        grid=(sk // bs, H, B),
-        in_specs=[pl.BlockSpec((sq,), lambda j, h, b: (0,)), pl.BlockSpec((bs,), lambda j, h, b: (j,)),
-                  pl.BlockSpec((None, None, None, mtp), lambda j, h, b: (b, h, j, 0)),
-                  pl.BlockSpec((None, None, None, 2), lambda j, h, b: (b, h, j, 0)),
-                  full_q, kv_blk, kv_blk, full_q, full_row, full_row],
-        out_specs=[head_out, head_out],
-        out_shape=[jax.ShapeDtypeStruct((B, sk, H, d), jnp.float32)] * 2,
+        functools.partial(_dkv_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, g=g),
+        grid=(sk // bs, hkv, B),
+        in_specs=[pl.BlockSpec((sq,), lambda j, hk, b: (0,)), pl.BlockSpec((bs,), lambda j, hk, b: (j,)),
+                  pl.BlockSpec((None, g, None, mtp), lambda j, hk, b: (b, hk, j, 0)),
+                  pl.BlockSpec((None, g, None, 2), lambda j, hk, b: (b, hk, j, 0)),
+                  group_q, kv_blk, kv_blk, group_q, group_row, group_row],
+        out_specs=[kv_blk, kv_blk],
+        out_shape=[jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)] * 2,
         compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_bwd_dkv",
     )(q_pos, k_pos, tidx, tcnt, q, k, v, do, lse, delta)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("col_segment",))
-def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk_h, dv_h, *, sm_scale: float,
+@functools.partial(jax.jit, static_argnames=_STATIC + ("col_splits",))
+def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
                  block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 interpret: bool = False, col_segment: int | None = None):
-    """Backward pass 3: adds the vertical columns' dK/dV into the per-head ``dk_h, dv_h``.
-    ``col_segment``: query blocks per program (default :func:`col_segment_blocks`; a tuning knob)."""
+                 interpret: bool = False, col_splits: int | None = None):
+    """Backward pass 3: adds the vertical columns' dK/dV into ``dk, dv f32 [B, Sk, Hkv, D]``
+    (kernel per list slot, then :func:`add_column_grads`). ``col_splits``: query-block ranges per
+    column chunk (default :func:`col_row_splits`; a tuning knob, ``benchmarks/kernels.py
+    --col-split-sweep``)."""
     del col_chunk
     q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
-    return _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, dk_h, dv_h, sm_scale=sm_scale,
-                    bs=block_size, params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
-                    interpret=interpret, col_segment=col_segment)
+    dkc, dvc, cidx = _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale, bs=block_size,
+                              params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+                              interpret=interpret, col_splits=col_splits)
+    return add_column_grads(dk, dv, dkc, dvc, cidx)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, **options):
-    """Backward kernels (module docstring: three passes); returns f32 ``(dq, dk, dv)``.
+def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, **options):
+    """Backward kernels (module docstring: three passes); returns f32 ``(dq, dk, dv)``, added to
+    ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)`` when given (ring steps).
+    ``dkv_acc`` is added after the block pass, in the column scatter's operand: in a ring it
+    arrives from the neighbour, and making the step's first dK/dV kernel wait for it exposed the
+    transfer (measured: ``benchmarks/sparse_ring_results.md``, v7).
     ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`."""
-    B, sk, hkv, d = k.shape
-    g = q.shape[2] // hkv
     args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
-    dq = dq_pass(*args, **options)
-    dk_h, dv_h = dkv_col_pass(*args, *dkv_block_pass(*args, **options), **options)
-    dk = dk_h.reshape(B, sk, hkv, g, d).sum(axis=3)
-    dv = dv_h.reshape(B, sk, hkv, g, d).sum(axis=3)
+    dq = dq_pass(*args, dq_acc, **options)
+    dk, dv = dkv_block_pass(*args, **options)
+    if dkv_acc is not None:
+        dk, dv = dk + dkv_acc[0], dv + dkv_acc[1]
+    dk, dv = dkv_col_pass(*args, dk, dv, **options)
     return dq, dk, dv

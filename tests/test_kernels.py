@@ -136,6 +136,47 @@ class _KernelSuite:
         ref_out, _ = _reference(q, k, v, q_pos, k_pos, index)
         assert _rel(out, ref_out) < 1e-3
 
+    def test_ring_accumulators_merge_and_add(self):
+        """Two ring steps over disjoint key chunks A, B: the forward of B with ``acc`` = A's
+        ``(out, lse)`` equals attention over A ∪ B, and the backward of B with ``dq_acc`` /
+        ``dkv_acc`` adds into them. Chunk A's first query block sees no key (empty rows merge)."""
+        rng = np.random.default_rng(6)
+        S, H, g = self.S, self.H, 2
+        q, ka, va = _inputs(rng, 1, S, S, H, H // g, 64, jnp.float32)
+        _, kb, vb = _inputs(rng, 1, S, S, H, H // g, 64, jnp.float32)
+        perm = np.sort(rng.permutation(2 * S).astype(np.int32).reshape(2, S), axis=1)
+        q_pos, kb_pos = jnp.asarray(perm[0] + BS), jnp.asarray(perm[1])
+        ka_pos = jnp.asarray(np.sort(rng.permutation(3 * S)[:S].astype(np.int32)) + int(q_pos[BS - 1]) + 1)
+        ia = random_step_index(rng, 1, H, S, S, q_pos, ka_pos, max_cols=12)
+        ib = random_step_index(rng, 1, H, S, S, q_pos, kb_pos, max_cols=12)
+        fa = api.block_sparse_attention_fwd(q, ka, va, q_pos, ka_pos, ia, impl=self.impl)
+        out, lse = api.block_sparse_attention_fwd(q, kb, vb, q_pos, kb_pos, ib, impl=self.impl, acc=fa)
+        cat = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
+        k, v, k_pos = cat(ka, kb), cat(va, vb), jnp.concatenate([ka_pos, kb_pos])
+        mask = jnp.concatenate([step_index_to_mask(ia, S, S, BS), step_index_to_mask(ib, S, S, BS)], axis=-1)
+        ref_out, ref_lse = dense_attention(q, k, v, q_pos, k_pos, mask)
+        tol = self.tol[jnp.float32]  # f32 inputs: TF32 tensor-core dots on the GPU
+        assert np.all(np.isneginf(np.asarray(fa[1])[:, :, :BS]))  # chunk A: first block empty
+        assert _rel(out, ref_out) < tol
+        fin = np.isfinite(np.asarray(ref_lse))
+        np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+        assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < tol
+
+        do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+        delta = api.attention_delta(ref_out, do)
+        dqa, _, _ = api.block_sparse_attention_bwd(q, ka, va, q_pos, ka_pos, ia, do, ref_lse, delta, impl=self.impl)
+        acc = tuple(jnp.asarray(rng.standard_normal(kb.shape), jnp.float32) for _ in range(2))
+        dq, dk, dv = api.block_sparse_attention_bwd(q, kb, vb, q_pos, kb_pos, ib, do, ref_lse, delta,
+                                                    impl=self.impl, dq_acc=dqa, dkv_acc=acc)
+        _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, q_pos, k_pos, mask)[0], q, k, v)
+        rq, rk, rv = vjp(do)
+        assert _rel(dq, rq) < tol
+        assert _rel(dk - acc[0], rk[:, S:]) < tol
+        assert _rel(dv - acc[1], rv[:, S:]) < tol
+        with pytest.raises(ValueError, match="dkv_acc"):
+            api.block_sparse_attention_bwd(q, kb, vb, q_pos, kb_pos, ib, do, ref_lse, delta, impl=self.impl,
+                                           dkv_acc=(acc[0][:, :BS], acc[1]))
+
 
 class TestXlaTwin(_KernelSuite):
     impl = "xla"
@@ -157,6 +198,27 @@ class TestPallasInterpret(_KernelSuite):
     """Five blocks per side, so rows hold pairs of free tiles, odd tails and masked tiles."""
     impl = "pallas"
     S = 320
+
+    def test_column_pass_row_ranges_agree(self):
+        """The column dK/dV pass gives the same result with its column chunks' query blocks in one
+        range (plain stores) or split over several programs (atomic adds)."""
+        from pallas_kernels import triton_kernels as tk
+
+        rng = np.random.default_rng(7)
+        S = 1024  # 16 query blocks
+        q, k, v = _inputs(rng, 1, S, S, self.H, 2, 64, jnp.float32)
+        q_pos, k_pos = _positions(rng, S, S, True)
+        index = random_step_index(rng, 1, self.H, S, S, q_pos, k_pos, max_blocks=3, max_cols=150)
+        do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+        out, lse = api.block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, impl="xla")
+        args = (q, k, v, q_pos, k_pos, index, do, lse, api.attention_delta(out, do))
+        zeros = jnp.zeros(k.shape, jnp.float32)
+        res = [tk.dkv_col_pass(*args, zeros, zeros, sm_scale=64**-0.5, block_size=BS, interpret=True,
+                               col_splits=sp) for sp in (1, 2, 4)]
+        assert float(jnp.abs(res[0][0]).max()) > 0
+        for dk, dv in res[1:]:
+            np.testing.assert_allclose(np.asarray(dk), np.asarray(res[0][0]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(dv), np.asarray(res[0][1]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

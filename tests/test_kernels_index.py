@@ -85,3 +85,25 @@ def test_prepare_index_puts_free_blocks_first_pads_and_clips(seed):
             want = blocks[flags == 0].tolist() + blocks[flags != 0].tolist()
             assert cnt[0, h, i].tolist() == [int((flags == 0).sum()), n, int(index.col_count[0, h, i])]
             assert bidx[0, h, i, :n].tolist() == want
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), nchunks=st.integers(1, 6))
+def test_column_first_rows_is_the_first_block_whose_prefix_reaches_the_chunk(seed, nchunks):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, nchunks * BS + 1, size=(2, 3, 9)).astype(np.int32)  # any order, not sorted
+    got = np.asarray(tk.column_first_rows(jnp.asarray(counts), nchunks, BS))
+    for idx in np.ndindex(counts.shape[:2]):
+        for c in range(nchunks):
+            rows = np.nonzero(counts[idx] > c * BS)[0]
+            assert got[idx + (c,)] == (rows[0] if rows.size else counts.shape[-1])
+
+
+def test_col_row_splits_bound_the_range_length():
+    assert tk.col_row_splits(4096) == 4096 // tk.COL_RANGE_BLOCKS
+    assert tk.col_row_splits(tk.COL_RANGE_BLOCKS) == 1  # one range: no atomics
+    assert tk.col_row_splits(5) == 1
+    for nqb in (1, 7, 16, 100, 129, 5000):
+        for rb in (1, 16, 128):
+            sp = tk.col_row_splits(nqb, rb)
+            assert -(-nqb // sp) <= rb and (sp - 1) * rb < nqb

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from mtraining_jax.attention.merge import merge_partials
 from mtraining_jax.attention.reference import dense_attention
 from mtraining_jax.attention.ring import RingConfig, ring_attention, ring_attention_shard
 from mtraining_jax.layouts import LAYOUTS, Layout
 from mtraining_jax.mesh import CP_AXES, make_mesh, sequence_sharding
 from mtraining_jax.ring_schedule import RING_ORDERS, source_rank
 from pallas_kernels.index_format import StepIndex, causal_flags, full_step_index, step_index_to_mask
+from pallas_kernels.merge import merge_partials
 
 MESHES = ((1, 1), (1, 8), (2, 4), (4, 2))
 STRIPE = 16  # block_striped stripe for these small tests (the layout's default is 64)
@@ -155,7 +155,8 @@ def _expected_permutes(nodes, local, order):
     """Collective-permutes of one forward + backward ring (see the ring module docstring)."""
     n_out, n_in = (1, nodes * local) if order == "flat" else (nodes, local)
     kv_hops = (n_out - 1) + n_out * (n_in - 1)  # outer + inner K/V hops of one pass
-    acc_hops = n_out * (n_in - 1) + (n_out - 1) + 1  # inner acc, outer totals, home
+    # inner acc and outer totals travel as two arrays (float32 dK, dV); the home permute is one
+    acc_hops = 2 * (n_out * (n_in - 1) + (n_out - 1)) + 1
     return 2 * kv_hops + acc_hops
 
 

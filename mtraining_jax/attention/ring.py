@@ -4,9 +4,11 @@ The sequence, already permuted into a layout (``mtraining_jax.layouts``), is sha
 over ``P = N * L`` ranks, node-major (``rank = node * L + local``). Every rank keeps its queries
 and sends its K/V chunk around a ring; at each step it attends its queries to the visiting chunk
 with the causal mask taken from *global positions* (so any layout is exact) and merges the partial
-``(out, lse)`` in float32 (:func:`~mtraining_jax.attention.merge.merge_partials`). The per-step
+``(out, lse)`` into float32 accumulators (:func:`pallas_kernels.merge.merge_partials`). The per-step
 block computation is ONE function, :func:`pallas_kernels.api.block_sparse_attention_fwd` /
-``_bwd`` (``index=None``: dense causal; a ``StepIndex``: the MTraining sparse ring).
+``_bwd`` (``index=None``: dense causal; a ``StepIndex``: the MTraining sparse ring), which takes
+the accumulators (``acc``; ``dq_acc``, ``dkv_acc``) and, on the Pallas path, updates them in place
+inside its kernels, so no ring step makes an extra pass over the float32 ``[Sl, Hq, D]`` state.
 
 Which chunk a rank holds at step ``s`` is :func:`mtraining_jax.ring_schedule.source_rank`; the
 communication below realises exactly that table (the tests check it against the index plumbing).
@@ -75,7 +77,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from mtraining_jax.attention.merge import merge_partials
 from mtraining_jax.attention.reference import check_gqa
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring_schedule import source_rank, validate_ring_order
@@ -196,13 +197,10 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index):
             s = i * n_inner + j
             index_s = _step_index(step_index, s)
             work.append(jnp.float32(0) if index_s is None else step_work(index_s, cfg.block_size))
-            o_s, l_s = block_sparse_attention_fwd(
+            out, lse = block_sparse_attention_fwd(
                 q, kv[0], kv[1], q_pos, _step_positions(kpos_all, rank, s, cfg), index_s,
-                sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl)
-            if out is None:
-                out, lse = o_s.astype(jnp.float32), l_s.astype(jnp.float32)
-            else:
-                out, lse = merge_partials(out, lse, o_s, l_s)
+                sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
+                acc=None if out is None else (out, lse))
             kv = kv_next
         kv = kv_outer
     return out, lse, jnp.stack(work)
@@ -228,22 +226,21 @@ def _backward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index, out, lse, d
         for j in range(n_inner):
             vk_next = _shift(vk, inner_axis, n_inner) if j < n_inner - 1 else None
             s = i * n_inner + j
-            dq_s, dk_s, dv_s = block_sparse_attention_bwd(
+            dq, dk_s, dv_s = block_sparse_attention_bwd(
                 q, vk[1], vk[0], q_pos, _step_positions(kpos_all, rank, s, cfg), _step_index(step_index, s),
-                do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl)
-            dq = dq_s if dq is None else dq + dq_s
-            d_s = jnp.stack([dk_s, dv_s]).astype(jnp.float32)
-            acc = d_s if acc is None else acc + d_s
+                do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
+                dq_acc=dq, dkv_acc=acc)
+            acc = (dk_s, dv_s)  # float32, this step's chunk's dK/dV summed over the ranks it visited
             if j < n_inner - 1:
                 acc = _shift(acc, inner_axis, n_inner)  # travels with the chunk it belongs to
                 vk = vk_next
-        tot = acc if tot is None else tot + acc
+        tot = acc if tot is None else jax.tree.map(jnp.add, tot, acc)
         if i < n_outer - 1:
             tot = _shift(tot, outer_axis, n_outer)
             vk = vk_outer
     # The owner adds nothing after this, so rounding to K/V's dtype before the transfer gives the
     # same bits as after it, and halves the one transfer no compute is left to hide (bf16).
-    dkv = _send_home(tot.astype(k.dtype), cfg)
+    dkv = _send_home(jnp.stack(tot).astype(k.dtype), cfg)
     return dq, dkv[0], dkv[1]
 
 

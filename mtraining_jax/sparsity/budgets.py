@@ -34,15 +34,20 @@ def coverage_count(sorted_desc, total, p):
     return (csum < thr[..., None]).sum(axis=-1, dtype=jnp.int32) + 1
 
 
-def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, pad: int):
+def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, pad: int, ids=None,
+                 total=None):
     """Select lines by top-p coverage with per-head caps.
 
     Args:
-      scores: ``int32 [B, H, n]`` non-negative scores in natural order (position = line id).
+      scores: ``int32 [B, H, n]`` non-negative scores in natural order (position = line id), or,
+        with ``ids``, a subset of the lines that holds every line of the ``size`` best.
       p, kmin, kmax: ``[H]`` per-head coverage target and caps (NumPy or JAX arrays).
       size: static number of slots ``M`` (``<= n``); counts are clipped to it.
       force: a line id that is always selected first (the slash diagonal 0), or ``None``.
       pad: value stored in unused slots.
+      ids: ``int32 [B, H, n]`` line ids of ``scores``, ascending along the last axis (so ties are
+        still broken towards the lower line id); ``None``: ``arange(n)``.
+      total: ``int32 [B, H]`` mass of ALL lines (required with ``ids``; default ``scores.sum(-1)``).
 
     Returns:
       ``(idx int32 [B, H, size] ascending, count int32 [B, H])``.
@@ -50,8 +55,10 @@ def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, 
     n = scores.shape[-1]
     if size > n:
         raise ValueError(f"{size} slots requested but there are only {n} candidate lines")
+    if ids is not None and (total is None or force is not None):
+        raise ValueError("top_p_select over candidate ids needs their total mass and no forced line")
     scores = scores.astype(jnp.int32)
-    total = scores.sum(axis=-1, dtype=jnp.int32)
+    total = scores.sum(axis=-1, dtype=jnp.int32) if total is None else total
     order_key = scores if force is None else scores.at[..., force].set(jnp.iinfo(jnp.int32).max)
     _, top = jax.lax.top_k(order_key, size)
     vals = jnp.take_along_axis(scores, top, axis=-1)
@@ -60,5 +67,6 @@ def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, 
     hi = jnp.asarray(np.minimum(np.asarray(kmax), size), jnp.int32)[None, :]
     k = jnp.clip(k, lo, hi)
     keep = jnp.arange(size) < k[..., None]
-    idx, count = compact_sorted(keep, top, size, pad)
+    lines = top if ids is None else jnp.take_along_axis(ids, top, axis=-1)
+    idx, count = compact_sorted(keep, lines, size, pad)
     return idx, count

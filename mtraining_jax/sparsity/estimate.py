@@ -94,12 +94,14 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     return vert, reduce_sum(slash[..., :nb])
 
 
-def _select(vert_nat, slash, cfg: SparsityConfig, seq_len: int) -> VerticalSlashIndex:
-    H = vert_nat.shape[1]
+def _select(vert, slash, cfg: SparsityConfig, seq_len: int, ids=None, total=None) -> VerticalSlashIndex:
+    """Top-p selection of verticals (``vert [B, H, S]`` in natural order, or candidates with
+    position ``ids`` and the total mass ``total``) and slashes (``slash [B, H, nb]``)."""
+    H = vert.shape[1]
     nb = seq_len // cfg.block_size
     ph = lambda n: cfg.per_head(n, H)  # noqa: E731
-    v_idx, v_count = top_p_select(vert_nat, ph("vertical_p"), ph("vertical_min"), ph("vertical_max"),
-                                  cfg.max_verticals(seq_len), pad=seq_len)
+    v_idx, v_count = top_p_select(vert, ph("vertical_p"), ph("vertical_min"), ph("vertical_max"),
+                                  cfg.max_verticals(seq_len), pad=seq_len, ids=ids, total=total)
     s_idx, s_count = top_p_select(slash, ph("slash_p"), ph("slash_min"), ph("slash_max"),
                                   cfg.max_slashes(seq_len), force=0, pad=nb)
     return VerticalSlashIndex(v_idx, v_count, s_idx, s_count)
@@ -142,7 +144,14 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
 
     Communication: one ``psum`` of the ``last_q`` query rows (``B*last_q*Hq*D``), ``pmax`` and three
     integer ``psum`` of ``[B, Hq, last_q]`` row statistics, an integer ``psum`` of the
-    ``[B, Hq, S/bs]`` slash scores and an ``all_gather`` of the ``[B, Hq, S/P]`` vertical scores.
+    ``[B, Hq, S/bs]`` slash scores and of the vertical totals, and an ``all_gather`` of each
+    rank's ``MV`` best vertical candidates (``[B, Hq, MV]`` scores and positions).
+
+    Vertical selection is distributed: every line of the global ``MV`` best (by score, then lower
+    position) is among its own rank's ``MV`` best, so each rank keeps its local top-``MV`` (ranked
+    in position order, so ties fall as on one device), and the top-p selection runs on the
+    ``P * MV`` gathered candidates sorted by position: ``O(S/P)`` work per rank instead of a top-k
+    over all ``S`` keys on every rank.
 
     Returns the same :class:`VerticalSlashIndex` on every rank, bit-identical to
     :func:`estimate_index` on the gathered sequence.
@@ -155,9 +164,14 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
     psum = lambda x: jax.lax.psum(x, axis_names)  # noqa: E731
     pmax = lambda x: jax.lax.pmax(x, axis_names)  # noqa: E731
     vert, slash = _local_scores(q, k, q_pos, S, cfg, psum, pmax)
-    allv = jax.lax.all_gather(vert, axis_names)  # [P, B, Hq, S/P]
-    allp = jax.lax.all_gather(q_pos, axis_names)  # [P, S/P]
+    order = jnp.argsort(q_pos)  # local keys in position order: top_k's ties fall to lower positions
+    size = min(cfg.max_verticals(S), q.shape[1])
+    vals, top = jax.lax.top_k(vert[..., order], size)  # [B, Hq, size]
+    pos = q_pos[order][top]
     B, H = vert.shape[:2]
-    flat = jnp.moveaxis(allv, 0, 2).reshape(B, H, S)
-    vert_nat = jnp.zeros((B, H, S), jnp.int32).at[:, :, allp.reshape(S)].set(flat)
-    return _select(vert_nat, slash, cfg, S)
+    gather = lambda x: jnp.moveaxis(jax.lax.all_gather(x, axis_names), 0, 2).reshape(B, H, P * size)  # noqa: E731
+    vals, pos = gather(vals), gather(pos)
+    by_pos = jnp.argsort(pos, axis=-1)
+    vals, pos = jnp.take_along_axis(vals, by_pos, axis=-1), jnp.take_along_axis(pos, by_pos, axis=-1)
+    total = psum(vert.sum(axis=-1, dtype=jnp.int32))
+    return _select(vals, slash, cfg, S, ids=pos, total=total)
