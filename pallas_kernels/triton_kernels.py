@@ -20,14 +20,16 @@ Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
   into a given ``dq`` accumulator in place; (2) :func:`dkv_block_pass`, KV-stationary over the
   transposed schedule (:func:`transpose_block_index`: for every KV block the query blocks listing
   it, free ones first): one program per (KV block, KV head) walks the lists of the ``g`` query
-  heads of its group, so GQA is reduced in registers and dK/dV are written once per KV head; (3) :func:`dkv_col_pass`, column-stationary: one program per chunk of 64
-  columns of the head's shared list (gathered once) walks the query blocks whose prefix reaches the
-  chunk and writes the chunk's dK/dV into a compact ``[B, Hq, MC, D]`` buffer indexed by list slot
-  (no atomics unless a short chunk's rows are split over a few programs), which one XLA
-  scatter-add then adds into the KV heads' dK/dV. ``delta = rowsum(dO * O)`` is an input (``api.attention_delta``).
+  heads of its group, so GQA is reduced in registers and dK/dV are written once per KV head;
+  (3) :func:`dkv_col_pass`, column-stationary: one program per (chunk of 64 columns of the head's
+  shared list, gathered once; range of at most ``COL_RANGE_BLOCKS`` query blocks) walks the query
+  blocks whose prefix reaches the chunk and writes the chunk's dK/dV into a compact
+  ``[B, Hq, MC, D]`` buffer indexed by list slot (atomic adds only between the ranges of a chunk),
+  which one XLA scatter-add then adds into the KV heads' dK/dV (:func:`add_column_grads`).
+  ``delta = rowsum(dO * O)`` is an input (``api.attention_delta``).
 
-The same source runs on the GPU and in interpret mode on CPU (tests); only the atomic row add
-has an interpret-mode twin (:func:`_add_rows`).
+The same source runs on the GPU and in interpret mode on CPU (tests); only the atomic add has an
+interpret-mode twin (:func:`_add_slots`).
 """
 
 from __future__ import annotations
@@ -355,7 +357,7 @@ def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
 
 
 def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref, ncol_ref, q_ref, k_ref, v_ref,
-                    do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, heads, nqb, splits, interpret):
+                    do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, nqb, splits, interpret):
     """One program per (query head and batch, chunk ``c`` of ``bs`` slots of the head's column
     list, range ``r`` of at most ``ceil(nQB / splits)`` query blocks): gather the chunk's K/V rows
     once, walk the range's query blocks whose prefix reaches the chunk (from ``first_ref[c]`` on)
@@ -363,7 +365,6 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref,
     into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
     query rows at the same time (they share them in L2); ranges go heaviest (last) first."""
     dk_ref, dv_ref = refs[-2:]  # with several ranges, refs[:2] are the zero buffers aliased to them
-    del heads
     c = pl.program_id(1)
     rows_per = -(-nqb // splits)
     r = splits - 1 - pl.program_id(2)
@@ -452,7 +453,7 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
         args += [zeros, zeros]
         in_specs += [slots, slots]
     dkc, dvc = pl.pallas_call(
-        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, heads=H, nqb=nqb,
+        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, nqb=nqb,
                           splits=splits, interpret=interpret),
         grid=(B * H, nch, splits),
         in_specs=in_specs,
