@@ -100,6 +100,7 @@ BWD_CONFIGS = [dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3)]
 def sweep(S, sparsities, reps, seed=1):
     """Time each piece on its own: the index preparation (XLA), the forward kernel and the three
     backward passes over the tuning options (``num_warps``, ``num_stages``)."""
+    from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
 
     rng = np.random.default_rng(seed)
@@ -118,7 +119,7 @@ def sweep(S, sparsities, reps, seed=1):
 
     for name, idx in idxs.items():
         for tname, tf in [("prepare_index", functools.partial(tk.prepare_index, sk=S, bs=BS, col_chunk=64)),
-                          ("transpose_blocks", functools.partial(tk.transpose_block_index, sk=S, bs=BS))]:
+                          ("transpose_blocks", functools.partial(tb.transpose_block_index, sk=S, bs=BS))]:
             rec(name, tname, _time(jax.jit(tf), idx, reps=reps) * 1e3)
         out, lse = tk.pallas_fwd(q, k, v, pos, pos, idx, sm_scale=scale, block_size=BS, interpret=it)
         delta = api.attention_delta(out, do)
@@ -129,14 +130,14 @@ def sweep(S, sparsities, reps, seed=1):
             rec(name, "fwd", _time(f, q, k, v, pos, pos, idx, reps=reps) * 1e3, **opts)
         for cfg in BWD_CONFIGS:
             opts = dict(cfg, interpret=it)
-            for kname, kf in [("bwd_dq", tk.dq_pass), ("bwd_dkv_blocks", tk.dkv_block_pass)]:
+            for kname, kf in [("bwd_dq", tb.dq_pass), ("bwd_dkv_blocks", tb.dkv_block_pass)]:
                 f = functools.partial(kf, sm_scale=scale, block_size=BS, **opts)
                 rec(name, kname, _time(f, *args, reps=reps) * 1e3, **opts)
             if name != "full":
-                dk, dv = tk.dkv_block_pass(*args, sm_scale=scale, block_size=BS, **opts)
-                f = functools.partial(tk.dkv_col_pass, sm_scale=scale, block_size=BS, **opts)
+                dk, dv = tb.dkv_block_pass(*args, sm_scale=scale, block_size=BS, **opts)
+                f = functools.partial(tb.dkv_col_pass, sm_scale=scale, block_size=BS, **opts)
                 rec(name, "bwd_dkv_cols", _time(f, *args, dk, dv, reps=reps) * 1e3, **opts)
-            f = functools.partial(tk.pallas_bwd, sm_scale=scale, block_size=BS, **opts)
+            f = functools.partial(tb.pallas_bwd, sm_scale=scale, block_size=BS, **opts)
             rec(name, "bwd_total", _time(f, *args, reps=reps) * 1e3, **opts)
     return rows
 
@@ -145,6 +146,7 @@ def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
     """The column dK/dV pass alone over its row ranges per column chunk (``col_splits``) on a 95 %
     vertical-slash index with ``max_cols`` columns per head (``S = 131072, max_cols = 1024`` is one
     ring step of 512K tokens on 4 GPUs; ``524288, 4096`` the same on one)."""
+    from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
 
     rng = np.random.default_rng(seed)
@@ -154,10 +156,10 @@ def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
     idx = jax.tree.map(jnp.asarray, vertical_slash_index(rng, 1, H, S, 0.95, max_cols=max_cols))
     out, lse = tk.pallas_fwd(q, k, v, pos, pos, idx, sm_scale=D**-0.5, block_size=BS, interpret=it)
     args = (q, k, v, pos, pos, idx, do, lse, api.attention_delta(out, do))
-    dk, dv = tk.dkv_block_pass(*args, sm_scale=D**-0.5, block_size=BS, interpret=it)
+    dk, dv = tb.dkv_block_pass(*args, sm_scale=D**-0.5, block_size=BS, interpret=it)
     rows = []
     for sp in (None,) + tuple(splits):
-        f = functools.partial(tk.dkv_col_pass, sm_scale=D**-0.5, block_size=BS, col_splits=sp, interpret=it)
+        f = functools.partial(tb.dkv_col_pass, sm_scale=D**-0.5, block_size=BS, col_splits=sp, interpret=it)
         rows.append(dict(seq=S, max_cols=max_cols, kernel="bwd_dkv_cols", col_splits=sp or "auto",
                          ms=_time(f, *args, dk, dv, reps=reps) * 1e3))
         print(json.dumps(rows[-1]), flush=True)

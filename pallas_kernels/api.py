@@ -15,7 +15,8 @@ Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``),
 
 ``impl``: ``"auto"`` (Pallas on GPU, XLA twin elsewhere), ``"pallas"``, ``"xla"``.
 
-``"pallas"`` runs :mod:`pallas_kernels.triton_kernels` (Triton backend; ``interpret=True`` off GPU),
+``"pallas"`` runs :mod:`pallas_kernels.triton_kernels` / :mod:`~pallas_kernels.triton_backward`
+(Triton backend; ``interpret=True`` off GPU),
 ``"xla"`` the block-gather twin :mod:`pallas_kernels.xla_twin` (no ``[Sq, Sk]`` materialisation).
 Ground truth for both: ``mtraining_jax.attention.reference.dense_attention`` with
 ``index_format.step_index_to_mask``.
@@ -28,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import triton_kernels, xla_twin
+from pallas_kernels import triton_backward, triton_kernels, xla_twin
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, check_step_index, full_step_index
 from pallas_kernels.merge import merge_partials
 
@@ -129,7 +130,7 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
             dk, dv = dkv_acc[0] + dk, dkv_acc[1] + dv
         return dq, dk, dv
     idx = _pallas_index(index, q, k, q_pos, k_pos, block_size)
-    return triton_kernels.pallas_bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
+    return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
                                      sm_scale=_scale(q, sm_scale), block_size=block_size,
                                      interpret=_interpret())
 

@@ -202,7 +202,7 @@ class TestPallasInterpret(_KernelSuite):
     def test_column_pass_row_ranges_agree(self):
         """The column dK/dV pass gives the same result with its column chunks' query blocks in one
         range (plain stores) or split over several programs (atomic adds)."""
-        from pallas_kernels import triton_kernels as tk
+        from pallas_kernels import triton_backward as tb
 
         rng = np.random.default_rng(7)
         S = 1024  # 16 query blocks
@@ -213,7 +213,7 @@ class TestPallasInterpret(_KernelSuite):
         out, lse = api.block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, impl="xla")
         args = (q, k, v, q_pos, k_pos, index, do, lse, api.attention_delta(out, do))
         zeros = jnp.zeros(k.shape, jnp.float32)
-        res = [tk.dkv_col_pass(*args, zeros, zeros, sm_scale=64**-0.5, block_size=BS, interpret=True,
+        res = [tb.dkv_col_pass(*args, zeros, zeros, sm_scale=64**-0.5, block_size=BS, interpret=True,
                                col_splits=sp) for sp in (1, 2, 4)]
         assert float(jnp.abs(res[0][0]).max()) > 0
         for dk, dv in res[1:]:

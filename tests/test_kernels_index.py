@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels import triton_backward as tb
 from pallas_kernels import triton_kernels as tk
 from pallas_kernels.index_format import row_columns
 from pallas_kernels.testing import random_step_index
@@ -31,7 +32,7 @@ def _index(seed, nqb, nkb, heads, max_cols, mb=None):
 def test_transpose_block_index_lists_exactly_the_active_tiles(seed):
     nqb, nkb, heads = 6, 5, 2
     index, sq, sk = _index(seed, nqb, nkb, heads, 4, mb=4)
-    tidx, tcnt = tk.transpose_block_index(index, sk, BS)
+    tidx, tcnt = tb.transpose_block_index(index, sk, BS)
     tidx, tcnt = np.asarray(tidx), np.asarray(tcnt)
     bidx, bcnt, bcaus = (np.asarray(x) for x in (index.block_idx, index.block_count, index.block_causal))
     for h in range(heads):
@@ -92,7 +93,7 @@ def test_prepare_index_puts_free_blocks_first_pads_and_clips(seed):
 def test_column_first_rows_is_the_first_block_whose_prefix_reaches_the_chunk(seed, nchunks):
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, nchunks * BS + 1, size=(2, 3, 9)).astype(np.int32)  # any order, not sorted
-    got = np.asarray(tk.column_first_rows(jnp.asarray(counts), nchunks, BS))
+    got = np.asarray(tb.column_first_rows(jnp.asarray(counts), nchunks, BS))
     for idx in np.ndindex(counts.shape[:2]):
         for c in range(nchunks):
             rows = np.nonzero(counts[idx] > c * BS)[0]
@@ -100,10 +101,10 @@ def test_column_first_rows_is_the_first_block_whose_prefix_reaches_the_chunk(see
 
 
 def test_col_row_splits_bound_the_range_length():
-    assert tk.col_row_splits(4096) == 4096 // tk.COL_RANGE_BLOCKS
-    assert tk.col_row_splits(tk.COL_RANGE_BLOCKS) == 1  # one range: no atomics
-    assert tk.col_row_splits(5) == 1
+    assert tb.col_row_splits(4096) == 4096 // tb.COL_RANGE_BLOCKS
+    assert tb.col_row_splits(tb.COL_RANGE_BLOCKS) == 1  # one range: no atomics
+    assert tb.col_row_splits(5) == 1
     for nqb in (1, 7, 16, 100, 129, 5000):
         for rb in (1, 16, 128):
-            sp = tk.col_row_splits(nqb, rb)
+            sp = tb.col_row_splits(nqb, rb)
             assert -(-nqb // sp) <= rb and (sp - 1) * rb < nqb

@@ -1,0 +1,403 @@
+"""Pallas (Triton backend) backward kernels of the vertical-slash block-sparse flash attention.
+
+FlashAttention-2 backward (Dao 2023, Alg. 2) on the per-step index of
+:mod:`pallas_kernels.index_format`, given the final ``lse`` and ``delta = rowsum(dO * O)``
+(``api.attention_delta``); the forward and the shared index preparation are in
+:mod:`pallas_kernels.triton_kernels`.
+
+**Three passes** (:func:`pallas_bwd`) (measurements and the alternatives tried in
+``benchmarks/KERNEL_NOTES.md``): (1) :func:`dq_pass`, query-stationary like the forward, adding
+into a given ``dq`` accumulator in place; (2) :func:`dkv_block_pass`, KV-stationary over the
+transposed schedule (:func:`transpose_block_index`: for every KV block the query blocks listing
+it, free ones first): one program per (KV block, KV head) walks the lists of the ``g`` query
+heads of its group, so GQA is reduced in registers and dK/dV are written once per KV head;
+(3) :func:`dkv_col_pass`, column-stationary: one program per (chunk of 64 columns of the head's
+shared list, gathered once; range of at most ``COL_RANGE_BLOCKS`` query blocks) walks the query
+blocks whose prefix reaches the chunk and writes the chunk's dK/dV into a compact
+``[B, Hq, MC, D]`` buffer indexed by list slot (atomic adds only between the ranges of a chunk),
+which one XLA scatter-add then adds into the KV heads' dK/dV (:func:`add_column_grads`).
+
+The same source runs on the GPU and in interpret mode on CPU (tests); only the atomic add has an
+interpret-mode twin (:func:`_add_slots`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import atomic_add, dot, triton_compiler_params
+from pallas_kernels.index_format import StepIndex
+from pallas_kernels.triton_kernels import (
+    _STATIC,
+    LOG2E,
+    _col_rows,
+    _for_blocks,
+    _outside_blocks,
+    _pow2,
+    _query_specs,
+    prepare_index,
+)
+
+
+def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               delta_ref, *refs, qk_scale, scale, bs, cc, accumulate: bool):
+    dq_prev_ref, dq_ref = refs if accumulate else (None, refs[0])  # aliased: read before writing
+    q = q_ref[...]
+    do = do_ref[...]
+    qp = qpos_ref[...]
+    lse = lse_ref[...]
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    delta = delta_ref[...]
+
+    def tile(rows, dq, ok=None):
+        k = k_ref[rows, :]
+        s = dot(q, k, trans_b=True) * qk_scale
+        if ok is not None:
+            s = jnp.where(ok, s, -jnp.inf)
+        p = jnp.exp2(s - lse2[:, None])  # exact 0 where masked
+        ds = p * (dot(do, v_ref[rows, :], trans_b=True) - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k)
+
+    def masked(rows, dq, valid=None):
+        ok = kpos_ref[rows][None, :] <= qp[:, None]
+        return tile(rows, dq, ok if valid is None else ok & valid[None, :])
+
+    n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
+    block_at = lambda j: bidx_ref[j]  # noqa: E731
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = _for_blocks(block_at, 0, n_free, bs, tile, dq)
+    dq = _for_blocks(block_at, n_free, n_blk, bs, masked, dq)
+
+    def col_body(c, dq):
+        ids, valid = _col_rows(cidx_ref, c, n_col, cc)
+        return masked(ids, dq, valid & _outside_blocks(ids, bidx_ref[...], n_blk, bs))
+
+    dq = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, dq) * scale
+    if accumulate:
+        dq = dq + dq_prev_ref[...]
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def transpose_block_index(index: StepIndex, sk: int, bs: int):
+    """KV-stationary schedule: for every (b, h, KV block), the query blocks that list it.
+
+    Returns ``(tidx int32 [B, H, nKB, MTp], tcnt int32 [B, H, nKB, 2])``: each list holds first
+    the ``tcnt[..., 0]`` query blocks whose tile needs no mask, then the masked ones up to
+    ``tcnt[..., 1]``, each group sorted by query block (``MTp`` = ``nQB`` padded to a power of
+    two). Built from a dense ``[B, H, nKB, nQB]`` int8 map of the tiles (1 free, 2 masked) with a
+    cumsum per group for the list positions and one scatter of the ``B*H*nQB*MB`` entries.
+    """
+    B, H, nqb, mb = index.block_idx.shape
+    nkb = sk // bs
+    mtp = _pow2(nqb)
+    valid = jnp.arange(mb) < index.block_count[..., None]
+    kb = jnp.where(valid, jnp.clip(index.block_idx, 0, nkb - 1), nkb)  # invalid -> spill row
+    b_ix = jnp.arange(B)[:, None, None, None]
+    h_ix = jnp.arange(H)[None, :, None, None]
+    q_ix = jnp.broadcast_to(jnp.arange(nqb, dtype=jnp.int32)[None, None, :, None], kb.shape)
+    masked = index.block_causal != 0
+    code = (1 + masked).astype(jnp.int8)
+    tiles = jnp.zeros((B, H, nkb + 1, nqb), jnp.int8).at[b_ix, h_ix, kb, q_ix].set(code)[:, :, :nkb]
+    free_map, masked_map = tiles == 1, tiles == 2
+    pos_free = jnp.cumsum(free_map, axis=-1, dtype=jnp.int32) - 1  # [B, H, nKB, nQB]
+    pos_masked = jnp.cumsum(masked_map, axis=-1, dtype=jnp.int32) - 1
+    n_free = pos_free[..., -1] + 1
+    tcnt = jnp.stack([n_free, n_free + pos_masked[..., -1] + 1], axis=-1)
+    kbc = jnp.minimum(kb, nkb - 1)
+    pos = jnp.where(masked, n_free[b_ix, h_ix, kbc] + pos_masked[b_ix, h_ix, kbc, q_ix],
+                    pos_free[b_ix, h_ix, kbc, q_ix])
+    pos = jnp.where(valid, pos, mtp)  # invalid -> spill column
+    tidx = jnp.zeros((B, H, nkb + 1, mtp + 1), jnp.int32).at[b_ix, h_ix, kb, pos].set(q_ix)
+    return tidx[:, :, :nkb, :mtp], tcnt
+
+
+COL_RANGE_BLOCKS = 128
+
+
+def col_row_splits(nqb: int, range_blocks: int = COL_RANGE_BLOCKS) -> int:
+    """Query-block ranges of the column pass: ``ceil(nQB / range_blocks)``. A column chunk's
+    program walks at most ``range_blocks`` query blocks, so the chunks that every row reaches (the
+    attention sink's, ~``nQB`` tiles) do not become one long serial tail of the kernel while the
+    rest of the GPU idles (measured: on a ring step of 2048 query blocks one range per chunk made
+    the pass ~2x slower than its tile count; ``benchmarks/KERNEL_NOTES.md``). A step of at most
+    ``range_blocks`` query blocks is one range and needs no atomics."""
+    return max(1, -(-nqb // max(1, range_blocks)))
+
+
+def _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref, head=None):
+    """Query rows ``rows`` (a slice or gathered ids) for a KV-stationary backward: q, dO,
+    positions, log2-domain lse (0 where the row is empty) and delta. ``head``: the query head
+    within a group block (refs ``q/do [Sq, g, D]``, ``lse/delta [g, Sq]``), or ``None`` for refs
+    of one head (``[Sq, D]``, ``[Sq]``)."""
+    if head is None:
+        q, do, lse, delta = q_ref[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
+    else:
+        q, do, lse, delta = q_ref[rows, head, :], do_ref[rows, head, :], lse_ref[head, rows], delta_ref[head, rows]
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    return q, do, qpos_ref[rows], lse2, delta
+
+
+def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
+    """Adds one ``[kv, q]`` tile's ``dV += P^T dO`` and (unscaled) ``dK += dS^T Q``."""
+    dk, dv = carry
+    st = dot(k, q, trans_b=True) * qk_scale  # [kv, q]
+    if ok is not None:
+        st = jnp.where(ok, st, -jnp.inf)
+    pt = jnp.exp2(st - lse2[None, :])
+    dv = dv + dot(pt.astype(do.dtype), do)
+    dst = pt * (dot(v, do, trans_b=True) - delta[None, :])
+    return dk + dot(dst.astype(q.dtype), q), dv
+
+
+def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref, ncol_ref, q_ref, k_ref, v_ref,
+                    do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, nqb, splits, interpret):
+    """One program per (query head and batch, chunk ``c`` of ``bs`` slots of the head's column
+    list, range ``r`` of at most ``ceil(nQB / splits)`` query blocks): gather the chunk's K/V rows
+    once, walk the range's query blocks whose prefix reaches the chunk (from ``first_ref[c]`` on)
+    from the LAST one down, and store (one range) or atomically add (several) the chunk's dK/dV
+    into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
+    query rows at the same time (they share them in L2); ranges go heaviest (last) first."""
+    dk_ref, dv_ref = refs[-2:]  # with several ranges, refs[:2] are the zero buffers aliased to them
+    c = pl.program_id(1)
+    rows_per = -(-nqb // splits)
+    r = splits - 1 - pl.program_id(2)
+    off = pl.multiple_of(c * bs, bs)
+    lane = jnp.arange(bs, dtype=jnp.int32)
+    ids = cidx_ref[pl.ds(off, bs)]
+    k, v, kp = k_ref[ids, :], v_ref[ids, :], kpos_ref[ids]
+    lo = jnp.maximum(first_ref[c], r * rows_per)
+    hi = jnp.minimum(nqb, (r + 1) * rows_per)
+    mbp = bidx_ref.shape[0] // nqb
+
+    def query_block(t, carry):
+        i = hi - 1 - t
+        n_col = ncol_ref[i]
+
+        def tile(carry):
+            blocks = bidx_ref[pl.ds(pl.multiple_of(i * mbp, mbp), mbp)]
+            keep = ((off + lane) < n_col) & _outside_blocks(ids, blocks, nblk_ref[i], bs)
+            rows = pl.ds(pl.multiple_of(i * bs, bs), bs)
+            q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
+            ok = keep[:, None] & (kp[:, None] <= qp[None, :])
+            return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
+
+        return lax.cond(off < n_col, tile, lambda carry: carry, carry)
+
+    def walk():
+        zeros = jnp.zeros(k.shape, jnp.float32)
+        dk, dv = lax.fori_loop(0, jnp.maximum(hi - lo, 0), query_block, (zeros, zeros))
+        return dk * scale, dv
+
+    slots = pl.ds(off, bs)
+    if splits == 1:  # this program owns the chunk's slots (masked lanes hold exact zeros)
+        dk, dv = walk()
+        dk_ref[slots, :] = dk
+        dv_ref[slots, :] = dv
+    else:  # the other ranges add into the same zero-initialised slots; empty ranges add nothing
+
+        @pl.when(hi > lo)
+        def _():
+            dk, dv = walk()
+            _add_slots(dk_ref, slots, dk, interpret)
+            _add_slots(dv_ref, slots, dv, interpret)
+
+
+def _add_slots(ref, rows, val, interpret: bool):
+    """``ref[rows, :] += val``: float32 atomics on the GPU (several programs add into the same
+    rows); a plain read-modify-write in interpret mode, where programs run one at a time."""
+    if interpret:
+        ref[rows, :] = ref[rows, :] + val
+    else:
+        atomic_add(ref, (rows, slice(None)), val)
+
+
+def column_first_rows(col_count, nchunks: int, bs: int):
+    """``int32 [B, H, nchunks]``: for every chunk ``c`` of ``bs`` list slots, the first query block
+    whose column prefix reaches it (``col_count > c * bs``), or ``nQB`` if none does."""
+    nqb = col_count.shape[-1]
+    reach = col_count[..., None, :] > (jnp.arange(nchunks, dtype=jnp.int32) * bs)[:, None]  # [B,H,nch,nQB]
+    return jnp.where(reach.any(-1), jnp.argmax(reach, axis=-1), nqb).astype(jnp.int32)
+
+
+def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, params, interpret, col_splits=None):
+    """Pass 3 kernel: the vertical columns' ``(dk, dv) f32 [B, Hq, MCp, D]`` by slot of the head's
+    column list, and that list ``col_idx int32 [B, Hq, MCp]`` (local key ids, padding -> 0 with
+    exactly zero gradient)."""
+    B, sq, H, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g, nqb = H // hkv, sq // bs
+    bidx, cnt, cidx = prepare_index(index, sk, bs, bs)
+    mbp, mcp = bidx.shape[-1], cidx.shape[-1]
+    nch = mcp // bs
+    splits = col_splits or col_row_splits(nqb)
+    ncol = cnt[..., 2]
+    first = column_first_rows(ncol, nch, bs)
+    bh = lambda i: (i // H, i % H)  # noqa: E731  grid axis 0 = batch * heads, head fastest
+    per_head = lambda n: pl.BlockSpec((None, None, n), lambda i, c, r: (*bh(i), 0))  # noqa: E731
+    full_q = pl.BlockSpec((None, sq, None, d), lambda i, c, r: (i // H, 0, i % H, 0))
+    full_kv = pl.BlockSpec((None, sk, None, d), lambda i, c, r: (i // H, 0, (i % H) // g, 0))
+    slots = pl.BlockSpec((None, None, mcp, d), lambda i, c, r: (*bh(i), 0, 0))
+    args = [q_pos, k_pos, cidx, first, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, q, k, v, do, lse, delta]
+    in_specs = [pl.BlockSpec((sq,), lambda i, c, r: (0,)), pl.BlockSpec((sk,), lambda i, c, r: (0,)),
+                per_head(mcp), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb),
+                full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq)]
+    if splits > 1:  # ranges add into zero-initialised slots
+        zeros = jnp.zeros((B, H, mcp, d), jnp.float32)
+        args += [zeros, zeros]
+        in_specs += [slots, slots]
+    dkc, dvc = pl.pallas_call(
+        functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, nqb=nqb,
+                          splits=splits, interpret=interpret),
+        grid=(B * H, nch, splits),
+        in_specs=in_specs,
+        out_specs=[slots, slots],
+        out_shape=[jax.ShapeDtypeStruct((B, H, mcp, d), jnp.float32)] * 2,
+        input_output_aliases={13: 0, 14: 1} if splits > 1 else {},
+        compiler_params=params,
+        interpret=interpret,
+        name="block_sparse_bwd_dkv_cols",
+    )(*args)
+    return dkc, dvc, cidx
+
+
+def add_column_grads(dk, dv, dkc, dvc, col_idx):
+    """``dk[b, col_idx[b, h, m], h // g] += dkc[b, h, m]`` (and ``dv``) for every query head ``h``
+    and list slot ``m``: one XLA scatter-add of the column pass's per-slot gradients into the KV
+    heads' ``dk, dv f32 [B, Sk, Hkv, D]`` (a column listed by several heads of a group adds up)."""
+    B, H, _ = col_idx.shape
+    g = H // dk.shape[2]
+    b_ix = jnp.arange(B)[:, None, None]
+    hk_ix = (jnp.arange(H) // g)[None, :, None]
+    return dk.at[b_ix, col_idx, hk_ix].add(dkc), dv.at[b_ix, col_idx, hk_ix].add(dvc)
+
+
+def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, qk_scale, scale, bs, g):
+    """One program per (KV block, KV head, batch): the ``g`` query heads of the group in turn,
+    each over the query blocks that list this KV block (free tiles, then masked ones)."""
+    k = k_ref[...]
+    v = v_ref[...]
+    kp = kpos_ref[...]
+
+    def head(t, carry):
+        def tile(rows, carry, masked=False):
+            q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref, head=t)
+            ok = (kp[:, None] <= qp[None, :]) if masked else None
+            return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
+
+        block_at = lambda j: tidx_ref[t, j]  # noqa: E731
+        n_free, n_all = tcnt_ref[t, 0], tcnt_ref[t, 1]
+        carry = _for_blocks(block_at, 0, n_free, bs, tile, carry)
+        return _for_blocks(block_at, n_free, n_all, bs, functools.partial(tile, masked=True), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, g, head, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _bwd_inputs(q, q_pos, k_pos, do, lse, delta):
+    return (q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), do.astype(q.dtype), lse.astype(jnp.float32),
+            delta.astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
+            block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """Backward pass 1: ``dq f32 [B, Sq, Hq, D]``, query-stationary over the forward's schedule;
+    added to ``dq_acc`` (same shape, aliased: in place) when one is given."""
+    B, sq, H, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    bs = block_size
+    q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
+    bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
+    sp = _query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
+    accumulate = dq_acc is not None
+    args = [q_pos, k_pos, bidx, cnt, cidx, q, k, v, do, lse, delta]
+    in_specs = [sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"],
+                sp["q"], sp["kv"], sp["kv"], sp["q"], sp["row"], sp["row"]]
+    if accumulate:
+        args.append(dq_acc.astype(jnp.float32))
+        in_specs.append(sp["q"])
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, cc=col_chunk,
+                          accumulate=accumulate),
+        grid=(sq // bs, H, B),
+        in_specs=in_specs,
+        out_specs=sp["q"],
+        out_shape=jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
+        input_output_aliases={11: 0} if accumulate else {},
+        compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="block_sparse_bwd_dq",
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
+                   block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
+                   interpret: bool = False):
+    """Backward pass 2: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks, summed over each
+    KV head's group of query heads in the kernel; one program per (KV block, KV head, batch) over
+    :func:`transpose_block_index`."""
+    del col_chunk
+    B, sq, H, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g, bs = H // hkv, block_size
+    q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
+    tidx, tcnt = transpose_block_index(index, sk, bs)
+    mtp = tidx.shape[-1]
+    kv_blk = pl.BlockSpec((None, bs, None, d), lambda j, hk, b: (b, j, hk, 0))
+    group_q = pl.BlockSpec((None, sq, g, d), lambda j, hk, b: (b, 0, hk, 0))
+    group_row = pl.BlockSpec((None, g, sq), lambda j, hk, b: (b, hk, 0))
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, g=g),
+        grid=(sk // bs, hkv, B),
+        in_specs=[pl.BlockSpec((sq,), lambda j, hk, b: (0,)), pl.BlockSpec((bs,), lambda j, hk, b: (j,)),
+                  pl.BlockSpec((None, g, None, mtp), lambda j, hk, b: (b, hk, j, 0)),
+                  pl.BlockSpec((None, g, None, 2), lambda j, hk, b: (b, hk, j, 0)),
+                  group_q, kv_blk, kv_blk, group_q, group_row, group_row],
+        out_specs=[kv_blk, kv_blk],
+        out_shape=[jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)] * 2,
+        compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="block_sparse_bwd_dkv",
+    )(q_pos, k_pos, tidx, tcnt, q, k, v, do, lse, delta)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("col_splits",))
+def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
+                 block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
+                 interpret: bool = False, col_splits: int | None = None):
+    """Backward pass 3: adds the vertical columns' dK/dV into ``dk, dv f32 [B, Sk, Hkv, D]``
+    (kernel per list slot, then :func:`add_column_grads`). ``col_splits``: query-block ranges per
+    column chunk (default :func:`col_row_splits`; a tuning knob, ``benchmarks/kernels.py
+    --col-split-sweep``)."""
+    del col_chunk
+    q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
+    dkc, dvc, cidx = _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale, bs=block_size,
+                              params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+                              interpret=interpret, col_splits=col_splits)
+    return add_column_grads(dk, dv, dkc, dvc, cidx)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, **options):
+    """Backward kernels (module docstring: three passes); returns f32 ``(dq, dk, dv)``, added to
+    ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)`` when given (ring steps).
+    ``dkv_acc`` is added after the block pass, in the column scatter's operand: in a ring it
+    arrives from the neighbour, and making the step's first dK/dV kernel wait for it exposed the
+    transfer (measured: ``benchmarks/sparse_ring_results.md``, v7).
+    ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`."""
+    args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
+    dq = dq_pass(*args, dq_acc, **options)
+    dk, dv = dkv_block_pass(*args, **options)
+    if dkv_acc is not None:
+        dk, dv = dk + dkv_acc[0], dv + dkv_acc[1]
+    dk, dv = dkv_col_pass(*args, dk, dv, **options)
+    return dq, dk, dv
