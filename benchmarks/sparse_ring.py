@@ -14,9 +14,12 @@ the index density, worker- and step-level imbalance of the executed sparse ring,
 ring transfer alone (per ring axis) and the exposed-communication bound it gives, and optionally
 (``--check``) a sampled-row correctness check (output and dq of 256 random query rows against the
 masked float32 reference of the same index), and with ``--profile`` a traced step
-(``benchmarks/trace_summary.py``: per-GPU kernel breakdown and the MEASURED exposed communication:
-NCCL time with no compute kernel running). Appends JSON lines to ``--out/sparse_ring.jsonl``,
-writes the optimized HLO of each multi-GPU sparse step (to read the collective-permute schedule),
+(``benchmarks/trace_summary.py``: per-GPU kernel breakdown, each XLA kernel attributed to its JAX
+op and source line, and the MEASURED exposed communication: NCCL time with no compute kernel running,
+with its longest stretches). The fwd+bwd step is timed per isolated call (``sparse_fwdbwd_s``) and
+back to back (``sparse_fwdbwd_steady_s``, as a training loop runs). Appends JSON lines to
+``--out/sparse_ring.jsonl``, writes the optimized HLO of each multi-GPU sparse step and its schedule
+reduced to collectives and kernels (``schedule_S*.txt``),
 then the scaling table (``scaling_table.md``) and a throughput-vs-GPUs plot (``scaling.png``).
 ``--report JSONL...`` only turns existing records into the table and plot (records without a
 "mesh" field, as written before issue 8, are read as ``1xP``, hierarchical, fixed total length).
@@ -48,8 +51,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from _timing import timeit  # noqa: E402
-from trace_summary import summarize_dir  # noqa: E402
+from _timing import steady_state, timeit  # noqa: E402
+from trace_summary import schedule_outline, summarize_dir  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
 from mtraining_jax.attention.reference import dense_attention  # noqa: E402
 from mtraining_jax.attention.ring import ring_attention  # noqa: E402
@@ -200,6 +203,8 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
         return rec
     rec["sparse_fwd_s"], _ = timeit(sparse_f, lq, lk, lv, repeat=args.repeat)
     rec["sparse_fwdbwd_s"], _ = timeit(sparse_fb, lq, lk, lv, lc, repeat=args.repeat)
+    # back-to-back calls, one sync at the end: per-step time as a training loop sees it
+    rec["sparse_fwdbwd_steady_s"], _ = steady_state(sparse_fb, lq, lk, lv, lc, repeat=args.repeat)
     if not args.skip_dense:
         rec["dense_fwd_s"], _ = timeit(dense_f, lq, lk, lv, repeat=args.repeat)
         rec["dense_fwdbwd_s"], _ = timeit(dense_fb, lq, lk, lv, lc, repeat=args.repeat)
@@ -212,11 +217,12 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
         rows = jnp.asarray(np.sort(np.random.default_rng(0).choice(S, 256, replace=False)), jnp.int32)
         rec["check_out_rel"], rec["check_dq_rel"] = sampled_check(
             q, k, v, cot, layout.unpermute(o), layout.unpermute(grads[0]), st.index, rows, cfg.block_size)
+    hlo = sparse_fb.lower(lq, lk, lv, lc).compile().as_text() if args.profile or P > 1 else ""
     if args.profile:  # one traced sparse fwd+bwd step: per-GPU kernel breakdown and measured exposed comm
         tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}")
         with jax.profiler.trace(tdir, create_perfetto_trace=True):
             jax.block_until_ready(sparse_fb(lq, lk, lv, lc))
-        summary = summarize_dir(tdir, top=30)
+        summary = summarize_dir(tdir, top=60, hlo_text=hlo)
         rec["sparse_trace"] = summary
         spans = [d["span_ms"] for d in summary.values() if d.get("kernels")]
         if spans:
@@ -225,7 +231,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
         for dev, d in summary.items():
             print(f"{dev}: " + json.dumps({k: v for k, v in d.items() if k != "top"}), flush=True)
             for t in d.get("top", []):
-                print(f"    {t['ms']:8.2f} ms x{t['count']:<4} {t['name']}", flush=True)
+                print(f"    {t['ms']:8.2f} ms x{t['count']:<4} {t['name'][:60]}  {t.get('src', '')}", flush=True)
     if P > 1:
         # communication: one K/V-buffer ring shift alone (what each ring step must hide), per ring axis
         kv = jnp.stack([lk, lv])
@@ -239,9 +245,11 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
         for m in METHODS:
             if f"{m}_fwdbwd_s" in rec:
                 rec[f"{m}_exposed_comm_bound"] = exposed_bound(rec, rec[f"{m}_fwdbwd_s"])
-        hlo = sparse_fb.lower(lq, lk, lv, lc).compile().as_text()
+    if P > 1:
         with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_{N}x{L}_{ring_order}.hlo.txt"), "w") as f:
             f.write(hlo)
+        with open(os.path.join(out_dir, f"schedule_S{S}_{N}x{L}_{ring_order}.txt"), "w") as f:
+            f.write("\n".join(schedule_outline(hlo)) + "\n")
         rec["hlo_collective_permute_starts"] = hlo.count("collective-permute-start")
         rec["hlo_collective_permute_sync"] = hlo.count("collective-permute(")
     return rec

@@ -10,11 +10,14 @@ event (``"ph": "X"``) per kernel or copy. From those this module computes, per d
 * ``comm_ms``   union of the intervals of communication kernels (names matching ``nccl``);
 * ``exposed_comm_ms`` the part of ``comm_ms`` with no compute kernel running on that device — the
   communication the step actually waits for (the measured counterpart of an upper bound from
-  transfer sizes);
+  transfer sizes); ``exposed`` lists its longest stretches (when, how long, after which kernel);
 * ``idle_ms``   ``span_ms`` minus the union of all kernels (launch gaps, host sync);
-* ``top``       kernels grouped by name: total ms and count, largest first.
+* ``top``       kernels grouped by name: total ms and count, largest first; given the step's
+  optimized HLO text (``compiled.as_text()``), each XLA kernel also gets ``op`` and ``src``: the
+  JAX op name and source line of the HLO instruction it runs (:func:`hlo_sources`), so "where do
+  the non-Pallas milliseconds come from" has an answer.
 
-Usage: ``python benchmarks/trace_summary.py TRACE_DIR [--top 20]`` (prints JSON), or
+Usage: ``python benchmarks/trace_summary.py TRACE_DIR [--top 20] [--hlo STEP.hlo.txt]`` (prints JSON), or
 :func:`summarize_dir` from a benchmark script.
 """
 
@@ -28,6 +31,78 @@ import os
 import re
 
 COMM = re.compile(r"nccl|all[-_]?reduce|collective|sendrecv", re.IGNORECASE)
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", re.MULTILINE)
+_META = re.compile(r'(op_name|source_file|source_line|stack_frame_id)=("(?:[^"\\]|\\.)*"|\d+)')
+
+
+def _table(hlo_text: str, header: str, row: str) -> dict[int, tuple]:
+    """Rows of one of the HLO module's debug tables (``FileNames``, ``StackFrames``...)."""
+    m = re.search(rf"^{header}\n((?:\d+ .*\n)+)", hlo_text, re.MULTILINE)
+    rows = re.findall(rf"^(\d+) {row}$", m.group(1), re.MULTILINE) if m else []
+    return {int(r[0]): r[1:] for r in rows}
+
+
+def _frames(hlo_text: str):
+    """``frame id -> "file:line < caller file:line < ..."`` from the module's stack-frame tables
+    (newer XLA: ``metadata={... stack_frame_id=N}``; ``parent_frame_id`` is the parent's id + 1,
+    so 1 means no parent)."""
+    files = {i: os.path.basename(r[0]) for i, r in _table(hlo_text, "FileNames", r'"(.*)"').items()}
+    locs = {i: (int(r[0]), int(r[2])) for i, r in _table(
+        hlo_text, "FileLocations", r"\{file_name_id=(\d+) function_name_id=(\d+) line=(\d+).*\}").items()}
+    frames = {i: (int(r[0]), int(r[1])) for i, r in _table(
+        hlo_text, "StackFrames", r"\{file_location_id=(\d+) parent_frame_id=(\d+)\}").items()}
+
+    def chain(fid: int, depth: int = 4) -> str:
+        parts = []
+        while fid in frames and len(parts) < depth:
+            loc, parent = frames[fid]
+            f, line = locs.get(loc, (0, 0))
+            parts.append(f"{files.get(f, '?')}:{line}")
+            fid = parent - 1
+        return " < ".join(parts)
+    return chain
+
+
+def hlo_sources(hlo_text: str) -> dict[str, dict[str, str]]:
+    """``{kernel name: {"op": jax op name, "src": "file:line < caller ..."}}`` from optimized HLO.
+
+    A GPU kernel is named after its HLO instruction with ``.`` and ``-`` replaced by ``_``
+    (``%input_scatter_fusion.3`` runs as ``input_scatter_fusion_3``); the instruction's
+    ``metadata`` holds the JAX op name and the Python lines that emitted it (``source_file`` /
+    ``source_line``, or a ``stack_frame_id`` into the module's frame tables)."""
+    chain = _frames(hlo_text)
+    out = {}
+    for m in _HLO_INSTR.finditer(hlo_text):
+        meta = {k: v.strip('"') for k, v in _META.findall(m.group(2))}
+        if "op_name" not in meta:
+            continue
+        if "stack_frame_id" in meta:
+            src = chain(int(meta["stack_frame_id"]))
+        else:
+            src = f"{os.path.basename(meta.get('source_file', '?'))}:{meta.get('source_line', '?')}"
+        out[re.sub(r"[.\-]", "_", m.group(1))] = {"op": meta["op_name"][-160:], "src": src}
+    return out
+
+
+_OUTLINE = re.compile(r"collective-permute|all-reduce|all-gather|reduce-scatter|all-to-all|custom-call")
+
+
+def schedule_outline(hlo_text: str) -> list[str]:
+    """The ENTRY computation of scheduled optimized HLO, reduced to its collectives and custom
+    calls (Pallas kernels) in execution order: ``"name = op(operands) [kernel or op_name]"``.
+    Shows which compute an asynchronous transfer's ``-start`` / ``-done`` pair encloses."""
+    entry = hlo_text[hlo_text.find("\nENTRY"):]
+    entry = entry[:entry.find("\n}")]
+    rows = []
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$", line)
+        op = re.search(r"(?:^|[\s)}\]])([a-z][a-z\-]*)\(([^)]*)\)", m.group(2)) if m else None
+        if not op or not _OUTLINE.search(op.group(1)):
+            continue
+        label = re.search(r'"name":\s*"([^"]+)"', line) or re.search(r'op_name="([^"]+)"', line)
+        operands = ",".join(o.strip().lstrip("%") for o in op.group(2).split(","))[:80]
+        rows.append(f"{m.group(1)} = {op.group(1)}({operands}) {label.group(1)[-70:] if label else ''}")
+    return rows
 
 
 def find_trace(trace_dir: str) -> str:
@@ -86,8 +161,37 @@ def _overlap(a_set, b_set) -> float:
     return total
 
 
-def summarize(kernels: list[tuple[str, float, float]], top: int = 20) -> dict:
-    """Timing summary of one device's kernels (see module docstring); times in ms."""
+def _subtract(a_set, b_set) -> list[tuple[float, float]]:
+    """Parts of the sorted disjoint intervals ``a_set`` not covered by ``b_set`` (same form)."""
+    out = []
+    for lo, hi in a_set:
+        cur = lo
+        for b_lo, b_hi in b_set:
+            if b_hi <= cur or b_lo >= hi:
+                continue
+            if b_lo > cur:
+                out.append((cur, b_lo))
+            cur = max(cur, b_hi)
+        if cur < hi:
+            out.append((cur, hi))
+    return out
+
+
+def exposed_intervals(kernels, comm, compute, top: int = 8) -> list[dict]:
+    """The longest stretches of communication with no compute kernel running: ``at_ms`` from the
+    step's first kernel, ``ms``, and ``after``: the compute kernel that ended last before it."""
+    t0 = min(s for _, s, _ in kernels)
+    done = sorted((e, n) for n, s, e in kernels if not COMM.search(n))
+    rows = []
+    for lo, hi in sorted(_subtract(comm, compute), key=lambda iv: iv[0] - iv[1])[:top]:
+        before = [n for e, n in done if e <= lo + 1e-3]
+        rows.append({"at_ms": (lo - t0) / 1e3, "ms": (hi - lo) / 1e3, "after": before[-1][:60] if before else ""})
+    return rows
+
+
+def summarize(kernels: list[tuple[str, float, float]], top: int = 20, sources: dict | None = None) -> dict:
+    """Timing summary of one device's kernels (see module docstring); times in ms. ``sources``:
+    :func:`hlo_sources` of the step, to attribute kernels to JAX ops."""
     if not kernels:
         return {"kernels": 0}
     comm = _union((s, e) for n, s, e in kernels if COMM.search(n))
@@ -106,25 +210,35 @@ def summarize(kernels: list[tuple[str, float, float]], top: int = 20) -> dict:
         "compute_ms": _length(compute) / 1e3,
         "comm_ms": _length(comm) / 1e3,
         "exposed_comm_ms": (_length(comm) - _overlap(comm, compute)) / 1e3,
+        "exposed": exposed_intervals(kernels, comm, compute),
         "idle_ms": (span - _length(every)) / 1e3,
-        "top": [{"name": n[:120], "ms": t / 1e3, "count": c} for n, (t, c) in ranked],
+        "top": [_attributed({"name": n[:120], "ms": t / 1e3, "count": c}, n, sources) for n, (t, c) in ranked],
     }
 
 
-def summarize_dir(trace_dir: str, top: int = 20) -> dict[str, dict]:
-    """``{device: summary}`` of the newest trace under ``trace_dir``."""
+def _attributed(row: dict, name: str, sources: dict | None) -> dict:
+    hit = (sources or {}).get(re.sub(r"__\d+$", "", name))  # "__N": N-th launch of one instruction
+    return {**row, **hit} if hit else row
+
+
+def summarize_dir(trace_dir: str, top: int = 20, hlo_text: str | None = None) -> dict[str, dict]:
+    """``{device: summary}`` of the newest trace under ``trace_dir`` (kernels attributed to JAX
+    ops when the step's optimized ``hlo_text`` is given)."""
     with gzip.open(find_trace(trace_dir)) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    return {dev: summarize(ks, top) for dev, ks in sorted(device_kernels(events).items())}
+    sources = hlo_sources(hlo_text) if hlo_text else None
+    return {dev: summarize(ks, top, sources) for dev, ks in sorted(device_kernels(events).items())}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace_dir")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--hlo", help="the step's optimized HLO text, to attribute kernels to JAX ops")
     a = ap.parse_args()
-    print(json.dumps(summarize_dir(a.trace_dir, a.top), indent=1))
+    hlo = open(a.hlo).read() if a.hlo else None
+    print(json.dumps(summarize_dir(a.trace_dir, a.top, hlo), indent=1))
 
 
 if __name__ == "__main__":

@@ -265,15 +265,23 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
     return dkc, dvc, cidx
 
 
-def add_column_grads(dk, dv, dkc, dvc, col_idx):
+def add_column_grads(dk, dv, dkc, dvc, col_idx, col_count):
     """``dk[b, col_idx[b, h, m], h // g] += dkc[b, h, m]`` (and ``dv``) for every query head ``h``
-    and list slot ``m``: one XLA scatter-add of the column pass's per-slot gradients into the KV
-    heads' ``dk, dv f32 [B, Sk, Hkv, D]`` (a column listed by several heads of a group adds up)."""
-    B, H, _ = col_idx.shape
+    and list slot ``m`` some query block uses (``m < max_i col_count[b, h, i]``): one XLA
+    scatter-add of the column pass's per-slot gradients into the KV heads' ``dk, dv f32
+    [B, Sk, Hkv, D]`` (a column listed by several heads of a group adds up).
+
+    Unused slots (list padding: on a ring step, the verticals the visiting chunk does not hold)
+    are dropped, not added as zeros: padding points at key 0, and thousands of zero adds into one
+    row serialise the scatter's atomics (0.17 ms instead of 0.03 per call at 256K on 2 GPUs,
+    ``benchmarks/sparse_ring_results.md``, v9)."""
+    B, H, mcp = col_idx.shape
     g = H // dk.shape[2]
+    used = jnp.arange(mcp, dtype=jnp.int32) < jnp.max(col_count, axis=-1, initial=0)[..., None]
+    rows = jnp.where(used, col_idx, dk.shape[1])  # out of range: dropped
     b_ix = jnp.arange(B)[:, None, None]
     hk_ix = (jnp.arange(H) // g)[None, :, None]
-    return dk.at[b_ix, col_idx, hk_ix].add(dkc), dv.at[b_ix, col_idx, hk_ix].add(dvc)
+    return (dk.at[b_ix, rows, hk_ix].add(dkc, mode="drop"), dv.at[b_ix, rows, hk_ix].add(dvc, mode="drop"))
 
 
 def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -383,21 +391,24 @@ def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv
     dkc, dvc, cidx = _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale, bs=block_size,
                               params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
                               interpret=interpret, col_splits=col_splits)
-    return add_column_grads(dk, dv, dkc, dvc, cidx)
+    return add_column_grads(dk, dv, dkc, dvc, cidx, index.col_count)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, **options):
-    """Backward kernels (module docstring: three passes); returns f32 ``(dq, dk, dv)``, added to
-    ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)`` when given (ring steps).
-    ``dkv_acc`` is added after the block pass, in the column scatter's operand: in a ring it
-    arrives from the neighbour, and making the step's first dK/dV kernel wait for it exposed the
-    transfer (measured: ``benchmarks/sparse_ring_results.md``, v7).
+    """Backward kernels (module docstring: three passes, dK/dV first, dQ last); returns f32
+    ``(dq, dk, dv)``, added to ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)``
+    when given (ring steps). ``dkv_acc`` is added after the block pass, in the column scatter's
+    operand: in a ring it arrives from the neighbour, and making the step's first dK/dV kernel wait
+    for it exposed the transfer (measured: ``benchmarks/sparse_ring_results.md``, v7).
     ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`."""
     args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
-    dq = dq_pass(*args, dq_acc, **options)
     dk, dv = dkv_block_pass(*args, **options)
     if dkv_acc is not None:
         dk, dv = dk + dkv_acc[0], dv + dkv_acc[1]
     dk, dv = dkv_col_pass(*args, dk, dv, **options)
+    # dQ last: in a ring, dK/dV leave for the neighbour (or home) while the dQ kernel runs, instead
+    # of waiting behind it (the barrier makes the order a data dependence XLA keeps).
+    dk, dv, q = lax.optimization_barrier((dk, dv, q))
+    dq = dq_pass(q, *args[1:], dq_acc, **options)
     return dq, dk, dv

@@ -108,3 +108,27 @@ def test_col_row_splits_bound_the_range_length():
         for rb in (1, 16, 128):
             sp = tb.col_row_splits(nqb, rb)
             assert -(-nqb // sp) <= rb and (sp - 1) * rb < nqb
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_add_column_grads_adds_used_slots_and_drops_padding(seed):
+    """Slot ``m`` of head ``h`` is added into KV head ``h // g`` at row ``col_idx`` iff some query
+    block uses it (``m < max col_count``); padding slots (pointing at row 0) add nothing, whatever
+    values they hold."""
+    rng = np.random.default_rng(seed)
+    B, H, hkv, mcp, sk, d, nqb = 2, 4, 2, 8, 12, 3, 5
+    col_idx = np.stack([[rng.permutation(sk)[:mcp] for _ in range(H)] for _ in range(B)]).astype(np.int32)
+    col_count = rng.integers(0, mcp + 1, size=(B, H, nqb)).astype(np.int32)
+    used = col_count.max(-1)
+    col_idx[np.arange(mcp)[None, None, :] >= used[..., None]] = 0  # padding, as the builder makes it
+    dkc, dvc = rng.normal(size=(2, B, H, mcp, d)).astype(np.float32)  # padding slots hold junk too
+    dk0, dv0 = rng.normal(size=(2, B, sk, hkv, d)).astype(np.float32)
+    want_k, want_v = dk0.copy(), dv0.copy()
+    for b, h in np.ndindex(B, H):
+        for m in range(used[b, h]):
+            want_k[b, col_idx[b, h, m], h // (H // hkv)] += dkc[b, h, m]
+            want_v[b, col_idx[b, h, m], h // (H // hkv)] += dvc[b, h, m]
+    got_k, got_v = tb.add_column_grads(*(jnp.asarray(x) for x in (dk0, dv0, dkc, dvc, col_idx, col_count)))
+    np.testing.assert_allclose(np.asarray(got_k), want_k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_v), want_v, rtol=1e-6, atol=1e-6)

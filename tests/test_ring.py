@@ -155,8 +155,8 @@ def _expected_permutes(nodes, local, order):
     """Collective-permutes of one forward + backward ring (see the ring module docstring)."""
     n_out, n_in = (1, nodes * local) if order == "flat" else (nodes, local)
     kv_hops = (n_out - 1) + n_out * (n_in - 1)  # outer + inner K/V hops of one pass
-    # inner acc and outer totals travel as two arrays (float32 dK, dV); the home permute is one
-    acc_hops = 2 * (n_out * (n_in - 1) + (n_out - 1)) + 1
+    # K/V, the inner acc and the outer totals each travel stacked (one permute per hop); + home
+    acc_hops = n_out * (n_in - 1) + (n_out - 1) + 1
     return 2 * kv_hops + acc_hops
 
 

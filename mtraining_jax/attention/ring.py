@@ -13,8 +13,12 @@ inside its kernels, so no ring step makes an extra pass over the float32 ``[Sl, 
 Which chunk a rank holds at step ``s`` is :func:`mtraining_jax.ring_schedule.source_rank`; the
 communication below realises exactly that table (the tests check it against the index plumbing).
 
-Only the KV heads travel (GQA), K and V stacked in one ``[2, B, Sl, Hkv, D]`` buffer, so each ring
-hop is one collective-permute. Positions are not sent per step: one ``all_gather`` of the tiny
+Only the KV heads travel (GQA). Everything that travels together is stacked into one buffer (K and
+V as ``[2, B, Sl, Hkv, D]``, the float32 dK/dV accumulators likewise), so each ring hop is ONE
+collective-permute: with XLA's default of one asynchronous collective in flight, a second permute
+posted beside the first is made synchronous and waited for (measured on 2 H200s: 0.25 ms exposed
+per hop for K and V sent separately, none stacked; ``benchmarks/sparse_ring_results.md``, v9).
+Positions are not sent per step: one ``all_gather`` of the tiny
 ``k_pos [Sl]`` at the start gives every chunk's positions, indexed by ``source_rank``.
 
 Forward schedule (MTraining §4.2, Algorithm 2). Both orders are the same two-level loop; the flat
@@ -42,9 +46,11 @@ ring is one outer step whose inner ring spans all ranks::
 Backward (custom VJP, FlashAttention-2 style, reusing the forward's final ``lse`` and
 ``delta = rowsum(dO * O)``; nothing of the forward ring is recomputed beyond the per-step
 probabilities a flash backward needs). Queries, ``dO``, ``lse``, ``delta`` and the ``dQ``
-accumulator stay home; K/V circulate again on the same schedule (stacked as ``[V, K]`` so XLA cannot
-merge these permutes with the forward's and keep every visiting chunk alive in between) and float32
-dK/dV accumulators travel with them:
+accumulator stay home; K/V circulate again on the same schedule (stacked as one ``[V, K]`` buffer,
+which the forward never sends, so XLA cannot merge these permutes with the forward's and keep every
+visiting chunk alive in between) and float32 dK/dV accumulators travel with them. Each step's
+kernels compute dK/dV before dQ (``pallas_kernels.triton_backward.pallas_bwd``), so the transfer of
+the step's dK/dV (to the neighbour, or home after the last step) overlaps the dQ kernel:
 
 * inner ring: the accumulator ``acc`` of the chunk being visited follows it hop by hop (sent after
   the step's compute, so it overlaps the next step's compute);
@@ -187,7 +193,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index):
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner
     rank = _my_rank(cfg)
-    kv = jnp.stack([k, v])
+    kv = jnp.stack([k, v])  # one permute per hop (see module docstring)
     out = lse = None
     work = []
     for i in range(n_outer):
@@ -232,11 +238,11 @@ def _backward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index, out, lse, d
                 dq_acc=dq, dkv_acc=acc)
             acc = (dk_s, dv_s)  # float32, this step's chunk's dK/dV summed over the ranks it visited
             if j < n_inner - 1:
-                acc = _shift(acc, inner_axis, n_inner)  # travels with the chunk it belongs to
+                acc = tuple(_shift(jnp.stack(acc), inner_axis, n_inner))  # travels with its chunk
                 vk = vk_next
         tot = acc if tot is None else jax.tree.map(jnp.add, tot, acc)
         if i < n_outer - 1:
-            tot = _shift(tot, outer_axis, n_outer)
+            tot = tuple(_shift(jnp.stack(tot), outer_axis, n_outer))
             vk = vk_outer
     # The owner adds nothing after this, so rounding to K/V's dtype before the transfer gives the
     # same bits as after it, and halves the one transfer no compute is left to hide (bf16).
