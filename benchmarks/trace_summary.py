@@ -147,20 +147,6 @@ def _length(intervals) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def _overlap(a_set, b_set) -> float:
-    """Length of the intersection of two sorted lists of disjoint intervals (two pointers)."""
-    i = j = 0
-    total = 0.0
-    while i < len(a_set) and j < len(b_set):
-        lo, hi = max(a_set[i][0], b_set[j][0]), min(a_set[i][1], b_set[j][1])
-        total += max(0.0, hi - lo)
-        if a_set[i][1] < b_set[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 def _subtract(a_set, b_set) -> list[tuple[float, float]]:
     """Parts of the sorted disjoint intervals ``a_set`` not covered by ``b_set`` (same form)."""
     out = []
@@ -177,13 +163,14 @@ def _subtract(a_set, b_set) -> list[tuple[float, float]]:
     return out
 
 
-def exposed_intervals(kernels, comm, compute, top: int = 8) -> list[dict]:
-    """The longest stretches of communication with no compute kernel running: ``at_ms`` from the
-    step's first kernel, ``ms``, and ``after``: the compute kernel that ended last before it."""
+def exposed_intervals(kernels, exposed, top: int = 8) -> list[dict]:
+    """The longest of the ``exposed`` stretches (communication with no compute kernel running):
+    ``at_ms`` from the step's first kernel, ``ms``, and ``after``: the compute kernel that ended
+    last before it."""
     t0 = min(s for _, s, _ in kernels)
     done = sorted((e, n) for n, s, e in kernels if not COMM.search(n))
     rows = []
-    for lo, hi in sorted(_subtract(comm, compute), key=lambda iv: iv[0] - iv[1])[:top]:
+    for lo, hi in sorted(exposed, key=lambda iv: iv[0] - iv[1])[:top]:
         before = [n for e, n in done if e <= lo + 1e-3]
         rows.append({"at_ms": (lo - t0) / 1e3, "ms": (hi - lo) / 1e3, "after": before[-1][:60] if before else ""})
     return rows
@@ -197,6 +184,7 @@ def summarize(kernels: list[tuple[str, float, float]], top: int = 20, sources: d
     comm = _union((s, e) for n, s, e in kernels if COMM.search(n))
     compute = _union((s, e) for n, s, e in kernels if not COMM.search(n))
     every = _union((s, e) for _, s, e in kernels)
+    exposed = _subtract(comm, compute)
     span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
     by_name: dict[str, list[float]] = {}
     for n, s, e in kernels:
@@ -209,8 +197,8 @@ def summarize(kernels: list[tuple[str, float, float]], top: int = 20, sources: d
         "span_ms": span / 1e3,
         "compute_ms": _length(compute) / 1e3,
         "comm_ms": _length(comm) / 1e3,
-        "exposed_comm_ms": (_length(comm) - _overlap(comm, compute)) / 1e3,
-        "exposed": exposed_intervals(kernels, comm, compute),
+        "exposed_comm_ms": _length(exposed) / 1e3,
+        "exposed": exposed_intervals(kernels, exposed),
         "idle_ms": (span - _length(every)) / 1e3,
         "top": [_attributed({"name": n[:120], "ms": t / 1e3, "count": c}, n, sources) for n, (t, c) in ranked],
     }
