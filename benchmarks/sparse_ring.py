@@ -17,7 +17,9 @@ masked float32 reference of the same index), and with ``--profile`` a traced ste
 (``benchmarks/trace_summary.py``: per-GPU kernel breakdown, each XLA kernel attributed to its JAX
 op and source line, and the MEASURED exposed communication: NCCL time with no compute kernel running,
 with its longest stretches). The fwd+bwd step is timed per isolated call (``sparse_fwdbwd_s``) and
-back to back (``sparse_fwdbwd_steady_s``, as a training loop runs). Appends JSON lines to
+back to back (``sparse_fwdbwd_steady_s``, as a training loop runs). ``--fuse none backward both``
+runs each multi-GPU case once per fused-kernel-call variant (``MTrainingConfig.fuse_forward`` /
+``fuse_backward``; default ``both``, the library default). Appends JSON lines to
 ``--out/sparse_ring.jsonl``, writes the optimized HLO of each multi-GPU sparse step and its schedule
 reduced to collectives and kernels (``schedule_S*.txt``),
 then the scaling table (``scaling_table.md``) and a throughput-vs-GPUs plot (``scaling.png``).
@@ -170,20 +172,27 @@ def exposed_bound(rec: dict, step_s: float) -> float | None:
 
 # ----------------------------------------------------------------------------- measurement
 
-def run_case(S, mesh_shape, ring_order, args, out_dir):
+FUSE = {"none": (False, False), "backward": (False, True), "forward": (True, False), "both": (True, True)}
+
+
+def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both"):
     N, L = mesh_shape
     P = N * L
     mesh = make_mesh((N, L), jax.devices()[:P])
     sp = SparsityConfig()  # defaults: p = 0.9, verticals <= 4096, slashes <= 64 diagonals
-    cfg = MTrainingConfig(sparsity=sp, layout="block_striped", ring_order=ring_order)
+    fuse_fwd, fuse_bwd = FUSE[fuse]
+    cfg = MTrainingConfig(sparsity=sp, layout="block_striped", ring_order=ring_order, fuse_forward=fuse_fwd,
+                          fuse_backward=fuse_bwd)
     layout = cfg.make_layout(S, P)
     q, k, v, cot = make_inputs(S, sharpness=args.sharpness)
     shard = sequence_sharding(mesh)
     lq, lk, lv, lc = (jax.device_put(layout.permute(x), shard) for x in (q, k, v, cot))
     perm = jax.device_put(jnp.asarray(layout.perm), NamedSharding(mesh, PartitionSpec(CP_AXES)))
 
+    ring_kw = dict(ring_order=ring_order, fuse_forward=fuse_fwd, fuse_backward=fuse_bwd)
+
     def dense_loss(q, k, v, c):
-        o = ring_attention(q, k, v, perm, mesh, ring_order=ring_order)
+        o = ring_attention(q, k, v, perm, mesh, **ring_kw)
         return jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32))
 
     def sparse_loss(q, k, v, c):
@@ -193,8 +202,8 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
     dense_fb = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))
     sparse_fb = jax.jit(jax.value_and_grad(sparse_loss, argnums=(0, 1, 2), has_aux=True))
     sparse_f = jax.jit(lambda q, k, v: mtraining_attention(q, k, v, mesh, cfg))
-    dense_f = jax.jit(lambda q, k, v: ring_attention(q, k, v, perm, mesh, ring_order=ring_order))
-    rec = {"S": S, "gpus": P, "mesh": f"{N}x{L}", "nodes": N, "local": L, "ring_order": ring_order,
+    dense_f = jax.jit(lambda q, k, v: ring_attention(q, k, v, perm, mesh, **ring_kw))
+    rec = {"S": S, "gpus": P, "mesh": f"{N}x{L}", "nodes": N, "local": L, "ring_order": ring_order, "fuse": fuse,
            "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if args.tag:
         rec["run"] = args.tag
@@ -219,7 +228,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
             q, k, v, cot, layout.unpermute(o), layout.unpermute(grads[0]), st.index, rows, cfg.block_size)
     hlo = sparse_fb.lower(lq, lk, lv, lc).compile().as_text() if args.profile or P > 1 else ""
     if args.profile:  # one traced sparse fwd+bwd step: per-GPU kernel breakdown and measured exposed comm
-        tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}")
+        tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}_{fuse}")
         with jax.profiler.trace(tdir, create_perfetto_trace=True):
             jax.block_until_ready(sparse_fb(lq, lk, lv, lc))
         summary = summarize_dir(tdir, top=60, hlo_text=hlo)
@@ -246,9 +255,9 @@ def run_case(S, mesh_shape, ring_order, args, out_dir):
             if f"{m}_fwdbwd_s" in rec:
                 rec[f"{m}_exposed_comm_bound"] = exposed_bound(rec, rec[f"{m}_fwdbwd_s"])
     if P > 1:
-        with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_{N}x{L}_{ring_order}.hlo.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_{N}x{L}_{ring_order}_{fuse}.hlo.txt"), "w") as f:
             f.write(hlo)
-        with open(os.path.join(out_dir, f"schedule_S{S}_{N}x{L}_{ring_order}.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"schedule_S{S}_{N}x{L}_{ring_order}_{fuse}.txt"), "w") as f:
             f.write("\n".join(schedule_outline(hlo)) + "\n")
         rec["hlo_collective_permute_starts"] = hlo.count("collective-permute-start")
         rec["hlo_collective_permute_sync"] = hlo.count("collective-permute(")
@@ -285,15 +294,18 @@ def normalize(rec: dict) -> dict:
         rec.update(mesh=f"1x{rec['gpus']}", nodes=1, local=rec["gpus"])
     rec.setdefault("ring_order", "hierarchical")
     rec.setdefault("mode", "total")
+    rec.setdefault("fuse", "pre-v11")  # no fused kernel calls, backward ring in forward order
+    if rec["gpus"] == 1:
+        rec["fuse"] = "n/a"  # one chunk: nothing to fuse, every variant is the same program
     return rec
 
 
 def merge(records: list[dict]) -> list[dict]:
-    """One record per case ``(device, mode, S, mesh, ring order)``; for every field the LAST record that has it wins
+    """One record per case ``(device, mode, S, mesh, ring order, fuse)``; for every field the LAST record that has it wins
     (so a later ``--skip-dense`` or ``--index-only`` run updates only the fields it measured)."""
     cases: dict[tuple, dict] = {}
     for rec in map(normalize, records):
-        key = (rec.get("device"), rec["mode"], rec["S"], rec["mesh"], rec["ring_order"])
+        key = (rec.get("device"), rec["mode"], rec["S"], rec["mesh"], rec["ring_order"], rec["fuse"])
         cases.setdefault(key, {}).update(rec)
     return list(cases.values())
 
@@ -323,6 +335,7 @@ def scaling_rows(cases: list[dict]) -> list[dict]:
             if t is None:
                 continue
             row = dict(mode=c["mode"], S=c["S"], mesh=c["mesh"], gpus=c["gpus"], ring_order=c["ring_order"],
+                       fuse=c["fuse"],
                        method=m, time_s=t, tokens_per_s=c["S"] / t, speedup=None, efficiency=None,
                        worker_imbalance=c.get("worker_imbalance") if m == "sparse" else None,
                        step_imbalance=c.get("step_imbalance") if m == "sparse" else None,
@@ -367,7 +380,8 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         mode = "fixed total" if r["mode"] == "total" else f"{_len(r['S'] // r['gpus'])}/GPU"
         lines.append(
-            f"| {mode} | {_len(r['S'])} | {r['mesh']} | {r['ring_order'] if r['gpus'] > 1 else '–'} | "
+            f"| {mode} | {_len(r['S'])} | {r['mesh']} | "
+            f"{r['ring_order'] + ', fused: ' + r['fuse'] if r['gpus'] > 1 else '–'} | "
             f"{r['method']} | "
             f"{r['time_s'] * 1e3:.1f} ms | {_rate(r['tokens_per_s'])} | {_fmt(r['speedup'], '.2f', '×')} | "
             f"{_fmt(None if r['efficiency'] is None else 100 * r['efficiency'], '.0f', ' %')} | "
@@ -466,13 +480,24 @@ def report(records: list[dict], table_path: str | None, plot_path: str | None) -
     rows = scaling_rows(merge(records))
     if not rows:
         raise ValueError("no forward+backward timings in the records: nothing to report")
-    text = markdown_table(rows) + "\n\nTargets (issue 8):\n\n" + targets(rows) + "\n"
+    text = markdown_table(rows) + "\n\nTargets (issue 8):\n\n" + targets(one_variant(rows)) + "\n"
     if table_path:
         with open(table_path, "w") as f:
             f.write(text)
     if plot_path:
-        plot(rows, plot_path)
+        plot(one_variant(rows), plot_path)
     return text
+
+
+def one_variant(rows: list[dict], prefer: str = "both") -> list[dict]:
+    """One row per (mode, S, mesh, ring order, method) for the plot: the ``prefer`` fuse variant
+    (the default) where a case was run with several, else the last one."""
+    keep: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["mode"], r["S"], r["mesh"], r["ring_order"], r["method"])
+        if key not in keep or keep[key]["fuse"] != prefer:
+            keep[key] = r
+    return list(keep.values())
 
 
 def load_jsonl(paths) -> list[dict]:
@@ -490,6 +515,8 @@ def main(argv=None):
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="meshes 1xP (ignored with --meshes)")
     ap.add_argument("--meshes", nargs="+", help="NODExLOCAL meshes, e.g. 1x1 1x2 1x4 1x8 2x4")
     ap.add_argument("--ring-orders", nargs="+", default=["hierarchical"], choices=["hierarchical", "flat"])
+    ap.add_argument("--fuse", nargs="+", default=["both"], choices=list(FUSE),
+                    help="which passes run their first two chunks in one kernel call (MTrainingConfig.fuse_*)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--sharpness", type=float, default=1.0)
     ap.add_argument("--check", action="store_true", help="sampled-row correctness check")
@@ -514,10 +541,12 @@ def main(argv=None):
     log_path = os.path.join(args.out, "sparse_ring.jsonl")
     records, done = [], {}
     with open(log_path, "a") as log:
-        for mode, S, mesh_shape, order in plan(args):
-            key = (S, mesh_shape, order)
+        # fusing needs two chunks: on one GPU every variant is the same program, run once
+        cases = [(c, f) for c in plan(args) for f in (args.fuse if c[2] != (1, 1) else args.fuse[:1])]
+        for (mode, S, mesh_shape, order), fuse in cases:
+            key = (S, mesh_shape, order, fuse)
             if key not in done:  # the same case in both modes is measured once
-                done[key] = run_case(S, mesh_shape, order, args, args.out)
+                done[key] = run_case(S, mesh_shape, order, args, args.out, fuse)
             rec = dict(done[key], mode=mode)
             records.append(rec)
             log.write(json.dumps(rec) + "\n")

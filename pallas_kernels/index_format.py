@@ -92,6 +92,21 @@ def step_work(index: StepIndex, block_size: int = DEFAULT_BLOCK):
     return w.reshape(w.shape[0], -1).sum(axis=1) if w.ndim == 4 else w.sum()
 
 
+def chunk_work(index: StepIndex, sk: int, num_chunks: int, block_size: int = DEFAULT_BLOCK):
+    """``float32 [num_chunks]``: :func:`step_work` of an index over ``num_chunks`` equal K/V chunks
+    concatenated (``sk`` keys; ring steps fused into one kernel call), split by chunk. For the union
+    index of ``convert_step(..., num_chunks=C)``, entry ``c`` equals ``step_work`` of chunk ``c``'s
+    own step index (a row's column prefix is every held column at or before its last query)."""
+    nkb_c, sk_c = sk // block_size // num_chunks, sk // num_chunks
+    chunks = jnp.arange(num_chunks)
+    valid = jnp.arange(index.max_blocks) < index.block_count[..., None]  # [B, H, nQB, MB]
+    blocks = (valid[..., None] & ((index.block_idx // nkb_c)[..., None] == chunks)).sum(axis=(0, 1, 2, 3))
+    in_chunk = (index.col_idx // sk_c)[..., None] == chunks  # [B, H, MC, C]
+    upto = jnp.pad(jnp.cumsum(in_chunk, axis=2, dtype=jnp.int32), ((0, 0), (0, 0), (1, 0), (0, 0)))
+    cols = jnp.take_along_axis(upto, index.col_count[..., None], axis=2).sum(axis=(0, 1, 2))  # [C]
+    return blocks.astype(jnp.float32) * block_size**2 + cols.astype(jnp.float32) * block_size
+
+
 def causal_flags(q_pos, k_pos, block_idx, block_size: int = DEFAULT_BLOCK):
     """``int32`` like ``block_idx``: 1 where the tile (query block, KV block) has a non-causal pair."""
     qmin = q_pos.reshape(-1, block_size).min(axis=1)  # [nQB]

@@ -65,11 +65,19 @@ CASES = [(m, lay, order) for m, lay, order in itertools.product(MESHES, ["block_
          if m == (2, 4) or (lay == "block_striped")]
 
 
-@pytest.mark.parametrize("mesh_shape,layout,order", CASES)
-def test_sparse_ring_matches_masked_reference(mesh_shape, layout, order):
+# first two chunks of the forward / backward in one kernel call (default: both) or not
+FUSED_CASES = [((1, 2), "block_striped", "hierarchical", (True, True)),  # P = 2: one call per pass
+               ((2, 1), "block_striped", "hierarchical", (True, False)),
+               ((2, 4), "zigzag", "flat", (False, True)),
+               ((4, 2), "block_striped", "hierarchical", (False, False))]
+
+
+@pytest.mark.parametrize("mesh_shape,layout,order,fuse", [c + ((True, True),) for c in CASES] + FUSED_CASES)
+def test_sparse_ring_matches_masked_reference(mesh_shape, layout, order, fuse):
     q, k, v, cot = _inputs(hash((mesh_shape, layout, order)) % 1000)
-    mesh = make_mesh(mesh_shape)
-    cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl="xla")
+    mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
+    cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl="xla", fuse_forward=fuse[0],
+                          fuse_backward=fuse[1])
     index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SPARSE)
     # the index is genuinely sparse, so a dense answer would fail this test
     from mtraining_jax.sparsity.metrics import density
@@ -104,11 +112,13 @@ def test_full_index_mask_is_causal():
     chex.assert_trees_all_equal(m, np.broadcast_to(np.tril(np.ones((256, 256), bool)), m.shape))
 
 
-@pytest.mark.parametrize("layout,order", [("block_striped", "hierarchical"), ("zigzag", "flat")])
-def test_reported_imbalance_equals_index_metric(layout, order):
+@pytest.mark.parametrize("layout,order,fuse_forward", [("block_striped", "hierarchical", True),
+                                                       ("zigzag", "flat", True), ("block_striped", "flat", False)])
+def test_reported_imbalance_equals_index_metric(layout, order, fuse_forward):
+    """Per-step work as executed (split back per chunk when two steps share a kernel call)."""
     q, k, v, _ = _inputs(3)
     mesh = make_mesh((2, 4))
-    cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl="xla")
+    cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl="xla", fuse_forward=fuse_forward)
     lay = cfg.make_layout(S, 8)
     out, stats = jax.jit(lambda a, b, c: mtraining_attention(a, b, c, mesh, cfg, return_stats=True))(
         lay.permute(q), lay.permute(k), lay.permute(v))
@@ -141,6 +151,8 @@ def test_bad_inputs():
         MTrainingConfig(ring_order="spiral")
     with pytest.raises(ValueError, match="impl"):
         MTrainingConfig(impl="cuda")
+    with pytest.raises(ValueError, match="fuse_forward must be a bool, got 'yes'"):
+        MTrainingConfig(fuse_forward="yes")
     with pytest.raises(ValueError, match="not divisible"):
         mtraining_attention(q[:, :960], k[:, :960], v[:, :960], mesh, MTrainingConfig(sparsity=SPARSE))
     with pytest.raises(ValueError, match="multiple of KV heads"):
@@ -171,3 +183,30 @@ def test_backward_keeps_the_compact_index_not_every_step():
     # the compact index, token positions (the queries' [S] and the visiting chunks' [P steps, S]
     # over all ranks) and a few scalars; no per-step index
     assert int_residuals <= compact + (1 + P) * S + 64 < all_steps, (int_residuals, compact, all_steps)
+
+
+@pytest.mark.parametrize("fuse", [(False, False), (False, True), (True, True)], ids=str)
+def test_pallas_ring_matches_masked_reference(fuse):
+    """The Pallas kernels inside the sparse ring on two devices (interpret mode on CPU; on the GPU
+    machine ``MTRAINING_TEST_GPU=1 pytest tests/test_mtraining_attention.py -k pallas`` runs them
+    compiled), fused and unfused kernel calls: output and q/k/v gradients against the masked
+    reference of the index the operator used."""
+    devices = jax.devices()[:2]
+    mesh = make_mesh((1, len(devices)), devices)
+    q, k, v, cot = _inputs(21)
+    cfg = MTrainingConfig(sparsity=SPARSE, impl="pallas", fuse_forward=fuse[0], fuse_backward=fuse[1])
+    layout = cfg.make_layout(S, len(devices))
+
+    def f(q, k, v):
+        out, stats = mtraining_attention(layout.permute(q), layout.permute(k), layout.permute(v), mesh, cfg,
+                                         return_stats=True)
+        out = layout.unpermute(out)
+        return jnp.sum(out.astype(jnp.float32) * cot), (out, stats.index)
+
+    (_, (out, index)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        ref_out, ref_grads = _reference(index, q, k, v, cot)
+    tol = 2e-3  # float32 inputs: TF32 tensor-core dots in the kernels on a GPU
+    assert _rel(out, ref_out) < tol
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert _rel(g, r) < tol, f"d{name}: {_rel(g, r)}"

@@ -64,11 +64,11 @@ def _reference(q, k, v, cot, mask=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _ring_vg(mesh_shape, order):
+def _ring_vg(mesh_shape, order, fuse=(True, True)):
     mesh = _mesh(mesh_shape)
 
     def loss(q, k, v, positions, cot):
-        out = ring_attention(q, k, v, positions, mesh, ring_order=order)
+        out = ring_attention(q, k, v, positions, mesh, ring_order=order, fuse_forward=fuse[0], fuse_backward=fuse[1])
         return jnp.sum(out.astype(jnp.float32) * cot), out
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -88,18 +88,19 @@ def _check_against_reference(out, grads, layout, ref_out, ref_grads, dtype, tol,
     assert not bad, f"{what}: relative errors {bad} exceed {tol} (all: {errs})"
 
 
-def _run_layouts(mesh_shape, order, layouts, *, B=1, S=256, Hq=4, Hkv=1, D=64, dtype="float32", seed=0):
+def _run_layouts(mesh_shape, order, layouts, *, B=1, S=256, Hq=4, Hkv=1, D=64, dtype="float32", seed=0,
+                 fuse=(True, True)):
     dt = jnp.dtype(dtype)
     q, k, v, cot = _inputs(seed, B, S, Hq, Hkv, D, dt)
     ref_out, ref_grads = _reference(q, k, v, cot)
-    fn = _ring_vg(mesh_shape, order)
+    fn = _ring_vg(mesh_shape, order, fuse)
     P = mesh_shape[0] * mesh_shape[1]
     for name in layouts:
         lay = Layout(name, S, P, stripe=STRIPE)
         args = [jnp.asarray(lay.permute(x), dt) for x in (q, k, v)]
         (_, out), grads = fn(*args, jnp.asarray(lay.perm), jnp.asarray(lay.permute(cot), jnp.float32))
         _check_against_reference(out, grads, lay, ref_out, ref_grads, dt, TOL[dtype],
-                                 f"{name} mesh={mesh_shape} order={order} {dtype} Hq/Hkv={Hq}/{Hkv} D={D}")
+                                 f"{name} mesh={mesh_shape} order={order} {dtype} Hq/Hkv={Hq}/{Hkv} D={D} fuse={fuse}")
 
 
 # --------------------------------------------------------------------------- dense ring vs reference
@@ -125,6 +126,24 @@ def test_ring_float32_all_layouts(mesh_shape, order):
 def test_ring_gqa_headdim_dtype(mesh_shape, order, layouts, Hq, Hkv, D, dtype):
     """GQA ratio 1, head_dim 128 and bfloat16 crossed over a subset of meshes, orders and layouts."""
     _run_layouts(mesh_shape, order, layouts, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, seed=1, B=2 if Hq == 2 else 1)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,order,fuse",
+    [
+        ((1, 2), "hierarchical", (True, True)),  # P = 2: one kernel call per pass
+        ((2, 1), "hierarchical", (False, True)),  # outer ring only: the fused call feeds the outer totals
+        ((1, 2), "flat", (False, False)),
+        ((2, 4), "hierarchical", (True, False)),
+        ((4, 2), "hierarchical", (False, False)),
+        ((2, 4), "flat", (False, True)),
+        ((8, 1), "hierarchical", (True, True)),
+    ],
+    ids=str,
+)
+def test_ring_fused_and_unfused_steps(mesh_shape, order, fuse):
+    """Forward / backward with the first two chunks in one kernel call or not: same attention."""
+    _run_layouts(mesh_shape, order, ("block_striped", "zigzag"), fuse=fuse)
 
 
 def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
@@ -154,19 +173,22 @@ def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
 def _expected_permutes(nodes, local, order):
     """Collective-permutes of one forward + backward ring (see the ring module docstring)."""
     n_out, n_in = (1, nodes * local) if order == "flat" else (nodes, local)
-    kv_hops = (n_out - 1) + n_out * (n_in - 1)  # outer + inner K/V hops of one pass
-    # K/V, the inner acc and the outer totals each travel stacked (one permute per hop); + home
-    acc_hops = n_out * (n_in - 1) + (n_out - 1) + 1
-    return 2 * kv_hops + acc_hops
+    kv_hops = (n_out - 1) + n_out * (n_in - 1)  # outer + inner K/V hops of the forward
+    # the backward runs the steps in reverse from the saved last chunk: every hop but the one that
+    # would bring the own chunk back; the inner acc and the outer totals travel stacked, no send home
+    acc_hops = n_out * (n_in - 1) + (n_out - 1)
+    return kv_hops + (kv_hops - 1) + acc_hops
 
 
 @pytest.mark.parametrize("order", RING_ORDERS)
-def test_backward_recirculates_kv_instead_of_keeping_forward_chunks(order):
+@pytest.mark.parametrize("fuse", [(False, False), (True, True)])
+def test_backward_recirculates_kv_instead_of_keeping_forward_chunks(order, fuse):
     """In one jit of forward + backward, XLA must not merge the backward's K/V permutes into the
     forward's (that would keep all P visiting chunks alive): count the permutes in compiled HLO."""
     mesh = _mesh((2, 2))
     q, k, v, pos = jnp.zeros((1, 64, 2, 32)), jnp.zeros((1, 64, 1, 32)), jnp.zeros((1, 64, 1, 32)), jnp.arange(64)
-    loss = lambda q, k, v: jnp.sum(ring_attention(q, k, v, pos, mesh, ring_order=order))  # noqa: E731
+    loss = lambda q, k, v: jnp.sum(ring_attention(q, k, v, pos, mesh, ring_order=order,  # noqa: E731
+                                                  fuse_forward=fuse[0], fuse_backward=fuse[1]))
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
     count = hlo.count("collective-permute(") + hlo.count("collective-permute-start(")
     assert count == _expected_permutes(2, 2, order), (count, _expected_permutes(2, 2, order))

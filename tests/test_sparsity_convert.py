@@ -16,7 +16,7 @@ from mtraining_jax.mesh import CP_AXES, make_mesh
 from mtraining_jax.ring_schedule import source_table
 from mtraining_jax.sparsity import RankStepIndex, convert_index, convert_step, index_to_mask
 from mtraining_jax.sparsity.index import random_index
-from pallas_kernels.index_format import causal_flags
+from pallas_kernels.index_format import causal_flags, chunk_work, step_work
 
 MESHES = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (2, 4), (4, 2), (1, 8)]
 
@@ -152,6 +152,26 @@ def test_rank_step_index_converts_each_step_like_convert_index(order, layout):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[r, s])
     with pytest.raises(ValueError, match="layout has 4 ranks, the mesh 1 x 2"):
         RankStepIndex(index, jnp.int32(0), lay, 1, 2, order, bs)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), cap=st.sampled_from([None, 2, 5]), order=st.sampled_from(["hierarchical", "flat"]),
+       layout=st.sampled_from(["block_striped", "zigzag", "contiguous"]), rank=st.integers(0, 3),
+       steps=st.sampled_from([(0, 3), (0, 1), (2, 1), (3, 0, 1)]))
+def test_fused_steps_index_is_the_union_of_its_steps(seed, cap, order, layout, rank, steps):
+    """``RankStepIndex.steps(ss)`` (ring steps fused into one kernel call, chunks concatenated in
+    that order) allows exactly the union of the steps' own indexes, column caps included (per
+    chunk), and ``chunk_work`` splits its work back into each step's ``step_work``."""
+    S, bs, N, L = 1024, 64, 2, 2
+    sl = S // (N * L)
+    index = random_index(seed, 1, 2, S, bs, max_verticals=24, max_slashes=5)
+    lay = Layout(layout, S, N * L, stripe=bs)
+    src = RankStepIndex(index, jnp.int32(rank), lay, N, L, order, bs, cap)
+    fused = src.steps(steps)
+    union = np.concatenate([np_step_mask(src.step(s), sl, sl, bs) for s in steps], axis=-1)
+    np.testing.assert_array_equal(np_step_mask(fused, sl, len(steps) * sl, bs), union)
+    np.testing.assert_array_equal(np.asarray(chunk_work(fused, len(steps) * sl, len(steps), bs)),
+                                  [float(step_work(src.step(s), bs)) for s in steps])
 
 
 def test_convert_bad_inputs():

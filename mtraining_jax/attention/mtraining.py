@@ -56,6 +56,10 @@ class MTrainingConfig:
       impl: per-step kernel: ``auto`` (Pallas on GPU, XLA twin elsewhere), ``pallas``, ``xla``.
       force_full: use the full causal index (every block diagonal) instead of estimating one —
         dense work through the sparse machinery; must equal the dense ring.
+      fuse_forward, fuse_backward: one kernel call for the first two chunks of the forward ring
+        (own chunk + the first one received, whose hop overlaps the index estimate) / of the
+        backward ring (the chunk saved from the forward's last step + own chunk);
+        :class:`~mtraining_jax.attention.ring.RingConfig`.
     """
 
     sparsity: SparsityConfig = SparsityConfig()
@@ -63,6 +67,8 @@ class MTrainingConfig:
     ring_order: str = "hierarchical"
     impl: str = "auto"
     force_full: bool = False
+    fuse_forward: bool = True
+    fuse_backward: bool = True
 
     def __post_init__(self):
         if not isinstance(self.sparsity, SparsityConfig):
@@ -73,6 +79,9 @@ class MTrainingConfig:
         validate_ring_order(self.ring_order)
         if self.impl not in IMPLS:
             raise ValueError(f"unknown impl {self.impl!r}; expected one of {IMPLS}")
+        for name in ("force_full", "fuse_forward", "fuse_backward"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def block_size(self) -> int:
@@ -184,7 +193,8 @@ def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(),
         out, work = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
                                          ring_order=cfg.ring_order, step_index=step_index,
                                          sm_scale=sparsity.sm_scale, impl=cfg.impl, block_size=bs,
-                                         return_work=True)  # work: [P steps]
+                                         return_work=True, fuse_forward=cfg.fuse_forward,
+                                         fuse_backward=cfg.fuse_backward)  # work: [P steps]
         if batch_axis is not None:
             work = jax.lax.psum(work, batch_axis)
         return out, work[None], index

@@ -43,30 +43,43 @@ ring is one outer step whose inner ring spans all ranks::
       (1,1)   (1,1)  (1,0) | (0,1)  (0,0)
                  inner ring | outer hop (node chunk of step 0 sent at s=0, used at s=2)
 
+Fused kernel calls. With ``fuse_forward`` the forward's first kernel call covers the own chunk
+AND the chunk of step 1 (K/V concatenated, the index of both chunks converted at once:
+``RankStepIndex.steps``): it waits for the first hop, which overlaps what precedes the ring (the
+index estimate in ``mtraining_attention``), and the hop of step 2 overlaps the fused call. On 2 ranks
+the whole forward is then one kernel call over this rank's queries, as on one GPU: each call re-reads
+the queries and reads and rewrites the float32 accumulators, per-row work that a ring otherwise pays
+once per step (measured: ``benchmarks/sparse_ring_results.md``, v11).
+
 Backward (custom VJP, FlashAttention-2 style, reusing the forward's final ``lse`` and
 ``delta = rowsum(dO * O)``; nothing of the forward ring is recomputed beyond the per-step
 probabilities a flash backward needs). Queries, ``dO``, ``lse``, ``delta`` and the ``dQ``
-accumulator stay home; K/V circulate again on the same schedule (stacked as one ``[V, K]`` buffer,
-which the forward never sends, so XLA cannot merge these permutes with the forward's and keep every
-visiting chunk alive in between) and float32 dK/dV accumulators travel with them. Each step's
-kernels compute dK/dV before dQ (``pallas_kernels.triton_backward.pallas_bwd``), so the transfer of
-the step's dK/dV (to the neighbour, or home after the last step) overlaps the dQ kernel:
+accumulator stay home. The backward runs the forward's steps in REVERSE order, starting from the
+chunk of the last forward step (saved as a residual: one chunk per rank), so K/V move the other way
+(-1 along each ring). The own chunk is the last one visited and never travels home; with
+``fuse_backward`` its kernel call is fused with the first one (the saved chunk and the own chunk
+are both here from the start). The float32 dK/dV accumulators travel with their chunks and end at
+their owner without a send-home. Each step's kernels compute dK/dV before dQ
+(``pallas_kernels.triton_backward.pallas_bwd``), so the transfer of the step's dK/dV overlaps the
+dQ kernel:
 
 * inner ring: the accumulator ``acc`` of the chunk being visited follows it hop by hop (sent after
-  the step's compute, so it overlaps the next step's compute);
-* end of outer step ``i``: ``acc`` holds the node-level sum for chunk ``((n-i), (l+1))`` (the chunk
-  this rank saw last). It is added to ``tot``, the running total of that same chunk that arrived
-  from node ``n-1``, and ``tot`` is sent one node along (outer +1). It lands on the rank that sees
-  that chunk *last* in outer step ``i+1``, so it has the whole inner loop to arrive, like the
-  forward's outer K/V hop;
-* after the last step ``tot`` for the chunk this rank held at step ``P-1`` is complete and one
-  permute ``rank -> source_rank(rank, P-1)`` brings it home (flat: +1; hierarchical: +1 node and
-  +1 local at once), already rounded to K/V's dtype (the owner adds nothing to it; for bf16 this
-  halves the one transfer no compute can hide)::
+  the step's dK/dV kernels, so it overlaps the dQ kernel and the next step);
+* end of reverse outer step ``i``: ``acc`` holds node ``n``'s sum for chunk ``(n-i, l)`` (the chunk
+  held at step ``(i, 0)``). It is added to ``tot``, that chunk's total over the nodes already
+  visited (arrived from node ``n+1``), and ``tot`` is sent one node back, to the rank that sees the
+  chunk at step ``(i-1, 0)``; it has the whole inner loop to arrive, like the outer K/V hop, which
+  is posted at the start of each reverse outer step;
+* at step ``(0, 0)`` the rank holds its own chunk: own contribution + ``acc`` (the rest of its
+  node) + ``tot`` (the other nodes) is the chunk's whole dK/dV::
 
-      outer step i:  acc --inner--> acc --inner--> ... acc ─┐
-                                                    tot_in ─┴─(+)─ tot ──outer +1──> next outer step
-      after the last outer step:                             tot ──home permute──> owner of the chunk
+      reverse outer step i:  acc --inner -1--> acc --inner -1--> ... acc ─┐
+                                                            tot_in ─────┴─(+)─ tot ──outer -1──> step i-1
+      step (0, 0):           own + acc + tot = dK/dV of this rank's chunk
+
+  Per forward + backward: ``P-1`` K/V hops forward, ``P-2`` backward (the hop that would bring the
+  own chunk back is not made) and ``P-1`` accumulator hops; on 2 ranks the backward moves one
+  float32 dK/dV chunk and nothing else.
 
 All shapes: ``q [B, Sl, Hq, D]``, ``k, v [B, Sl, Hkv, D]``, ``q_pos, k_pos int32 [Sl]``, ``lse
 [B, Hq, Sl]`` float32.
@@ -87,7 +100,7 @@ from mtraining_jax.attention.reference import check_gqa
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring_schedule import source_rank, validate_ring_order
 from pallas_kernels.api import IMPLS, attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd
-from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, step_work
+from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, chunk_work
 
 __all__ = ["RingConfig", "ring_attention", "ring_attention_shard"]
 
@@ -103,6 +116,13 @@ class RingConfig:
       sm_scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
       impl: per-step kernel implementation passed to ``pallas_kernels.api``.
       block_size: block size of the per-step ``StepIndex`` (when one is given).
+      fuse_forward: the forward's first kernel call covers the own chunk AND the chunk of step 1
+        (it waits for the first hop, which then overlaps whatever precedes the ring, e.g. the index
+        estimate, instead of a kernel call; one call fewer over this rank's queries).
+      fuse_backward: the backward's first kernel call covers the chunk saved from the forward's
+        last step AND the own chunk (both already here; one call fewer, one hop fewer).
+      Fusing needs the index of two chunks at once: it applies to the dense ring and to index
+      sources with ``steps`` (``RankStepIndex``), not to a ``[P]``-stacked ``StepIndex``.
     """
 
     num_nodes: int
@@ -111,12 +131,17 @@ class RingConfig:
     sm_scale: float | None = None
     impl: str = "auto"
     block_size: int = DEFAULT_BLOCK
+    fuse_forward: bool = True
+    fuse_backward: bool = True
 
     def __post_init__(self):
         for name in ("num_nodes", "num_local", "block_size"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        for name in ("fuse_forward", "fuse_backward"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         validate_ring_order(self.ring_order)
         if self.impl not in IMPLS:
             raise ValueError(f"unknown impl {self.impl!r}; expected one of {IMPLS}")
@@ -142,21 +167,11 @@ class RingConfig:
 
 # ----------------------------------------------------------------------------- communication
 
-def _shift(x, axis, size: int):
-    """Send ``x`` one position along the ring on ``axis`` (rank ``a`` -> ``a + 1 mod size``)."""
+def _shift(x, axis, size: int, direction: int = 1):
+    """Send ``x`` one position along the ring on ``axis`` (rank ``a`` -> ``a + direction mod size``)."""
     if size == 1:
         return x
-    return lax.ppermute(x, axis, perm=[(a, (a + 1) % size) for a in range(size)])
-
-
-def _send_home(x, cfg: RingConfig):
-    """Send what this rank holds at the last ring step to the owner of that chunk."""
-    P = cfg.num_ranks
-    if P == 1:
-        return x
-    last = P - 1
-    perm = [(r, int(source_rank(r, last, cfg.num_nodes, cfg.num_local, cfg.ring_order))) for r in range(P)]
-    return lax.ppermute(x, CP_AXES, perm=perm)
+    return lax.ppermute(x, axis, perm=[(a, (a + direction) % size) for a in range(size)])
 
 
 def _my_rank(cfg: RingConfig):
@@ -170,108 +185,155 @@ def _gather_positions(k_pos, cfg: RingConfig):
     return lax.all_gather(k_pos, CP_AXES, axis=0, tiled=False)
 
 
-def _step_positions(kpos_all, rank, step: int, cfg: RingConfig):
-    src = source_rank(rank, step, cfg.num_nodes, cfg.num_local, cfg.ring_order)
-    return lax.dynamic_index_in_dim(kpos_all, src, axis=0, keepdims=False)
+# ----------------------------------------------------------------------------- one kernel call
+
+def _can_fuse(step_index) -> bool:
+    """Fused steps need the index of several chunks at once: dense (``None``) or an index source
+    with ``steps`` (a ``[P]``-stacked ``StepIndex`` holds one chunk per entry)."""
+    return step_index is None or callable(getattr(step_index, "steps", None))
 
 
-def _step_index(step_index, step: int):
-    """Step ``step``'s :class:`StepIndex`: a slice of a ``[P]``-stacked index, or converted on
-    demand by an index source (``step_index.step(s)``, e.g. ``sparsity.convert.RankStepIndex``)."""
+def _group_index(step_index, steps: tuple[int, ...]):
+    """The :class:`StepIndex` of one kernel call over the chunks of ring ``steps`` (concatenated in
+    that order): a slice of a ``[P]``-stacked index, or converted on demand by an index source
+    (``step_index.steps(steps)``, e.g. ``sparsity.convert.RankStepIndex``)."""
     if step_index is None:
         return None
     if isinstance(step_index, StepIndex):
-        return jax.tree.map(lambda a: a[step], step_index)
-    return step_index.step(step)
+        (s,) = steps
+        return jax.tree.map(lambda a: a[s], step_index)
+    return step_index.steps(steps)
+
+
+def _group_positions(kpos_all, rank, steps: tuple[int, ...], cfg: RingConfig):
+    """``int32 [len(steps) * Sl]``: key positions of the chunks held at ``steps``, concatenated."""
+    pos = [lax.dynamic_index_in_dim(kpos_all, source_rank(rank, s, cfg.num_nodes, cfg.num_local, cfg.ring_order),
+                                    axis=0, keepdims=False) for s in steps]
+    return pos[0] if len(pos) == 1 else jnp.concatenate(pos)
+
+
+def _group_kv(chunks):
+    """Stacked ``[2, B, Sl, Hkv, D]`` chunks -> one ``[2, B, len * Sl, Hkv, D]`` K/V buffer."""
+    return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=2)
 
 
 # ----------------------------------------------------------------------------- forward / backward
 
-def _forward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index):
-    """The forward ring; returns ``(out f32 [B,Sl,Hq,D], lse f32 [B,Hq,Sl], work f32 [P])`` with
-    ``work[s]`` the kernel slots step ``s`` attended (``index_format.step_work``; 0 when dense)."""
+def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index):
+    """The forward ring. ``kv_own [2, B, Sl, Hkv, D]`` is this rank's K/V, stacked.
+
+    Returns ``(out f32 [B,Sl,Hq,D], lse f32 [B,Hq,Sl], work f32 [P], kv_last)``: ``work[s]`` the
+    kernel slots of step ``s`` (``index_format.step_work``; 0 when dense) and ``kv_last`` the chunk
+    held at the last step, where the backward ring starts."""
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner
+    P = cfg.num_ranks
+    fuse = cfg.fuse_forward and P > 1 and _can_fuse(step_index)
     rank = _my_rank(cfg)
-    kv = jnp.stack([k, v])  # one permute per hop (see module docstring)
+    kv = kv_last = kv_own
     out = lse = None
     work = []
+    held = []  # chunks whose kernel call waits to be fused with the next step's
     for i in range(n_outer):
         kv_outer = _shift(kv, outer_axis, n_outer) if i < n_outer - 1 else None
         for j in range(n_inner):
             kv_next = _shift(kv, inner_axis, n_inner) if j < n_inner - 1 else None
             s = i * n_inner + j
-            index_s = _step_index(step_index, s)
-            work.append(jnp.float32(0) if index_s is None else step_work(index_s, cfg.block_size))
-            out, lse = block_sparse_attention_fwd(
-                q, kv[0], kv[1], q_pos, _step_positions(kpos_all, rank, s, cfg), index_s,
-                sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
-                acc=None if out is None else (out, lse))
+            if s == P - 1:
+                kv_last = kv
+            held.append((s, kv))
+            if not (fuse and s == 0):
+                steps = tuple(t for t, _ in held)
+                kvs = _group_kv([c for _, c in held])
+                held = []
+                index_g = _group_index(step_index, steps)
+                sk = kvs.shape[2]
+                work.extend([jnp.float32(0)] * len(steps) if index_g is None else
+                            list(chunk_work(index_g, sk, len(steps), cfg.block_size)))
+                out, lse = block_sparse_attention_fwd(
+                    q, kvs[0], kvs[1], q_pos, _group_positions(kpos_all, rank, steps, cfg), index_g,
+                    sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
+                    acc=None if out is None else (out, lse))
             kv = kv_next
         kv = kv_outer
-    return out, lse, jnp.stack(work)
+    return out, lse, jnp.stack(work), kv_last
 
 
-def _backward(cfg: RingConfig, q, k, v, q_pos, kpos_all, step_index, out, lse, do):
-    """The backward ring (see module docstring); returns ``dq`` float32 and ``dk, dv`` in k's dtype
-    (accumulated in float32 on the way)."""
+def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, lse, do):
+    """The backward ring (see module docstring): the forward's steps in reverse order, starting
+    from ``kv_last``; returns float32 ``(dq, dk, dv)``."""
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner
+    P = cfg.num_ranks
+    sl = kv_own.shape[2]
+    fuse = cfg.fuse_backward and P > 1 and _can_fuse(step_index)
     rank = _my_rank(cfg)
     delta = attention_delta(out, do)
-    # V first: the backward circulates a different buffer than the forward's [K, V], so when both
-    # run in one jit XLA cannot CSE the backward's permutes into the forward's. CSE would keep all
-    # P visiting chunks alive from forward to backward (the whole sequence's K/V on every rank),
-    # which is what a ring exists to avoid. (An optimization_barrier does not stop it on CPU.)
-    vk = jnp.stack([v, k])
-    dq = None
-    tot = None  # running dK/dV total of the chunk this rank will see last in the current outer step
-    for i in range(n_outer):
-        vk_outer = _shift(vk, outer_axis, n_outer) if i < n_outer - 1 else None
-        acc = None
-        for j in range(n_inner):
-            vk_next = _shift(vk, inner_axis, n_inner) if j < n_inner - 1 else None
+
+    def attend(steps, kvs, dq, dkv_acc):
+        return block_sparse_attention_bwd(
+            q, kvs[0], kvs[1], q_pos, _group_positions(kpos_all, rank, steps, cfg), _group_index(step_index, steps),
+            do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
+            dq_acc=dq, dkv_acc=dkv_acc)
+
+    def moved(x, axis, size, dest_step):
+        # the chunk of step 0 is this rank's own: it never travels home, it is already here
+        return kv_own if dest_step == 0 else _shift(x, axis, size, -1)
+
+    kv, dq, own, tot = kv_last, None, None, None
+    for i in reversed(range(n_outer)):
+        # chunk of step (i-1, n_inner-1) = the one held now, one node back (posted first: overlaps the inner loop)
+        kv_outer = moved(kv, outer_axis, n_outer, i * n_inner - 1) if i > 0 else None
+        acc = None  # f32 dK/dV of the chunk held now, summed over the ranks of this node that saw it
+        for j in reversed(range(n_inner)):
             s = i * n_inner + j
-            dq, dk_s, dv_s = block_sparse_attention_bwd(
-                q, vk[1], vk[0], q_pos, _step_positions(kpos_all, rank, s, cfg), _step_index(step_index, s),
-                do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
-                dq_acc=dq, dkv_acc=acc)
-            acc = (dk_s, dv_s)  # float32, this step's chunk's dK/dV summed over the ranks it visited
-            if j < n_inner - 1:
-                acc = tuple(_shift(jnp.stack(acc), inner_axis, n_inner))  # travels with its chunk
-                vk = vk_next
-        tot = acc if tot is None else jax.tree.map(jnp.add, tot, acc)
-        if i < n_outer - 1:
-            tot = tuple(_shift(jnp.stack(tot), outer_axis, n_outer))
-            vk = vk_outer
-    # The owner adds nothing after this, so rounding to K/V's dtype before the transfer gives the
-    # same bits as after it, and halves the one transfer no compute is left to hide (bf16).
-    dkv = _send_home(jnp.stack(tot).astype(k.dtype), cfg)
-    return dq, dkv[0], dkv[1]
+            if fuse and s == 0:
+                break  # computed with step P-1 in the first kernel call
+            kv_next = moved(kv, inner_axis, n_inner, s - 1) if j > 0 else None
+            if fuse and s == P - 1:
+                dq, dk_g, dv_g = attend((0, s), _group_kv([kv_own, kv]), dq, None)
+                own = (dk_g[:, :sl], dv_g[:, :sl])
+                acc = (dk_g[:, sl:], dv_g[:, sl:])
+            else:
+                dq, dk_s, dv_s = attend((s,), kv, dq, acc)
+                acc = (dk_s, dv_s)
+            if j > 0:
+                acc = tuple(_shift(jnp.stack(acc), inner_axis, n_inner, -1))  # travels with its chunk
+                kv = kv_next
+        if i > 0:
+            # acc: this node's sum for the chunk held at step (i, 0); tot: the nodes before us
+            tot = acc if tot is None else jax.tree.map(jnp.add, tot, acc)
+            tot = tuple(_shift(jnp.stack(tot), outer_axis, n_outer, -1))
+            kv = kv_outer
+    # here every contribution to this rank's own chunk has arrived (own: fused first call)
+    parts = [p for p in (own, acc, tot) if p is not None]
+    dk, dv = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), parts)
+    return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index):
     """``(out [B, Sl, Hq, D] in q's dtype, work f32 [P])``; ``work`` is not differentiated."""
-    out, _, work = _forward(cfg, q, k, v, q_pos, _gather_positions(k_pos, cfg), step_index)
+    out, _, work, _ = _forward(cfg, q, jnp.stack([k, v]), q_pos, _gather_positions(k_pos, cfg), step_index)
     return out.astype(q.dtype), work
 
 
 def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index):
     kpos_all = _gather_positions(k_pos, cfg)
-    out, lse, work = _forward(cfg, q, k, v, q_pos, kpos_all, step_index)
+    kv_own = jnp.stack([k, v])  # one permute per hop (see module docstring)
+    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index)
     out = out.astype(q.dtype)
     # O is kept in q's dtype (as FlashAttention does); delta = rowsum(dO * O) is formed from it.
     # An on-demand index source (RankStepIndex) is saved as its compact global index only.
-    return (out, work), (q, k, v, q_pos, kpos_all, step_index, out, lse)
+    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, lse)
 
 
 def _ring_bwd(cfg: RingConfig, res, cotangents):
     do = cotangents[0]  # work carries no gradient
-    q, k, v, q_pos, kpos_all, step_index, out, lse = res
-    dq, dk, dv = _backward(cfg, q, k, v, q_pos, kpos_all, step_index, out, lse, do)
+    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, lse = res
+    dq, dk, dv = _backward(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, lse, do)
     # positions and the sparse index are integer data: zero cotangents (None).
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return dq.astype(q.dtype), dk.astype(kv_own.dtype), dv.astype(kv_own.dtype), None, None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -327,7 +389,8 @@ def _check_axis_sizes(cfg: RingConfig) -> None:
 # ----------------------------------------------------------------------------- public API
 
 def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_order, step_index=None,
-                         sm_scale=None, impl="auto", block_size: int | None = None, return_work: bool = False):
+                         sm_scale=None, impl="auto", block_size: int | None = None, return_work: bool = False,
+                         fuse_forward: bool = True, fuse_backward: bool = True):
     """Per-rank ring attention body, to be called INSIDE ``shard_map`` over ``("node", "local")``.
 
     Args:
@@ -337,8 +400,9 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
       num_nodes, num_local: sizes of the ``node`` and ``local`` mesh axes.
       ring_order: ``"flat"`` or ``"hierarchical"``.
       step_index: ``None`` (dense causal), a :class:`pallas_kernels.StepIndex` whose arrays have a
-        leading ``[P]`` ring-step axis, or an index source converting one step on demand
-        (``step(s) -> StepIndex``, ``num_steps == P``: :class:`mtraining_jax.sparsity.RankStepIndex`,
+        leading ``[P]`` ring-step axis, or an index source converting on demand
+        (``step(s) -> StepIndex``, ``steps((s, t)) -> StepIndex`` over those chunks concatenated,
+        ``num_steps == P``: :class:`mtraining_jax.sparsity.RankStepIndex`,
         which keeps one step's index alive at a time and only the compact index for the backward).
         Entry ``s`` describes this rank's queries against the chunk it holds at step ``s`` (source
         ``ring_schedule.source_rank(rank, s, ...)``), with blocks of ``block_size`` tokens. Never
@@ -351,6 +415,8 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
 
       return_work: also return ``work f32 [P]``, the kernel slots each ring step attended
         (``index_format.step_work``; zeros for the dense ring), for load statistics.
+      fuse_forward, fuse_backward: one kernel call for the first two chunks of the forward / of
+        the backward (:class:`RingConfig`).
 
     Returns:
       ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
@@ -360,7 +426,7 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
     sl = q.shape[1]
     if block_size is None:
         block_size = DEFAULT_BLOCK if step_index is not None else _dense_block(sl)
-    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size)
+    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward)
     if tuple(q_pos.shape) != (sl,) or tuple(k_pos.shape) != (sl,):
         raise ValueError(f"q_pos {tuple(q_pos.shape)} and k_pos {tuple(k_pos.shape)} must both be [Sl] = [{sl}]")
     _check_step_index(step_index, cfg.num_ranks)
@@ -371,7 +437,8 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
     return (out, work) if return_work else out
 
 
-def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_scale=None, impl="auto"):
+def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_scale=None, impl="auto",
+                   fuse_forward: bool = True, fuse_backward: bool = True):
     """Causal GQA ring attention over a ``(node, local)`` mesh on data already in a layout.
 
     Args:
@@ -382,6 +449,7 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
       ring_order: ``"hierarchical"`` (default) or ``"flat"``.
       sm_scale: softmax scale (default ``D ** -0.5``).
       impl: per-step kernel implementation (``"auto"``, ``"pallas"``, ``"xla"``).
+      fuse_forward, fuse_backward: see :class:`RingConfig`.
 
     Returns:
       ``out [B, S, Hq, D]`` in ``q.dtype``, layout order, sequence sharded over ``("node",
@@ -412,7 +480,8 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
 
     def body(q_l, k_l, v_l, pos_l):
         return ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
-                                    ring_order=ring_order, sm_scale=sm_scale, impl=impl)
+                                    ring_order=ring_order, sm_scale=sm_scale, impl=impl,
+                                    fuse_forward=fuse_forward, fuse_backward=fuse_backward)
 
     # check_vma=False: the per-step kernels (Pallas calls, scans with fresh zero carries) are not
     # annotated for varying-manual-axes typing; the ring itself is checked by tests, not by types.

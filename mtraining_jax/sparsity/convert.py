@@ -67,15 +67,21 @@ def _concrete(x):
 
 
 def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block_size: int = 64,
-                 max_cols: int | None = None) -> StepIndex:
+                 max_cols: int | None = None, num_chunks: int = 1) -> StepIndex:
     """StepIndex of queries at ``q_pos [Sq]`` against keys at ``k_pos [Sk]`` (global positions).
 
     Works with traced positions (inside ``shard_map`` / ``vmap``); concrete positions are checked
     for block alignment. Single device: ``convert_step(index, arange(S), arange(S), seq_len=S)``.
     Arrays: blocks ``[B, H, nQB, MB]``, columns ``[B, H, MC]``, counts ``[B, H, nQB]``.
+
+    ``num_chunks > 1``: ``k_pos`` is ``num_chunks`` equal K/V chunks concatenated (ring steps fused
+    into one kernel call). The column cap applies to each chunk, so the result allows exactly the
+    union of the chunks' own step indexes (same ``MC`` per chunk, up to ``MV`` in all).
     """
     bs = block_size
     sq, sk = q_pos.shape[0], k_pos.shape[0]
+    if num_chunks < 1 or sk % (num_chunks * bs):
+        raise ValueError(f"k_pos length {sk} is not {num_chunks} chunk(s) of whole {bs}-token blocks")
     for name, p in (("q_pos", q_pos), ("k_pos", k_pos)):
         c = _concrete(p)
         if c is not None:
@@ -106,11 +112,17 @@ def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block
     # --- vertical columns held by the visiting chunk: one list per head, in position order ---
     # v_idx is ascending by global position, so a stable compaction of the held entries keeps that
     # order and every query block's causal columns (position <= its last query) are a prefix.
-    mc = min(mv, sk) if max_cols is None else min(max_cols, mv, sk)
+    sk_c = sk // num_chunks
+    mc_c = min(mv, sk_c) if max_cols is None else min(max_cols, mv, sk_c)  # cap per chunk
+    mc = min(mv, num_chunks * mc_c)
     valid = jnp.arange(mv) < index.v_count[..., None]
     v = jnp.where(valid, index.v_idx, 0)
     lb = blockmap[jnp.where(valid, v // bs, nb)]  # [B, H, MV], -1: not in this chunk
     held = valid & (lb >= 0)
+    if num_chunks > 1:  # keep the first mc_c held columns (by position) of EACH chunk
+        in_chunk = held[..., None] & ((lb // (nkb // num_chunks))[..., None] == jnp.arange(num_chunks))
+        rank_in_chunk = jnp.cumsum(in_chunk, axis=-2, dtype=jnp.int32) - 1  # [B, H, MV, C]
+        held = jnp.any(in_chunk & (rank_in_chunk < mc_c), axis=-1)
     col_idx, n_held = compact_in_order(held, lb * bs + v % bs, mc, pad=0)
     held_pos, _ = compact_in_order(held, v, mc, pad=seq_len)  # ascending; padding sorts last
     col_count = jax.vmap(jax.vmap(lambda p: jnp.searchsorted(p, qmax, side="right")))(held_pos)
@@ -179,10 +191,17 @@ class RankStepIndex:
 
     def step(self, s) -> StepIndex:
         """:class:`StepIndex` of this rank's queries vs the chunk it holds at ring step ``s``."""
+        return self.steps((s,))
+
+    def steps(self, steps) -> StepIndex:
+        """:class:`StepIndex` of this rank's queries vs the chunks it holds at ring ``steps`` (static
+        ints), concatenated in that order: several ring steps fused into one kernel call. It allows
+        exactly the union of ``step(s)`` over ``steps`` (``convert_step``'s ``num_chunks``)."""
         pos = jnp.asarray(self.layout.positions, jnp.int32)
-        src = source_rank(self.rank, s, self.num_nodes, self.num_local, self.ring_order)
-        return convert_step(self.index, pos[self.rank], pos[src], seq_len=self.layout.seq_len,
-                            block_size=self.block_size, max_cols=self.max_cols)
+        k_pos = jnp.concatenate([pos[source_rank(self.rank, s, self.num_nodes, self.num_local, self.ring_order)]
+                                 for s in steps])
+        return convert_step(self.index, pos[self.rank], k_pos, seq_len=self.layout.seq_len,
+                            block_size=self.block_size, max_cols=self.max_cols, num_chunks=len(steps))
 
     def tree_flatten(self):
         static = (self.layout, self.num_nodes, self.num_local, self.ring_order, self.block_size, self.max_cols)
