@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from _timing import steady_state, timeit  # noqa: E402
-from trace_summary import schedule_outline, summarize_dir  # noqa: E402
+from trace_summary import op_counts, schedule_outline, summarize_dir  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
 from mtraining_jax.attention.reference import dense_attention  # noqa: E402
 from mtraining_jax.attention.ring import ring_attention  # noqa: E402
@@ -259,8 +259,9 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both"):
             f.write(hlo)
         with open(os.path.join(out_dir, f"schedule_S{S}_{N}x{L}_{ring_order}_{fuse}.txt"), "w") as f:
             f.write("\n".join(schedule_outline(hlo)) + "\n")
-        rec["hlo_collective_permute_starts"] = hlo.count("collective-permute-start")
-        rec["hlo_collective_permute_sync"] = hlo.count("collective-permute(")
+        ops = op_counts(hlo)
+        rec["hlo_collective_permute_starts"] = ops["collective-permute-start"]
+        rec["hlo_collective_permute_sync"] = ops["collective-permute"]
     return rec
 
 

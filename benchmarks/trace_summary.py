@@ -24,6 +24,7 @@ Usage: ``python benchmarks/trace_summary.py TRACE_DIR [--top 20] [--hlo STEP.hlo
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import gzip
 import json
@@ -85,6 +86,23 @@ def hlo_sources(hlo_text: str) -> dict[str, dict[str, str]]:
 
 
 _OUTLINE = re.compile(r"collective-permute|all-reduce|all-gather|reduce-scatter|all-to-all|custom-call")
+_DEF = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
+_OPCODE = re.compile(r"(?:^|[\s)}\]])([a-z][a-z\-]*)\(([^)]*)\)")
+
+
+def _instruction(line: str) -> tuple[str, str, str] | None:
+    """``(name, opcode, operands)`` of one HLO instruction line (``%name = shape opcode(operands), ...``),
+    or ``None`` for any other line."""
+    m = _DEF.match(line)
+    op = _OPCODE.search(m.group(2)) if m else None
+    return (m.group(1), op.group(1), op.group(2)) if op else None
+
+
+def op_counts(hlo_text: str) -> collections.Counter:
+    """Instructions per opcode over the whole module (every computation, loop bodies included):
+    ``["collective-permute-start"]`` asynchronous permutes, ``["collective-permute"]`` synchronous
+    ones. Counts opcodes only, not the names and operands that mention them."""
+    return collections.Counter(ins[1] for ins in map(_instruction, hlo_text.splitlines()) if ins)
 
 
 def schedule_outline(hlo_text: str) -> list[str]:
@@ -95,13 +113,13 @@ def schedule_outline(hlo_text: str) -> list[str]:
     entry = entry[:entry.find("\n}")]
     rows = []
     for line in entry.splitlines()[1:]:
-        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$", line)
-        op = re.search(r"(?:^|[\s)}\]])([a-z][a-z\-]*)\(([^)]*)\)", m.group(2)) if m else None
-        if not op or not _OUTLINE.search(op.group(1)):
+        ins = _instruction(line)
+        if not ins or not _OUTLINE.search(ins[1]):
             continue
+        name, opcode, operands = ins
         label = re.search(r'"name":\s*"([^"]+)"', line) or re.search(r'op_name="([^"]+)"', line)
-        operands = ",".join(o.strip().lstrip("%") for o in op.group(2).split(","))[:80]
-        rows.append(f"{m.group(1)} = {op.group(1)}({operands}) {label.group(1)[-70:] if label else ''}")
+        operands = ",".join(o.strip().lstrip("%") for o in operands.split(","))[:80]
+        rows.append(f"{name} = {opcode}({operands}) {label.group(1)[-70:] if label else ''}")
     return rows
 
 

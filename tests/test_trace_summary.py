@@ -75,6 +75,13 @@ ENTRY %main {
         "pallas_call.3 = custom-call(add.3,p.1) block_sparse_fwd",
         "collective-permute-done = collective-permute-done(collective-permute-start) a/ppermute",
     ]
+    # opcodes over every computation (the fused one's synchronous permute too), not the names or
+    # operands that mention them: the text says "collective-permute-start" 3 times, for 1 instruction
+    counts = ts.op_counts(hlo)
+    assert hlo.count("collective-permute-start") == 3
+    assert (counts["collective-permute-start"], counts["collective-permute-done"], counts["collective-permute"]) == (1, 1, 1)
+    assert (counts["custom-call"], counts["add"], counts["parameter"]) == (1, 1, 1)
+    assert sum(counts.values()) == 6
 
 
 def test_hlo_sources_resolve_stack_frames():
