@@ -13,11 +13,10 @@ Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``),
   ``dq_acc`` / ``dkv_acc`` are added in (in place on the Pallas path).
 * :func:`block_sparse_attention` — single-device op with ``custom_vjp`` (output in q's dtype).
 
-``impl``: ``"auto"`` (Pallas on GPU, XLA twin elsewhere), ``"pallas"``, ``"xla"``.
-
-``"pallas"`` runs :mod:`pallas_kernels.triton_kernels` / :mod:`~pallas_kernels.triton_backward`
-(Triton backend; ``interpret=True`` off GPU),
-``"xla"`` the block-gather twin :mod:`pallas_kernels.xla_twin` (no ``[Sq, Sk]`` materialisation).
+``impl``: a name of :data:`pallas_kernels.registry.IMPLS` — ``"auto"`` (Mosaic GPU on Hopper,
+Triton on other GPUs, the XLA twin elsewhere, per direction, falling through on what a backend
+does not support), ``"mosaic"``, ``"triton"`` (alias ``"pallas"``) or ``"xla"``; see
+:mod:`pallas_kernels.registry` for what each backend supports.
 Ground truth for both: ``mtraining_jax.attention.reference.dense_attention`` with
 ``index_format.step_index_to_mask``.
 """
@@ -29,11 +28,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import triton_backward, triton_kernels, xla_twin
+from pallas_kernels import registry
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, check_step_index, full_step_index
-from pallas_kernels.merge import merge_partials
+from pallas_kernels.registry import IMPLS
 
-IMPLS = ("auto", "pallas", "xla")
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
 
@@ -71,20 +69,16 @@ def _check_acc(name, got, want):
             raise ValueError(f"{name}[{i}] has shape {tuple(a.shape)}, expected {tuple(shape)}")
 
 
-def _resolve_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return impl
+def _backend(impl: str, direction: str, q, k, block_size: int):
+    return registry.select(impl, registry.problem(direction, q, block_size, k.shape[1]))
 
 
 def _scale(q, sm_scale):
     return float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
 
 
-def _pallas_index(index, q, k, q_pos, k_pos, block_size):
-    if index is not None:
+def _kernel_index(backend, index, q, k, q_pos, k_pos, block_size):
+    if index is not None or not backend.NEEDS_INDEX:
         return index
     return full_step_index(q.shape[0], q.shape[2], q.shape[1], k.shape[1], q_pos, k_pos, block_size)
 
@@ -99,14 +93,10 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
     _check(q, k, v, q_pos, k_pos, index, block_size)
     if acc is not None:
         _check_acc("acc", acc, [q.shape, (q.shape[0], q.shape[2], q.shape[1])])
-    impl = _resolve_impl(impl)
+    backend = _backend(impl, "fwd", q, k, block_size)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
-    if impl == "xla":
-        out, lse = xla_twin.xla_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale, block_size=block_size)
-        return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
-    idx = _pallas_index(index, q, k, q_pos, k_pos, block_size)
-    return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, idx, acc, sm_scale=_scale(q, sm_scale),
-                                     block_size=block_size, interpret=_interpret())
+    idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size)
+    return backend.fwd(q, k, v, q_pos, k_pos, idx, acc, sm_scale=_scale(q, sm_scale), block_size=block_size)
 
 
 def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale=None,
@@ -120,23 +110,11 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
         _check_acc("dq_acc", [dq_acc], [q.shape])
     if dkv_acc is not None:
         _check_acc("dkv_acc", dkv_acc, [k.shape, k.shape])
-    impl = _resolve_impl(impl)
+    backend = _backend(impl, "bwd", q, k, block_size)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
-    if impl == "xla":
-        dq, dk, dv = xla_twin.xla_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale,
-                                      block_size=block_size)
-        dq = dq if dq_acc is None else dq_acc + dq
-        if dkv_acc is not None:
-            dk, dv = dkv_acc[0] + dk, dkv_acc[1] + dv
-        return dq, dk, dv
-    idx = _pallas_index(index, q, k, q_pos, k_pos, block_size)
-    return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
-                                     sm_scale=_scale(q, sm_scale), block_size=block_size,
-                                     interpret=_interpret())
-
-
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
+    idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size)
+    return backend.bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
+                       sm_scale=_scale(q, sm_scale), block_size=block_size)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -170,8 +148,7 @@ _op.defvjp(_op_fwd, _op_bwd)
 def block_sparse_attention(q, k, v, q_pos=None, k_pos=None, index: StepIndex | None = None, *, sm_scale=None,
                            block_size: int = DEFAULT_BLOCK, impl: str = "auto"):
     """Single-device block-sparse attention with ``custom_vjp``; ``out`` in ``q.dtype``."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    registry.validate_impl(impl)
     q_pos = jnp.arange(q.shape[1], dtype=jnp.int32) if q_pos is None else jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.arange(k.shape[1], dtype=jnp.int32) if k_pos is None else jnp.asarray(k_pos, jnp.int32)
     return _op(q, k, v, q_pos, k_pos, index, sm_scale, block_size, impl)

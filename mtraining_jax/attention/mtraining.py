@@ -38,10 +38,10 @@ from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.estimate import estimate_index_shard
 from mtraining_jax.sparsity.index import VerticalSlashIndex
+from pallas_kernels.registry import validate_impl
 from mtraining_jax.sparsity.metrics import step_imbalance, worker_imbalance
 
 SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
-IMPLS = ("auto", "pallas", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +77,7 @@ class MTrainingConfig:
             raise ValueError(f"layout {self.layout!r} is not supported by sparse ring attention; "
                              f"expected one of {SPARSE_LAYOUTS}")
         validate_ring_order(self.ring_order)
-        if self.impl not in IMPLS:
-            raise ValueError(f"unknown impl {self.impl!r}; expected one of {IMPLS}")
+        validate_impl(self.impl)
         for name in ("force_full", "fuse_forward", "fuse_backward"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -99,7 +99,8 @@ from jax.sharding import PartitionSpec
 from mtraining_jax.attention.reference import check_gqa
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring_schedule import source_rank, validate_ring_order
-from pallas_kernels.api import IMPLS, attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd
+from pallas_kernels.registry import validate_impl
+from pallas_kernels.api import attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, chunk_work
 
 __all__ = ["RingConfig", "ring_attention", "ring_attention_shard"]
@@ -143,8 +144,7 @@ class RingConfig:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         validate_ring_order(self.ring_order)
-        if self.impl not in IMPLS:
-            raise ValueError(f"unknown impl {self.impl!r}; expected one of {IMPLS}")
+        validate_impl(self.impl)
 
     @property
     def num_ranks(self) -> int:
@@ -408,7 +408,7 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
         ``ring_schedule.source_rank(rank, s, ...)``), with blocks of ``block_size`` tokens. Never
         differentiated.
       sm_scale: softmax scale (default ``D ** -0.5``).
-      impl: ``"auto"``, ``"pallas"`` or ``"xla"`` for the per-step kernels.
+      impl: a kernel impl of :data:`pallas_kernels.registry.IMPLS` for the per-step kernels.
       block_size: kernel block size (the ``StepIndex`` block size when one is given). ``None``:
         ``DEFAULT_BLOCK`` (64) with an index; for the dense ring the largest power of two
         ``<= DEFAULT_BLOCK`` dividing ``Sl``.
@@ -448,7 +448,7 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
       mesh: a mesh with axes ``("node", "local")`` (and optionally ``"data"``, which shards batch).
       ring_order: ``"hierarchical"`` (default) or ``"flat"``.
       sm_scale: softmax scale (default ``D ** -0.5``).
-      impl: per-step kernel implementation (``"auto"``, ``"pallas"``, ``"xla"``).
+      impl: per-step kernel impl (:data:`pallas_kernels.registry.IMPLS`).
       fuse_forward, fuse_backward: see :class:`RingConfig`.
 
     Returns:
@@ -457,8 +457,7 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
     """
     num_nodes, num_local = check_cp_mesh(mesh)
     validate_ring_order(ring_order)
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    validate_impl(impl)
     _check_qkv(q, k, v)
     B, S = q.shape[:2]
     positions = jnp.asarray(positions)

@@ -20,6 +20,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from pallas_kernels.registry import IMPLS as KERNEL_IMPLS
+
 BACKENDS: tuple[str, ...] = ("reference", "cudnn", "ring", "mtraining")
 RING_ORDERS: tuple[str, ...] = ("flat", "hierarchical")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_attn")
@@ -106,8 +108,8 @@ class ModelConfig:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.ring_order not in RING_ORDERS:
             raise ValueError(f"ring_order must be one of {RING_ORDERS}, got {self.ring_order!r}")
-        if self.attention_impl not in ("auto", "pallas", "xla"):
-            raise ValueError(f"attention_impl must be auto/pallas/xla, got {self.attention_impl!r}")
+        if self.attention_impl not in KERNEL_IMPLS:
+            raise ValueError(f"attention_impl must be one of {KERNEL_IMPLS}, got {self.attention_impl!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.dense_backend is not None and self.dense_backend not in BACKENDS:

@@ -1,0 +1,42 @@
+"""``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (:mod:`pallas_kernels.mosaic_fwd`).
+
+Supports: the forward; compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128;
+block size 64; ``Sq`` a multiple of 128 (two query blocks per CTA). The backward is not built yet:
+``impl="auto"`` falls through to ``triton`` for it. Mosaic GPU's CPU interpret mode (JAX 0.10)
+cannot run these kernels (no transposed-operand or register-operand ``wgmma``), so they are tested
+on the GPU; the shared kernel suite covers the same semantics through the other backends on CPU.
+"""
+
+from __future__ import annotations
+
+NAME = "mosaic"
+NEEDS_INDEX = True
+HEAD_DIMS = (64, 128)
+DTYPES = ("bfloat16", "float16")
+
+
+def supports(problem) -> None:
+    cc = problem.compute_capability
+    if problem.platform != "gpu" or cc is None or not str(cc).startswith("9"):
+        raise NotImplementedError(f"needs a Hopper GPU (compute capability 9.x), got platform "
+                                  f"{problem.platform!r} capability {cc!r}")
+    if problem.direction != "fwd":
+        raise NotImplementedError("the Mosaic backward kernels are not built yet")
+    if problem.dtype not in DTYPES:
+        raise NotImplementedError(f"dtype {problem.dtype} (supported: {DTYPES})")
+    if problem.head_dim not in HEAD_DIMS:
+        raise NotImplementedError(f"head_dim {problem.head_dim} (supported: {HEAD_DIMS})")
+    if problem.block_size != 64:
+        raise NotImplementedError(f"block_size {problem.block_size} (supported: 64)")
+    if problem.sq % 128:
+        raise NotImplementedError(f"query length {problem.sq} is not a multiple of 128")
+
+
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size):
+    from pallas_kernels.mosaic_fwd import mosaic_fwd  # imports Mosaic GPU only when used
+
+    return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size)
+
+
+def bwd(*args, **kwargs):
+    raise NotImplementedError("the Mosaic backward kernels are not built yet")

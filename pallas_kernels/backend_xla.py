@@ -1,0 +1,28 @@
+"""``xla`` backend: the plain ``jax.numpy`` twin (:mod:`pallas_kernels.xla_twin`); any platform, any
+dtype, head_dim and block size the API accepts; merges ``acc`` with :func:`merge_partials`."""
+
+from __future__ import annotations
+
+from pallas_kernels import xla_twin
+from pallas_kernels.merge import merge_partials
+
+NAME = "xla"
+NEEDS_INDEX = False  # handles index=None (dense causal) itself
+
+
+def supports(problem) -> None:
+    del problem  # runs everything the API validates
+
+
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size):
+    out, lse = xla_twin.xla_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale, block_size=block_size)
+    return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
+
+
+def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size):
+    dq, dk, dv = xla_twin.xla_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale,
+                                  block_size=block_size)
+    dq = dq if dq_acc is None else dq_acc + dq
+    if dkv_acc is not None:
+        dk, dv = dkv_acc[0] + dk, dkv_acc[1] + dv
+    return dq, dk, dv

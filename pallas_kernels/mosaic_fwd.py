@@ -1,0 +1,276 @@
+"""Pallas Mosaic GPU (Hopper: wgmma + TMA, warp-specialised) block-sparse flash-attention forward.
+
+Same contract as :func:`pallas_kernels.triton_kernels.pallas_fwd` (MTraining Algorithm 1 on the
+per-step :class:`~pallas_kernels.index_format.StepIndex`; causal by global position; empty rows
+give out 0 / lse -inf; given ``acc`` the result is merged into the earlier ring steps' float32
+``(out, lse)``), on the tiles of :mod:`pallas_kernels.mosaic_index`.
+
+Structure (FlashAttention-3 style, one CTA = 3 warpgroups):
+
+* CTA ``(p, h, b)`` owns query blocks ``2p`` and ``2p + 1`` of head ``h`` (pairs walked from the
+  last: causal rows get heavier with position, so the heavy ones start first);
+* warpgroups 0 and 1 are consumers, one 64-row query block each, with its own tile walk:
+  free block tiles (no mask), masked block tiles, then column tiles; ``S = q K^T`` by ``wgmma``
+  from shared memory, online softmax in float32 (``exp2``, log2-domain running max), ``P V`` by
+  ``wgmma`` with ``P`` from registers;
+* warpgroup 2 is the producer: it TMA-loads each consumer's K, V and ``info`` tiles, at offsets
+  read from the index at run time, into a ``stages``-deep ring of shared-memory slots per consumer,
+  and waits on the consumer's "slot free" barriers before reusing a slot.
+
+``out`` (float32) is written from registers straight to global memory (each quad of threads
+stores 32 contiguous bytes), ``lse`` through shared memory and TMA.
+Supported: bf16 / f16 inputs, head_dim 64 or 128, block size 64, ``Sq`` a multiple of 128,
+compute capability 9.x (see :mod:`pallas_kernels.backend_mosaic`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.index_format import StepIndex
+from pallas_kernels.mosaic_index import MosaicOperands, prepare
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_NEG_INF = float("-inf")
+
+
+def _row_layout():
+    """Layout of a per-row vector of a ``[64, n]`` wgmma tile (name differs across JAX versions)."""
+    return getattr(plgpu.Layout, "WGMMA_ROW", None) or plgpu.Layout.WGMMA.reduce(1)
+
+
+def _col_layout():
+    """Layout of a per-column vector of a ``[64, n]`` wgmma tile."""
+    return getattr(plgpu.Layout, "WGMMA_COL", None) or plgpu.Layout.WGMMA.reduce(0)
+
+
+_LOAD_HAS_OPTIMIZED = "optimized" in inspect.signature(plgpu.load).parameters
+
+
+def _load(ref, layout, optimized: bool = True):
+    if _LOAD_HAS_OPTIMIZED and not optimized:
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+    return plgpu.load(ref, (), layout=layout)
+
+
+def _transposed(ref):
+    fn = getattr(plgpu, "transpose_ref", None)
+    return fn(ref, (1, 0)) if fn is not None else ref.transpose((1, 0))
+
+
+def _tile_transforms(dtype):
+    swizzle = 128
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _online_softmax(carry, s, masked: bool):
+    """One online-softmax step on log2-domain scores ``s [64, n]`` (``-inf`` = masked).
+    Returns ``(p, alpha, m_new, l_new)`` for ``acc = acc * alpha + p @ V``."""
+    m, l = carry
+    m_new = jnp.maximum(m, s.max(axis=1))
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l_new = l * alpha + p.sum(axis=1)
+    return p, alpha, m_new, l_new
+
+
+def _finish(acc, m, l, merge_prev):
+    """Normalise (or merge with the earlier steps' ``(out_prev, lse_prev)``): ``(out, lse)``."""
+    nonempty = l > 0.0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    lse2 = jnp.where(nonempty, m + jnp.log(l_safe) * LOG2E, _NEG_INF)
+    if merge_prev is None:
+        out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+        return out, lse2 * LN2
+    out_prev, lse_prev = merge_prev
+    lp = lse_prev * LOG2E
+    mm = jnp.maximum(lp, lse2)
+    mm = jnp.where(mm == _NEG_INF, 0.0, mm)
+    wp = jnp.exp2(lp - mm)
+    wn = jnp.where(nonempty, jnp.exp2(m - mm), 0.0)
+    den = wp + wn * l
+    empty = den == 0.0
+    inv = 1.0 / jnp.where(empty, 1.0, den)
+    out = (out_prev * lax.broadcast_in_dim(wp * inv, acc.shape, [0])
+           + acc * lax.broadcast_in_dim(wn * inv, acc.shape, [0]))
+    lse = jnp.where(empty, _NEG_INF, (mm + jnp.log(jnp.where(empty, 1.0, den)) * LOG2E) * LN2)
+    return out, lse
+
+
+def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref, *refs,
+            merge: bool, stages: int, g: int, bs: int, qk_scale: float, npairs: int):
+    *ins, out_ref, lse_ref, smems, bars = refs
+    oprev_ref, lprev_ref = ins if merge else (None, None)
+    q_smem, k_smem, v_smem, info_smem, row_smem, lse_smem = smems
+    q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free = bars
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    pair = npairs - 1 - lax.axis_index("p")
+    wg = lax.axis_index("wg")
+    dtype = q_ref.dtype
+
+    def row_counts(w):
+        i = 2 * pair + w
+        n_free, n_blk, ncol = cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], cnt_ref[b, h, i, 2]
+        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + (bs - 1), bs)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        w = wg
+        i, n_free, n_blk, ncol, ntiles = row_counts(w)
+        rows = pl.ds(i * bs, bs)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[w], q_bar.at[w])
+        plgpu.copy_gmem_to_smem(qpos_ref.at[rows], row_smem.at[w], row_bar.at[w])
+        if merge:
+            plgpu.copy_gmem_to_smem(lprev_ref.at[b, h, rows], lse_smem.at[w], row_bar.at[2 + w])
+        plgpu.barrier_wait(q_bar.at[w])
+        plgpu.barrier_wait(row_bar.at[w])
+        qpos = _load(row_smem.at[w], _row_layout())
+        qpos_b = lax.broadcast_in_dim(qpos, (bs, bs), [0])
+        d = q_smem.shape[-1]
+        acc = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((bs,), _NEG_INF, jnp.float32), _row_layout())
+        l = plgpu.layout_cast(jnp.full((bs,), 0.0, jnp.float32), _row_layout())
+
+        def tile(t, carry, masked: bool, thr):
+            acc, m, l = carry
+            slot = w * stages + lax.rem(t, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem.at[w], _transposed(k_smem.at[slot]))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32)) * qk_scale
+            plgpu.barrier_wait(i_bar.at[slot])
+            if masked:
+                pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
+                aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+                s = jnp.where((pos <= qpos_b) & (aux >= thr), s, _NEG_INF)
+            plgpu.barrier_arrive(k_free.at[slot])
+            p, alpha, m, l = _online_softmax((m, l), s, masked)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m, l
+
+        carry = (acc, m, l)
+        carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False, thr=None), carry)
+        carry = lax.fori_loop(n_free, n_blk, functools.partial(tile, masked=True, thr=ncol), carry)
+        carry = lax.fori_loop(n_blk, ntiles, functools.partial(tile, masked=True, thr=1 - ncol), carry)
+        acc, m, l = carry
+        prev = None
+        if merge:
+            plgpu.barrier_wait(row_bar.at[2 + w])
+            prev = (_load(oprev_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False),
+                    _load(lse_smem.at[w], _row_layout()))
+        out, lse = _finish(acc, m, l, prev)
+        out_ref[b, rows, h] = out
+        lse_smem.at[w][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        hk = lax.div(h, jnp.array(g, h.dtype))
+        walks = [row_counts(w) for w in range(2)]
+
+        def load(w, t, i, n_blk, ref_blk, ref_col, info_blk, info_col, dst, bar):
+            @pl.when(t < n_blk)
+            def _():
+                kb = bidx_ref[b, h, i, t]
+                plgpu.copy_gmem_to_smem(ref_blk.at[b, pl.ds(kb * bs, bs), hk], dst, bar)
+                if info_blk is not None:
+                    plgpu.copy_gmem_to_smem(kinfo_ref.at[b, h, kb], info_blk[0], info_blk[1])
+
+            @pl.when(t >= n_blk)
+            def _():
+                c = t - n_blk
+                plgpu.copy_gmem_to_smem(ref_col.at[b, h, pl.ds(c * bs, bs)], dst, bar)
+                if info_col is not None:
+                    plgpu.copy_gmem_to_smem(cinfo_ref.at[b, h, c], info_col[0], info_col[1])
+
+        @pl.loop(0, jnp.maximum(walks[0][4], walks[1][4]))
+        def _(t):
+            for w in range(2):
+                i, _, n_blk, _, ntiles = walks[w]
+
+                @pl.when(t < ntiles)
+                def _():
+                    slot = w * stages + lax.rem(t, stages)
+
+                    @pl.when(t >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+
+                    info = (info_smem.at[slot], i_bar.at[slot])
+                    load(w, t, i, n_blk, k_ref, kc_ref, info, info, k_smem.at[slot], k_bar.at[slot])
+
+                    @pl.when(t >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    load(w, t, i, n_blk, v_ref, vc_ref, None, None, v_smem.at[slot], v_bar.at[slot])
+
+
+_STATIC = ("sm_scale", "block_size", "stages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
+               stages: int = 2):
+    """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
+    lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given."""
+    B, sq, H, d = q.shape
+    bs = block_size
+    nqb = sq // bs
+    ops: MosaicOperands = prepare(index, k, v, k_pos, bs)
+    merge = acc is not None
+    kernel = functools.partial(_kernel, merge=merge, stages=stages, g=H // k.shape[2], bs=bs,
+                               qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2)
+    tr = _tile_transforms(q.dtype)
+    scratch = [
+        (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
+         plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
+         plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
+         plgpu.SMEM((2 * stages, 2, bs), jnp.int32),
+         plgpu.SMEM((2, bs), jnp.int32),
+         plgpu.SMEM((2, bs), jnp.float32)),
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4),
+         plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
+         plgpu.Barrier(num_barriers=2 * stages),
+         plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages)),
+    ]
+    args = [ops.counts, ops.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc, ops.k_info, ops.c_info]
+    if merge:
+        args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
+    out, lse = plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
+        scratch_types=scratch,
+        grid=(nqb // 2, H, B),
+        grid_names=("p", "h", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(*args)
+    return out, lse

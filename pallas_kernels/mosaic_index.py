@@ -1,0 +1,163 @@
+"""Kernel-ready operands of the Mosaic GPU kernels, built from a :class:`StepIndex` in plain XLA.
+
+Hopper's TMA copies rectangular tiles, so every tile a Mosaic kernel walks is 64 contiguous rows:
+
+* **block tiles**: the row's active KV blocks (``k[b, kb*64 : kb*64+64, h // g]``), reordered so
+  that the *free* ones come first. A tile is free when every pair is causal
+  (``block_causal == 0``) AND none of its keys is a listed column inside the row's column prefix;
+  the kernel then applies no mask at all.
+* **column tiles**: the head's vertical-column list is ONE list per (batch, head) shared by every
+  query block, so its K/V rows are gathered once per step into contiguous buffers
+  ``kc, vc [B, H, MCp, D]`` (``MCp`` = ``MC`` rounded up to 64) and walked as dense tiles; row ``i``
+  uses the first ``ceil(col_count[i] / 64)`` of them.
+
+A key that is both a listed column in the row's prefix and inside one of its active blocks is
+counted once, in the column phase: the block tile masks it out. With ``slot[j]`` = the key's
+position in the column list (a large number when unlisted), the masked-tile rule is ONE formula
+for both tile kinds, on a per-tile ``info [2, 64]`` int32 pair ``(pos, aux)``::
+
+    keep key t  <=>  pos[t] <= q_pos[row]  and  aux[t] >= thr
+    block tile:  pos = k_pos,  aux = slot,   thr = col_count[i]      (drop listed prefix columns)
+    column tile: pos = k_pos of the column (INT32_MAX on padding),
+                 aux = -(list slot),         thr = 1 - col_count[i]  (keep slots < col_count[i])
+
+Costs per ring step: one ``[B, H, Sk]`` scatter-min (the slots), the column gathers
+``2 * B * H * MCp * D`` elements and ``info`` arrays of ``8 * B * H * (Sk + MCp)`` bytes — linear in
+the chunk, never ``nQB x MC``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.index_format import StepIndex
+
+UNLISTED = 1 << 30  # slot of a key that is not in the column list (>= every col_count)
+POS_PAD = jnp.iinfo(jnp.int32).max  # position of a padding column: never causal
+
+
+class MosaicOperands(NamedTuple):
+    """Operands of the Mosaic forward/backward kernels (see module docstring)."""
+
+    counts: jax.Array  # int32 [B, H, nQB, 3]: (n_free, n_blocks, col_count) per row
+    block_idx: jax.Array  # int32 [B, H, nQB, MB]: active KV blocks, free ones first, padding in range
+    k_info: jax.Array  # int32 [B, H, nKB, 2, bs]: (k_pos, column slot) per key of each KV block
+    kc: jax.Array  # [B, H, MCp, D]: K rows of the head's column list (zeros in padding)
+    vc: jax.Array  # [B, H, MCp, D]: V rows likewise
+    c_info: jax.Array  # int32 [B, H, MCp // bs, 2, bs]: (column position, -slot) per column tile
+
+
+def _partition(first, second):
+    """Destination slot of each entry when ``first`` ones move to the front and ``second`` ones
+    follow (both in order), the rest last; ``(dst, n_first, n_first + n_second)``."""
+    c1 = jnp.cumsum(first, axis=-1, dtype=jnp.int32)
+    c2 = jnp.cumsum(second, axis=-1, dtype=jnp.int32)
+    c3 = jnp.cumsum(~(first | second), axis=-1, dtype=jnp.int32)
+    n1, n2 = c1[..., -1:], c2[..., -1:]
+    dst = jnp.where(first, c1 - 1, jnp.where(second, n1 + c2 - 1, n1 + n2 + c3 - 1))
+    return dst, n1[..., 0], (n1 + n2)[..., 0]
+
+
+def column_slots(index: StepIndex, sk: int):
+    """``int32 [B, H, Sk]``: for each key, its smallest slot in the head's column list, or
+    :data:`UNLISTED`."""
+    B, H, mc = index.col_idx.shape
+    ids = jnp.clip(index.col_idx, 0, sk - 1)
+    b = jnp.arange(B)[:, None, None]
+    h = jnp.arange(H)[None, :, None]
+    slots = jnp.broadcast_to(jnp.arange(mc, dtype=jnp.int32), (B, H, mc))
+    return jnp.full((B, H, sk), UNLISTED, jnp.int32).at[b, h, ids].min(slots)
+
+
+def prepare(index: StepIndex, k, v, k_pos, block_size: int) -> MosaicOperands:
+    """Build :class:`MosaicOperands` for ``k, v [B, Sk, Hkv, D]`` and query heads ``H`` of ``index``."""
+    bs = block_size
+    B, H, nqb, mb = index.block_idx.shape
+    sk, hkv, d = k.shape[1], k.shape[2], k.shape[3]
+    nkb, mc = sk // bs, index.max_cols
+    g = H // hkv
+
+    slot = column_slots(index, sk)  # [B, H, Sk]
+    first_slot = slot.reshape(B, H, nkb, bs).min(axis=-1)  # [B, H, nKB]
+    valid = jnp.arange(mb) < index.block_count[..., None]
+    bidx = jnp.clip(jnp.where(valid, index.block_idx, 0), 0, nkb - 1).astype(jnp.int32)
+    tile_slot = jnp.take_along_axis(first_slot, bidx.reshape(B, H, nqb * mb), axis=2).reshape(bidx.shape)
+    has_col = tile_slot < index.col_count[..., None]
+    free = valid & (index.block_causal == 0) & ~has_col
+    dst, n_free, n_blk = _partition(free, valid & ~free)
+    bidx = jnp.zeros_like(bidx).at[
+        jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
+        jnp.arange(nqb)[None, None, :, None], dst].set(bidx)
+    counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1)
+
+    kpos_t = jnp.broadcast_to(k_pos.astype(jnp.int32).reshape(1, 1, nkb, bs), (B, H, nkb, bs))
+    k_info = jnp.stack([kpos_t, slot.reshape(B, H, nkb, bs)], axis=3)
+
+    mcp = max(bs, -(-mc // bs) * bs)
+    cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - mc)])
+    s = jnp.arange(mcp, dtype=jnp.int32)
+    real = s < mc
+    b_ix = jnp.arange(B)[:, None, None]
+    hk_ix = (jnp.arange(H) // g)[None, :, None]
+    kc = jnp.where(real[None, None, :, None], k[b_ix, cidx, hk_ix], 0).astype(k.dtype)
+    vc = jnp.where(real[None, None, :, None], v[b_ix, cidx, hk_ix], 0).astype(v.dtype)
+    cpos = jnp.where(real, k_pos.astype(jnp.int32)[cidx], POS_PAD)
+    c_info = jnp.stack([cpos.reshape(B, H, mcp // bs, bs),
+                        jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))], axis=3)
+    del d
+    return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info.astype(jnp.int32))
+
+
+def emulate_fwd(q, ops: MosaicOperands, k, v, q_pos, *, sm_scale: float, block_size: int):
+    """The Mosaic forward's tile walk in plain ``jax.numpy`` (float32, exact softmax): what the
+    kernel computes from :class:`MosaicOperands`, for testing :func:`prepare` on any machine.
+    Returns ``(out f32 [B, Sq, H, D], lse f32 [B, H, Sq])``."""
+    bs = block_size
+    B, sq, H, d = q.shape
+    g = H // k.shape[2]
+    nqb, mb = ops.block_idx.shape[2], ops.block_idx.shape[3]
+    nct = ops.kc.shape[2] // bs
+    f32 = jnp.float32
+    qb = q.astype(f32).reshape(B, nqb, bs, H, d)
+    kb = k.astype(f32).reshape(B, -1, bs, k.shape[2], d)  # [B, nKB, bs, Hkv, D]
+    vb = v.astype(f32).reshape(B, -1, bs, k.shape[2], d)
+    hk = jnp.arange(H) // g
+    # block tiles: [B, H, nQB, MB, bs, D]
+    kt = kb[jnp.arange(B)[:, None, None, None], ops.block_idx, :, hk[None, :, None, None]]
+    vt = vb[jnp.arange(B)[:, None, None, None], ops.block_idx, :, hk[None, :, None, None]]
+    info_b = ops.k_info[jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
+                        ops.block_idx]  # [B, H, nQB, MB, 2, bs]
+    n_free, n_blk, ncol = ops.counts[..., 0], ops.counts[..., 1], ops.counts[..., 2]
+    j = jnp.arange(mb)
+    qpos = q_pos.reshape(nqb, bs)[None, None, :, :, None, None]  # [1,1,nQB,bs,1,1]
+    causal_b = info_b[:, :, :, None, :, 0, :] <= qpos  # [B,H,nQB,bs,MB,bs]
+    aux_ok_b = info_b[:, :, :, None, :, 1, :] >= ncol[..., None, None, None]
+    masked_b = (j >= n_free[..., None])[:, :, :, None, :, None]
+    ok_b = (j < n_blk[..., None])[:, :, :, None, :, None] & (~masked_b | (causal_b & aux_ok_b))
+    s_b = jnp.einsum("bnqhd,bhnjkd->bhnqjk", qb, kt) * sm_scale
+    s_b = jnp.where(ok_b, s_b, -jnp.inf).reshape(B, H, nqb, bs, mb * bs)
+    # column tiles: [B, H, nCT, bs, D]
+    kct = ops.kc.astype(f32).reshape(B, H, nct, bs, d)
+    vct = ops.vc.astype(f32).reshape(B, H, nct, bs, d)
+    c = jnp.arange(nct)
+    ntile = (ncol + bs - 1) // bs
+    in_walk = (c < ntile[..., None])[:, :, :, None, :, None]  # [B,H,nQB,1,nCT,1]
+    cpos = ops.c_info[:, :, None, None, :, 0, :]  # [B,H,1,1,nCT,bs]
+    caux = ops.c_info[:, :, None, None, :, 1, :]
+    ok_c = in_walk & (cpos <= qpos[..., 0, :][..., None]) & (caux >= (1 - ncol)[..., None, None, None])
+    s_c = jnp.einsum("bnqhd,bhckd->bhnqck", qb, kct) * sm_scale
+    s_c = jnp.where(ok_c, s_c, -jnp.inf).reshape(B, H, nqb, bs, nct * bs)
+    s = jnp.concatenate([s_b, s_c], axis=-1)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = p.sum(-1)
+    vall = jnp.concatenate([vt.reshape(B, H, nqb, mb * bs, d),
+                            jnp.broadcast_to(vct.reshape(B, H, 1, nct * bs, d), (B, H, nqb, nct * bs, d))], axis=3)
+    o = jnp.einsum("bhnqk,bhnkd->bhnqd", p, vall) / jnp.where(l == 0, 1.0, l)[..., None]
+    lse = jnp.where(l == 0, -jnp.inf, m[..., 0] + jnp.log(jnp.where(l == 0, 1.0, l)))
+    out = jnp.transpose(o, (0, 2, 3, 1, 4)).reshape(B, sq, H, d)
+    return out, lse.reshape(B, H, sq)
