@@ -3,8 +3,12 @@
 B=1, 16 query heads, 2 KV heads, head_dim 128, bf16, causal. For each sequence length: cuDNN
 dense causal (``jax.nn.dot_product_attention(implementation="cudnn")``), JAX's Pallas Triton flash
 attention (``jax.experimental.pallas.ops.gpu.attention.mha``, K/V repeated to 16 heads outside the
-timed region), our kernel with the full causal index (dense work) and with synthetic vertical-slash
-indices at about 90/95/98% sparsity (``pallas_kernels.testing.vertical_slash_index``).
+timed region), our kernels (each ``--impls`` entry: ``triton``; ``auto`` = the registry's choice,
+on Hopper the Mosaic GPU forward + Triton backward) with the full causal index (dense work) and
+with synthetic vertical-slash indices (``pallas_kernels.testing.vertical_slash_index``) of two
+families: ``slash`` (256 verticals per head, slash blocks near the diagonal; names ``vs95``) and
+``vert`` (``--vert-cols`` verticals per head and few slashes, heavy in column tiles; names
+``vert98``), at each ``--sparsities`` value.
 
 TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per head; sparse counts
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
@@ -26,6 +30,7 @@ import numpy as np
 
 from _timing import timeit
 from pallas_kernels import api
+from pallas_kernels import registry as api_registry
 from pallas_kernels.index_format import full_step_index, row_columns
 from pallas_kernels.testing import vertical_slash_index
 
@@ -49,7 +54,16 @@ def _fwd_bwd(f):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0):
+def _vertical_heavy(rng, S, sp, cols):
+    """Vertical-heavy index: ``cols`` verticals per head; slash blocks sized so that the total
+    density is about ``1 - sp`` (at least the diagonal block)."""
+    col_density = cols * 0.5 / (S / 2)  # each column is causal for about half the rows
+    block_sp = min(0.999, sp + col_density)
+    return vertical_slash_index(rng, 1, H, S, block_sp, block_size=BS, far_slashes=1, max_cols=cols)
+
+
+def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("triton", "auto"),
+        families=("slash", "vert"), vert_cols=4096):
     rows = []
     rng = np.random.default_rng(seed)
     for S in seqs:
@@ -59,10 +73,12 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0):
         scale = D**-0.5
 
         def add(name, pairs, f, fwd_only=False):
-            fwd = _time(jax.jit(f), q, k, v, reps=reps)
-            fb = None if fwd_only else _time(_fwd_bwd(f), q, k, v, ct, reps=reps)
+            fwd, fwd_s = timeit(jax.jit(f), q, k, v, warmup=2, repeat=reps)
+            fb, fb_s = (None, None) if fwd_only else timeit(_fwd_bwd(f), q, k, v, ct, warmup=2, repeat=reps)
             fl = 4 * pairs * D
+            spread = lambda ts: None if ts is None else [round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)]  # noqa: E731
             row = dict(seq=S, name=name, sparsity=1 - pairs / dense_pairs, fwd_ms=fwd * 1e3,
+                       fwd_spread_ms=spread(fwd_s), fb_spread_ms=spread(fb_s),
                        fwd_tflops=fl / fwd / 1e12, fb_ms=None if fb is None else fb * 1e3,
                        fb_tflops=None if fb is None else 3.5 * fl / fb / 1e12)
             rows.append(row)
@@ -80,16 +96,22 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0):
             add("pallas_mha", dense_pairs, mha_f)
         if S <= dense_ours_max:
             full = full_step_index(1, H, S, S, pos, pos, BS)
-            add("ours_full", dense_pairs, lambda q, k, v: api.block_sparse_attention(
-                q, k, v, pos, pos, full, impl="pallas"))
-        for sp in sparsities:
-            idx = vertical_slash_index(rng, 1, H, S, sp, block_size=BS)
-            idx = jax.tree.map(jnp.asarray, idx)
-            bc = np.asarray(idx.block_count, np.float64).sum()
-            cc = float(np.asarray(row_columns(idx, S, BS)[1]).sum())  # columns outside the rows' blocks
-            pairs = bc * BS * BS + cc * BS
-            add(f"ours_vs{int(round(sp * 100))}", pairs, lambda q, k, v, idx=idx: api.block_sparse_attention(
-                q, k, v, pos, pos, idx, impl="pallas"))
+            for impl in impls:
+                add(f"{impl}_full", dense_pairs, lambda q, k, v, impl=impl: api.block_sparse_attention(
+                    q, k, v, pos, pos, full, impl=impl))
+        for fam in families:
+            for sp in sparsities:
+                if fam == "slash":
+                    idx, name = vertical_slash_index(rng, 1, H, S, sp, block_size=BS), f"vs{int(round(sp * 100))}"
+                else:
+                    idx, name = _vertical_heavy(rng, S, sp, vert_cols), f"vert{int(round(sp * 100))}"
+                idx = jax.tree.map(jnp.asarray, idx)
+                bc = np.asarray(idx.block_count, np.float64).sum()
+                cc = float(np.asarray(row_columns(idx, S, BS)[1]).sum())  # columns outside the rows' blocks
+                pairs = bc * BS * BS + cc * BS
+                for impl in impls:
+                    add(f"{impl}_{name}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
+                        q, k, v, pos, pos, idx, impl=impl))
     return rows
 
 
@@ -216,6 +238,9 @@ def main():
     ap.add_argument("--mha-max", type=int, default=32768, help="longest sequence for pallas mha")
     ap.add_argument("--dense-max", type=int, default=32768, help="longest sequence for ours_full")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--impls", default="triton,auto", help="kernel impls to time (pallas_kernels.registry)")
+    ap.add_argument("--families", default="slash,vert", help="index families: slash, vert")
+    ap.add_argument("--vert-cols", type=int, default=4096, help="verticals per head in the vert family")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")
     ap.add_argument("--mha-sweep", type=int, default=0, help="sequence length for a Triton mha config sweep")
@@ -237,8 +262,11 @@ def main():
         return
     seqs = [int(s) for s in a.seqs.split(",")]
     sps = [float(s) for s in a.sparsities.split(",") if s]
-    rows = run(seqs, sps, a.mha_max, a.dense_max, a.reps)
+    rows = run(seqs, sps, a.mha_max, a.dense_max, a.reps, impls=tuple(a.impls.split(",")),
+               families=tuple(a.families.split(",")), vert_cols=a.vert_cols)
     meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                resolved={i: [api_registry.resolve(i, d, jnp.zeros((1, 128, H, D), jnp.bfloat16), BS, 128)
+                              for d in ("fwd", "bwd")] for i in a.impls.split(",")},
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     if a.json:
         with open(a.json, "w") as f:

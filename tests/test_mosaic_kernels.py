@@ -1,0 +1,85 @@
+"""Mosaic GPU forward: its tile operands (CPU), its lowering for CUDA (CPU), its results (GPU).
+
+Mosaic GPU's interpret mode cannot run these kernels on CPU (JAX 0.10: no transposed or
+register-operand ``wgmma``), so on CPU we check (1) that :func:`mosaic_index.prepare` plus the
+kernel's tile walk, emulated in ``jax.numpy``, equals the masked dense reference — the index
+logic the kernel executes — and (2) that the kernel lowers to Mosaic GPU for CUDA (catches API
+drift across JAX versions). The kernel itself runs in the GPU-marked suite of ``test_kernels.py``
+(``TestMosaicGPU``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtraining_jax.attention.reference import dense_attention
+from pallas_kernels import mosaic_index
+from pallas_kernels.index_format import step_index_to_mask
+from pallas_kernels.testing import random_step_index
+
+BS = 64
+
+
+def _case(rng, B, S, Sk, H, Hkv, D, permuted, mb, mc):
+    q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, Sk, Hkv, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, Sk, Hkv, D)), jnp.float32)
+    if permuted:
+        perm = rng.permutation(S + Sk).astype(np.int32)
+        qp, kp = jnp.asarray(np.sort(perm[:S])), jnp.asarray(np.sort(perm[S:]))
+    else:
+        qp, kp = jnp.arange(S, dtype=jnp.int32), jnp.arange(Sk, dtype=jnp.int32)
+    idx = random_step_index(rng, B, H, S, Sk, qp, kp, max_blocks=mb, max_cols=mc)
+    return q, k, v, qp, kp, idx
+
+
+@pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb, mc", [
+    (1, 256, 256, 2, 2, False, 3, 70),    # a column list longer than one tile, ragged tail
+    (2, 256, 384, 4, 1, True, 4, 12),     # GQA 4, ring-like positions, Sq != Sk
+    (1, 128, 256, 8, 1, True, 2, 130),    # GQA 8, three column tiles
+])
+def test_prepared_tile_walk_equals_masked_reference(B, S, Sk, H, Hkv, permuted, mb, mc):
+    rng = np.random.default_rng(S + Sk + H)
+    q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, mb, mc)
+    ops = mosaic_index.prepare(idx, k, v, kp, BS)
+    n_free, n_blk = np.asarray(ops.counts[..., 0]), np.asarray(ops.counts[..., 1])
+    assert np.all(n_free <= n_blk) and np.array_equal(n_blk, np.asarray(idx.block_count))
+    out, lse = mosaic_index.emulate_fwd(q, ops, k, v, qp, sm_scale=64**-0.5, block_size=BS)
+    ref_out, ref_lse = dense_attention(q, k, v, qp, kp, step_index_to_mask(idx, S, Sk, BS))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=2e-5)
+
+
+def test_free_tiles_hold_no_listed_prefix_column():
+    """A tile is free only if causal-free AND none of its keys is a column of the row's prefix
+    (those keys belong to the column phase and must be masked out of the block tile)."""
+    rng = np.random.default_rng(1)
+    q, k, v, qp, kp, idx = _case(rng, 1, 256, 256, 2, 2, 64, False, 4, 40)
+    ops = mosaic_index.prepare(idx, k, v, kp, BS)
+    slot = np.asarray(mosaic_index.column_slots(idx, 256)).reshape(1, 2, 4, BS).min(-1)
+    bidx, cnt = np.asarray(ops.block_idx), np.asarray(ops.counts)
+    for h in range(2):
+        for i in range(4):
+            for j in range(cnt[0, h, i, 0]):
+                assert slot[0, h, bidx[0, h, i, j]] >= cnt[0, h, i, 2]
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_mosaic_forward_lowers_for_cuda(merge):
+    from pallas_kernels.mosaic_fwd import mosaic_fwd
+
+    rng = np.random.default_rng(2)
+    B, S, H, Hkv, D = 1, 256, 4, 2, 128
+    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
+    k = jnp.zeros((B, S, Hkv, D), jnp.bfloat16)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    idx = random_step_index(rng, B, H, S, S, pos, pos, max_blocks=3, max_cols=70)
+    acc = (jnp.zeros((B, S, H, D)), jnp.zeros((B, H, S))) if merge else None
+    f = jax.jit(lambda q, k, v, idx, acc: mosaic_fwd(q, k, v, pos, pos, idx, acc, sm_scale=0.1))
+    text = f.trace(q, k, k, idx, acc).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
