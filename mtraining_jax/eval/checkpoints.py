@@ -113,8 +113,8 @@ def _check_params(cfg: ModelConfig, params, where: str) -> None:
     from mtraining_jax.model.qwen2 import abstract_model
 
     want = jax.tree_util.tree_flatten_with_path(model_params(abstract_model(cfg)))[0]
-    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-    got = {jax.tree_util.keystr(k): np.shape(v) for k, v in got.items()}
+    got = {jax.tree_util.keystr(k): tuple(getattr(v, "shape", np.shape(v)))
+           for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     bad = []
     for k, v in want:
         ks = jax.tree_util.keystr(k)
@@ -136,9 +136,15 @@ def load_for_eval(path: str | os.PathLike, tokenizer: str | None = None, **overr
         raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
     try:
         if (p / "model.yaml").is_file():
+            import orbax.checkpoint as ocp
+
             from mtraining_jax.model.checkpoint import load_model_checkpoint
             from mtraining_jax.model.hf_io import model_params
 
+            if (p / "params").is_dir():  # shapes from the metadata first: no half-failed async restore
+                meta = ocp.StandardCheckpointer().metadata(p / "params")
+                _check_params(ModelConfig.from_yaml(p / "model.yaml"), getattr(meta, "item_metadata", meta),
+                              f"checkpoint {p}")
             cfg, model = load_model_checkpoint(p, **overrides)
             return LoadedModel(cfg, model_params(model), tokenizer or "byte", None, f"checkpoint {p}")
         if (p / "config.json").is_file():

@@ -125,8 +125,9 @@ def _evaluate(args) -> int:
         from mtraining_jax.train.cli import _setup_platform
 
         _setup_platform(int(cpu))
-    from mtraining_jax.eval.api import EvalSpec, evaluate_params
+    from mtraining_jax.eval.api import EvalSpec, check_spec, evaluate_params
     from mtraining_jax.eval.checkpoints import load_for_eval
+    from mtraining_jax.mesh import num_cp_ranks
     from mtraining_jax.train.config import MeshConfig
     from mtraining_jax.train.loop import build_mesh
     from mtraining_jax.train.tokenizer import load_tokenizer
@@ -142,6 +143,7 @@ def _evaluate(args) -> int:
     loaded = load_for_eval(args.checkpoint, args.tokenizer, **over)
     shape = args.mesh or tuple((run.get("mesh") or {}).get("shape") or (1, 1))
     mesh = build_mesh(MeshConfig(shape=tuple(shape)))
+    check_spec(loaded.config, spec, num_cp_ranks(mesh))  # lengths vs RoPE range and layout, before any work
     tok = load_tokenizer(loaded.tokenizer)
     needs_data = args.haystack == "heldout" or (args.ppl_windows and spec.perplexity_len) or args.recall_p
     held = heldout_stream(loaded, args.data, tok) if needs_data else None
