@@ -32,6 +32,9 @@ def summary(res: dict) -> dict:
     if "perplexity" in res:
         r = res["perplexity"]
         out[f"held-out loss @ {r['seq_len']}"] = r["mean_loss"]
+        w = r.get("window_loss", [])
+        if len(w) > 1:
+            out["held-out loss std error over windows"] = float(np.std(w, ddof=1) / np.sqrt(len(w)))
         out["loss, last position bucket"] = r["loss"][-1]
     if "niah" in res:
         r = res["niah"]
@@ -78,15 +81,16 @@ def markdown_table(runs) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare_results(runs, out_dir: str, prefix: str = "compare") -> list[str]:
-    """Write ``<prefix>.md`` and the side-by-side PNGs of the sections every run has."""
+def compare_results(runs, out_dir: str, prefix: str = "compare",
+                    sections=("niah", "perplexity", "ruler", "recall")) -> list[str]:
+    """Write ``<prefix>.md`` and the side-by-side PNGs of those ``sections`` every run has."""
     from mtraining_jax.eval import plots
 
     os.makedirs(out_dir, exist_ok=True)
     files = [os.path.join(out_dir, f"{prefix}.md")]
     with open(files[0], "w") as f:
         f.write(markdown_table(runs))
-    have = lambda k: all(k in r for _, r in runs)  # noqa: E731
+    have = lambda k: k in sections and all(k in r for _, r in runs)  # noqa: E731
     if have("niah"):
         files.append(plots.niah_heatmaps([(l, r["niah"]) for l, r in runs], os.path.join(out_dir, f"{prefix}_niah.png")))
     if have("perplexity"):

@@ -4,7 +4,7 @@ The first ``num_windows`` windows of ``S + 1`` tokens of a held-out stream (file
 trainer's held-out batches) are scored; the per-token loss ``-log p(x[t+1] | x[:t+1])`` is averaged
 over windows in ``num_buckets`` equal-width position buckets. A model that uses long context has a
 loss that keeps falling with position. Result (JSON): ``{"seq_len", "windows", "bucket_edges"
-[num_buckets + 1], "loss" [num_buckets], "perplexity" [num_buckets], "mean_loss", "tokens"}``.
+[num_buckets + 1], "loss" [num_buckets], "perplexity" [num_buckets], "mean_loss", "window_loss" [windows], "tokens"}``.
 """
 
 from __future__ import annotations
@@ -39,4 +39,4 @@ def position_loss(predict: Callable, stream, seq_len: int, num_windows: int, num
     return {"seq_len": int(seq_len), "windows": n,
             "bucket_edges": [int(x) for x in np.linspace(0, seq_len, num_buckets + 1)],
             "loss": per.tolist(), "perplexity": [math.exp(min(x, 80.0)) for x in per],
-            "mean_loss": float(nll.mean()), "tokens": int(nll.size)}
+            "mean_loss": float(nll.mean()), "window_loss": nll.mean(1).tolist(), "tokens": int(nll.size)}
