@@ -1,0 +1,222 @@
+"""Dense vs MTraining quality study: train both variants of configs/quality/ from scratch (same
+seed, data, data order, steps), evaluate each in-process, and write a few small files.
+
+    python benchmarks/quality_study.py --out results/quality               # GPU: both variants, one call
+    python benchmarks/quality_study.py --out results/q --variant mtraining # one variant per call
+    python benchmarks/quality_study.py --out /tmp/q --smoke                # CPU toy sizes (CI)
+
+Data: this Python's standard-library sources (byte tokens, 5 % of files held out by path hash).
+A fraction ``--retrieval-mix`` of the 32K training windows carries one synthetic retrieval task
+(:mod:`mtraining_jax.eval.tasks`: passkey, multi-key, multi-value, variable tracking) embedded in
+that window's code, so a small model trained for minutes can learn long-range retrieval at all;
+the evaluation's examples come from a different seed. The held-out stream is plain code.
+
+Evaluation per variant (:func:`mtraining_jax.eval.api.evaluate_params`): NIAH grid, RULER-style
+tasks, held-out loss by position, index recall per layer and head at p = 0.9 / 0.5 on the trained
+model's q/k (and on the untrained initialisation for contrast).
+
+Outputs in ``--out`` (at most 6 files): ``quality.jsonl`` (one record per variant, appended as
+soon as the variant is done: loss curve, held-out losses, timings, work fraction, every eval
+result), ``quality.md`` (side-by-side table, both variants), ``loss_curves.png``,
+``quality_niah.png``, ``quality_position_loss.png``, ``quality_recall.png``. A failing section
+is recorded as an error and the study goes on. Run dirs (no checkpoints) go to ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUALITY = os.path.join(ROOT, "configs", "quality")
+VARIANTS = ("dense", "mtraining")
+TRAIN_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
+SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
+         "model.num_kv_heads=1", "model.dtype=float32", "data.seq_len=512", "steps=2", "optim.warmup_steps=1",
+         "eval.every=2", "eval.batches=1", "loss_chunk_size=512", "mesh.shape=[1,2]", "logging.progress=false"]
+SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["model.dense_backend=ring"]}
+
+
+def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int):
+    """``(train.npy, heldout.npy)``: ``windows`` training windows of ``seq_len`` stdlib tokens, a
+    fraction ``mix`` of them holding a retrieval task built into their own code; plain held-out."""
+    import numpy as np
+
+    from mtraining_jax.eval.tasks import GENERATORS
+    from mtraining_jax.train.data import stdlib_streams
+    from mtraining_jax.train.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    train, held = stdlib_streams(tok)
+    n = min(windows, len(train) // seq_len)
+    blocks = np.asarray(train[:n * seq_len], np.int32).reshape(n, seq_len).copy()
+    rng = np.random.default_rng([seed, 20240518])
+    for w in np.nonzero(rng.random(n) < mix)[0]:
+        task = TRAIN_TASKS[int(rng.integers(len(TRAIN_TASKS)))]
+        blocks[w] = GENERATORS[task](tok, seq_len - 1, float(rng.uniform()), rng, stream=blocks[w]).tokens
+    os.makedirs(work, exist_ok=True)
+    paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
+    np.save(paths[0], blocks.reshape(-1).astype(np.uint16))
+    np.save(paths[1], np.asarray(held, np.uint16))
+    return paths, int(n)
+
+
+def eval_spec(smoke: bool, seq_len: int):
+    from mtraining_jax.eval.api import EvalSpec
+
+    if smoke:
+        return EvalSpec(lengths=(seq_len,), depths=(0.0, 1.0), samples=1, ruler_tasks=("multikey",),
+                        ruler_samples=1, ppl_windows=2, ppl_buckets=4, recall_ps=(0.9, 0.5), recall_rows=16)
+    lengths = tuple(n for n in (4096, 8192, 16384, 32768) if n <= seq_len)
+    return EvalSpec(lengths=lengths, depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=4,
+                    ruler_tasks=("multikey", "multivalue", "vartrack"), ruler_samples=4, ppl_windows=8,
+                    ppl_buckets=16, recall_ps=(0.9, 0.5), recall_rows=512)
+
+
+def run_variant(name: str, args, corpus) -> dict:
+    """Train and evaluate one variant; every section's failure is recorded, not raised."""
+    import numpy as np
+
+    from mtraining_jax.eval.api import evaluate_params
+    from mtraining_jax.eval.recall import index_recall
+    from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
+    from mtraining_jax.train.config import load_config
+    from mtraining_jax.train.data import token_file_stream
+    from mtraining_jax.train.loop import build_mesh, run
+    from mtraining_jax.train.metrics import read_metrics
+    from mtraining_jax.train.state import build_model_config, split_model
+    from mtraining_jax.train.tokenizer import load_tokenizer
+
+    over = [f"run_dir={os.path.join(args.work, name)}", f"data.path={corpus[0]}", f"data.eval_path={corpus[1]}"]
+    if args.smoke:
+        over += SMOKE + SMOKE_BACKENDS[name]
+    if args.steps:
+        over.append(f"steps={args.steps}")
+    cfg = load_config(os.path.join(QUALITY, f"{name}.yaml"), over)
+    rec = {"variant": name, "steps": cfg.steps, "seq_len": cfg.data.seq_len, "retrieval_mix": args.retrieval_mix}
+    t0 = time.time()
+    result = run(cfg)
+    rec["train_seconds"] = time.time() - t0
+    rows = [m for m in read_metrics(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in m]
+    train_rows = [m for m in rows if m.get("split", "train") == "train"]
+    rec["train_loss"] = [[int(m["step"]), float(m["loss"])] for m in train_rows]
+    rec["heldout_loss"] = [[int(e["step"]), float(e["loss"])] for e in result.eval_metrics if "loss" in e]
+    tps = [m["tokens_per_s"] for m in train_rows[len(train_rows) // 4:] if "tokens_per_s" in m]
+    rec["tokens_per_s"] = float(np.median(tps)) if tps else None
+    wf = [m["attn/work_fraction"] for m in train_rows if "attn/work_fraction" in m]
+    rec["work_fraction"] = float(np.mean(wf)) if wf else 1.0
+    print(f"[{name}] trained {cfg.steps} steps in {rec['train_seconds']:.0f}s, last loss "
+          f"{rec['train_loss'][-1][1] if rec['train_loss'] else float('nan'):.4f}", flush=True)
+    _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    mesh, tok = build_mesh(cfg.mesh), load_tokenizer(cfg.data.tokenizer)
+    held = np.asarray(token_file_stream(corpus[1]))
+    spec = eval_spec(args.smoke, cfg.data.seq_len)
+    t0 = time.time()
+    try:
+        rec["eval"] = evaluate_params(model_cfg, result.params, tok, spec, mesh=mesh, heldout=held, label=name)
+    except Exception as e:  # keep the training record
+        traceback.print_exc()
+        rec["eval_error"] = f"{type(e).__name__}: {e}"
+    try:
+        S = spec.perplexity_len
+        init = split_model(Qwen2ForCausalLM, model_cfg, cfg.seed)[1]()
+        rec["recall_untrained"] = index_recall(model_cfg, init, held[None, :S], spec.recall_ps, mesh, spec.recall_rows)
+    except Exception as e:
+        traceback.print_exc()
+        rec["recall_untrained_error"] = f"{type(e).__name__}: {e}"
+    rec["eval_seconds"] = time.time() - t0
+    print(f"[{name}] evaluated in {rec['eval_seconds']:.0f}s", flush=True)
+    return rec
+
+
+def training_table(recs) -> str:
+    """Markdown: training-side numbers per variant."""
+    lines = ["| variant | steps | train s | tokens/s | work fraction | final train loss | held-out loss (trainer) "
+             "| untrained recall p=0.9 |", "|---|---|---|---|---|---|---|---|"]
+    for r in recs:
+        last = r["train_loss"][-1][1] if r["train_loss"] else float("nan")
+        held = r["heldout_loss"][-1][1] if r["heldout_loss"] else float("nan")
+        ur = r.get("recall_untrained", {}).get("mean_recall", {}).get("0.9", float("nan"))
+        tps = r["tokens_per_s"] or float("nan")
+        lines.append(f"| {r['variant']} | {r['steps']} | {r['train_seconds']:.0f} | {tps:.0f} | {r['work_fraction']:.3f} "
+                     f"| {last:.4f} | {held:.4f} | {ur:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(recs, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mtraining_jax.eval.compare import compare_results
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for r in recs:
+        if r["train_loss"]:
+            s, l = zip(*r["train_loss"])
+            ax.plot(s, l, label=f"{r['variant']} train", lw=1)
+        if r["heldout_loss"]:
+            s, l = zip(*r["heldout_loss"])
+            ax.plot(s, l, "o--", label=f"{r['variant']} held-out", ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss_curves.png"), dpi=110)
+    plt.close(fig)
+    runs = [(r["variant"], r["eval"]) for r in recs if "eval" in r]
+    if runs:
+        compare_results(runs, out, prefix="quality", sections=("niah", "perplexity", "recall"))
+    with open(os.path.join(out, "quality.md"), "a" if runs else "w") as f:
+        f.write("\n" + training_table(recs))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for the (<= 6) result files")
+    p.add_argument("--variant", choices=("both",) + VARIANTS, default="both")
+    p.add_argument("--work", default=os.path.join("runs", "quality"), help="run dirs and the token files")
+    p.add_argument("--steps", type=int, help="override the configs' steps")
+    p.add_argument("--retrieval-mix", type=float, default=0.5, help="fraction of training windows with a task")
+    p.add_argument("--smoke", action="store_true", help="CPU toy sizes (2 virtual devices)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        from mtraining_jax.train.cli import _setup_platform
+
+        _setup_platform(2)
+    import numpy as np  # noqa: F401
+
+    from mtraining_jax.train.config import load_config
+
+    os.makedirs(args.out, exist_ok=True)
+    base = load_config(os.path.join(QUALITY, "dense.yaml"), SMOKE if args.smoke else [])
+    steps = args.steps or base.steps
+    windows = max(2 * steps * base.data.batch_size, 16) + 8
+    t0 = time.time()
+    corpus, n = build_corpus(args.work, base.data.seq_len, windows, args.retrieval_mix, base.data.seed)
+    print(f"corpus: {n} windows of {base.data.seq_len} tokens ({time.time() - t0:.0f}s)", flush=True)
+    recs = []
+    for name in (VARIANTS if args.variant == "both" else (args.variant,)):
+        try:
+            rec = run_variant(name, args, corpus)
+        except Exception as e:
+            traceback.print_exc()
+            rec = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+        with open(os.path.join(args.out, "quality.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if "error" not in rec:
+            recs.append(rec)
+    if recs:
+        write_report(recs, args.out)
+    print(open(os.path.join(args.out, "quality.md")).read() if recs else "no variant finished")
+    return 0 if len(recs) == (2 if args.variant == "both" else 1) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

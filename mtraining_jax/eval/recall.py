@@ -1,0 +1,114 @@
+"""Index recall on a model's real queries and keys: how much of the true softmax attention mass
+the vertical-slash index (MTraining Algorithm 1) keeps, per layer and query head.
+
+:func:`layer_qk` runs the model's decoder layers one by one (same modules and attention backends
+as ``Qwen2ForCausalLM.__call__``, sequence in the model's layout and sharded over the mesh) and
+returns each layer's RoPE'd ``q [B, S, Hq, D]`` and ``k [B, S, Hkv, D]`` in natural order.
+:func:`index_recall` estimates the index from them at each top-p (``vertical_p = slash_p = p``,
+the other budgets from the model's ``sparsity`` config) and measures
+:func:`~mtraining_jax.sparsity.metrics.recall` (mass kept, mean over sampled query rows) and
+:func:`~mtraining_jax.sparsity.metrics.density` (attended fraction of the causal pairs).
+Every layer is measured, dense ones included (what the index would keep there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtraining_jax.eval.predictor import layout_for
+from mtraining_jax.mesh import num_cp_ranks
+from mtraining_jax.model.config import ModelConfig
+from mtraining_jax.model.qwen2 import Qwen2ForCausalLM, attend
+from mtraining_jax.sparsity.config import SparsityConfig
+from mtraining_jax.sparsity.estimate import estimate_index
+from mtraining_jax.sparsity.metrics import density, recall
+from mtraining_jax.train.loop import to_global
+from mtraining_jax.train.state import bind, split_model
+from mtraining_jax.train.step import batch_shardings
+
+
+def layer_qk(cfg: ModelConfig, params, tokens, mesh=None):
+    """``([q per layer], [k per layer], hidden)`` for ``tokens int [B, S]`` (natural order); q/k
+    in natural order as device arrays, ``hidden`` the final-normed hidden states (natural order,
+    equal to the model's own forward: tested)."""
+    tokens = np.asarray(tokens, np.int32)
+    P_ = 1 if mesh is None else num_cp_ranks(mesh)
+    lay = layout_for(cfg, tokens.shape[1], P_)
+    parts, _ = split_model(Qwen2ForCausalLM, cfg, 0)
+    backends = cfg.layer_backends
+
+    def run(params, tok, pos):
+        model = bind(parts, params)
+        x = model.embed_tokens(tok).astype(jnp.dtype(cfg.dtype))
+        cos, sin = model.rope(pos)
+        graphdef, stacked = nnx.split(model.layers)
+        qs, ks = [], []
+        for i, backend in enumerate(backends):
+            layer = nnx.merge(graphdef, jax.tree.map(lambda t: t[i], stacked))
+            q, k, v = layer.attention_inputs(x, cos, sin)
+            mcfg = cfg.mtraining_config() if backend == "mtraining" else None
+            o, _ = attend(q, k, v, pos, backend=backend, mesh=mesh, ring_order=cfg.ring_order,
+                          impl=cfg.attention_impl, mtraining=mcfg)
+            x = layer.finish(x, o)
+            qs.append(q)
+            ks.append(k)
+        return qs, ks, model.norm(x)
+
+    tok, pos = lay.permute(tokens, axis=1), lay.perm.astype(np.int32)
+    sh = batch_shardings(mesh, False)
+    if sh is not None:
+        tok, pos = to_global(tok, sh.tokens), to_global(pos, sh.positions)
+    qs, ks, h = jax.jit(run)(params, tok, pos)
+    nat, dev = jnp.asarray(lay.inverse), jax.devices()[0]
+
+    def natural(a):  # gathered on one device, natural order
+        return jnp.take(jax.device_put(a, dev), nat, axis=1)
+
+    return [natural(q) for q in qs], [natural(k) for k in ks], natural(h)
+
+
+_estimate = jax.jit(estimate_index, static_argnums=3)
+
+
+def sparsity_for(cfg: ModelConfig, p: float) -> SparsityConfig:
+    """The model's sparsity budgets with ``vertical_p = slash_p = p``."""
+    return dataclasses.replace(cfg.mtraining_config().sparsity, vertical_p=float(p), slash_p=float(p))
+
+
+def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0.5), mesh=None,
+                 num_rows: int = 512, qk=None) -> dict:
+    """Recall and density per layer and head at each ``p`` (see module docstring).
+
+    Returns JSON: ``{"p": [...], "seq_len", "rows", "backends": [per layer], "recall": {p: [L][H]},
+    "density": {p: [L][H]}, "mean_recall": {p}, "min_recall": {p}, "mean_density": {p}}`` (``p`` keys
+    formatted ``"%g"``; values averaged over the batch). ``qk``: ``(qs, ks)`` of :func:`layer_qk`
+    already computed (then ``params``, ``tokens`` and ``mesh`` are not used).
+    """
+    qs, ks = qk if qk is not None else layer_qk(cfg, params, tokens, mesh)[:2]
+    S = qs[0].shape[1]
+    rows = np.unique(np.linspace(0, S - 1, min(num_rows, S)).astype(np.int64))
+    pos = jnp.arange(S, dtype=jnp.int32)
+    out = {"p": [float(p) for p in ps], "seq_len": int(S), "rows": int(len(rows)),
+           "backends": list(cfg.layer_backends), "recall": {}, "density": {}, "mean_recall": {},
+           "min_recall": {}, "mean_density": {}}
+    for p in ps:
+        sp = sparsity_for(cfg, p)
+        rec, den = [], []
+        for q, k in zip(qs, ks):
+            q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+            idx = _estimate(q32, k32, pos, sp)
+            rec.append(np.asarray(recall(q32, k32, idx, rows=rows, block_size=sp.block_size,
+                                         sm_scale=sp.sm_scale)).mean(0))
+            den.append(density(idx, S, sp.block_size).mean(0))
+        key = f"{p:g}"
+        rec, den = np.stack(rec), np.stack(den)
+        out["recall"][key], out["density"][key] = rec.tolist(), den.tolist()
+        out["mean_recall"][key], out["min_recall"][key] = float(rec.mean()), float(rec.min())
+        out["mean_density"][key] = float(den.mean())
+    return out

@@ -1,0 +1,136 @@
+"""mtraining_jax.eval: scoring (right answers 1, wrong 0), task generation, the sharded predictor
+and the q/k capture against the model's own forward, index recall."""
+
+import numpy as np
+import pytest
+import scipy.special
+from flax import nnx
+
+from mtraining_jax.eval.perplexity import position_loss
+from mtraining_jax.eval.predictor import ModelPredictor, head_predictions
+from mtraining_jax.eval.recall import index_recall, layer_qk
+from mtraining_jax.eval.retrieval import niah_grid, ruler_suite
+from mtraining_jax.eval.scoring import score_examples
+from mtraining_jax.eval.tasks import TASKS, make_example
+from mtraining_jax.mesh import make_mesh
+from mtraining_jax.model.config import ModelConfig
+from mtraining_jax.model.hf_io import model_params
+from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
+from mtraining_jax.train.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+            max_position_embeddings=4096)
+
+
+def oracle(inputs, labels):
+    """Knows every next token."""
+    return np.asarray(labels), np.zeros(np.shape(labels), np.float32)
+
+
+def clueless(inputs, labels):
+    """Always predicts a wrong token."""
+    return (np.asarray(labels) + 1) % 259, np.ones(np.shape(labels), np.float32)
+
+
+def first_digit_only(inputs, labels):
+    """Right everywhere except the last answer token of each sequence."""
+    p = np.asarray(labels).copy()
+    p[:, -1] = (p[:, -1] + 1) % 259
+    return p, np.zeros(p.shape, np.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(**TINY, attention_backend="ring")
+    return cfg, model_params(Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def test_scoring_right_answers_one_wrong_answers_zero():
+    lengths, depths = [256, 512], [0.0, 0.5, 1.0]
+    good = niah_grid(oracle, TOK, lengths, depths, samples=2)
+    bad = niah_grid(clueless, TOK, lengths, depths, samples=2)
+    assert np.array_equal(good["accuracy"], np.ones((3, 2))) and np.array_equal(bad["accuracy"], np.zeros((3, 2)))
+    assert np.array_equal(bad["token_accuracy"], np.zeros((3, 2)))
+    ex = [make_example("passkey", TOK, 256, 0.5, 0, 0, s) for s in range(3)]
+    exact, tok = score_examples(first_digit_only, ex, batch_size=2)
+    n = ex[0].answer.sum()  # " 12345" = 6 answer tokens, the last one wrong: not an exact match
+    np.testing.assert_array_equal(exact, 0.0)
+    np.testing.assert_allclose(tok, (n - 1) / n)
+    r = ruler_suite(oracle, TOK, [512], ["multikey", "multivalue", "vartrack"], samples=2)
+    assert all(v["accuracy"] == [1.0] for v in r["tasks"].values())
+    r = ruler_suite(clueless, TOK, [512], ["multikey", "multivalue", "vartrack"], samples=2)
+    assert all(v["accuracy"] == [0.0] for v in r["tasks"].values())
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_tasks_deterministic_with_answer_at_the_end(task):
+    a = make_example(task, TOK, 1024, 0.3, seed=7, cell=1, sample=2)
+    b = make_example(task, TOK, 1024, 0.3, seed=7, cell=1, sample=2)
+    c = make_example(task, TOK, 1024, 0.3, seed=8, cell=1, sample=2)
+    assert a.tokens.shape == (1025,) and a.answer.shape == (1024,)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+    ans = TOK.decode(a.tokens[1:][a.answer])
+    assert ans.strip() == a.text and a.answer[-1] and a.answer.sum() == len(ans)
+    text = TOK.decode(a.tokens)
+    if task == "multivalue":  # all values, in order of appearance
+        vals = a.text.split(", ")
+        assert len(vals) == 4 and [text.index(f"is: {v}.") for v in vals] == sorted(text.index(f"is: {v}.") for v in vals)
+    if task == "vartrack":  # the chain: first var holds the value, each next copies the previous
+        names = a.text.split()
+        assert all(f"VAR {names[i]} = VAR {names[i - 1]}." in text for i in range(1, len(names)))
+
+
+def test_needle_depth():
+    for depth, lo, hi in ((0.0, 0, 0.05), (1.0, 0.85, 0.95)):
+        e = make_example("passkey", TOK, 2048, depth, 0, 0, 0)
+        at = TOK.decode(e.tokens).index("The pass key is") / 2049
+        assert lo <= at <= hi, (depth, at)
+    with pytest.raises(ValueError, match="context length 64 is too short"):
+        make_example("multikey", TOK, 64, 0.5, 0, 0, 0)
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        make_example("nope", TOK, 64, 0.5, 0, 0, 0)
+
+
+def test_head_predictions_chunked_vocab():
+    rng = np.random.default_rng(0)
+    h, w = rng.normal(size=(2, 5, 8)), rng.normal(size=(8, 37))
+    y = rng.integers(0, 37, size=(2, 5))
+    pred, nll = head_predictions(h, w, y, vocab_chunk=10)  # 4 chunks, the last one padded
+    z = h @ w
+    np.testing.assert_array_equal(pred, z.argmax(-1))
+    np.testing.assert_allclose(nll, scipy.special.logsumexp(z, -1) - np.take_along_axis(z, y[..., None], -1)[..., 0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_predictor_matches_single_device_logits(tiny):
+    cfg, params = tiny
+    x = np.random.default_rng(1).integers(0, 259, size=(2, 1025)).astype(np.int32)
+    predict = ModelPredictor(cfg, params, make_mesh((2, 4)), vocab_chunk=128)
+    pred, nll = predict(x[:, :-1], x[:, 1:])
+    ref = Qwen2ForCausalLM(cfg.replace(attention_backend="reference"), rngs=nnx.Rngs(0))
+    z = np.asarray(ref.logits(x[:, :-1], np.arange(1024)), np.float64)
+    np.testing.assert_array_equal(pred, z.argmax(-1))
+    want = scipy.special.logsumexp(z, -1) - np.take_along_axis(z, x[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(nll, want, rtol=2e-4, atol=2e-4)
+    pl = position_loss(predict, x[0], 512, 1, num_buckets=4)
+    assert pl["windows"] == 1 and pl["tokens"] == 512 and len(pl["loss"]) == 4
+    np.testing.assert_allclose(pl["mean_loss"], want[0, :512].mean(), rtol=1e-4)  # window 0 = x[0, :513]
+    np.testing.assert_allclose(pl["loss"][0], want[0, :128].mean(), rtol=1e-4)
+
+
+def test_layer_qk_and_index_recall(tiny):
+    cfg, params = tiny  # dense ring on a 2x4 mesh: the captured forward must equal the reference model's
+    x = np.random.default_rng(2).integers(0, 259, size=(1, 512)).astype(np.int32)
+    qs, ks, h = layer_qk(cfg, params, x, make_mesh((2, 4)))
+    ref = Qwen2ForCausalLM(cfg.replace(attention_backend="reference"), rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(h), np.asarray(ref(x, np.arange(512))), rtol=2e-4, atol=2e-4)
+    assert len(qs) == 2 and qs[0].shape == (1, 512, 2, 32) and ks[0].shape == (1, 512, 1, 32)
+    sp = cfg.replace(sparsity=dict(vertical_max=64, slash_max=4))
+    r = index_recall(sp, None, None, (1.0, 0.3), num_rows=64, qk=(qs, ks))
+    assert np.asarray(r["recall"]["0.3"]).shape == (2, 2) and r["backends"] == ["ring", "ring"]
+    hi, lo = np.asarray(r["recall"]["1"]), np.asarray(r["recall"]["0.3"])
+    assert np.all((lo > 0) & (hi <= 1 + 1e-6)) and np.all(hi >= lo - 1e-9)  # larger top-p keeps more mass
+    assert np.all(np.asarray(r["density"]["1"]) >= np.asarray(r["density"]["0.3"]))
+    assert r["mean_recall"]["0.3"] < r["mean_recall"]["1"] and r["mean_density"]["0.3"] < r["mean_density"]["1"]
