@@ -20,9 +20,10 @@ import jax
 
 
 class MetricsWriter:
-    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if available, TensorBoard."""
+    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if available, TensorBoard.
+    ``purge_step``: a resumed run's first step; TensorBoard hides older events at or after it."""
 
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None):
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._tb = None
@@ -37,7 +38,7 @@ class MetricsWriter:
             except ImportError:
                 warnings.warn("tensorboardX is not installed: no TensorBoard event files (metrics.jsonl only)")
             else:
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge_step)
                 self.tensorboard_backend = "tensorboardX"
 
     def write(self, step: int, metrics: dict, split: str = "train") -> None:
