@@ -122,7 +122,9 @@ def check_shapes(stored: Any, target: Any, where: str, prefix: str = "") -> None
 
 
 def _key(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """``a/0/mu`` for dict keys, sequence indices and attributes alike (Orbax's metadata tree
+    stores tuples and named tuples as lists / dicts)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def read_params(ref: ModelCheckpointRef, target: Any) -> Any:

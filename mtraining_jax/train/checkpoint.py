@@ -66,7 +66,10 @@ class Checkpointer:
         )
         if abstract is not None:
             where = os.path.join(self.directory, str(int(step)))
-            check_shapes(stored_shapes(os.path.join(where, STATE_NAME)), abstract, where)
+            stored = stored_shapes(os.path.join(where, STATE_NAME))
+            if isinstance(stored, dict) and isinstance(abstract, dict) and "params" in stored and "params" in abstract:
+                check_shapes(stored["params"], abstract["params"], where, prefix="params/")  # named first
+            check_shapes(stored, abstract, where)
         out = self._mgr.restore(
             int(step),
             args=ocp.args.Composite(

@@ -205,14 +205,14 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
     """Check the inputs, prepare ``run_dir``, build data, steps and the state (module docstring)."""
     t_setup = time.time()
     resume = cfg.checkpoint.resume
-    prepare_run_dir(cfg.run_dir, cfg.checkpoint_dir, resume=resume, overwrite=overwrite,
-                    checkpoint_key="checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints",
-                    is_main=_is_main())
-    _sync("mtraining_run_dir")
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     layout = check_run_config(cfg, model_cfg, mesh, tokenizer)
+    prepare_run_dir(cfg.run_dir, cfg.checkpoint_dir, resume=resume, overwrite=overwrite,
+                    checkpoint_key="checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints",
+                    is_main=_is_main())
+    _sync("mtraining_run_dir")
 
     A = cfg.optim.grad_accum
     train_stream, held_stream = data_lib.build_streams(cfg.data, tokenizer, model_cfg.vocab_size)
@@ -371,7 +371,7 @@ def _bad_step(run: Run, done: int, metrics: dict, in_a_row: int) -> None:
     loss, gn = metrics["loss"], metrics["grad_norm"]
     what = f"loss {loss}" if not math.isfinite(loss) else f"gradient (grad_norm {gn}) with finite loss {loss:.4f}"
     run.writer.write(done, {**metrics, "skipped_updates": run.skipped_updates})
-    run.bar.write(f"warning: non-finite {what} at step {done}: update skipped "
+    run.bar.warn(f"warning: non-finite {what} at step {done}: update skipped "
                   f"({in_a_row} in a row, optim.max_bad_steps={limit})")
     if in_a_row < limit:
         return

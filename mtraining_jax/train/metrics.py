@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -118,6 +119,13 @@ class Progress:
             self._bar.write(msg)
         elif jax.process_index() == 0:
             print(msg, flush=True)
+
+    def warn(self, msg: str) -> None:
+        """``msg`` on stderr (above the bar when there is one), process 0."""
+        if self._bar is not None:
+            self._bar.write(msg, file=sys.stderr)
+        elif jax.process_index() == 0:
+            print(msg, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -46,10 +46,10 @@ def check_dir(key: str, path: str) -> str:
     return path
 
 
-def _has_checkpoints(ckpt_dir: str) -> list[str]:
+def _has_checkpoints(ckpt_dir: str) -> list[int]:
     if not os.path.isdir(ckpt_dir):
         return []
-    return sorted((n for n in os.listdir(ckpt_dir) if n.isdigit()), key=int)
+    return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
 
 
 def prepare_run_dir(run_dir: str, ckpt_dir: str, *, resume: bool, overwrite: bool, checkpoint_key: str,
@@ -82,7 +82,7 @@ def prepare_run_dir(run_dir: str, ckpt_dir: str, *, resume: bool, overwrite: boo
         elif os.path.exists(p):
             os.remove(p)
     for s in steps:  # a checkpoint.dir outside run_dir
-        shutil.rmtree(os.path.join(ckpt_dir, s), ignore_errors=True)
+        shutil.rmtree(os.path.join(ckpt_dir, str(s)), ignore_errors=True)
 
 
 def truncate_metrics(path: str, last_step: int) -> int:
