@@ -39,15 +39,18 @@ FAST = MODEL + [
 ]
 
 
+def _qwen_config(yarn: bool):
+    return transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256 if yarn else 64, tie_word_embeddings=False,
+        rope_theta=10000.0, rms_norm_eps=1e-5, rope_scaling=dict(YARN) if yarn else None,
+    )
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-    )
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model = transformers.Qwen2ForCausalLM(_qwen_config(False)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -64,8 +67,8 @@ def tokens(tmp_path_factory):
 
 
 def _hf_model(path, yarn=True):
-    kw = dict(rope_scaling=dict(YARN), max_position_embeddings=256) if yarn else {}
-    return transformers.Qwen2ForCausalLM.from_pretrained(path, torch_dtype=torch.float32, **kw).eval()
+    """The pretrained checkpoint, with the training config's YaRN when ``yarn``."""
+    return transformers.Qwen2ForCausalLM.from_pretrained(path, config=_qwen_config(yarn), torch_dtype=torch.float32).eval()
 
 
 def _first_batch(cfg):
@@ -80,7 +83,7 @@ def _first_batch(cfg):
 def _hf_loss(model, toks, labels):
     with torch.no_grad():
         logits = model(torch.tensor(toks, dtype=torch.long)).logits.float()
-    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(labels).reshape(-1)))
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(labels, dtype=torch.long).reshape(-1)))
 
 
 def _logits_hf(model, toks):

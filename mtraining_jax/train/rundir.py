@@ -4,8 +4,9 @@
 ``loss.png``, ``config.yaml``, ``checkpoints/``). :func:`prepare_run_dir` decides what a new
 invocation may do with it:
 
-* fresh run (neither ``--resume`` nor ``--overwrite``): ``run_dir`` must be empty or absent and the
-  checkpoint folder must hold no checkpoint, else :class:`RunDirError` offering both flags;
+* fresh run (neither ``--resume`` nor ``--overwrite``): ``run_dir`` must be absent or hold nothing
+  but empty folders, and the checkpoint folder no checkpoint, else :class:`RunDirError` offering
+  both flags;
 * ``--overwrite``: the artefacts of the old run (and nothing else) are deleted first;
 * ``--resume``: the run continues; :func:`truncate_metrics` then drops the records of steps after
   the restored checkpoint, so ``metrics.jsonl`` (and the loss plot drawn from it) holds one run.
@@ -58,7 +59,9 @@ def prepare_run_dir(run_dir: str, ckpt_dir: str, *, resume: bool, overwrite: boo
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other: continue the run or start it again")
     check_dir("run_dir", run_dir)
-    entries = sorted(os.listdir(run_dir))  # before the checkpoint folder is created in it
+    # empty folders hold no run (e.g. the checkpoint folder of a start that failed its checks)
+    entries = sorted(e for e in os.listdir(run_dir)
+                     if not (os.path.isdir(os.path.join(run_dir, e)) and not os.listdir(os.path.join(run_dir, e))))
     check_dir(checkpoint_key, ckpt_dir)
     if resume:
         return
