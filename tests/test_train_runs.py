@@ -85,7 +85,8 @@ def test_non_finite_gradient_with_finite_loss_stops_with_exit_1(tmp_path, capsys
     rc, _, err = _main(capsys, f"run_dir={rd}", "steps=5", "optim.lr=1e6", "optim.clip_norm=0",
                        "checkpoint.every=1")
     assert rc == 1, err
-    assert "non-finite" in err and "optim.max_bad_steps" in err and "last good checkpoint is step" in err
+    assert "non-finite gradient (grad_norm nan) at step" in err and "with finite loss" in err, err
+    assert "optim.max_bad_steps" in err and "last good checkpoint is step" in err
     recs = _records(rd)
     bad = recs[-1]
     assert bad["skipped_updates"] == 1.0
