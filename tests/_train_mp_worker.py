@@ -19,6 +19,6 @@ if __name__ == "__main__":
     port, pid, nproc, ndev, run_dir, *overrides = sys.argv[1:]
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "tiny_cpu.yaml")
     sys.exit(cli.main([
-        "--config", config, *overrides, f"run_dir={run_dir}", f"mesh.cpu_devices={ndev}", f"mesh.shape=[{nproc},{ndev}]",
+        "--config", config, *overrides, f"run_dir={run_dir}", f"mesh.cpu_devices={int(nproc) * int(ndev)}", f"mesh.shape=[{nproc},{ndev}]",
         "--coordinator-address", f"localhost:{port}", "--num-processes", nproc, "--process-id", pid,
     ]))

@@ -215,4 +215,46 @@ def test_convert_cli_round_trip(good_dir, tmp_path, capsys):
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     assert convert_main(["ours-to-hf", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
-    assert "model.yaml" in capsys.readouterr().err
+    assert f"model checkpoint not found: {tmp_path / 'missing'}" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert convert_main(["ours-to-hf", str(tmp_path / "empty"), str(tmp_path / "x")]) == 2
+    assert "expected model.yaml + params/" in capsys.readouterr().err
+
+
+def test_convert_into_an_existing_destination_touches_nothing(good_dir, tmp_path, capsys):
+    """Finding 2: without --force nothing in DST changes and the message names --force; with
+    --force a failing conversion still leaves DST as it was (written to a temporary folder)."""
+    dst = tmp_path / "ours"
+    assert convert_main(["hf-to-ours", str(good_dir), str(dst)]) == 0
+    before = {p: p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    other = tmp_path / "other"
+    _hf_model(False, False, seed=9).save_pretrained(other)
+    capsys.readouterr()  # transformers' own progress output
+    assert convert_main(["hf-to-ours", str(other), str(dst)]) == 2
+    err = capsys.readouterr().err
+    assert f"destination {dst} exists and is not empty; pass --force" in err and len(err.splitlines()) == 1
+    (other / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert convert_main(["hf-to-ours", str(other), str(dst), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {other / 'model.safetensors'} (corrupt" in err and len(err.splitlines()) == 1
+    assert {p: p.read_bytes() for p in dst.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "other", "ours"]  # no temporary folder left
+    hf_out = tmp_path / "hf"
+    hf_out.mkdir()
+    (hf_out / "keep.txt").write_text("x")
+    assert convert_main(["ours-to-hf", str(dst), str(hf_out)]) == 2
+    assert "pass --force" in capsys.readouterr().err and (hf_out / "keep.txt").is_file()
+    assert convert_main(["ours-to-hf", str(dst), str(hf_out), "--force"]) == 0
+    assert sorted(p.name for p in hf_out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_bad_config_json_is_one_line_naming_the_file(good_dir, capsys):
+    cfg = json.loads((good_dir / "config.json").read_text())
+    del cfg["vocab_size"]
+    (good_dir / "config.json").write_text(json.dumps(cfg))
+    assert convert_main(["hf-to-ours", str(good_dir), str(good_dir.parent / "o1")]) == 2
+    err = capsys.readouterr().err
+    assert f"{good_dir / 'config.json'} lacks required key(s) ['vocab_size']" in err and len(err.splitlines()) == 1
+    (good_dir / "config.json").write_text('{"model_type": "qwen2",\n "vocab_size": }')
+    assert convert_main(["hf-to-ours", str(good_dir), str(good_dir.parent / "o2")]) == 2
+    assert f"{good_dir / 'config.json'}:2:" in capsys.readouterr().err

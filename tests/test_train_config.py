@@ -10,7 +10,7 @@ from mtraining_jax.train.optim import decay_mask, lr_schedule
 from mtraining_jax.train.state import build_model_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-CONFIGS = ["tiny_cpu.yaml", "qwen2.5-0.5b-128k.yaml", "qwen2.5-3b-512k.yaml"]
+CONFIGS = ["tiny_cpu.yaml", "qwen2.5-0.5b-128k.yaml", "qwen2.5-3b-512k.yaml", "qwen2.5-0.5b-continue-128k.yaml"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -97,3 +97,12 @@ def test_weight_decay_only_on_matrices():
     m = decay_mask(params)
     assert m == {"embed_tokens": {"embedding": True}, "layers": {"q_proj": {"kernel": True, "bias": False},
                  "input_layernorm": {"weight": False}}, "lm_head": True, "norm": {"weight": False}}
+
+
+def test_continue_recipe_starts_from_a_pretrained_checkpoint_with_yarn():
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen2.5-0.5b-continue-128k.yaml"))
+    _, m = build_model_config(cfg.model, cfg.config_dir)
+    assert cfg.model.init_source == ("hf", "/path/to/Qwen2.5-0.5B")
+    assert m.rope_scaling["rope_type"] == "yarn" and m.rope_scaling["factor"] == 4.0
+    assert m.rope_scaling["original_max_position_embeddings"] * 4 == cfg.data.seq_len == m.max_position_embeddings
+    assert cfg.data.source == "tokens" and cfg.data.token_dtype == "uint32"

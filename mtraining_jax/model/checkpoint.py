@@ -1,19 +1,32 @@
-"""Our model checkpoint format: ``<dir>/model.yaml`` (the :class:`ModelConfig`) and
-``<dir>/params/`` (an Orbax ``StandardCheckpointer`` directory holding the nested parameter dict
+"""Our model checkpoint format, and reading weights back from it or from a training run.
+
+A model checkpoint is ``<dir>/model.yaml`` (the :class:`ModelConfig`) and ``<dir>/params/`` (an
+Orbax ``StandardCheckpointer`` directory holding the nested parameter dict
 ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``, layers stacked on a leading axis).
 
 Orbax (not ``.npz``) because it stores bfloat16 natively, writes and restores sharded arrays
-without gathering them on one host, and is what the training checkpoints use, so a converted
-Hugging Face model can seed a training run directly (restore with a sharded abstract target).
+without gathering them on one host, and is what the training checkpoints use. A training run's
+checkpoints (``<run_dir>/checkpoints/<step>/state``, the pytree ``{step, params, opt_state, rng}``,
+with the run's ``model.yaml`` next to the step folders) are read the same way:
+:func:`find_model_checkpoint` accepts a converter output, a ``run_dir``, its ``checkpoints``
+folder, or one ``checkpoints/<step>`` folder, and :func:`read_params` restores only ``params``.
+
+Shapes are checked against the stored metadata before anything is restored (Orbax itself would
+restore a mis-shaped array silently): :class:`ParamShapeError` names every mismatched parameter
+with both shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtraining_jax.model.config import ModelConfig
 from mtraining_jax.model.hf_io import model_from_params, model_params
@@ -21,35 +34,189 @@ from mtraining_jax.model.qwen2 import Qwen2ForCausalLM, abstract_model
 
 CONFIG_NAME = "model.yaml"
 PARAMS_NAME = "params"
+STATE_NAME = "state"  # the array item of a training checkpoint step (train/checkpoint.py)
+
+
+class ParamShapeError(ValueError):
+    """Stored arrays do not match the expected ones: every mismatch named with both shapes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCheckpointRef:
+    """Where a model's config and weights live.
+
+    ``params_dir``: an Orbax pytree directory; ``subtree``: the key of the parameters inside it
+    (``None``: the whole tree, our converter's format; ``"params"``: a training state);
+    ``step``: the training step (``None`` for a converter output).
+    """
+
+    config_file: Path
+    params_dir: Path
+    subtree: str | None
+    step: int | None
+
+
+def _step_dirs(ckpt_dir: Path) -> list[int]:
+    """Finalised step folders (Orbax renames ``<step>.orbax-checkpoint-tmp-*`` when complete)."""
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and (p / STATE_NAME).is_dir())
+
+
+def find_model_checkpoint(path: str | os.PathLike) -> ModelCheckpointRef:
+    """Resolve ``path`` (converter output, ``run_dir``, ``run_dir/checkpoints`` or
+    ``run_dir/checkpoints/<step>``; the newest step unless one is named). ``FileNotFoundError``
+    naming the path and what was looked for."""
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"model checkpoint not found: {path}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"model checkpoint {path} is a file, not a directory")
+    if (path / PARAMS_NAME).is_dir():
+        return ModelCheckpointRef(_need_config(path / CONFIG_NAME, path), path / PARAMS_NAME, None, None)
+    step_dir = None
+    if (path / STATE_NAME).is_dir() and path.name.isdigit():
+        step_dir = path
+    else:
+        ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        steps = _step_dirs(ckpt_dir)
+        if not steps:
+            raise FileNotFoundError(
+                f"no model checkpoint in {path}: expected {CONFIG_NAME} + {PARAMS_NAME}/ (mtraining-convert "
+                f"output) or training checkpoints (<run_dir>/checkpoints/<step>/{STATE_NAME})"
+            )
+        step_dir = ckpt_dir / str(steps[-1])
+    cands = [step_dir.parent / CONFIG_NAME, step_dir.parent.parent / CONFIG_NAME]
+    cfg = next((c for c in cands if c.is_file()), cands[0])
+    return ModelCheckpointRef(_need_config(cfg, step_dir), step_dir / STATE_NAME, PARAMS_NAME, int(step_dir.name))
+
+
+def _need_config(cfg: Path, where: Path) -> Path:
+    if not cfg.is_file():
+        raise FileNotFoundError(f"model checkpoint {where} has no {CONFIG_NAME} (looked for {cfg})")
+    return cfg
+
+
+def stored_shapes(params_dir: str | os.PathLike) -> dict:
+    """Nested dict of ``(shape, dtype)`` per stored array (from the Orbax metadata, no data read)."""
+    import orbax.checkpoint as ocp
+
+    meta = ocp.PyTreeCheckpointer().metadata(str(params_dir))
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return jax.tree.map(lambda m: (tuple(m.shape), np.dtype(m.dtype)), tree,
+                        is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+
+
+def check_shapes(stored: Any, target: Any, where: str, prefix: str = "") -> None:
+    """``ParamShapeError`` naming every array whose stored shape differs from ``target``'s (a
+    pytree of arrays / ``ShapeDtypeStruct``), and every array missing on either side."""
+    flat_s = {_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(
+        stored, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple))[0]}
+    flat_t = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+    bad = [f"{prefix}{k}: checkpoint {flat_s[k][0]}, model {flat_t[k]}"
+           for k in sorted(flat_s.keys() & flat_t.keys()) if tuple(flat_s[k][0]) != flat_t[k]]
+    bad += [f"{prefix}{k}: missing from the checkpoint (model {flat_t[k]})" for k in sorted(flat_t.keys() - flat_s.keys())]
+    bad += [f"{prefix}{k}: in the checkpoint {flat_s[k][0]} but not in the model" for k in sorted(flat_s.keys() - flat_t.keys())]
+    if bad:
+        more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+        raise ParamShapeError(f"checkpoint {where} does not match the model: " + "; ".join(bad[:8]) + more)
+
+
+def _key(path) -> str:
+    """``a/0/mu`` for dict keys, sequence indices and attributes alike (Orbax's metadata tree
+    stores tuples and named tuples as lists / dicts)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def read_params(ref: ModelCheckpointRef, target: Any) -> Any:
+    """Restore the parameters of ``ref`` into the structure, shapes, dtypes (stored ones are cast)
+    and shardings of ``target`` (``ShapeDtypeStruct`` pytree; ``sharding=None``: host NumPy)."""
+    import orbax.checkpoint as ocp
+
+    shapes = stored_shapes(ref.params_dir)
+    stored = shapes[ref.subtree] if ref.subtree is not None else shapes
+    check_shapes(stored, target, str(ref.params_dir.parent if ref.subtree else ref.params_dir),
+                 prefix=f"{ref.subtree}/" if ref.subtree else "")
+    stored_dtypes = jax.tree.map(lambda s: s[1], stored, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)
+    item = jax.tree.map(lambda t, dt: jax.ShapeDtypeStruct(t.shape, dt, sharding=getattr(t, "sharding", None)),
+                        target, stored_dtypes)
+
+    def restore_arg(t):
+        if getattr(t, "sharding", None) is None:
+            return ocp.RestoreArgs(restore_type=np.ndarray)
+        return ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
+
+    if ref.subtree is not None:
+        item = {ref.subtree: item}
+    args = ocp.args.PyTreeRestore(item=item, restore_args=jax.tree.map(restore_arg, item),
+                                  partial_restore=ref.subtree is not None)
+    out = ocp.PyTreeCheckpointer().restore(str(ref.params_dir), args=args)
+    out = out[ref.subtree] if ref.subtree is not None else out
+    return jax.tree.map(lambda a, t: a.astype(t.dtype) if a.dtype != t.dtype else a, out, target)
 
 
 def save_model_checkpoint(model: Qwen2ForCausalLM, path: str | os.PathLike, *, force: bool = False) -> Path:
-    """Write ``model`` to ``path`` (created; an existing checkpoint there needs ``force``)."""
+    """Write ``model`` to ``path``: into a temporary folder next to it, renamed at the end, so a
+    failure leaves ``path`` untouched. An existing non-empty ``path`` needs ``force``."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    path.mkdir(parents=True, exist_ok=True)
-    model.config.to_yaml(path / CONFIG_NAME)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / PARAMS_NAME, model_params(model), force=force)
-    ckptr.wait_until_finished()
+    with staged_dir(path, force) as tmp:
+        model.config.to_yaml(tmp / CONFIG_NAME)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(tmp / PARAMS_NAME, model_params(model))
+        ckptr.wait_until_finished()
     return path
 
 
-def load_model_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfig, Qwen2ForCausalLM]:
-    """Read a checkpoint written by :func:`save_model_checkpoint`; ``overrides`` set execution
-    fields of the config (backend, remat, dtypes; a new ``param_dtype`` converts the weights)."""
-    import orbax.checkpoint as ocp
+class staged_dir:
+    """``with staged_dir(dst, force) as tmp:`` write into ``tmp`` (a fresh folder next to ``dst``);
+    on success ``tmp`` replaces ``dst``, on any error it is removed and ``dst`` is untouched.
+    ``FileExistsError`` up front when ``dst`` is a non-empty folder and not ``force``; a file
+    (or a file in the way) is always refused."""
 
-    path = Path(path).absolute()
-    cfg_file, params_dir = path / CONFIG_NAME, path / PARAMS_NAME
-    for f in (cfg_file, params_dir):
-        if not f.exists():
-            raise FileNotFoundError(f"model checkpoint file not found: {f}")
-    stored = ModelConfig.from_yaml(cfg_file)
+    def __init__(self, dst: str | os.PathLike, force: bool = False):
+        self.dst = Path(dst).absolute()
+        if self.dst.exists() and not self.dst.is_dir():
+            raise FileExistsError(f"destination {self.dst} is a file, not a directory")
+        if self.dst.is_dir() and any(self.dst.iterdir()) and not force:
+            raise FileExistsError(f"destination {self.dst} exists and is not empty; pass --force to replace it")
+        parent = self.dst.parent
+        for p in (parent, *parent.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise FileExistsError(f"cannot create {self.dst}: {p} is a file")
+                break
+        self.tmp = parent / f".{self.dst.name}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> Path:
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        old = None
+        if self.dst.exists():
+            old = self.dst.parent / f".{self.dst.name}.old-{os.getpid()}"
+            self.dst.rename(old)
+        self.tmp.rename(self.dst)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return False
+
+
+def load_model_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfig, Qwen2ForCausalLM]:
+    """Read a model checkpoint (converter output or a training run's checkpoint, see
+    :func:`find_model_checkpoint`); ``overrides`` set execution fields of the config (backend,
+    remat, dtypes; a new ``param_dtype`` converts the weights)."""
+    ref = find_model_checkpoint(path)
+    stored = ModelConfig.from_yaml(ref.config_file)
     cfg = stored.replace(**overrides) if overrides else stored
     target = model_params(abstract_model(stored))
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), target)
-    params = ocp.StandardCheckpointer().restore(params_dir, target)
+    params = read_params(ref, target)
     params = jax.tree.map(lambda a: jnp.asarray(a, cfg.param_dtype), params)
     return cfg, model_from_params(cfg, params)

@@ -203,31 +203,83 @@ def model_from_params(cfg: ModelConfig, params: Mapping) -> Qwen2ForCausalLM:
 
 
 # --------------------------------------------------------------------------- files
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def read_hf_config(path: str | os.PathLike) -> dict:
-    """Read and architecture-check ``<path>/config.json``."""
+    """Read and architecture-check ``<path>/config.json``; every problem is one ``ValueError`` /
+    ``FileNotFoundError`` naming the file."""
     f = Path(path) / CONFIG_FILE
     if not Path(path).is_dir():
         raise FileNotFoundError(f"Hugging Face checkpoint directory not found: {path}")
     if not f.is_file():
         raise FileNotFoundError(f"config.json not found: {f}")
-    with open(f) as fh:
-        hf = json.load(fh)
-    check_hf_architecture(hf)
+    try:
+        with open(f) as fh:
+            hf = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(hf).__name__}")
+    missing = [k for k in _HF_REQUIRED if k not in hf]
+    if missing:
+        raise ValueError(f"{f} lacks required key(s) {missing}")
+    try:
+        check_hf_architecture(hf)
+    except ValueError as e:
+        raise ValueError(f"{f}: {e}") from None
     return hf
+
+
+def check_hf_config_matches(hf: Mapping, cfg: ModelConfig, where: str) -> None:
+    """``ValueError`` naming each architecture field where ``config.json`` and ``cfg`` differ
+    (head counts matter even where tensor shapes agree). RoPE settings may differ: continued
+    pre-training at a longer context changes them on purpose."""
+    check_same_architecture(ModelConfig.from_hf_config(hf), cfg, where)
+
+
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                       "head_dim", "tie_word_embeddings")
+
+
+def check_same_architecture(theirs: ModelConfig, cfg: ModelConfig, where: str) -> None:
+    """``ValueError`` naming each of :data:`ARCHITECTURE_FIELDS` where a checkpoint's config
+    (``theirs``) and the model's (``cfg``) differ."""
+    bad = [f"model.{k}={getattr(cfg, k)!r} but the checkpoint has {getattr(theirs, k)!r}"
+           for k in ARCHITECTURE_FIELDS if getattr(cfg, k) != getattr(theirs, k)]
+    if bad:
+        raise ValueError(f"checkpoint {where} does not match the model config: " + "; ".join(bad))
+
+
+def load_hf_params(path: str | os.PathLike, cfg: ModelConfig) -> dict:
+    """Parameters (NumPy, ``cfg.param_dtype``) of the HF checkpoint at ``path`` for the model
+    ``cfg`` — whose RoPE / YaRN and execution settings may differ from ``config.json``; the
+    architecture fields and every tensor shape are checked."""
+    check_hf_config_matches(read_hf_config(path), cfg, str(path))
+    return hf_to_params(read_hf_tensors(path), cfg, where=str(path))
 
 
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of ``model.safetensors`` or of the shards in ``model.safetensors.index.json``."""
     from safetensors.numpy import load_file
 
+    def load(f: Path) -> dict:
+        try:
+            return dict(load_file(str(f)))
+        except Exception as e:  # safetensors' Rust errors are no ValueError subclass
+            raise ValueError(f"cannot read {f} (corrupt or not a safetensors file): {e}") from None
+
     path = Path(path)
     single, index = path / WEIGHTS_FILE, path / INDEX_FILE
     if single.is_file():
-        return dict(load_file(str(single)))
+        return load(single)
     if not index.is_file():
         raise FileNotFoundError(f"no weights in {path}: neither {single} nor {index} exists")
-    with open(index) as fh:
-        weight_map = json.load(fh).get("weight_map")
+    try:
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a JSON object with a 'weight_map': {e}") from None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no 'weight_map' mapping")
     tensors: dict[str, np.ndarray] = {}
@@ -235,7 +287,7 @@ def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         f = path / shard
         if not f.is_file():
             raise FileNotFoundError(f"shard listed in {index} not found: {f}")
-        part = load_file(str(f))
+        part = load(f)
         tensors.update({k: v for k, v in part.items() if weight_map.get(k) == shard})
     missing = sorted(k for k in weight_map if k not in tensors)
     if missing:

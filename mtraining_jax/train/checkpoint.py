@@ -6,6 +6,10 @@ One :class:`orbax.checkpoint.CheckpointManager` under ``<run_dir>/checkpoints``:
 (orbax writes in a background thread after the device->host copy) and keep the last ``keep``.
 Orbax writes each step into a temporary folder and renames it when complete, so a run killed
 mid-save leaves that folder unfinalised and :meth:`latest_step` still returns the previous one.
+:meth:`restore` checks the stored shapes first (a resume with a changed model is a
+``ValueError`` naming each parameter and both shapes; Orbax alone restores mis-shaped arrays).
+The run's ``model.yaml`` sits next to the step folders, so ``mtraining-convert ours-to-hf`` and
+``model.init_from: ckpt:`` read these checkpoints (:mod:`mtraining_jax.model.checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
+
+from mtraining_jax.model.checkpoint import STATE_NAME, check_shapes, stored_shapes
 
 
 class Checkpointer:
@@ -27,7 +33,7 @@ class Checkpointer:
             create=True,
         )
         self._mgr = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "data", "meta")
+            self.directory, options=options, item_names=(STATE_NAME, "data", "meta")
         )
 
     def save(self, step: int, state, data_state: dict, meta: dict | None = None) -> bool:
@@ -58,6 +64,12 @@ class Checkpointer:
         abstract = None if target is None else jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), target
         )
+        if abstract is not None:
+            where = os.path.join(self.directory, str(int(step)))
+            stored = stored_shapes(os.path.join(where, STATE_NAME))
+            if isinstance(stored, dict) and isinstance(abstract, dict) and "params" in stored and "params" in abstract:
+                check_shapes(stored["params"], abstract["params"], where, prefix="params/")  # named first
+            check_shapes(stored, abstract, where)
         out = self._mgr.restore(
             int(step),
             args=ocp.args.Composite(

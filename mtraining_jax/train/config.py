@@ -8,7 +8,9 @@ are parsed as YAML scalars/lists) and validates every field. Unknown keys and ba
 
 The model section either points at a model YAML (``model.path: configs/model/tiny.yaml``) or gives
 the model fields inline; any other ``model.<field>`` key overrides that field of the model config
-(checked against the model's own config class when the model is built).
+(checked against the model's own config class when the model is built). ``model.init_from``
+(``hf:<dir>`` or ``ckpt:<dir>``) starts the run from pretrained weights (continued pre-training).
+A YAML syntax error is one ``ValueError`` naming the file, line and column.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import yaml
 DATA_SOURCES = ("stdlib", "tokens", "text", "passkey")
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
 DEFAULT_MODEL_CLASS = "mtraining_jax.model.qwen2:Qwen2ForCausalLM"
+INIT_FROM_KINDS = ("hf", "ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +44,33 @@ class ModelSection:
         ``mtraining_jax.model.config.ModelConfig``.
       fields: model config fields given inline or by ``model.<field>=...`` overrides; they
         override the YAML's. Example: ``model.attention_backend=mtraining``.
+      init_from: ``None`` (random initialisation), ``hf:<dir>`` (a Hugging Face Qwen2 checkpoint
+        directory) or ``ckpt:<dir>`` (``mtraining-convert`` output, a training run's ``run_dir``,
+        its ``checkpoints`` folder or one ``checkpoints/<step>``): the weights only, with a fresh
+        optimizer and step 0. Shapes come from this config (RoPE / YaRN settings included) and
+        are checked against the checkpoint's. Ignored when ``--resume`` finds a checkpoint.
     """
 
     path: Optional[str] = None
     cls: str = DEFAULT_MODEL_CLASS
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    init_from: Optional[str] = None
 
     def __post_init__(self):
         if ":" not in self.cls:
             raise ValueError(f"model.cls must look like 'package.module:Class', got {self.cls!r}")
+        if self.init_from is not None:
+            kind, sep, where = self.init_from.partition(":")
+            if not sep or kind not in INIT_FROM_KINDS or not where:
+                raise ValueError(f"model.init_from must look like 'hf:<dir>' or 'ckpt:<dir>', got {self.init_from!r}")
+
+    @property
+    def init_source(self) -> Optional[tuple[str, str]]:
+        """``(kind, directory)`` of ``init_from`` (``None`` when unset)."""
+        if self.init_from is None:
+            return None
+        kind, _, where = self.init_from.partition(":")
+        return kind, os.path.expanduser(where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +121,12 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``, global-norm clipping
-    and gradient accumulation over ``grad_accum`` micro-batches per optimizer step."""
+    and gradient accumulation over ``grad_accum`` micro-batches per optimizer step.
+
+    ``max_bad_steps``: a step whose loss or gradient is not finite is skipped (parameters and
+    optimizer state unchanged, a warning); this many such steps in a row stop the run (exit 1,
+    nothing saved after the last good step). 1: stop at the first.
+    """
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
@@ -111,9 +137,11 @@ class OptimConfig:
     eps: float = 1e-8
     clip_norm: float = 1.0
     grad_accum: int = 1
+    max_bad_steps: int = 1
 
     def __post_init__(self):
         _positive("optim.lr", self.lr)
+        _positive("optim.max_bad_steps", self.max_bad_steps)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0:
@@ -136,8 +164,9 @@ class MeshConfig:
     Attributes:
       shape: ``[node, local]``; ``None``: one node per process, all its devices on ``local``.
       data: size of the batch-parallel ``data`` axis in front (1: none).
-      cpu_devices: when set, the CLI runs on CPU with this many virtual devices (sets
-        ``XLA_FLAGS=--xla_force_host_platform_device_count`` before JAX is imported).
+      cpu_devices: when set, the CLI runs on CPU with this many virtual devices IN TOTAL, split
+        evenly over the processes of a multi-process launch (``cpu_devices / num_processes`` each;
+        set before JAX's backends start).
     """
 
     shape: Optional[tuple[int, int]] = None
@@ -155,7 +184,8 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints under ``<run_dir>/checkpoints`` (or ``dir``)."""
+    """Orbax checkpoints under ``<run_dir>/checkpoints`` (or ``dir``) every ``every`` steps (0:
+    never), the last ``keep`` kept. ``resume`` (``--resume``): continue from the newest one."""
 
     dir: Optional[str] = None
     every: int = 100
@@ -203,12 +233,20 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     """Multi-process launch. ``auto``: call ``jax.distributed.initialize()`` when a cluster
-    launcher is detected (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``); explicit values win."""
+    launcher is detected (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``); explicit values win.
+    ``timeout_s``: how long a process waits for all its peers at start-up before it stops with an
+    error naming the coordinator."""
 
     coordinator_address: Optional[str] = None
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
     auto: bool = True
+    timeout_s: int = 300
+
+    def __post_init__(self):
+        _positive("distributed.timeout_s", self.timeout_s)
+        if self.num_processes is not None:
+            _positive("distributed.num_processes", self.num_processes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +288,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("config_dir")
-        d["model"] = {"path": self.model.path, "cls": self.model.cls, **dict(self.model.fields)}
+        d["model"] = {"path": self.model.path, "cls": self.model.cls, "init_from": self.model.init_from,
+                      **dict(self.model.fields)}
         return d
 
 
@@ -352,9 +391,12 @@ def config_from_dict(raw: Mapping[str, Any], config_dir: Optional[str] = None) -
                 raise ValueError(f"config section 'model' must be a mapping, got {v!r}")
             path = m.pop("path", None)
             cls = m.pop("cls", DEFAULT_MODEL_CLASS)
+            init_from = m.pop("init_from", None)
             if path is not None and not isinstance(path, str):
                 raise ValueError(f"model.path must be a string, got {path!r}")
-            kwargs[k] = ModelSection(path=path, cls=_coerce("model.cls", cls, str), fields=m)
+            if init_from is not None and not isinstance(init_from, str):
+                raise ValueError(f"model.init_from must be a string like 'hf:<dir>', got {init_from!r}")
+            kwargs[k] = ModelSection(path=path, cls=_coerce("model.cls", cls, str), fields=m, init_from=init_from)
         else:
             kwargs[k] = _coerce(k, v, hints[k])
     return TrainConfig(config_dir=config_dir, **kwargs)
@@ -411,11 +453,28 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConf
     raw: dict = {}
     config_dir = None
     if path is not None:
-        if not os.path.isfile(path):
-            raise ValueError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+        raw = read_yaml(path, "config file")
         if not isinstance(raw, Mapping):
-            raise ValueError(f"config file {path!r} must hold a mapping")
+            raise ValueError(f"config file {path!r} must hold a mapping of sections, got {type(raw).__name__}")
         config_dir = os.path.dirname(os.path.abspath(path))
     return config_from_dict(apply_overrides(raw, overrides), config_dir=config_dir)
+
+
+def read_yaml(path: str, what: str = "YAML file") -> Any:
+    """Parsed YAML of ``path`` (empty file: ``{}``); a missing file, a directory or a syntax error
+    is one ``ValueError`` naming the file (and the line and column of the error)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path!r} is a directory, not a YAML file")
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path!r} does not exist")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{what} {where}: YAML syntax error: {problem}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {what} {path!r}: {e}") from None
+    return {} if raw is None else raw

@@ -98,17 +98,45 @@ def stdlib_streams(tokenizer, heldout_percent: float = 5.0, root: Optional[str] 
     return _pack_documents(train, tokenizer.eos_id), _pack_documents(held, tokenizer.eos_id)
 
 
-def token_file_stream(path: str, dtype: str = "uint16") -> np.ndarray:
-    """Memory-mapped 1-D token array from ``.npy`` or a raw binary file of ``dtype``."""
+def token_file_stream(path: str, dtype: str = "uint16", key: str = "data.path") -> np.ndarray:
+    """Memory-mapped 1-D token array from ``.npy`` or a raw binary file of ``dtype``. A missing
+    or empty file, a non-integer ``.npy`` or a raw file whose size is not a multiple of the
+    ``dtype`` size is a ``ValueError`` naming ``key`` and the file."""
+    if os.path.isdir(path):
+        raise ValueError(f"{key} {path!r} is a directory, not a token file")
     if not os.path.isfile(path):
-        raise ValueError(f"data file {path!r} does not exist")
+        raise ValueError(f"{key} {path!r} does not exist")
     if path.endswith(".npy"):
-        arr = np.load(path, mmap_mode="r")
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"{key} {path!r} is not a readable .npy file: {e}") from None
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{key} {path!r} holds {arr.dtype} values; token ids must be integers "
+                             f"(save them as uint16/uint32/int32)")
     else:
-        arr = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        size, item = os.path.getsize(path), np.dtype(dtype).itemsize
+        if size % item:
+            raise ValueError(f"{key} {path!r} has {size} bytes, not a multiple of data.token_dtype={dtype} "
+                             f"({item} bytes per token)")
+        arr = np.memmap(path, dtype=np.dtype(dtype), mode="r") if size else np.zeros((0,), dtype)
     if arr.ndim != 1:
         arr = arr.reshape(-1)
+    if arr.size == 0:
+        raise ValueError(f"{key} {path!r} holds no tokens")
     return arr
+
+
+def check_token_ids(stream: np.ndarray, vocab_size: int, key: str, chunk: int = 1 << 24) -> None:
+    """``ValueError`` naming the first id outside ``[0, vocab_size)`` and its position (scanned
+    in chunks, so a memory-mapped file is never loaded whole)."""
+    for start in range(0, len(stream), chunk):
+        part = np.asarray(stream[start:start + chunk])
+        bad = (part >= vocab_size) | (part < 0) if part.dtype.kind == "i" else part >= vocab_size
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{key}: token id {int(part[i])} at position {start + i} is outside the model's "
+                             f"vocabulary [0, model.vocab_size={vocab_size})")
 
 
 def text_stream(path: str, tokenizer, text_key: str = "text") -> np.ndarray:
@@ -297,18 +325,22 @@ class PasskeyLoader:
         return Batch(b.tokens.reshape(shape), b.labels.reshape(shape), b.mask.reshape(shape), b.positions)
 
 
-def build_streams(cfg, tokenizer):
+def build_streams(cfg, tokenizer, vocab_size: Optional[int] = None):
     """``(train_stream, heldout_stream)`` for a :class:`~mtraining_jax.train.config.DataConfig`
-    (``None, None`` for the passkey source)."""
+    (``None, None`` for the passkey source). Token files are checked against ``vocab_size``."""
     if cfg.source == "passkey":
         return None, None
     if cfg.source == "stdlib":
         return stdlib_streams(tokenizer, cfg.heldout_percent)
     if cfg.source == "tokens":
-        train = token_file_stream(cfg.path, cfg.token_dtype)
+        streams = {"data.path": token_file_stream(cfg.path, cfg.token_dtype, "data.path")}
         if cfg.eval_path:
-            return train, token_file_stream(cfg.eval_path, cfg.token_dtype)
-        return split_tail(train, cfg.heldout_percent)
+            streams["data.eval_path"] = token_file_stream(cfg.eval_path, cfg.token_dtype, "data.eval_path")
+        if vocab_size is not None:
+            for key, st in streams.items():
+                check_token_ids(st, vocab_size, f"{key} {getattr(cfg, key.split('.')[1])!r}")
+        train = streams["data.path"]
+        return (train, streams["data.eval_path"]) if cfg.eval_path else split_tail(train, cfg.heldout_percent)
     train = text_stream(cfg.path, tokenizer, cfg.text_key)
     if cfg.eval_path:
         return train, text_stream(cfg.eval_path, tokenizer, cfg.text_key)

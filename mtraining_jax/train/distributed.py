@@ -8,11 +8,18 @@ One process per host (node); each process drives its local devices, which become
 * Plain processes: on every host run ``mtraining-train --config ... --coordinator-address
   HOST0:12345 --num-processes N --process-id i`` (or set ``JAX_COORDINATOR_ADDRESS``,
   ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``).
+* One box, several processes (e.g. to try the multi-host path on CPU): the same plain launch with
+  ``localhost``; ``mesh.cpu_devices`` is the total, split evenly over the processes.
+
+A process whose peers do not all join within ``distributed.timeout_s`` stops with one line naming
+the coordinator (exit 2) instead of JAX's own abort with a C++ stack trace.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 import jax
 
@@ -43,21 +50,42 @@ def maybe_initialize(cfg) -> bool:
         if not 0 <= cfg.process_id < cfg.num_processes:
             raise ValueError(f"process_id {cfg.process_id} is not in [0, num_processes={cfg.num_processes})")
         _cpu_collectives()
-        jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+        _initialize_or_exit(cfg.timeout_s, cfg.coordinator_address, cfg.num_processes, cfg.process_id)
         return True
     kind = detect_cluster() if cfg.auto else None
     if kind is None:
         return False
     _cpu_collectives()
     if kind == "env":
-        jax.distributed.initialize(
-            os.environ["JAX_COORDINATOR_ADDRESS"],
-            int(os.environ["JAX_NUM_PROCESSES"]),
-            int(os.environ["JAX_PROCESS_ID"]),
-        )
+        _initialize_or_exit(cfg.timeout_s, os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_NUM_PROCESSES"]),
+                            int(os.environ["JAX_PROCESS_ID"]))
     else:
-        jax.distributed.initialize()  # SLURM / Open MPI auto-detection
+        _initialize_or_exit(cfg.timeout_s)  # SLURM / Open MPI auto-detection
     return True
+
+
+def _initialize_or_exit(timeout_s: int, address: str | None = None, num_processes: int | None = None,
+                        process_id: int | None = None) -> None:
+    """``jax.distributed.initialize`` with a watchdog: JAX aborts the process (C++ check failure)
+    when peers are missing at its deadline, so ours fires first, prints one line naming the
+    coordinator and exits with status 2."""
+
+    def give_up():
+        who = f"process {process_id} of {num_processes}" if process_id is not None else "this process"
+        coord = f"the coordinator {address}" if address else "the cluster's coordinator"
+        print(f"mtraining-train: error: {who}: not all processes joined through {coord} within "
+              f"distributed.timeout_s={timeout_s} s; start every process with the same --coordinator-address "
+              f"and --num-processes (and process ids 0..N-1), and check that {coord} is reachable",
+              file=sys.stderr, flush=True)
+        os._exit(2)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=int(timeout_s) + 60)
+    finally:
+        timer.cancel()
 
 
 def _cpu_collectives():

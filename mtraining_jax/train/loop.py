@@ -1,11 +1,22 @@
-"""The training loop: mesh, data, state (fresh or resumed), steps, evaluation, checkpoints, metrics.
+"""The training loop in three parts: :func:`setup` (everything before the first step), :func:`train`
+(the step loop) and hooks (what runs after a step: evaluation, or a caller's own).
 
-``run(cfg)`` is what ``mtraining-train`` calls. Per optimizer step: the loader yields a host
-batch ``[A, B, S]`` in layout order; it becomes a global array sharded over the mesh
-(:func:`to_global`; every process builds the same host batch and contributes its own shards);
-the jitted step updates the replicated state. A non-finite loss stops the run with
-:class:`NonFiniteLossError` before anything is saved, so the last good checkpoint stays the
-newest. Checkpoints hold the state and the loader state, so ``--resume`` continues exactly.
+``run(cfg)`` is what ``mtraining-train`` calls. Setup checks the inputs up front (paths, the
+run directory — :mod:`.rundir` —, mesh / layout / model constraints, token files), builds the data,
+the jitted steps and the state: restored with ``--resume``, else from ``model.init_from``
+(pretrained weights, fresh optimizer) or a random initialisation.
+
+Per optimizer step: the loader yields a host batch ``[A, B, S]`` in layout order; it becomes a
+global array sharded over the mesh (:func:`to_global`; every process builds the same host batch
+and contributes its own shards); the jitted step updates the replicated state. A step whose loss
+or gradient is not finite leaves the state unchanged (a skipped update, warned about and counted
+in ``skipped_updates``); ``optim.max_bad_steps`` of them in a row stop the run with
+:class:`NonFiniteLossError` before anything is saved, so the last good checkpoint stays the newest.
+Ctrl-C (SIGINT) finishes the current step, saves a checkpoint and raises :class:`Interrupted`.
+Checkpoints hold the state and the loader state, so ``--resume`` continues exactly.
+
+A hook is ``hook(run: Run, step: int, metrics: dict) -> None``, called after every good step
+(``run.state`` is the state after it); :func:`eval_hook` is the built-in one.
 """
 
 from __future__ import annotations
@@ -13,7 +24,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import threading
 import time
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -25,13 +39,19 @@ from mtraining_jax.train.checkpoint import Checkpointer
 from mtraining_jax.train.config import TrainConfig
 from mtraining_jax.train.metrics import MetricsWriter, Progress, plot_losses
 from mtraining_jax.train.optim import build_optimizer
-from mtraining_jax.train.state import build_model_config, abstract_train_state, num_params, split_model, train_state_fn
+from mtraining_jax.train.rundir import prepare_run_dir, truncate_metrics
+from mtraining_jax.train.state import (abstract_train_state, build_model_config, load_init_params, num_params,
+                                       split_model, train_state_fn, train_state_from_params)
 from mtraining_jax.train.step import batch_shardings, make_eval_step, make_train_step
 from mtraining_jax.train.tokenizer import load_tokenizer
 
 
 class NonFiniteLossError(RuntimeError):
-    """Raised when a training step produces a NaN/inf loss."""
+    """``optim.max_bad_steps`` steps in a row had a NaN/inf loss or gradient."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT: the run stopped after a step (a checkpoint was saved when checkpointing is on)."""
 
 
 @dataclasses.dataclass
@@ -44,6 +64,48 @@ class RunResult:
     checkpoint_steps: list
     params: object  # final parameters (global arrays)
     run_dir: str
+    skipped_updates: int = 0  # steps of the whole run whose update was skipped (non-finite)
+
+
+Hook = Callable[["Run", int, dict], None]
+
+
+@dataclasses.dataclass
+class Run:
+    """A run between :func:`setup` and the end of :func:`train` (what hooks see)."""
+
+    cfg: TrainConfig
+    mesh: Any
+    model_cfg: Any
+    layout: Layout
+    loader: Any
+    train_step: Callable
+    eval_step: Callable
+    batch_sharding: Any  # Batch of shardings for [A, B, S] training batches
+    eval_sharding: Any  # Batch of shardings for [B, S] evaluation batches
+    held: list  # held-out batches
+    passkey: list  # passkey batches
+    ckpt: Checkpointer | None
+    writer: MetricsWriter
+    bar: Progress
+    state: dict
+    start: int
+    stop: int
+    skipped_updates: int = 0
+    train_losses: list = dataclasses.field(default_factory=list)
+    eval_metrics: list = dataclasses.field(default_factory=list)
+    interrupted: bool = False
+
+    def save(self, step: int, loss: float) -> None:
+        if self.ckpt is not None:
+            self.ckpt.save(step, self.state, self.loader.get_state(),
+                           {"loss": loss, "model": self.model_cfg.name, "skipped_updates": self.skipped_updates})
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.ckpt is not None:
+            self.ckpt.wait()
+        self.writer.close()
 
 
 def to_global(x: np.ndarray, sharding):
@@ -95,7 +157,8 @@ def check_run_config(cfg: TrainConfig, model_cfg, mesh, tokenizer) -> Layout:
     if d.source in ("tokens", "text"):
         for key, p in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if p is not None and not os.path.isfile(p):
-                raise ValueError(f"{key} {p!r} does not exist")
+                what = "is a directory, not a file" if os.path.isdir(p) else "does not exist"
+                raise ValueError(f"{key} {p!r} {what}")
     return Layout(d.layout, d.seq_len, P_, d.stripe)
 
 
@@ -109,25 +172,58 @@ def evaluate(eval_step, params, batches, shardings) -> tuple[float, float, float
     return tot / max(cnt, 1.0), cor / max(cnt, 1.0), cnt
 
 
-def run(cfg: TrainConfig) -> RunResult:
-    """Train according to ``cfg`` (see module docstring)."""
+def eval_hook(run: Run, step: int, metrics: dict) -> None:
+    """Held-out loss / perplexity / accuracy and passkey accuracy every ``eval.every`` steps."""
+    every = run.cfg.eval.every
+    if not every or (step % every and step != run.stop):
+        return
+    rec = {}
+    if run.held:
+        loss, acc, _ = evaluate(run.eval_step, run.state["params"], run.held, run.eval_sharding)
+        rec.update(loss=loss, perplexity=math.exp(min(loss, 80.0)), accuracy=acc)
+    if run.passkey:
+        _, acc, _ = evaluate(run.eval_step, run.state["params"], run.passkey, run.eval_sharding)
+        rec["passkey_accuracy"] = acc
+    if rec:
+        run.writer.write(step, rec, split="eval")
+        run.eval_metrics.append({"step": step, **rec})
+        run.bar.write(f"eval step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in rec.items()))
+
+
+def _is_main() -> bool:
+    return jax.process_index() == 0
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
+    """Check the inputs, prepare ``run_dir``, build data, steps and the state (module docstring)."""
     t_setup = time.time()
+    resume = cfg.checkpoint.resume
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     layout = check_run_config(cfg, model_cfg, mesh, tokenizer)
+    prepare_run_dir(cfg.run_dir, cfg.checkpoint_dir, resume=resume, overwrite=overwrite,
+                    checkpoint_key="checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints",
+                    is_main=_is_main())
+    _sync("mtraining_run_dir")
 
     A = cfg.optim.grad_accum
-    train_stream, held_stream = data_lib.build_streams(cfg.data, tokenizer)
+    train_stream, held_stream = data_lib.build_streams(cfg.data, tokenizer, model_cfg.vocab_size)
     loader = data_lib.build_train_loader(cfg.data, tokenizer, layout, train_stream, accum=A)
     held = data_lib.heldout_batches(cfg.data, layout, held_stream, cfg.eval.batches)
     passkey = []
     if cfg.eval.passkey_samples:
         rng = np.random.default_rng([cfg.seed, 314159])
-        n = cfg.eval.passkey_samples
         bs = cfg.data.batch_size
         passkey = [data_lib.passkey_batch(tokenizer, cfg.data.seq_len, bs, rng, layout, cfg.eval.passkey_digits)
-                   for _ in range(math.ceil(n / bs))]
+                   for _ in range(math.ceil(cfg.eval.passkey_samples / bs))]
 
     optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
     parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
@@ -136,95 +232,183 @@ def run(cfg: TrainConfig) -> RunResult:
     state_sh = jax.tree.map(lambda x: x.sharding, abstract)
     train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
     eval_step = make_eval_step(parts, mesh, cfg.loss_chunk_size)
-    sh_acc, sh_one = batch_shardings(mesh, True), batch_shardings(mesh, False)
 
-    os.makedirs(cfg.run_dir, exist_ok=True)
     ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.every else None
-    start, state = 0, None
-    progress_msgs = []
-    if cfg.checkpoint.resume and ckpt is not None:
-        latest = ckpt.latest_step()
+    start, state, skipped, msgs = 0, None, 0, []
+    if resume:
+        latest = ckpt.latest_step() if ckpt is not None else None
         if latest is not None:  # restore straight into the target shardings, no fresh init
-            state, data_state, _ = ckpt.restore(latest, abstract)
+            state, data_state, meta = ckpt.restore(latest, abstract)
             loader.set_state(data_state)
-            start = latest
-            progress_msgs.append(f"resumed from step {latest} in {ckpt.directory}")
+            start, skipped = latest, int(meta.get("skipped_updates", 0))
+            msgs.append(f"resumed from step {latest} in {ckpt.directory}"
+                        + (" (model.init_from ignored)" if cfg.model.init_from else ""))
         else:
-            progress_msgs.append(f"no checkpoint in {ckpt.directory}; starting from scratch")
+            where = ckpt.directory if ckpt is not None else "this run (checkpoint.every=0)"
+            msgs.append(f"no checkpoint in {where}; starting from scratch")
+    if state is None and cfg.model.init_from:
+        params = load_init_params(cfg.model, model_cfg, abstract["params"], to_global)
+        state = train_state_from_params(params, optimizer, mesh, cfg.seed)
+        msgs.append(f"initialised from {cfg.model.init_from} (fresh optimizer, step 0)")
     if state is None:
         state = state_fn()
 
-    writer = MetricsWriter(cfg.run_dir, cfg.logging.tensorboard)
-    if jax.process_index() == 0:
-        import yaml
-
-        with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    if _is_main():
+        _write_run_files(cfg, model_cfg, ckpt)
+        if resume:
+            dropped = truncate_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), start)
+            if dropped:
+                msgs.append(f"dropped {dropped} metrics record(s) after step {start} from metrics.jsonl")
+    writer = MetricsWriter(cfg.run_dir, cfg.logging.tensorboard, purge_step=start + 1 if resume else None)
     bar = Progress(cfg.steps, start, cfg.logging.progress)
-    for m in progress_msgs:
+    for m in msgs:
         bar.write(m)
     bar.write(
         f"model {model_cfg.name or model_cls.__name__}: {num_params(state['params']):,} parameters; "
         f"mesh {dict(mesh.shape)}; layout {layout.name} S={layout.seq_len}; "
         f"backends {sorted(set(model_cfg.layer_backends))}; setup {time.time() - t_setup:.1f}s"
     )
+    stop = cfg.steps if cfg.run_steps is None else min(cfg.steps, start + cfg.run_steps)
+    return Run(cfg, mesh, model_cfg, layout, loader, train_step, eval_step, batch_shardings(mesh, True),
+               batch_shardings(mesh, False), held, passkey, ckpt, writer, bar, state, start, stop, skipped)
 
-    train_losses, eval_metrics = [], []
-    tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * A
 
-    def do_eval(step):
-        rec = {}
-        if held:
-            loss, acc, _ = evaluate(eval_step, state["params"], held, sh_one)
-            rec.update(loss=loss, perplexity=math.exp(min(loss, 80.0)), accuracy=acc)
-        if passkey:
-            _, acc, _ = evaluate(eval_step, state["params"], passkey, sh_one)
-            rec["passkey_accuracy"] = acc
-        if rec:
-            writer.write(step, rec, split="eval")
-            eval_metrics.append({"step": step, **rec})
-            bar.write(f"eval step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in rec.items()))
+def _write_run_files(cfg: TrainConfig, model_cfg, ckpt) -> None:
+    """``config.yaml`` (reusable with ``--config``: the model inline, no resume flag or process
+    ids) in ``run_dir``, and ``model.yaml`` next to the checkpoints (for the converter)."""
+    import yaml
 
-    try:
-        stop = cfg.steps if cfg.run_steps is None else min(cfg.steps, start + cfg.run_steps)
-        for step in range(start, stop):
+    d = cfg.to_dict()
+    d["model"] = {"cls": cfg.model.cls, "init_from": cfg.model.init_from, **model_cfg.to_dict()}
+    d["checkpoint"]["resume"] = False
+    d["distributed"] = {"auto": cfg.distributed.auto, "timeout_s": cfg.distributed.timeout_s}
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(d, f, sort_keys=False)
+    if ckpt is not None:
+        model_cfg.to_yaml(os.path.join(ckpt.directory, "model.yaml"))
+
+
+class _SigintFlag:
+    """While active: the first SIGINT sets ``run.interrupted`` (the loop stops after the step),
+    a second one raises ``KeyboardInterrupt`` at once. Only in the main thread."""
+
+    def __init__(self, run: Run):
+        self.run, self.old = run, None
+
+    def _handler(self, signum, frame):
+        if self.run.interrupted:
+            raise KeyboardInterrupt
+        self.run.interrupted = True
+        self.run.bar.write("interrupt: stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+        return False
+
+
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` is set on any process (all processes must stop at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def train(run: Run, hooks: Sequence[Hook] = ()) -> RunResult:
+    """The step loop from ``run.start`` to ``run.stop`` (module docstring)."""
+    cfg, bar = run.cfg, run.bar
+    hooks = [eval_hook, *hooks]
+    tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.optim.grad_accum
+    bad_in_a_row = 0
+    with _SigintFlag(run):
+        for step in range(run.start, run.stop):
+            if step == run.start:
+                bar.write("compiling the training step (the first step includes compilation)...")
             t0 = time.time()
-            host = next(loader)
-            batch = jax.tree.map(to_global, host, sh_acc) if sh_acc is not None else host
-            state, metrics = train_step(state, batch)
+            host = next(run.loader)
+            batch = jax.tree.map(to_global, host, run.batch_sharding) if run.batch_sharding is not None else host
+            run.state, metrics = run.train_step(run.state, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             dt = time.time() - t0
             done = step + 1
-            if not math.isfinite(metrics["loss"]):
-                writer.write(done, metrics)
-                last = None
-                if ckpt is not None:
-                    ckpt.wait()
-                    last = ckpt.latest_step()
-                where = f"the last good checkpoint is step {last} in {ckpt.directory}" if last is not None else "no checkpoint was saved"
-                raise NonFiniteLossError(
-                    f"non-finite loss {metrics['loss']} at step {done} (grad_norm {metrics['grad_norm']}); "
-                    f"stopping without saving; {where}"
-                )
-            metrics.update(step_time=dt, tokens_per_s=tokens_per_step / dt)
-            train_losses.append((done, metrics["loss"]))
-            if done % cfg.logging.every == 0 or done == stop:
-                writer.write(done, metrics)
+            if step == run.start:
+                bar.write(f"first step done in {dt:.1f}s")
+            if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+                bad_in_a_row += 1
+                run.skipped_updates += 1
+                _bad_step(run, done, metrics, bad_in_a_row)
+                continue
+            bad_in_a_row = 0
+            metrics.update(step_time=dt, tokens_per_s=tokens_per_step / dt, skipped_updates=run.skipped_updates)
+            run.train_losses.append((done, metrics["loss"]))
+            if done % cfg.logging.every == 0 or done == run.stop:
+                run.writer.write(done, metrics)
             bar.update(metrics["loss"], metrics["tokens_per_s"], dt, metrics)
-            if cfg.eval.every and (done % cfg.eval.every == 0 or done == stop):
-                do_eval(done)
-            if ckpt is not None and (done % cfg.checkpoint.every == 0 or done == stop):
-                ckpt.save(done, state, loader.get_state(), {"loss": metrics["loss"], "model": model_cfg.name})
-    finally:
-        bar.close()
-        if ckpt is not None:
-            ckpt.wait()
-        writer.close()
+            for hook in hooks:
+                hook(run, done, metrics)
+            stopping = _any_process(run.interrupted)
+            if run.ckpt is not None and (done % cfg.checkpoint.every == 0 or done == run.stop or stopping):
+                run.save(done, metrics["loss"])
+            if stopping:
+                saved = "no checkpoint (checkpoint.every=0)"
+                if run.ckpt is not None:
+                    run.ckpt.wait()
+                    saved = f"checkpoint saved in {run.ckpt.directory}; continue with --resume"
+                raise Interrupted(f"interrupted after step {done}; {saved}")
+    return _result(run)
 
-    steps_saved = ckpt.all_steps() if ckpt is not None else []
-    if ckpt is not None:
-        ckpt.close()
-    if cfg.logging.plot and jax.process_index() == 0 and os.path.exists(writer.path):
-        plot_losses(writer.path, os.path.join(cfg.run_dir, "loss.png"))
-    final = train_losses[-1][0] if train_losses else start
-    return RunResult(final, train_losses, eval_metrics, steps_saved, state["params"], cfg.run_dir)
+
+def _bad_step(run: Run, done: int, metrics: dict, in_a_row: int) -> None:
+    """Record and warn about a skipped update; raise when ``optim.max_bad_steps`` is reached."""
+    limit = run.cfg.optim.max_bad_steps
+    loss, gn = metrics["loss"], metrics["grad_norm"]
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient (grad_norm {gn}) with finite loss {loss:.4f}"
+    run.writer.write(done, {**metrics, "skipped_updates": run.skipped_updates})
+    run.bar.warn(f"warning: non-finite {what} at step {done}: update skipped "
+                  f"({in_a_row} in a row, optim.max_bad_steps={limit})")
+    if in_a_row < limit:
+        return
+    last = None
+    if run.ckpt is not None:
+        run.ckpt.wait()
+        last = run.ckpt.latest_step()
+    where = (f"the last good checkpoint is step {last} in {run.ckpt.directory}" if last is not None
+             else "no checkpoint was saved")
+    if not math.isfinite(loss):
+        head = f"non-finite loss {loss} at step {done} (grad_norm {gn})"
+    else:
+        head = f"non-finite gradient (grad_norm {gn}) at step {done} with finite loss {loss:.4f}"
+    raise NonFiniteLossError(f"{head}; {in_a_row} bad step(s) in a row = optim.max_bad_steps; "
+                             f"stopping without saving; {where}")
+
+
+def _result(run: Run) -> RunResult:
+    steps = []
+    if run.ckpt is not None:
+        run.ckpt.wait()
+        steps = run.ckpt.all_steps()
+    final = run.train_losses[-1][0] if run.train_losses else run.start
+    return RunResult(final, run.train_losses, run.eval_metrics, steps, run.state["params"], run.cfg.run_dir,
+                     run.skipped_updates)
+
+
+def run(cfg: TrainConfig, hooks: Sequence[Hook] = (), *, overwrite: bool = False) -> RunResult:
+    """Train according to ``cfg`` (see module docstring); ``overwrite``: delete an earlier run's
+    artefacts in ``run_dir`` first (``--overwrite``)."""
+    r = setup(cfg, overwrite=overwrite)
+    try:
+        result = train(r, hooks)
+    finally:
+        r.close()
+    if r.ckpt is not None:
+        r.ckpt.close()
+    if cfg.logging.plot and _is_main() and os.path.exists(r.writer.path):
+        plot_losses(r.writer.path, os.path.join(cfg.run_dir, "loss.png"))
+    return result

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -20,9 +21,10 @@ import jax
 
 
 class MetricsWriter:
-    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if available, TensorBoard."""
+    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if available, TensorBoard.
+    ``purge_step``: a resumed run's first step; TensorBoard hides older events at or after it."""
 
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None):
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._tb = None
@@ -37,7 +39,7 @@ class MetricsWriter:
             except ImportError:
                 warnings.warn("tensorboardX is not installed: no TensorBoard event files (metrics.jsonl only)")
             else:
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge_step)
                 self.tensorboard_backend = "tensorboardX"
 
     def write(self, step: int, metrics: dict, split: str = "train") -> None:
@@ -117,6 +119,13 @@ class Progress:
             self._bar.write(msg)
         elif jax.process_index() == 0:
             print(msg, flush=True)
+
+    def warn(self, msg: str) -> None:
+        """``msg`` on stderr (above the bar when there is one), process 0."""
+        if self._bar is not None:
+            self._bar.write(msg, file=sys.stderr)
+        elif jax.process_index() == 0:
+            print(msg, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

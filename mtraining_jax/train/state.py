@@ -43,22 +43,50 @@ def _resolve_path(path: str, config_dir: str | None) -> str:
 
 
 def build_model_config(section: ModelSection, config_dir: str | None = None):
-    """``(model_class, model_config)`` for the ``model`` section of a training config."""
+    """``(model_class, model_config)`` for the ``model`` section of a training config. Errors are
+    one ``ValueError`` with the dotted key (``model.hidden_size must be ...``)."""
     cls = import_object(section.cls)
     cfg_cls = getattr(cls, "config_class", None)
     if cfg_cls is None:
         from mtraining_jax.model.config import ModelConfig as cfg_cls
     fields = dict(section.fields)
+    names = {f.name for f in dataclasses.fields(cfg_cls)} if dataclasses.is_dataclass(cfg_cls) else None
+    if names is not None:
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ValueError(f"unknown config key(s) {', '.join('model.' + k for k in unknown)}; "
+                             f"the model section accepts path, cls, init_from and {sorted(names)}")
     try:
         if section.path is not None:
-            cfg = cfg_cls.from_yaml(_resolve_path(section.path, config_dir), **fields)
+            path = _resolve_path(section.path, config_dir)
+            from mtraining_jax.train.config import read_yaml
+
+            base = read_yaml(path, "model.path")  # syntax errors: one line with file and line
+            if not isinstance(base, dict):
+                raise ValueError(f"model.path {path!r} must hold a mapping of model fields, got {type(base).__name__}")
+            if hasattr(cfg_cls, "from_dict"):
+                cfg = cfg_cls.from_dict({"name": os.path.splitext(os.path.basename(path))[0], **base, **fields})
+            else:
+                cfg = cfg_cls.from_yaml(path, **fields)
         elif hasattr(cfg_cls, "from_dict"):
             cfg = cfg_cls.from_dict(fields)
         else:
             cfg = cfg_cls(**fields)
     except TypeError as e:  # dataclass constructor: unknown / missing field
         raise ValueError(f"bad model config: {e}") from None
+    except ValueError as e:
+        raise ValueError(_dotted_model_message(str(e), names or ())) from None
     return cls, cfg
+
+
+def _dotted_model_message(msg: str, names) -> str:
+    """Prefix a model-config message that starts with a field name by ``model.``."""
+    head = msg.split(" ", 1)[0]
+    if head in names:
+        return "model." + msg
+    if msg.startswith(("unknown sparsity keys", "missing", "unknown ModelConfig keys")):
+        return "model: " + msg
+    return msg if msg.startswith("model") else f"model config: {msg}"
 
 
 def replicated(mesh: Mesh | None):
@@ -94,21 +122,25 @@ def bind(parts: ModelParts, params: dict):
     return nnx.merge(parts.graphdef, state, parts.rest)
 
 
+def _fresh_state(params, optimizer, seed: int) -> dict:
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "rng": jax.random.key_data(jax.random.PRNGKey(seed + 1)),
+    }
+
+
 def train_state_fn(init_fn, optimizer, mesh: Mesh | None, seed: int):
     """A jitted ``() -> {"step", "params", "opt_state", "rng"}`` building the state directly into
     replicated arrays (every process computes the same values). ``jax.eval_shape`` of it gives
     the restore target without allocating anything."""
+    return jax.jit(lambda: _fresh_state(init_fn(), optimizer, seed), out_shardings=replicated(mesh))
 
-    def make():
-        params = init_fn()
-        return {
-            "step": jnp.zeros((), jnp.int32),
-            "params": params,
-            "opt_state": optimizer.init(params),
-            "rng": jax.random.key_data(jax.random.PRNGKey(seed + 1)),
-        }
 
-    return jax.jit(make, out_shardings=replicated(mesh))
+def train_state_from_params(params, optimizer, mesh: Mesh | None, seed: int) -> dict:
+    """Step-0 training state around given (pretrained) parameters: fresh optimizer state."""
+    return jax.jit(lambda p: _fresh_state(p, optimizer, seed), out_shardings=replicated(mesh))(params)
 
 
 def abstract_train_state(state_fn, mesh: Mesh | None):
@@ -124,3 +156,25 @@ def init_train_state(init_fn, optimizer, mesh: Mesh | None, seed: int):
 
 def num_params(params) -> int:
     return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+def load_init_params(section: ModelSection, model_cfg, abstract_params, to_global):
+    """Pretrained parameters for ``model.init_from`` (``hf:<dir>`` / ``ckpt:<dir>``) as global
+    arrays with the shardings of ``abstract_params``. The architecture fields and every shape
+    are checked against ``model_cfg`` (errors name the parameter and both shapes); RoPE / YaRN
+    settings are ``model_cfg``'s."""
+    from mtraining_jax.model.checkpoint import check_shapes, find_model_checkpoint, read_params
+    from mtraining_jax.model.config import ModelConfig
+    from mtraining_jax.model.hf_io import check_same_architecture, load_hf_params
+
+    kind, where = section.init_source
+    try:
+        if kind == "hf":
+            host = load_hf_params(where, model_cfg)
+            check_shapes(jax.tree.map(lambda a: (a.shape, a.dtype), host), abstract_params, where)
+            return jax.tree.map(lambda a, t: to_global(a.astype(t.dtype), t.sharding), host, abstract_params)
+        ref = find_model_checkpoint(where)
+        check_same_architecture(ModelConfig.from_yaml(ref.config_file), model_cfg, str(ref.config_file))
+        return read_params(ref, abstract_params)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"model.init_from={section.init_from!r}: {e}") from None

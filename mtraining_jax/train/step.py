@@ -82,8 +82,9 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
         grads = jax.tree.map(lambda x: x / denom.astype(x.dtype), g)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        # A non-finite loss or gradient leaves parameters and optimizer state untouched (the loop
-        # then stops): the state in memory never holds NaNs.
+        # A non-finite loss or gradient leaves parameters and optimizer state untouched (a skipped
+        # update; the loop counts them and stops after optim.max_bad_steps in a row): the state in
+        # memory never holds NaNs.
         ok = jnp.isfinite(loss) & jnp.isfinite(_global_norm(grads))
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
         new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
