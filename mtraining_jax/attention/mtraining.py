@@ -38,7 +38,7 @@ from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.estimate import estimate_index_shard
 from mtraining_jax.sparsity.index import VerticalSlashIndex
-from mtraining_jax.sparsity.metrics import step_imbalance, worker_imbalance
+from mtraining_jax.sparsity.metrics import imbalance, step_imbalance, worker_imbalance
 
 SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
 IMPLS = ("auto", "pallas", "xla")
@@ -115,16 +115,16 @@ def stats_scalars(work, batch: int, heads: int, seq_len: int, block_size: int) -
 
     * ``work_fraction``: executed kernel slots over those of the full causal block index
       (``B * H * nb (nb + 1) / 2 * bs^2``, ``nb = S / bs``) — 1 for dense work;
-    * ``worker_imbalance`` / ``step_imbalance``: as :mod:`mtraining_jax.sparsity.metrics`.
+    * ``worker_imbalance`` / ``step_imbalance``: as :mod:`mtraining_jax.sparsity.metrics` (over the
+      ring steps with work; ``>= 1``).
     """
     w = work.astype(jnp.float32)
     nb = seq_len // block_size
     dense = batch * heads * nb * (nb + 1) / 2 * block_size**2
-    safe = lambda x: jnp.maximum(x, 1e-30)  # noqa: E731
     return {
         "work_fraction": w.sum() / dense,
-        "worker_imbalance": jnp.mean(w.max(axis=0) / safe(w.mean(axis=0))),
-        "step_imbalance": jnp.mean(w.max(axis=1) / safe(w.mean(axis=1))),
+        "worker_imbalance": imbalance(w, 0, jnp),
+        "step_imbalance": imbalance(w, 1, jnp),
     }
 
 
