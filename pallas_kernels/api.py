@@ -25,9 +25,11 @@ Ground truth for both: ``mtraining_jax.attention.reference.dense_attention`` wit
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import triton_backward, triton_kernels, xla_twin
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, check_step_index, full_step_index
@@ -64,6 +66,14 @@ def attention_delta(out, do, out_lo=None):
     return jnp.einsum("bqhd,bqhd->bhq", o, do.astype(jnp.float32), precision="highest")
 
 
+def check_sm_scale(sm_scale) -> None:
+    """``ValueError`` naming ``sm_scale`` unless it is ``None`` (``D ** -0.5``) or a finite number > 0."""
+    ok = (isinstance(sm_scale, (int, float, np.integer, np.floating)) and not isinstance(sm_scale, (bool, np.bool_))
+          and math.isfinite(sm_scale) and sm_scale > 0)
+    if sm_scale is not None and not ok:
+        raise ValueError(f"sm_scale must be None or a finite number > 0, got {sm_scale!r}")
+
+
 def _check(q, k, v, q_pos, k_pos, index, block_size):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"expected q [B,Sq,Hq,D], k=v [B,Sk,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
@@ -74,6 +84,8 @@ def _check(q, k, v, q_pos, k_pos, index, block_size):
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k.shape[2]})")
     if q_pos.shape != (Sq,) or k_pos.shape != (k.shape[1],):
         raise ValueError(f"q_pos {q_pos.shape} / k_pos {k_pos.shape} must be [Sq]={Sq} / [Sk]={k.shape[1]}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise ValueError(f"block_size must be an int, got {block_size!r}")
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {D} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
     if block_size not in SUPPORTED_BLOCKS:
@@ -193,6 +205,7 @@ def block_sparse_attention(q, k, v, q_pos=None, k_pos=None, index: StepIndex | N
     """Single-device block-sparse attention with ``custom_vjp``; ``out`` in ``q.dtype``."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    check_sm_scale(sm_scale)
     q_pos = jnp.arange(q.shape[1], dtype=jnp.int32) if q_pos is None else jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.arange(k.shape[1], dtype=jnp.int32) if k_pos is None else jnp.asarray(k_pos, jnp.int32)
     return _op(q, k, v, q_pos, k_pos, index, sm_scale, block_size, impl)

@@ -39,6 +39,7 @@ from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.estimate import estimate_index_shard
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from mtraining_jax.sparsity.metrics import imbalance, step_imbalance, worker_imbalance
+from pallas_kernels.api import SUPPORTED_HEAD_DIMS
 
 SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
 IMPLS = ("auto", "pallas", "xla")
@@ -147,6 +148,8 @@ def _check_inputs(q, k, v, mesh, cfg: MTrainingConfig):
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, sequence or head_dim")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {q.shape[3]} is not supported by the kernels; expected one of {SUPPORTED_HEAD_DIMS}")
     num_nodes, num_local = check_cp_mesh(mesh)
     P = num_nodes * num_local
     layout = cfg.make_layout(q.shape[1], P)  # validates divisibility, naming the values
