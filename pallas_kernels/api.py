@@ -24,9 +24,11 @@ Ground truth for both: ``mtraining_jax.attention.reference.dense_attention`` wit
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import registry
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, check_step_index, full_step_index
@@ -36,9 +38,38 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
 
 
-def attention_delta(out, do):
-    """``delta f32 [B, Hq, Sq] = rowsum(dO * O)`` (computed once per attention, FlashAttention-2)."""
-    return jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+def split_output(out, dtype):
+    """``(hi, lo)``: the float32 output ``out [B, Sq, Hq, D]`` as ``hi = out`` rounded to ``dtype``
+    (the op's result) and ``lo = out - hi`` rounded to ``dtype`` (``None`` when ``dtype`` is float32).
+
+    ``hi + lo`` equals the float32 output to ``~2^-17`` relative in bf16 (``2^-22`` in f16), so a
+    backward that saves ``(hi, lo)`` forms :func:`attention_delta` from the float32 output, not from
+    the rounded result, at the memory of one float32 copy (``hi`` is the op's output, usually kept
+    by the next layer anyway)."""
+    hi = out.astype(dtype)
+    if jnp.dtype(dtype) == jnp.float32:
+        return hi, None
+    return hi, (out.astype(jnp.float32) - hi.astype(jnp.float32)).astype(dtype)
+
+
+def attention_delta(out, do, out_lo=None):
+    """``delta f32 [B, Hq, Sq] = rowsum(dO * O)`` (computed once per attention, FlashAttention-2).
+
+    ``out``: ``O [B, Sq, Hq, D]``; with ``out_lo`` (:func:`split_output`) ``O = out + out_lo``, the
+    float32 output: forming delta from an O rounded to bf16 costs the gradients about 2x in
+    accuracy."""
+    o = out.astype(jnp.float32)
+    if out_lo is not None:
+        o = o + out_lo.astype(jnp.float32)
+    return jnp.einsum("bqhd,bqhd->bhq", o, do.astype(jnp.float32), precision="highest")
+
+
+def check_sm_scale(sm_scale) -> None:
+    """``ValueError`` naming ``sm_scale`` unless it is ``None`` (``D ** -0.5``) or a finite number > 0."""
+    ok = (isinstance(sm_scale, (int, float, np.integer, np.floating)) and not isinstance(sm_scale, (bool, np.bool_))
+          and math.isfinite(sm_scale) and sm_scale > 0)
+    if sm_scale is not None and not ok:
+        raise ValueError(f"sm_scale must be None or a finite number > 0, got {sm_scale!r}")
 
 
 def _check(q, k, v, q_pos, k_pos, index, block_size):
@@ -51,6 +82,8 @@ def _check(q, k, v, q_pos, k_pos, index, block_size):
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k.shape[2]})")
     if q_pos.shape != (Sq,) or k_pos.shape != (k.shape[1],):
         raise ValueError(f"q_pos {q_pos.shape} / k_pos {k_pos.shape} must be [Sq]={Sq} / [Sk]={k.shape[1]}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise ValueError(f"block_size must be an int, got {block_size!r}")
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {D} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
     if block_size not in SUPPORTED_BLOCKS:
@@ -127,13 +160,13 @@ def _op(q, k, v, q_pos, k_pos, index, sm_scale, block_size, impl):
 def _op_fwd(q, k, v, q_pos, k_pos, index, sm_scale, block_size, impl):
     out, lse = block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale,
                                           block_size=block_size, impl=impl)
-    out_c = out.astype(q.dtype)
-    return out_c, (q, k, v, q_pos, k_pos, index, out_c, lse)
+    out_c, out_lo = split_output(out, q.dtype)  # delta from the float32 O (see split_output)
+    return out_c, (q, k, v, q_pos, k_pos, index, out_c, out_lo, lse)
 
 
 def _op_bwd(sm_scale, block_size, impl, res, do):
-    q, k, v, q_pos, k_pos, index, out, lse = res
-    delta = attention_delta(out, do)
+    q, k, v, q_pos, k_pos, index, out, out_lo, lse = res
+    delta = attention_delta(out, do, out_lo)
     dq, dk, dv = block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta,
                                             sm_scale=sm_scale, block_size=block_size, impl=impl)
     zeros_like_int = lambda x: None if x is None else jax.tree.map(  # noqa: E731
@@ -149,6 +182,7 @@ def block_sparse_attention(q, k, v, q_pos=None, k_pos=None, index: StepIndex | N
                            block_size: int = DEFAULT_BLOCK, impl: str = "auto"):
     """Single-device block-sparse attention with ``custom_vjp``; ``out`` in ``q.dtype``."""
     registry.validate_impl(impl)
+    check_sm_scale(sm_scale)
     q_pos = jnp.arange(q.shape[1], dtype=jnp.int32) if q_pos is None else jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.arange(k.shape[1], dtype=jnp.int32) if k_pos is None else jnp.asarray(k_pos, jnp.int32)
     return _op(q, k, v, q_pos, k_pos, index, sm_scale, block_size, impl)

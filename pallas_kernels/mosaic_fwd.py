@@ -122,7 +122,7 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
     def row_counts(w):
         i = 2 * pair + w
         n_free, n_blk, ncol = cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], cnt_ref[b, h, i, 2]
-        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + (bs - 1), bs)
+        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs))
 
     @pl.when(wg < 2)
     def _consumer():
@@ -145,7 +145,7 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
 
         def tile(t, carry, masked: bool, thr):
             acc, m, l = carry
-            slot = w * stages + lax.rem(t, stages)
+            slot = w * stages + lax.rem(t, jnp.int32(stages))
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -216,7 +216,7 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
 
                 @pl.when(t < ntiles)
                 def _():
-                    slot = w * stages + lax.rem(t, stages)
+                    slot = w * stages + lax.rem(t, jnp.int32(stages))
 
                     @pl.when(t >= stages)
                     def _():

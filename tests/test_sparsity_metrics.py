@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtraining_jax.attention.mtraining import stats_scalars
 from mtraining_jax.layouts import Layout
 from mtraining_jax.ring_schedule import source_table
 from mtraining_jax.sparsity import SparsityConfig, convert_index, convert_step, estimate_index, index_to_mask
@@ -35,6 +36,25 @@ def test_imbalance_metrics_on_known_matrices():
     assert metrics.step_imbalance(W) == pytest.approx((4 / 2.5 + 2 / 1.5) / 2)
     assert metrics.computation_ratio(W) == pytest.approx(8 / (2 * 5))
     assert metrics.computation_ratio(W, comm=3.0) == pytest.approx(8 / (2 * (4 + 3)))
+
+
+def test_imbalance_skips_ring_steps_without_work():
+    # slash-only index on a 1x4 mesh: only step 0 (own chunk) has work. Worker level: the single
+    # step with work has max/mean = 100 / 85; the three empty steps are bare hops (not 0/0 = NaN,
+    # nor 0 pulling the mean below 1). Step level: every worker's work is all in the one live step
+    # -> max/mean = 1 for each worker.
+    W = np.array([[100, 0, 0, 0], [90, 0, 0, 0], [80, 0, 0, 0], [70, 0, 0, 0]])
+    assert metrics.worker_imbalance(W) == pytest.approx(100 / 85)
+    assert metrics.step_imbalance(W) == 1.0
+    # a worker idle on a live step counts (that is imbalance); one idle on every live step does not
+    W2 = np.array([[4, 2, 0], [0, 2, 0], [0, 0, 0]])
+    assert metrics.worker_imbalance(W2) == pytest.approx((4 / (4 / 3) + 2 / (4 / 3)) / 2)
+    assert metrics.step_imbalance(W2) == pytest.approx((4 / 3 + 2 / 1) / 2)
+    assert metrics.worker_imbalance(np.zeros((2, 2))) == 1.0 == metrics.step_imbalance(np.zeros((2, 2)))
+    for W_ in (W, W2):  # the traceable (training-log) scalars agree with the host metrics
+        st = jax.jit(stats_scalars, static_argnums=(1, 2, 3, 4))(jnp.asarray(W_), 1, 1, 256, 64)
+        assert float(st["worker_imbalance"]) == pytest.approx(metrics.worker_imbalance(W_), rel=1e-6)
+        assert float(st["step_imbalance"]) == pytest.approx(metrics.step_imbalance(W_), rel=1e-6)
 
 
 def test_density_and_recall_match_dense_mask():

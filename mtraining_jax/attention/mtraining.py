@@ -38,8 +38,9 @@ from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.estimate import estimate_index_shard
 from mtraining_jax.sparsity.index import VerticalSlashIndex
+from mtraining_jax.sparsity.metrics import imbalance, step_imbalance, worker_imbalance
+from pallas_kernels.api import SUPPORTED_HEAD_DIMS
 from pallas_kernels.registry import validate_impl
-from mtraining_jax.sparsity.metrics import step_imbalance, worker_imbalance
 
 SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
 
@@ -114,16 +115,16 @@ def stats_scalars(work, batch: int, heads: int, seq_len: int, block_size: int) -
 
     * ``work_fraction``: executed kernel slots over those of the full causal block index
       (``B * H * nb (nb + 1) / 2 * bs^2``, ``nb = S / bs``) — 1 for dense work;
-    * ``worker_imbalance`` / ``step_imbalance``: as :mod:`mtraining_jax.sparsity.metrics`.
+    * ``worker_imbalance`` / ``step_imbalance``: as :mod:`mtraining_jax.sparsity.metrics` (over the
+      ring steps with work; ``>= 1``).
     """
     w = work.astype(jnp.float32)
     nb = seq_len // block_size
     dense = batch * heads * nb * (nb + 1) / 2 * block_size**2
-    safe = lambda x: jnp.maximum(x, 1e-30)  # noqa: E731
     return {
         "work_fraction": w.sum() / dense,
-        "worker_imbalance": jnp.mean(w.max(axis=0) / safe(w.mean(axis=0))),
-        "step_imbalance": jnp.mean(w.max(axis=1) / safe(w.mean(axis=1))),
+        "worker_imbalance": imbalance(w, 0, jnp),
+        "step_imbalance": imbalance(w, 1, jnp),
     }
 
 
@@ -146,6 +147,8 @@ def _check_inputs(q, k, v, mesh, cfg: MTrainingConfig):
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, sequence or head_dim")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {q.shape[3]} is not supported by the kernels; expected one of {SUPPORTED_HEAD_DIMS}")
     num_nodes, num_local = check_cp_mesh(mesh)
     P = num_nodes * num_local
     layout = cfg.make_layout(q.shape[1], P)  # validates divisibility, naming the values

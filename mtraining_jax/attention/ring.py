@@ -99,8 +99,8 @@ from jax.sharding import PartitionSpec
 from mtraining_jax.attention.reference import check_gqa
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring_schedule import source_rank, validate_ring_order
+from pallas_kernels.api import attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd, split_output
 from pallas_kernels.registry import validate_impl
-from pallas_kernels.api import attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, chunk_work
 
 __all__ = ["RingConfig", "ring_attention", "ring_attention_shard"]
@@ -259,16 +259,17 @@ def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index):
     return out, lse, jnp.stack(work), kv_last
 
 
-def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, lse, do):
+def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do):
     """The backward ring (see module docstring): the forward's steps in reverse order, starting
-    from ``kv_last``; returns float32 ``(dq, dk, dv)``."""
+    from ``kv_last``; ``out + out_lo`` is the forward's float32 output (``split_output``); returns
+    float32 ``(dq, dk, dv)``."""
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner
     P = cfg.num_ranks
     sl = kv_own.shape[2]
     fuse = cfg.fuse_backward and P > 1 and _can_fuse(step_index)
     rank = _my_rank(cfg)
-    delta = attention_delta(out, do)
+    delta = attention_delta(out, do, out_lo)
 
     def attend(steps, kvs, dq, dkv_acc):
         return block_sparse_attention_bwd(
@@ -322,16 +323,17 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index):
     kpos_all = _gather_positions(k_pos, cfg)
     kv_own = jnp.stack([k, v])  # one permute per hop (see module docstring)
     out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index)
-    out = out.astype(q.dtype)
-    # O is kept in q's dtype (as FlashAttention does); delta = rowsum(dO * O) is formed from it.
+    # O is returned in q's dtype; its rounding error is kept beside it (split_output) so that
+    # delta = rowsum(dO * O) is formed from the float32 O (bf16 gradients at the bf16 floor).
     # An on-demand index source (RankStepIndex) is saved as its compact global index only.
-    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, lse)
+    out, out_lo = split_output(out, q.dtype)
+    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse)
 
 
 def _ring_bwd(cfg: RingConfig, res, cotangents):
     do = cotangents[0]  # work carries no gradient
-    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, lse = res
-    dq, dk, dv = _backward(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, lse, do)
+    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse = res
+    dq, dk, dv = _backward(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do)
     # positions and the sparse index are integer data: zero cotangents (None).
     return dq.astype(q.dtype), dk.astype(kv_own.dtype), dv.astype(kv_own.dtype), None, None, None
 

@@ -4,9 +4,10 @@ Given non-negative scores (here: integer fixed-point attention mass per vertical
 block-diagonal), the budget of a head is the smallest ``k`` such that the ``k`` largest scores
 cover a fraction ``p`` of the total mass,
 
-    k = min{ k : sum(top_k(scores)) >= p * sum(scores) },
+    k = min{ k : sum(top_k(scores)) >= p * total },
 
-clipped to the head's ``[min, max]`` caps (and to the number of candidates). The selected lines are
+where ``total`` is the exact mass the scores measure when it is known (``mass``; floored scores
+sum to less) and ``sum(scores)`` otherwise, clipped to the head's ``[min, max]`` caps (and to the number of candidates). The selected lines are
 ``argtopk(scores, k)`` (ties broken towards the lower position, ``lax.top_k``'s rule), returned
 sorted ascending. All arithmetic on the scores is integer, so the result does not depend on the
 order in which partial scores were reduced (see :mod:`mtraining_jax.sparsity.estimate`).
@@ -21,21 +22,26 @@ import numpy as np
 from mtraining_jax.sparsity.index import compact_sorted
 
 
-def coverage_count(sorted_desc, total, p):
-    """Smallest ``k`` with ``sum(sorted_desc[..., :k]) >= ceil(p * total)``.
+def coverage_count(sorted_desc, total, p, mass: int | None = None):
+    """Smallest ``k`` with ``sum(sorted_desc[..., :k]) >= min(ceil(p * mass), total)``.
 
     ``sorted_desc int32 [..., M]`` (descending), ``total int32 [...]`` (sum of ALL scores, not only
-    the ``M`` kept), ``p float [...]``. Returns ``int32 [...]`` in ``[1, M + 1]`` (``M + 1``: the
-    ``M`` largest do not reach the target).
+    the ``M`` kept), ``p float [...]``; ``mass``: the exact mass the scores measure when it is known
+    (the floored scores sum to less), else ``total``. With ``mass``, ``ceil(p * mass)`` is computed
+    exactly on the host (``p`` must then be concrete). Returns ``int32 [...]`` in ``[1, M + 1]``
+    (``M + 1``: the ``M`` largest do not reach the target).
     """
-    thr = jnp.ceil(p.astype(jnp.float32) * total.astype(jnp.float32))
-    thr = jnp.minimum(thr.astype(jnp.int32), total)  # float rounding must not ask for > everything
+    if mass is None:
+        thr = jnp.ceil(p.astype(jnp.float32) * total.astype(jnp.float32)).astype(jnp.int32)
+    else:
+        thr = jnp.asarray(np.ceil(np.asarray(p, np.float64) * mass).astype(np.int64).clip(0, 2**31 - 1), jnp.int32)
+    thr = jnp.minimum(thr, total)  # float rounding / flooring must not ask for > everything
     csum = jnp.cumsum(sorted_desc, axis=-1, dtype=jnp.int32)
     return (csum < thr[..., None]).sum(axis=-1, dtype=jnp.int32) + 1
 
 
 def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, pad: int, ids=None,
-                 total=None):
+                 total=None, mass: int | None = None):
     """Select lines by top-p coverage with per-head caps.
 
     Args:
@@ -48,6 +54,7 @@ def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, 
       ids: ``int32 [B, H, n]`` line ids of ``scores``, ascending along the last axis (so ties are
         still broken towards the lower line id); ``None``: ``arange(n)``.
       total: ``int32 [B, H]`` mass of ALL lines (required with ``ids``; default ``scores.sum(-1)``).
+      mass: the exact total the scores measure, if known (:func:`coverage_count`); ``p`` concrete.
 
     Returns:
       ``(idx int32 [B, H, size] ascending, count int32 [B, H])``.
@@ -62,7 +69,10 @@ def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, 
     order_key = scores if force is None else scores.at[..., force].set(jnp.iinfo(jnp.int32).max)
     _, top = jax.lax.top_k(order_key, size)
     vals = jnp.take_along_axis(scores, top, axis=-1)
-    k = coverage_count(vals, total, jnp.asarray(p, jnp.float32)[None, :])
+    if mass is None:
+        k = coverage_count(vals, total, jnp.asarray(p, jnp.float32)[None, :])
+    else:
+        k = coverage_count(vals, total, np.asarray(p, np.float64)[None, :], mass)
     lo = jnp.asarray(np.minimum(np.asarray(kmin), size), jnp.int32)[None, :]
     hi = jnp.asarray(np.minimum(np.asarray(kmax), size), jnp.int32)[None, :]
     k = jnp.clip(k, lo, hi)

@@ -7,7 +7,13 @@ one entry per query head (configurable per head).
 Defaults and why:
 
 * ``block_size = 64``: slash diagonals are pooled over 64x64 blocks (App. B.1 (ii)) and 64 is the
-  block-striped stripe (§4.1 (ii)); the kernels' tile edge.
+  block-striped stripe (§4.1 (ii)); the kernels' tile edge (one of
+  ``pallas_kernels.api.SUPPORTED_BLOCKS``, checked on construction).
+* ``sm_scale = None``: ``head_dim ** -0.5``; otherwise a finite number > 0.
+
+Every field is validated on construction (``ValueError`` naming the value): bools and strings are
+rejected where numbers belong, and per-head tuples must all have the same length (checked against
+the number of query heads at call entry, :meth:`SparsityConfig.check`).
 * ``last_q = 64``: Algorithm 1's observation window (the public MTraining code's default).
 * ``vertical_p = slash_p = 0.9``: top-p coverage of the estimated attention mass (poster, ``score_cover``).
 * ``vertical_max = 4096`` tokens: the public code's per-head cap ("top-p 0.9, cap 4096").
@@ -29,16 +35,35 @@ from typing import Union
 
 import numpy as np
 
+from pallas_kernels.api import SUPPORTED_BLOCKS, check_sm_scale
+
 PerHead = Union[int, float, tuple]
 
 #: fixed-point bits of the integer probability scores are chosen so that sums never overflow int32
 _INT32_HEADROOM = 29
 
 
+PER_HEAD_FIELDS = ("vertical_p", "slash_p", "vertical_min", "vertical_max", "slash_min", "slash_max")
+
+
 def _as_tuple(x):
-    if isinstance(x, (list, tuple, np.ndarray)):
-        return tuple(np.asarray(x).tolist())
+    if isinstance(x, np.ndarray):
+        return tuple(x.tolist())
+    if isinstance(x, (list, tuple)):
+        return tuple(x)  # entries keep their type (checked in __post_init__)
     return x
+
+
+def _entries(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +82,22 @@ class SparsityConfig:
     sm_scale: float | None = None
 
     def __post_init__(self):
-        for name in ("vertical_p", "slash_p", "vertical_min", "vertical_max", "slash_min", "slash_max"):
+        for name in PER_HEAD_FIELDS:
             object.__setattr__(self, name, _as_tuple(getattr(self, name)))
-        if not isinstance(self.block_size, (int, np.integer)) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        if not isinstance(self.last_q, (int, np.integer)) or self.last_q < 1:
+        if not _is_int(self.block_size) or self.block_size not in SUPPORTED_BLOCKS:
+            raise ValueError(f"block_size={self.block_size!r} is not one of the kernels' block sizes "
+                             f"{SUPPORTED_BLOCKS}")
+        if not _is_int(self.last_q) or self.last_q < 1:
             raise ValueError(f"last_q must be a positive integer, got {self.last_q!r}")
+        lengths = {n: len(getattr(self, n)) for n in PER_HEAD_FIELDS if isinstance(getattr(self, n), tuple)}
+        if len(set(lengths.values())) > 1 or 0 in lengths.values():
+            raise ValueError(f"per-head tuples must all have one entry per query head, got lengths {lengths}")
         for name in ("vertical_p", "slash_p"):
-            p = np.asarray(getattr(self, name), dtype=np.float64)
-            bad = p[~((p > 0) & (p <= 1))]
-            if bad.size:
-                raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if not all(_is_real(x) and 0 < x <= 1 for x in _entries(v)):
+                raise ValueError(f"{name} must be number(s) in (0, 1], got {v!r}")
         for name in ("vertical_min", "vertical_max", "slash_min", "slash_max"):
-            v = np.asarray(getattr(self, name))
-            if not np.issubdtype(v.dtype, np.integer):
+            if not all(_is_int(x) for x in _entries(getattr(self, name))):
                 raise ValueError(f"{name} must be integer(s), got {getattr(self, name)!r}")
         if np.any(np.asarray(self.vertical_min) < 0):
             raise ValueError(f"vertical_min must be >= 0, got {self.vertical_min!r}")
@@ -82,8 +109,9 @@ class SparsityConfig:
             if np.any(b < a):
                 raise ValueError(
                     f"{hi}={getattr(self, hi)!r} is below the minimum {lo}={getattr(self, lo)!r}")
-        if self.max_cols is not None and (not isinstance(self.max_cols, (int, np.integer)) or self.max_cols < 1):
+        if self.max_cols is not None and (not _is_int(self.max_cols) or self.max_cols < 1):
             raise ValueError(f"max_cols must be None or a positive integer, got {self.max_cols!r}")
+        check_sm_scale(self.sm_scale)
 
     # ----------------------------------------------------------------------------------------------
     def per_head(self, name: str, num_heads: int) -> np.ndarray:
@@ -105,7 +133,7 @@ class SparsityConfig:
                 f"{seq_len}/{num_ranks} = {seq_len / num_ranks:g}")
         if seq_len > 2**23:
             raise ValueError(f"seq_len={seq_len} > 2^23 would overflow the int32 fixed-point softmax sums")
-        for name in ("vertical_p", "slash_p", "vertical_min", "vertical_max", "slash_min", "slash_max"):
+        for name in PER_HEAD_FIELDS:
             self.per_head(name, num_heads)
 
     def max_verticals(self, seq_len: int) -> int:

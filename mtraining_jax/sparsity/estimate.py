@@ -11,13 +11,30 @@ Per batch element and query head:
 4. budgets by top-p coverage with per-head caps (:mod:`~mtraining_jax.sparsity.budgets`); diagonal 0
    always kept so no query row is empty.
 
-Exactness across layouts and meshes: after the (order-independent) row max, every reduction over
-keys is done on integers. ``exp(z - m)`` is floored to 24-bit fixed point and summed in three 8-bit
-limbs (the softmax denominator), and probabilities are floored to ``F = cfg.score_bits`` bits
-(``last_q * 2^F <= 2^29``) before the column / diagonal sums. Integer sums are associative, so the
-single-device estimate and the sharded one (``psum`` over ranks in any layout) are bit-identical,
-and every rank ends with the same index without a broadcast. Resolution: ``2^-F`` of attention
-probability (``1.2e-7`` for ``last_q = 64``), far below any useful top-p threshold.
+Exactness across layouts, meshes and programs: after the (order-independent) row max, every
+reduction over keys is done on integers. ``exp(z - m)`` is truncated to 47 fraction bits, held as six
+integer digits (:func:`_digits`: power-of-two scalings and floors, exact in floating point) and
+summed per digit (the softmax denominator); probabilities are truncated to ``F + G`` bits held as
+two digits (:func:`fixed_point_bits`, ``F = cfg.score_bits``, 23 for ``last_q = 64``), summed per
+digit and floored to ``2^-F`` per line. Integer sums are associative, so the single-device estimate
+and the sharded one (``psum`` over ranks in any layout) are bit-identical and every rank ends with
+the same index without a broadcast. The logits are the one floating-point reduction: the scale is
+applied to the queries behind an optimization barrier and the matmul runs at ``Precision.HIGHEST``
+(:func:`_window_logits`), so no compiler rewrite or reduced-precision pass changes them.
+
+Coverage bound (top-p, caps not binding). With ``m_i`` the float64 Algorithm 1 mass of line ``i``
+(summing to ``last_q`` over the lines of a head), the threshold is taken from that exact total
+(``ceil(p * last_q * 2^F)``; every window row sums to one), not from the floored scores, which fall
+short by up to one unit per line (``S * 2^-F`` of a row, most of it in the diffuse tail). The ``k``
+selected lines then satisfy
+
+    sum_K m_i >= p * last_q - eps,   sum_K m_i - min_K m_i < (p + (k + 1) 2^-F / last_q) * last_q + eps,
+
+i.e. they cover ``p`` and are minimal to within ``(k + 1) * 2^-F / last_q`` of coverage
+(``2^-29`` per line for every ``last_q``: ``7.6e-6`` at ``k = 4096``) at every ``S <= 2^23``. ``eps``
+is the float32 error of the logits, ``exp`` and the division (relative ``~1e-7`` per probability;
+the truncations add at most ``S * 2^-47`` relative to the denominator and ``S * 2^-(F+G)`` to a
+row's mass: below ``2^-17`` at ``S = 2^23``). Tested against float64 at ``S = 2^20``.
 
 Cost per head: ``last_q x S`` logits (the paper's observation window), i.e. ``last_q / S`` of dense.
 """
@@ -26,16 +43,18 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtraining_jax.attention.reference import attention_logits, check_gqa
+from mtraining_jax.attention.reference import check_gqa
 from mtraining_jax.sparsity.budgets import top_p_select
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 
-_E_BITS = 24  # fixed-point bits of exp(z - m) in (0, 1] for the softmax denominator
+_E_DIGITS = (7, 8, 8, 8, 8, 8)  # digit widths of exp(z - m) in (0, 1] for the softmax denominator
 
 
 def _check_inputs(q, k, positions, cfg, num_ranks):
@@ -64,34 +83,82 @@ def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
     return reduce_sum(buf)
 
 
+def _digits(x, widths: Sequence[int]):
+    """Fixed-point digits of ``x`` in ``[0, 1]`` (float32): ``int32`` ``d_j`` with
+    ``x = sum_j d_j 2^-(w_0 + .. + w_j) + rest``, ``0 <= rest < 2^-sum(w)``, ``d_0 <= 2^w_0``.
+
+    Every step (a power-of-two scaling, a floor, the subtraction of the integer part) is exact in
+    floating point, so the digits are the exact truncation of ``x``, however the program is
+    compiled or fused."""
+    out, t = [], x
+    for w in widths:
+        t = t * np.float32(2.0**w)
+        d = jnp.floor(t)
+        out.append(d.astype(jnp.int32))
+        t = t - d
+    return out
+
+
+def fixed_point_bits(cfg: SparsityConfig) -> tuple[int, int]:
+    """``(F, G)``: probabilities are truncated to ``F + G`` fraction bits and held as two integer
+    digits (``F`` and ``G`` bits); line scores are their exact sums floored to ``2^-F``.
+
+    ``F = cfg.score_bits`` keeps a head's total mass ``last_q * 2^F <= 2^29`` in int32; ``G`` keeps
+    the low digits' sum over one slash diagonal (``<= last_q * block_size`` terms) below ``2^30``."""
+    F = cfg.score_bits
+    G = max(0, 30 - math.ceil(math.log2(cfg.last_q * cfg.block_size)))
+    return F, G
+
+
 def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max):
-    """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``."""
+    """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``,
+    in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`)."""
     bs, lq = cfg.block_size, cfg.last_q
     nb = seq_len // bs
+    F, G = fixed_point_bits(cfg)
     q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
     qp = np.arange(seq_len - lq, seq_len)
-    z = attention_logits(q_last, k.astype(jnp.float32), cfg.sm_scale).astype(jnp.float32)  # [B,Hq,Lq,Sk]
+    z = _window_logits(q_last, k, cfg.sm_scale)  # [B, Hq, Lq, Sk]
     causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
     z = jnp.where(causal, z, -jnp.inf)
     m = reduce_max(z.max(axis=-1))  # exact in any order
-    e = jnp.where(causal, jnp.exp(z - m[..., None]), 0.0)
-    ue = jnp.floor(e * 2.0**_E_BITS).astype(jnp.int32)  # <= 2^24
-    # three limbs (8, 8, 9 bits), each summed over S <= 2^23 keys without overflow
-    limbs = [reduce_sum(x.sum(axis=-1, dtype=jnp.int32)) for x in (ue & 255, (ue >> 8) & 255, ue >> 16)]
-    denom = (limbs[2].astype(jnp.float32) * 65536.0 + limbs[1].astype(jnp.float32) * 256.0
-             + limbs[0].astype(jnp.float32)) * 2.0**-_E_BITS
-    a = e / denom[..., None]
-    u = jnp.floor(a * 2.0**cfg.score_bits).astype(jnp.int32)
-    vert = u.sum(axis=2, dtype=jnp.int32)  # [B, Hq, Sk]
+    e = jnp.where(causal, jnp.exp(z - m[..., None]), 0.0)  # (0, 1]; the row max contributes exactly 1
+    # softmax denominator: e truncated to 2^-47 in six digits, each summed over S <= 2^23 keys
+    # in int32 without overflow (digit 0 <= 2^7, the others < 2^8)
+    sums = [reduce_sum(d.sum(axis=-1, dtype=jnp.int32)) for d in _digits(e, _E_DIGITS)]
+    denom, shift = jnp.float32(0.0), 0
+    for w, part in zip(_E_DIGITS, sums):  # fixed order, integers first: the same bits on every rank
+        shift += w
+        denom = denom + part.astype(jnp.float32) * np.float32(2.0**-shift)
+    a = e / denom[..., None]  # <= 1 (denom >= the row max's exact 1)
+    hi, lo = _digits(a, (F, G))  # a = (hi + lo 2^-G) 2^-F + (< 2^-(F+G))
+    vert = hi.sum(axis=2, dtype=jnp.int32) + (lo.sum(axis=2, dtype=jnp.int32) >> G)  # [B, Hq, Sk]
     kblk = k_pos // bs
-    slash = jnp.zeros(vert.shape[:2] + (nb + 1,), jnp.int32)
+    slash = jnp.zeros((2,) + vert.shape[:2] + (nb + 1,), jnp.int32)
     for g in range(int(qp[0]) // bs, int(qp[-1]) // bs + 1):  # the (static) query blocks of the window
         rows = np.nonzero(qp // bs == g)[0]
-        colsum = u[:, :, rows[0]: rows[-1] + 1].sum(axis=2, dtype=jnp.int32)
+        colsum = jnp.stack([x[:, :, rows[0]: rows[-1] + 1].sum(axis=2, dtype=jnp.int32) for x in (hi, lo)])
         d = jnp.int32(g) - kblk
         d = jnp.where(d >= 0, d, nb)  # non-causal keys carry zero mass; park them in a spill slot
-        slash = slash.at[:, :, d].add(colsum)
-    return vert, reduce_sum(slash[..., :nb])
+        slash = slash.at[:, :, :, d].add(colsum)
+    slash = reduce_sum(slash[..., :nb])
+    return vert, slash[0] + (slash[1] >> G)
+
+
+def _window_logits(q_last, k, sm_scale):
+    """``[B, Hq, Lq, Sk]`` float32 logits of the window, computed the same way in every program.
+
+    The scale is applied to the (small) queries before the matmul, behind an optimization barrier,
+    so no compiler rewrite can move it across the dot or fuse it into a differently rounded
+    multiply-add, and the matmul runs at full float32 precision (no TF32 / bf16 passes)."""
+    scale = np.float32(q_last.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
+    qs = jax.lax.optimization_barrier(q_last * scale)
+    B, Lq, Hq, D = qs.shape
+    Hkv = k.shape[2]
+    qg = qs.reshape(B, Lq, Hkv, Hq // Hkv, D)
+    z = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+    return z.reshape(B, Hq, Lq, k.shape[1])
 
 
 def _select(vert, slash, cfg: SparsityConfig, seq_len: int, ids=None, total=None) -> VerticalSlashIndex:
@@ -100,10 +167,11 @@ def _select(vert, slash, cfg: SparsityConfig, seq_len: int, ids=None, total=None
     H = vert.shape[1]
     nb = seq_len // cfg.block_size
     ph = lambda n: cfg.per_head(n, H)  # noqa: E731
+    mass = cfg.last_q * 2**cfg.score_bits  # every window row sums to one: the exact total of either
     v_idx, v_count = top_p_select(vert, ph("vertical_p"), ph("vertical_min"), ph("vertical_max"),
-                                  cfg.max_verticals(seq_len), pad=seq_len, ids=ids, total=total)
+                                  cfg.max_verticals(seq_len), pad=seq_len, ids=ids, total=total, mass=mass)
     s_idx, s_count = top_p_select(slash, ph("slash_p"), ph("slash_min"), ph("slash_max"),
-                                  cfg.max_slashes(seq_len), force=0, pad=nb)
+                                  cfg.max_slashes(seq_len), force=0, pad=nb, mass=mass)
     return VerticalSlashIndex(v_idx, v_count, s_idx, s_count)
 
 

@@ -14,6 +14,8 @@ them all.)
   across workers at a step, averaged over steps);
 * step-level imbalance degree: ``mean_r( max_s W[r, s] / mean_s W[r, s] )`` (across the steps of a
   worker, averaged over workers);
+* both are taken over the steps with work only (a step no worker computes in is a bare K/V hop)
+  and are ``>= 1`` (:func:`imbalance`);
 * computation ratio: ``sum_{r,s} W[r, s] / (P * sum_s T_s)`` with ``T_s = max(max_r W[r, s], C_s)``:
   the fraction of worker time spent computing when each ring step ends at a barrier set by the
   slowest worker or by the K/V transfer ``C_s`` (in work units; 0 = compute only). Table 3's
@@ -94,16 +96,35 @@ def step_index_work(step_index, block_size: int = 64) -> np.ndarray:
     return w.sum(axis=(-1, -2, -3))
 
 
+def imbalance(W, axis: int, xp=np):
+    """Mean max/mean ratio of ``W [P workers, P steps]`` across ``axis``, over steps WITH work.
+
+    ``axis=0``: worker-level (ratio across the workers of a step, averaged over the steps);
+    ``axis=1``: step-level (ratio across the steps of a worker, averaged over the workers).
+    A ring step where no worker has work (e.g. a slash-only index whose band never reaches a
+    distant chunk) is a hop with no compute: it is left out of both, as is a worker with no work
+    on the remaining steps (its max/mean would be 0/0). The result is ``>= 1`` (1 = balanced, or
+    no work at all). ``xp``: ``numpy`` (host, float64) or ``jax.numpy`` (traceable, float32).
+    """
+    W = xp.asarray(W, xp.float64 if xp is np else xp.float32)
+    W = xp.where(W.sum(axis=0, keepdims=True) > 0, W, xp.nan)  # empty steps -> excluded
+    n = xp.sum(~xp.isnan(W), axis=axis)
+    tot = xp.nansum(W, axis=axis)
+    mx = xp.max(xp.where(xp.isnan(W), 0.0, W), axis=axis)
+    live = tot > 0  # groups (steps / workers) with work
+    ratio = xp.where(live, mx * n / xp.where(live, tot, 1.0), 0.0)
+    count = xp.sum(live)
+    return xp.where(count > 0, xp.sum(ratio) / xp.maximum(count, 1), 1.0)
+
+
 def worker_imbalance(W) -> float:
-    """Mean over steps of max/mean over workers."""
-    W = np.asarray(W, np.float64)
-    return float(np.mean(W.max(axis=0) / W.mean(axis=0)))
+    """Mean over the steps with work of max/mean over workers (:func:`imbalance`, ``axis=0``)."""
+    return float(imbalance(W, 0))
 
 
 def step_imbalance(W) -> float:
-    """Mean over workers of max/mean over steps."""
-    W = np.asarray(W, np.float64)
-    return float(np.mean(W.max(axis=1) / W.mean(axis=1)))
+    """Mean over the workers of max/mean over the steps with work (:func:`imbalance`, ``axis=1``)."""
+    return float(imbalance(W, 1))
 
 
 def computation_ratio(W, comm=0.0) -> float:
