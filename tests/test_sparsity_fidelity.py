@@ -96,19 +96,21 @@ def test_index_identical_across_jits_and_eager():
 
 @pytest.mark.gpu
 def test_index_identical_across_impls_and_jits_on_gpu():
-    """16K tokens, B=2, 12/4 heads, p=0.8: the same index from impl pallas and xla inside
-    mtraining_attention, from separate jits of the estimate and eagerly."""
+    """16K tokens, B=2, 12/4 heads, p=0.8: the same index from every kernel impl (Triton, XLA, and
+    on Hopper the Mosaic forward) inside mtraining_attention, from separate jits of the estimate
+    and eagerly."""
     q, k = _qk(2, 16384, 12, 4, 128)
     v = k[..., ::-1]
     cfg = SparsityConfig(vertical_p=0.8, slash_p=0.8)
     mesh = make_mesh((1, 1), jax.devices()[:1])
     idx = {}
-    for impl in ("pallas", "xla"):
+    for impl in ("pallas", "xla", "auto"):
         mc = MTrainingConfig(sparsity=cfg, impl=impl)
         lay = mc.make_layout(q.shape[1], 1)
         _, st = jax.jit(lambda q, k, v: mtraining_attention(q, k, v, mesh, mc, return_stats=True))(
             lay.permute(q), lay.permute(k), lay.permute(v))
         idx[impl] = st.index
     _same(idx["pallas"], idx["xla"])
+    _same(idx["pallas"], idx["auto"])
     for o in _estimates_across_programs(q, k, cfg):
         _same(idx["pallas"], o)
