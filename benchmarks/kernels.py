@@ -231,6 +231,34 @@ def table(rows):
     return "\n".join(out)
 
 
+def plot(rows, path):
+    """Bar chart of active TFLOP/s per impl and index (forward, forward+backward), cuDNN dense as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = sorted({r["seq"] for r in rows})
+    fig, axes = plt.subplots(len(seqs), 2, figsize=(12, 3.6 * len(seqs)), squeeze=False)
+    for ax_row, S in zip(axes, seqs):
+        rs = [r for r in rows if r["seq"] == S and r["name"] != "cudnn"]
+        cud = next(r for r in rows if r["seq"] == S and r["name"] == "cudnn")
+        for ax, key, title in [(ax_row[0], "fwd_tflops", "forward"), (ax_row[1], "fb_tflops", "forward+backward")]:
+            names = [r["name"] for r in rs]
+            vals = [r[key] or 0 for r in rs]
+            colors = ["tab:orange" if n.startswith("auto") else "tab:blue" if n.startswith("triton") else "tab:gray"
+                      for n in names]
+            ax.bar(range(len(rs)), vals, color=colors)
+            ax.axhline(cud[key], color="k", ls="--", lw=1, label=f"cuDNN dense {cud[key]:.0f}")
+            ax.set_xticks(range(len(rs)), names, rotation=45, ha="right", fontsize=8)
+            ax.set_ylabel("active TFLOP/s")
+            ax.set_title(f"{S // 1024}K tokens, {title}")
+            ax.legend(fontsize=8)
+    fig.suptitle("block-sparse attention kernels (orange: auto = Mosaic GPU forward + Triton backward)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="32768,131072")
@@ -245,8 +273,14 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")
     ap.add_argument("--mha-sweep", type=int, default=0, help="sequence length for a Triton mha config sweep")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the main comparison table")
+    ap.add_argument("--plot-from", default="", help="comma-separated JSON results to plot (no timing run)")
+    ap.add_argument("--plot", default=None, help="PNG path for the bar chart")
     ap.add_argument("--col-split-sweep", default="", help="S:max_cols pairs, e.g. 131072:1024,524288:4096")
     a = ap.parse_args()
+    if a.plot_from:
+        rows = [r for f in a.plot_from.split(",") for r in json.load(open(f))["rows"]]
+        plot(rows, a.plot or "kernels.png")
+        return
     sweeps = []
     for S in [int(x) for x in a.sweep.split(",") if x and x != "0"]:
         sweeps += sweep(S, [0.95], a.reps)
@@ -273,6 +307,8 @@ def main():
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(meta)
     print(table(rows))
+    if a.plot:
+        plot(rows, a.plot)
 
 
 if __name__ == "__main__":
