@@ -4,7 +4,7 @@ B=1, 16 query heads, 2 KV heads, head_dim 128, bf16, causal. For each sequence l
 dense causal (``jax.nn.dot_product_attention(implementation="cudnn")``), JAX's Pallas Triton flash
 attention (``jax.experimental.pallas.ops.gpu.attention.mha``, K/V repeated to 16 heads outside the
 timed region), our kernels (each ``--impls`` entry: ``triton``; ``auto`` = the registry's choice,
-on Hopper the Mosaic GPU forward + Triton backward) with the full causal index (dense work) and
+on Hopper the Mosaic GPU kernels: forward and dQ pass, Triton dK/dV passes) with the full causal index (dense work) and
 with synthetic vertical-slash indices (``pallas_kernels.testing.vertical_slash_index``) of two
 families: ``slash`` (256 verticals per head, slash blocks near the diagonal; names ``vs95``) and
 ``vert`` (``--vert-cols`` verticals per head and few slashes, heavy in column tiles; names
@@ -254,7 +254,7 @@ def plot(rows, path):
             ax.set_ylabel("active TFLOP/s")
             ax.set_title(f"{S // 1024}K tokens, {title}")
             ax.legend(fontsize=8)
-    fig.suptitle("block-sparse attention kernels (orange: auto = Mosaic GPU forward + Triton backward)")
+    fig.suptitle("block-sparse attention kernels (orange: auto = the registry's choice on Hopper)")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 

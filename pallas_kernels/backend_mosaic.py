@@ -1,8 +1,9 @@
 """``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (:mod:`pallas_kernels.mosaic_fwd`).
 
-Supports: the forward; compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128;
-block size 64; ``Sq`` a multiple of 128 (two query blocks per CTA). The backward is not built yet:
-``impl="auto"`` falls through to ``triton`` for it. Mosaic GPU's CPU interpret mode (JAX 0.10)
+Supports: compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128; block size 64;
+``Sq`` a multiple of 128 (two query blocks per CTA). Forward: :mod:`pallas_kernels.mosaic_fwd`.
+Backward: the dQ pass is Mosaic (:mod:`pallas_kernels.mosaic_bwd`), the dK/dV passes are the Triton
+kernels (:func:`pallas_kernels.triton_backward.pallas_bwd` with ``dq_kernel``). Mosaic GPU's CPU interpret mode (JAX 0.10)
 cannot run these kernels (no transposed-operand or register-operand ``wgmma``), so they are tested
 on the GPU; the shared kernel suite covers the same semantics through the other backends on CPU.
 """
@@ -20,8 +21,6 @@ def supports(problem) -> None:
     if problem.platform != "gpu" or cc is None or not str(cc).startswith("9"):
         raise NotImplementedError(f"needs a Hopper GPU (compute capability 9.x), got platform "
                                   f"{problem.platform!r} capability {cc!r}")
-    if problem.direction != "fwd":
-        raise NotImplementedError("the Mosaic backward kernels are not built yet")
     if problem.dtype not in DTYPES:
         raise NotImplementedError(f"dtype {problem.dtype} (supported: {DTYPES})")
     if problem.head_dim not in HEAD_DIMS:
@@ -38,5 +37,9 @@ def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size):
     return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size)
 
 
-def bwd(*args, **kwargs):
-    raise NotImplementedError("the Mosaic backward kernels are not built yet")
+def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size):
+    from pallas_kernels import triton_backward
+    from pallas_kernels.mosaic_bwd import mosaic_dq
+
+    return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
+                                      dq_kernel=mosaic_dq, sm_scale=sm_scale, block_size=block_size)

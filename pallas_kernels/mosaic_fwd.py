@@ -191,45 +191,54 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        hk = lax.div(h, jnp.array(g, h.dtype))
-        walks = [row_counts(w) for w in range(2)]
+        _producer_loop([row_counts(w) for w in range(2)], b, h, lax.div(h, jnp.array(g, h.dtype)), bs, stages,
+                       bidx_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
+                       k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
 
-        def load(w, t, i, n_blk, ref_blk, ref_col, info_blk, info_col, dst, bar):
-            @pl.when(t < n_blk)
+
+def _producer_loop(walks, b, h, hk, bs, stages, bidx_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
+                   k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free):
+    """The producer warpgroup's loop, shared by the forward and the dQ pass: for tile ``t`` of each
+    consumer ``w`` (``walks[w] = (query block, n_free, n_blocks, col_count, n_tiles)``), wait until the
+    consumer has freed slot ``w * stages + t % stages`` (from ``t >= stages`` on), then TMA-load the
+    tile's K (+ its ``info``) and V: block ``bidx[t]`` of ``k/v`` for ``t < n_blocks``, else column tile
+    ``t - n_blocks`` of ``kc/vc``."""
+
+    def load(t, i, n_blk, ref_blk, ref_col, info, dst, bar):
+        @pl.when(t < n_blk)
+        def _():
+            kb = bidx_ref[b, h, i, t]
+            plgpu.copy_gmem_to_smem(ref_blk.at[b, pl.ds(kb * bs, bs), hk], dst, bar)
+            if info is not None:
+                plgpu.copy_gmem_to_smem(kinfo_ref.at[b, h, kb], info[0], info[1])
+
+        @pl.when(t >= n_blk)
+        def _():
+            c = t - n_blk
+            plgpu.copy_gmem_to_smem(ref_col.at[b, h, pl.ds(c * bs, bs)], dst, bar)
+            if info is not None:
+                plgpu.copy_gmem_to_smem(cinfo_ref.at[b, h, c], info[0], info[1])
+
+    @pl.loop(0, jnp.maximum(walks[0][4], walks[1][4]))
+    def _(t):
+        for w in range(2):
+            i, _, n_blk, _, ntiles = walks[w]
+
+            @pl.when(t < ntiles)
             def _():
-                kb = bidx_ref[b, h, i, t]
-                plgpu.copy_gmem_to_smem(ref_blk.at[b, pl.ds(kb * bs, bs), hk], dst, bar)
-                if info_blk is not None:
-                    plgpu.copy_gmem_to_smem(kinfo_ref.at[b, h, kb], info_blk[0], info_blk[1])
+                slot = w * stages + lax.rem(t, jnp.int32(stages))
 
-            @pl.when(t >= n_blk)
-            def _():
-                c = t - n_blk
-                plgpu.copy_gmem_to_smem(ref_col.at[b, h, pl.ds(c * bs, bs)], dst, bar)
-                if info_col is not None:
-                    plgpu.copy_gmem_to_smem(cinfo_ref.at[b, h, c], info_col[0], info_col[1])
-
-        @pl.loop(0, jnp.maximum(walks[0][4], walks[1][4]))
-        def _(t):
-            for w in range(2):
-                i, _, n_blk, _, ntiles = walks[w]
-
-                @pl.when(t < ntiles)
+                @pl.when(t >= stages)
                 def _():
-                    slot = w * stages + lax.rem(t, jnp.int32(stages))
+                    plgpu.barrier_wait(k_free.at[slot])
 
-                    @pl.when(t >= stages)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[slot])
+                load(t, i, n_blk, k_ref, kc_ref, (info_smem.at[slot], i_bar.at[slot]), k_smem.at[slot], k_bar.at[slot])
 
-                    info = (info_smem.at[slot], i_bar.at[slot])
-                    load(w, t, i, n_blk, k_ref, kc_ref, info, info, k_smem.at[slot], k_bar.at[slot])
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
 
-                    @pl.when(t >= stages)
-                    def _():
-                        plgpu.barrier_wait(v_free.at[slot])
-
-                    load(w, t, i, n_blk, v_ref, vc_ref, None, None, v_smem.at[slot], v_bar.at[slot])
+                load(t, i, n_blk, v_ref, vc_ref, None, v_smem.at[slot], v_bar.at[slot])
 
 
 _STATIC = ("sm_scale", "block_size", "stages")

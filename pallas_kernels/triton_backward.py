@@ -394,14 +394,16 @@ def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv
     return add_column_grads(dk, dv, dkc, dvc, cidx, index.col_count)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, **options):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("dq_kernel",))
+def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, *,
+               dq_kernel=None, **options):
     """Backward kernels (module docstring: three passes, dK/dV first, dQ last); returns f32
     ``(dq, dk, dv)``, added to ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)``
     when given (ring steps). ``dkv_acc`` is added after the block pass, in the column scatter's
     operand: in a ring it arrives from the neighbour, and making the step's first dK/dV kernel wait
     for it exposed the transfer (measured: ``benchmarks/sparse_ring_results.md``, v7).
-    ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`."""
+    ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`.
+    ``dq_kernel``: another dQ pass with :func:`dq_pass`'s signature (the Mosaic GPU one), or None."""
     args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
     dk, dv = dkv_block_pass(*args, **options)
     if dkv_acc is not None:
@@ -410,5 +412,8 @@ def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=N
     # dQ last: in a ring, dK/dV leave for the neighbour (or home) while the dQ kernel runs, instead
     # of waiting behind it (the barrier makes the order a data dependence XLA keeps).
     dk, dv, q = lax.optimization_barrier((dk, dv, q))
-    dq = dq_pass(q, *args[1:], dq_acc, **options)
+    if dq_kernel is None:
+        dq = dq_pass(q, *args[1:], dq_acc, **options)
+    else:
+        dq = dq_kernel(q, *args[1:], dq_acc, sm_scale=options["sm_scale"], block_size=options["block_size"])
     return dq, dk, dv

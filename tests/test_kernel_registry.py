@@ -26,9 +26,11 @@ def test_alias_and_names():
         assert registry.module(name).NAME == name
 
 
-def test_auto_on_hopper_prefers_mosaic_forward_and_falls_through_for_backward():
+def test_auto_on_hopper_prefers_mosaic_in_both_directions():
     assert registry.select("auto", HOPPER).NAME == "mosaic"
-    assert registry.select("auto", dataclasses.replace(HOPPER, direction="bwd")).NAME == "triton"
+    assert registry.select("auto", dataclasses.replace(HOPPER, direction="bwd")).NAME == "mosaic"
+    # float32 gradients: Mosaic declines, auto falls through to Triton
+    assert registry.select("auto", dataclasses.replace(HOPPER, direction="bwd", dtype="float32")).NAME == "triton"
 
 
 @pytest.mark.parametrize("change, reason", [

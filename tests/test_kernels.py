@@ -237,9 +237,9 @@ class TestPallasGPU(_KernelSuite):
 
 @pytest.mark.gpu
 class TestMosaicGPU(_KernelSuite):
-    """``impl="auto"`` on a Hopper GPU: the Mosaic GPU forward (bf16 / f16) with the Triton
-    backward (the registry falls through for what Mosaic does not run); float32 cases of the
-    shared suite fall through to Triton for both directions."""
+    """``impl="auto"`` on a Hopper GPU: the Mosaic GPU forward and dQ pass (bf16 / f16) with the
+    Triton dK/dV passes; float32 cases of the shared suite fall through to Triton (the registry
+    falls through for what Mosaic does not run)."""
     impl = "auto"
     S = 8192
     H = 8

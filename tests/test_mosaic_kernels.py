@@ -1,4 +1,4 @@
-"""Mosaic GPU forward: its tile operands (CPU), its lowering for CUDA (CPU), its results (GPU).
+"""Mosaic GPU kernels: their tile operands (CPU), their lowering for CUDA (CPU), results (GPU).
 
 Mosaic GPU's interpret mode cannot run these kernels on CPU (JAX 0.10: no transposed or
 register-operand ``wgmma``), so on CPU we check (1) that :func:`mosaic_index.prepare` plus the
@@ -70,7 +70,9 @@ def test_free_tiles_hold_no_listed_prefix_column():
 
 
 @pytest.mark.parametrize("merge", [False, True])
-def test_mosaic_forward_lowers_for_cuda(merge):
+def test_mosaic_kernels_lower_for_cuda(merge):
+    """Forward (with / without the ring merge) and dQ pass (with / without ``dq_acc``)."""
+    from pallas_kernels.mosaic_bwd import mosaic_dq
     from pallas_kernels.mosaic_fwd import mosaic_fwd
 
     rng = np.random.default_rng(2)
@@ -82,4 +84,10 @@ def test_mosaic_forward_lowers_for_cuda(merge):
     acc = (jnp.zeros((B, S, H, D)), jnp.zeros((B, H, S))) if merge else None
     f = jax.jit(lambda q, k, v, idx, acc: mosaic_fwd(q, k, v, pos, pos, idx, acc, sm_scale=0.1))
     text = f.trace(q, k, k, idx, acc).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    lse = jnp.zeros((B, H, S))
+    dq_acc = jnp.zeros(q.shape) if merge else None
+    g = jax.jit(lambda q, k, v, idx, do, lse, delta, acc: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta, acc,
+                                                                   sm_scale=0.1))
+    text = g.trace(q, k, k, idx, q, lse, lse, dq_acc).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
