@@ -221,27 +221,30 @@ class TestPallasInterpret(_KernelSuite):
             np.testing.assert_allclose(np.asarray(dv), np.asarray(res[0][1]), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.gpu
-class TestPallasGPU(_KernelSuite):
-    impl = "pallas"
+class _GPUSizes(_KernelSuite):
+    """8K-token cases with up to 24 active blocks and 200 listed columns per row."""
     S = 8192
-    H = 4
-    cases = [
-        (1, 64, jnp.float32, False),
-        (4, 128, jnp.bfloat16, True),
-    ]
 
     def _index(self, rng, B, q_pos, k_pos, sk):
         return random_step_index(rng, B, self.H, self.S, sk, q_pos, k_pos, max_blocks=24, max_cols=200)
 
 
 @pytest.mark.gpu
-class TestMosaicGPU(_KernelSuite):
+class TestPallasGPU(_GPUSizes):
+    impl = "pallas"
+    H = 4
+    cases = [
+        (1, 64, jnp.float32, False),
+        (4, 128, jnp.bfloat16, True),
+    ]
+
+
+@pytest.mark.gpu
+class TestMosaicGPU(_GPUSizes):
     """``impl="auto"`` on a Hopper GPU: the Mosaic GPU forward and dQ pass (bf16 / f16) with the
     Triton dK/dV passes; float32 cases of the shared suite fall through to Triton (the registry
     falls through for what Mosaic does not run)."""
     impl = "auto"
-    S = 8192
     H = 8
     cases = [
         (1, 64, jnp.bfloat16, False),
@@ -253,9 +256,6 @@ class TestMosaicGPU(_KernelSuite):
 
         q = jnp.zeros((1, self.S, self.H, 128), jnp.bfloat16)
         assert registry.resolve("auto", "fwd", q, BS, self.S) == "mosaic", "needs a Hopper GPU"
-
-    def _index(self, rng, B, q_pos, k_pos, sk):
-        return random_step_index(rng, B, self.H, self.S, sk, q_pos, k_pos, max_blocks=24, max_cols=200)
 
     @pytest.mark.parametrize("g, D, B, sk", [(8, 128, 2, 4096), (1, 64, 1, 8192), (4, 128, 1, 12288)])
     def test_mosaic_merges_into_ring_accumulators(self, g, D, B, sk):
