@@ -93,8 +93,7 @@ class ModelPredictor:
         self.num_ranks = 1 if mesh is None else num_cp_ranks(mesh)
         self._parts, _ = split_model(Qwen2ForCausalLM, cfg, 0)
         self._sh = batch_shardings(mesh, False)
-        rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.params = params if rep is None else jax.device_put(params, rep)
+        self.set_params(params)
         parts, chunk = self._parts, vocab_chunk
 
         def fwd(params, tokens, labels, positions):
@@ -103,6 +102,11 @@ class ModelPredictor:
             return head_predictions(hidden, model.lm_head_weight(), labels, chunk)
 
         self._fwd = jax.jit(fwd)
+
+    def set_params(self, params) -> None:
+        """Predict with ``params`` from now on (same structure: the compiled functions are reused)."""
+        rep = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self.params = params if rep is None else jax.device_put(params, rep)
 
     @functools.lru_cache(maxsize=16)
     def layout(self, seq_len: int) -> Layout:

@@ -208,15 +208,22 @@ class staged_dir:
         return False
 
 
-def load_model_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfig, Qwen2ForCausalLM]:
-    """Read a model checkpoint (converter output or a training run's checkpoint, see
-    :func:`find_model_checkpoint`); ``overrides`` set execution fields of the config (backend,
-    remat, dtypes; a new ``param_dtype`` converts the weights)."""
+def load_model_params(path: str | os.PathLike, **overrides) -> tuple[ModelCheckpointRef, ModelConfig, Any]:
+    """``(ref, config, params)`` of the model checkpoint at ``path`` (converter output or a
+    training run's checkpoint, see :func:`find_model_checkpoint`): the nested parameter dict,
+    shapes checked against the stored config (:class:`ParamShapeError`) before anything is read.
+    ``overrides`` set execution fields of the config (backend, remat, dtypes; a new
+    ``param_dtype`` converts the weights)."""
     ref = find_model_checkpoint(path)
     stored = ModelConfig.from_yaml(ref.config_file)
     cfg = stored.replace(**overrides) if overrides else stored
     target = model_params(abstract_model(stored))
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), target)
     params = read_params(ref, target)
-    params = jax.tree.map(lambda a: jnp.asarray(a, cfg.param_dtype), params)
+    return ref, cfg, jax.tree.map(lambda a: jnp.asarray(a, cfg.param_dtype), params)
+
+
+def load_model_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfig, Qwen2ForCausalLM]:
+    """:func:`load_model_params` as a model: ``(config, model)``."""
+    _, cfg, params = load_model_params(path, **overrides)
     return cfg, model_from_params(cfg, params)

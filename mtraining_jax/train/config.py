@@ -200,14 +200,47 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LongContextEvalConfig:
+    """``eval.long_context``: every ``every`` steps (0: never, the default) and at the last step,
+    the evaluation package's needle-in-a-haystack grid (``lengths`` x ``depths``, ``samples``
+    passkeys per cell; ``lengths`` empty: ``data.seq_len``) and RULER-style ``tasks``
+    (``task_samples`` examples per task and length), scored on whole answers
+    (:func:`mtraining_jax.eval.api.evaluate_params`). Lengths are checked against the model's RoPE
+    range and the sequence layout when the run starts."""
+
+    every: int = 0
+    lengths: tuple[int, ...] = ()
+    depths: tuple[float, ...] = (0.0, 0.5, 1.0)
+    samples: int = 2
+    tasks: tuple[str, ...] = ("multikey", "multivalue", "vartrack")
+    task_samples: int = 2
+    batch_size: int = 1
+
+    def __post_init__(self):
+        for k in ("every", "samples", "task_samples"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"eval.long_context.{k} must be >= 0, got {getattr(self, k)}")
+        _positive("eval.long_context.batch_size", self.batch_size)
+        for n in self.lengths:
+            _positive("eval.long_context.lengths", n)
+        bad = [d for d in self.depths if not 0.0 <= d <= 1.0]
+        if bad:
+            raise ValueError(f"eval.long_context.depths must lie in [0, 1], got {bad}")
+        if self.every and not ((self.depths and self.samples) or (self.tasks and self.task_samples)):
+            raise ValueError("eval.long_context.every > 0 needs depths + samples or tasks + task_samples")
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Held-out perplexity over ``batches`` batches and passkey answer-token accuracy over
-    ``passkey_samples`` sequences of ``data.seq_len`` tokens, every ``every`` steps (0: never)."""
+    ``passkey_samples`` sequences of ``data.seq_len`` tokens, every ``every`` steps (0: never);
+    ``long_context``: the long-context retrieval evaluation (:class:`LongContextEvalConfig`)."""
 
     every: int = 100
     batches: int = 2
     passkey_samples: int = 4
     passkey_digits: int = 5
+    long_context: LongContextEvalConfig = dataclasses.field(default_factory=LongContextEvalConfig)
 
     def __post_init__(self):
         for k in ("every", "batches", "passkey_samples"):
@@ -351,6 +384,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
         return value
+    if dataclasses.is_dataclass(tp):
+        return value if isinstance(value, tp) else _build_section(key, tp, value)
     return value
 
 

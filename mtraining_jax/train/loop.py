@@ -16,7 +16,9 @@ Ctrl-C (SIGINT) finishes the current step, saves a checkpoint and raises :class:
 Checkpoints hold the state and the loader state, so ``--resume`` continues exactly.
 
 A hook is ``hook(run: Run, step: int, metrics: dict) -> None``, called after every good step
-(``run.state`` is the state after it); :func:`eval_hook` is the built-in one.
+(``run.state`` is the state after it), in this order: :func:`eval_hook` (held-out loss, passkey),
+the config's own (:func:`config_hooks`: ``eval.long_context``, the evaluation package's NIAH /
+RULER-style accuracy), then the caller's.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Run:
     train_losses: list = dataclasses.field(default_factory=list)
     eval_metrics: list = dataclasses.field(default_factory=list)
     interrupted: bool = False
+    hooks: list = dataclasses.field(default_factory=list)  # the config's own (:func:`config_hooks`)
 
     def save(self, step: int, loss: float) -> None:
         if self.ckpt is not None:
@@ -190,6 +193,17 @@ def eval_hook(run: Run, step: int, metrics: dict) -> None:
         run.bar.write(f"eval step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in rec.items()))
 
 
+def config_hooks(cfg: TrainConfig, model_cfg, mesh, tokenizer) -> list:
+    """The hooks the config switches on, built (and their settings checked against the model and
+    mesh) before the run starts: ``eval.long_context`` -> the evaluation package's
+    :class:`~mtraining_jax.eval.hook.LongContextHook` (NIAH / RULER-style accuracy)."""
+    if not cfg.eval.long_context.every:
+        return []
+    from mtraining_jax.eval.hook import LongContextHook  # the one call from the trainer up into eval
+
+    return [LongContextHook(cfg, model_cfg, mesh, tokenizer)]
+
+
 def _is_main() -> bool:
     return jax.process_index() == 0
 
@@ -209,6 +223,7 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     layout = check_run_config(cfg, model_cfg, mesh, tokenizer)
+    extra_hooks = config_hooks(cfg, model_cfg, mesh, tokenizer)
     prepare_run_dir(cfg.run_dir, cfg.checkpoint_dir, resume=resume, overwrite=overwrite,
                     checkpoint_key="checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints",
                     is_main=_is_main())
@@ -270,7 +285,8 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
     )
     stop = cfg.steps if cfg.run_steps is None else min(cfg.steps, start + cfg.run_steps)
     return Run(cfg, mesh, model_cfg, layout, loader, train_step, eval_step, batch_shardings(mesh, True),
-               batch_shardings(mesh, False), held, passkey, ckpt, writer, bar, state, start, stop, skipped)
+               batch_shardings(mesh, False), held, passkey, ckpt, writer, bar, state, start, stop, skipped,
+               hooks=extra_hooks)
 
 
 def _write_run_files(cfg: TrainConfig, model_cfg, ckpt) -> None:
@@ -324,7 +340,7 @@ def _any_process(flag: bool) -> bool:
 def train(run: Run, hooks: Sequence[Hook] = ()) -> RunResult:
     """The step loop from ``run.start`` to ``run.stop`` (module docstring)."""
     cfg, bar = run.cfg, run.bar
-    hooks = [eval_hook, *hooks]
+    hooks = [eval_hook, *run.hooks, *hooks]
     tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.optim.grad_accum
     bad_in_a_row = 0
     with _SigintFlag(run):
