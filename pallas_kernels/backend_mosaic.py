@@ -1,7 +1,8 @@
 """``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (:mod:`pallas_kernels.mosaic_fwd`).
 
 Supports: the forward; compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128;
-block size 64; ``Sq`` a multiple of 128 (two query blocks per CTA). The backward is not built yet:
+block size 64; ``Sq`` a multiple of 128 (two query blocks per CTA); no packed documents (segment
+ids: ``auto`` falls through to ``triton``). The backward is not built yet:
 ``impl="auto"`` falls through to ``triton`` for it. Mosaic GPU's CPU interpret mode (JAX 0.10)
 cannot run these kernels (no transposed-operand or register-operand ``wgmma``), so they are tested
 on the GPU; the shared kernel suite covers the same semantics through the other backends on CPU.
@@ -20,6 +21,8 @@ def supports(problem) -> None:
     if problem.platform != "gpu" or cc is None or not str(cc).startswith("9"):
         raise NotImplementedError(f"needs a Hopper GPU (compute capability 9.x), got platform "
                                   f"{problem.platform!r} capability {cc!r}")
+    if problem.segments:
+        raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     if problem.direction != "fwd":
         raise NotImplementedError("the Mosaic backward kernels are not built yet")
     if problem.dtype not in DTYPES:
@@ -32,7 +35,9 @@ def supports(problem) -> None:
         raise NotImplementedError(f"query length {problem.sq} is not a multiple of 128")
 
 
-def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size):
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None):
+    if segs is not None:
+        raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     from pallas_kernels.mosaic_fwd import mosaic_fwd  # imports Mosaic GPU only when used
 
     return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size)
