@@ -127,7 +127,7 @@ def test_apply_segments_drops_and_flags_tiles():
     assert flags[(3, 2)] == 0 and flags[(2, 1)] == 1  # inside one document: free; straddling: masked
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(st.lists(st.integers(1, 150), min_size=1, max_size=6), st.sampled_from([16, 32]))
 def test_kernel_api_documents_match_reference(lens, bs):
     S = 256
@@ -155,9 +155,8 @@ def test_segment_errors_are_clear():
 # ----------------------------------------------------------------------------------- rings
 
 
-@pytest.mark.parametrize("docs", DOCS[:2])
-@pytest.mark.parametrize("mesh_shape,layout_name,order",
-                         [((2, 2), "block_striped", "hierarchical"), ((1, 4), "zigzag", "flat")])
+@pytest.mark.parametrize("docs,mesh_shape,layout_name,order",
+                         [(DOCS[0], (2, 2), "block_striped", "hierarchical"), (DOCS[1], (1, 4), "zigzag", "flat")])
 def test_dense_ring_documents(docs, mesh_shape, layout_name, order):
     S = 512
     q, k, v, cot = _qkv(1, S)
@@ -177,7 +176,7 @@ def test_dense_ring_documents(docs, mesh_shape, layout_name, order):
 SPARSE = SparsityConfig(vertical_p=0.6, slash_p=0.6, vertical_min=4, vertical_max=24, slash_min=1, slash_max=4)
 
 
-@pytest.mark.parametrize("docs", DOCS)
+@pytest.mark.parametrize("docs", [DOCS[0], DOCS[3]])
 def test_sparse_ring_documents_match_masked_reference(docs):
     """The sparse ring with documents = dense reference under (index mask AND document mask), the
     index being the one estimated under the document mask."""
@@ -207,8 +206,9 @@ def test_documents_cut_sparse_work():
     cfg = MTrainingConfig(sparsity=SPARSE, impl="xla", force_full=True, ring_order="flat")
     lay = cfg.make_layout(S, 4)
     p = lay.permute
-    _, stream = mtraining_attention(p(q), p(k), p(v), mesh, cfg, return_stats=True)
-    out, docs = mtraining_attention(p(q), p(k), p(v), mesh, cfg, segment_ids=p(seg, axis=-1), return_stats=True)
+    run = jax.jit(lambda q, k, v, s: mtraining_attention(q, k, v, mesh, cfg, segment_ids=s, return_stats=True))
+    _, stream = run(p(q), p(k), p(v), None)
+    out, docs = run(p(q), p(k), p(v), p(seg, axis=-1))
     # 64 + 64 + 128 + 256 tokens in blocks of 64: 1 + 1 + 3 + 10 of the 36 causal tiles
     assert float(np.sum(docs.work)) / float(np.sum(stream.work)) == pytest.approx(15 / 36)
     np.testing.assert_allclose(lay.unpermute(out), _reference(seg)(q, k, v), rtol=1e-5, atol=1e-5)
