@@ -2,7 +2,10 @@
 
 Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``), positions
 ``q_pos int32 [Sq]``, ``k_pos int32 [Sk]`` (global, after the layout permutation), ``index`` a
-:class:`~pallas_kernels.index_format.StepIndex` or ``None`` (dense causal by position).
+:class:`~pallas_kernels.index_format.StepIndex` or ``None`` (dense causal by position). Packed
+documents: ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` segment ids (both or neither); a
+query then attends only keys of its own segment (the index is first narrowed by
+:func:`~pallas_kernels.index_format.apply_segments`: tiles across a boundary are skipped).
 
 * :func:`block_sparse_attention_fwd` -> ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` — one
   partial result (rows with no allowed key: out 0, lse -inf); given ``acc``, the ``(out, lse)``
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import registry
-from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, check_step_index, full_step_index
+from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, check_step_index, full_step_index
 from pallas_kernels.registry import IMPLS
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -95,6 +98,21 @@ def _check(q, k, v, q_pos, k_pos, index, block_size):
         check_step_index(index, B, Hq, Sq, k.shape[1], block_size)
 
 
+def _check_segs(q, k, q_seg, k_seg):
+    """``None`` or ``(q_seg, k_seg)`` as int32; ``ValueError`` naming a bad shape or dtype."""
+    if q_seg is None and k_seg is None:
+        return None
+    if q_seg is None or k_seg is None:
+        raise ValueError("give both q_seg and k_seg (packed documents) or neither")
+    want = ((q.shape[0], q.shape[1]), (k.shape[0], k.shape[1]))
+    for name, a, w in (("q_seg", q_seg, want[0]), ("k_seg", k_seg, want[1])):
+        if tuple(a.shape) != w:
+            raise ValueError(f"{name} has shape {tuple(a.shape)}, expected [B, S] = {list(w)}")
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer segment ids, got dtype {a.dtype}")
+    return jnp.asarray(q_seg, jnp.int32), jnp.asarray(k_seg, jnp.int32)
+
+
 def _check_acc(name, got, want):
     """``ValueError`` unless every accumulator in ``got`` has the shape in ``want``."""
     for i, (a, shape) in enumerate(zip(got, want)):
@@ -102,87 +120,98 @@ def _check_acc(name, got, want):
             raise ValueError(f"{name}[{i}] has shape {tuple(a.shape)}, expected {tuple(shape)}")
 
 
-def _backend(impl: str, direction: str, q, k, block_size: int):
-    return registry.select(impl, registry.problem(direction, q, block_size, k.shape[1]))
+def _backend(impl: str, direction: str, q, k, block_size: int, segs=None):
+    return registry.select(impl, registry.problem(direction, q, block_size, k.shape[1], segs is not None))
 
 
 def _scale(q, sm_scale):
     return float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
 
 
-def _kernel_index(backend, index, q, k, q_pos, k_pos, block_size):
-    if index is not None or not backend.NEEDS_INDEX:
-        return index
-    return full_step_index(q.shape[0], q.shape[2], q.shape[1], k.shape[1], q_pos, k_pos, block_size)
+def _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs=None):
+    if index is None and backend.NEEDS_INDEX:
+        index = full_step_index(q.shape[0], q.shape[2], q.shape[1], k.shape[1], q_pos, k_pos, block_size)
+    if index is not None and segs is not None:
+        index = apply_segments(index, segs[0], segs[1], block_size)
+    return index
 
 
 def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = None, *, sm_scale=None,
-                               block_size: int = DEFAULT_BLOCK, impl: str = "auto", acc=None):
+                               block_size: int = DEFAULT_BLOCK, impl: str = "auto", acc=None, q_seg=None,
+                               k_seg=None):
     """Forward for one (query chunk, K/V chunk) pair; see module docstring.
 
     ``acc``: ``None`` or ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` of the same queries over
     keys disjoint from this chunk's (earlier ring steps); the result is then the merged
     ``(out, lse)`` over both key sets."""
     _check(q, k, v, q_pos, k_pos, index, block_size)
+    segs = _check_segs(q, k, q_seg, k_seg)
     if acc is not None:
         _check_acc("acc", acc, [q.shape, (q.shape[0], q.shape[2], q.shape[1])])
-    backend = _backend(impl, "fwd", q, k, block_size)
+    backend = _backend(impl, "fwd", q, k, block_size, segs)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
-    idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size)
-    return backend.fwd(q, k, v, q_pos, k_pos, idx, acc, sm_scale=_scale(q, sm_scale), block_size=block_size)
+    idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
+    return backend.fwd(q, k, v, q_pos, k_pos, idx, acc, sm_scale=_scale(q, sm_scale), block_size=block_size,
+                       segs=segs)
 
 
 def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale=None,
-                               block_size: int = DEFAULT_BLOCK, impl: str = "auto", dq_acc=None, dkv_acc=None):
+                               block_size: int = DEFAULT_BLOCK, impl: str = "auto", dq_acc=None, dkv_acc=None,
+                               q_seg=None, k_seg=None):
     """Backward for one pair given the final ``lse`` and ``delta``; returns f32 ``(dq, dk, dv)``.
 
     ``dq_acc`` (``f32 [B, Sq, Hq, D]``) and ``dkv_acc = (dk, dv)`` (``f32 [B, Sk, Hkv, D]`` each),
     if given, are added to the result (ring steps accumulating over chunks)."""
     _check(q, k, v, q_pos, k_pos, index, block_size)
+    segs = _check_segs(q, k, q_seg, k_seg)
     if dq_acc is not None:
         _check_acc("dq_acc", [dq_acc], [q.shape])
     if dkv_acc is not None:
         _check_acc("dkv_acc", dkv_acc, [k.shape, k.shape])
-    backend = _backend(impl, "bwd", q, k, block_size)
+    backend = _backend(impl, "bwd", q, k, block_size, segs)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
-    idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size)
+    idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
     return backend.bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
-                       sm_scale=_scale(q, sm_scale), block_size=block_size)
+                       sm_scale=_scale(q, sm_scale), block_size=block_size, segs=segs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _op(q, k, v, q_pos, k_pos, index, sm_scale, block_size, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _op(q, k, v, q_pos, k_pos, index, segs, sm_scale, block_size, impl):
     out, _ = block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale,
-                                        block_size=block_size, impl=impl)
+                                        block_size=block_size, impl=impl, **_seg_kw(segs))
     return out.astype(q.dtype)
 
 
-def _op_fwd(q, k, v, q_pos, k_pos, index, sm_scale, block_size, impl):
+def _seg_kw(segs):
+    return {} if segs is None else {"q_seg": segs[0], "k_seg": segs[1]}
+
+
+def _op_fwd(q, k, v, q_pos, k_pos, index, segs, sm_scale, block_size, impl):
     out, lse = block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale,
-                                          block_size=block_size, impl=impl)
+                                          block_size=block_size, impl=impl, **_seg_kw(segs))
     out_c, out_lo = split_output(out, q.dtype)  # delta from the float32 O (see split_output)
-    return out_c, (q, k, v, q_pos, k_pos, index, out_c, out_lo, lse)
+    return out_c, (q, k, v, q_pos, k_pos, index, segs, out_c, out_lo, lse)
 
 
 def _op_bwd(sm_scale, block_size, impl, res, do):
-    q, k, v, q_pos, k_pos, index, out, out_lo, lse = res
+    q, k, v, q_pos, k_pos, index, segs, out, out_lo, lse = res
     delta = attention_delta(out, do, out_lo)
     dq, dk, dv = block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta,
-                                            sm_scale=sm_scale, block_size=block_size, impl=impl)
+                                            sm_scale=sm_scale, block_size=block_size, impl=impl, **_seg_kw(segs))
     zeros_like_int = lambda x: None if x is None else jax.tree.map(  # noqa: E731
         lambda a: jnp.zeros(a.shape, jax.dtypes.float0), x)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            zeros_like_int(q_pos), zeros_like_int(k_pos), zeros_like_int(index))
+            zeros_like_int(q_pos), zeros_like_int(k_pos), zeros_like_int(index), zeros_like_int(segs))
 
 
 _op.defvjp(_op_fwd, _op_bwd)
 
 
 def block_sparse_attention(q, k, v, q_pos=None, k_pos=None, index: StepIndex | None = None, *, sm_scale=None,
-                           block_size: int = DEFAULT_BLOCK, impl: str = "auto"):
+                           block_size: int = DEFAULT_BLOCK, impl: str = "auto", q_seg=None, k_seg=None):
     """Single-device block-sparse attention with ``custom_vjp``; ``out`` in ``q.dtype``."""
     registry.validate_impl(impl)
     check_sm_scale(sm_scale)
     q_pos = jnp.arange(q.shape[1], dtype=jnp.int32) if q_pos is None else jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.arange(k.shape[1], dtype=jnp.int32) if k_pos is None else jnp.asarray(k_pos, jnp.int32)
-    return _op(q, k, v, q_pos, k_pos, index, sm_scale, block_size, impl)
+    return _op(q, k, v, q_pos, k_pos, index, _check_segs(q, k, q_seg, k_seg), sm_scale, block_size, impl)

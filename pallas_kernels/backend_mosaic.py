@@ -1,7 +1,8 @@
 """``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (:mod:`pallas_kernels.mosaic_fwd`).
 
 Supports: compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128; block size 64;
-``Sq`` a multiple of 128 (two query blocks per CTA). Forward: :mod:`pallas_kernels.mosaic_fwd`.
+``Sq`` a multiple of 128 (two query blocks per CTA); no packed documents (segment ids: ``auto``
+falls through). Forward: :mod:`pallas_kernels.mosaic_fwd`.
 Backward: the dQ pass is Mosaic (:mod:`pallas_kernels.mosaic_bwd`), the dK/dV passes are the Triton
 kernels (:func:`pallas_kernels.triton_backward.pallas_bwd` with ``dq_kernel``). Mosaic GPU's CPU interpret mode (JAX 0.10)
 cannot run these kernels (no transposed-operand or register-operand ``wgmma``), so they are tested
@@ -21,6 +22,8 @@ def supports(problem) -> None:
     if problem.platform != "gpu" or cc is None or not str(cc).startswith("9"):
         raise NotImplementedError(f"needs a Hopper GPU (compute capability 9.x), got platform "
                                   f"{problem.platform!r} capability {cc!r}")
+    if problem.segments:
+        raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     if problem.dtype not in DTYPES:
         raise NotImplementedError(f"dtype {problem.dtype} (supported: {DTYPES})")
     if problem.head_dim not in HEAD_DIMS:
@@ -31,13 +34,17 @@ def supports(problem) -> None:
         raise NotImplementedError(f"query length {problem.sq} is not a multiple of 128")
 
 
-def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size):
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None):
+    if segs is not None:
+        raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     from pallas_kernels.mosaic_fwd import mosaic_fwd  # imports Mosaic GPU only when used
 
     return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size)
 
 
-def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size):
+def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None):
+    if segs is not None:
+        raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     from pallas_kernels import triton_backward
     from pallas_kernels.mosaic_bwd import mosaic_dq
 

@@ -1,6 +1,7 @@
 """``triton`` backend: Pallas Triton kernels (:mod:`pallas_kernels.triton_kernels`,
 :mod:`pallas_kernels.triton_backward`). Any CUDA GPU; elsewhere they run in interpret mode (slow:
-tests only). Supports head_dim 32/64/128/256, block sizes 16/32/64/128, any float dtype."""
+tests only). Supports head_dim 32/64/128/256, block sizes 16/32/64/128, any float dtype; no packed
+documents yet (segment ids: ``auto`` falls through to ``xla``)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,21 @@ NEEDS_INDEX = True
 def supports(problem) -> None:
     if problem.platform not in ("gpu", "cpu"):
         raise NotImplementedError(f"Pallas Triton runs on CUDA GPUs (or interpreted on CPU), not {problem.platform}")
+    if problem.segments:
+        raise NotImplementedError("packed documents (segment ids) are not built into the Triton kernels yet")
 
 
 def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size):
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None):
+    assert segs is None, "supports() refuses segment ids"
     return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size,
                                      interpret=_interpret())
 
 
-def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size):
+def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None):
+    assert segs is None, "supports() refuses segment ids"
     return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
                                       sm_scale=sm_scale, block_size=block_size, interpret=_interpret())

@@ -28,6 +28,12 @@ its conversion costs next to nothing and scales down with the number of ranks (s
 ``benchmarks/KERNEL_NOTES.md``, run 11).
 ``q_pos [Sq]`` and ``k_pos [Sk]`` are global positions (after the layout permutation), shared by
 the batch. ``index = None`` everywhere means dense causal-by-position attention.
+
+Packed documents: segment ids ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` (per sequence) and
+the rule above with ``and q_seg[b, i] == k_seg[b, j]``. :func:`apply_segments` drops the tiles
+whose query and key segment ranges do not meet (no pair of them can be in one document) and flags
+the tiles that straddle a boundary in ``block_causal`` (so a kernel masks them token by token),
+leaving tiles inside one document free.
 """
 
 from __future__ import annotations
@@ -114,6 +120,37 @@ def causal_flags(q_pos, k_pos, block_idx, block_size: int = DEFAULT_BLOCK):
     nqb = qmin.shape[0]
     qmin_b = qmin.reshape((1, 1, nqb, 1))
     return (kmax[block_idx] > qmin_b).astype(jnp.int32)
+
+
+def segment_ranges(seg, block_size: int):
+    """``(min, max) int32 [B, n]`` of the segment ids ``seg [B, n * block_size]`` per block."""
+    b = seg.reshape(seg.shape[0], -1, block_size)
+    return b.min(axis=-1), b.max(axis=-1)
+
+
+def apply_segments(index: StepIndex, q_seg, k_seg, block_size: int = DEFAULT_BLOCK) -> StepIndex:
+    """``index`` restricted to packed documents (see module docstring): a tile whose query and key
+    segment ranges are disjoint is removed (the active blocks stay sorted, counts shrink), and
+    ``block_causal`` becomes 1 where the tile is not inside ONE document (its pairs need the
+    token-level check). Columns are left as they are (kernels check them per token). Exact for any
+    segment ids; idempotent."""
+    B, H, nqb, mb = index.block_idx.shape
+    qmin, qmax = segment_ranges(q_seg, block_size)  # [B, nQB]
+    kmin, kmax = segment_ranges(k_seg, block_size)  # [B, nKB]
+    nkb = kmin.shape[1]
+    bidx = jnp.clip(index.block_idx, 0, nkb - 1)
+    take = lambda a: jnp.take_along_axis(a[:, None, None, :], bidx.reshape(B, H, nqb * mb)[:, :, None, :],  # noqa: E731
+                                         axis=-1).reshape(B, H, nqb, mb)
+    tkmin, tkmax = take(kmin), take(kmax)
+    qlo, qhi = qmin[:, None, :, None], qmax[:, None, :, None]
+    valid = jnp.arange(mb) < index.block_count[..., None]
+    keep = valid & (tkmax >= qlo) & (tkmin <= qhi)
+    inside = (qlo == qhi) & (tkmin == qlo) & (tkmax == qlo)
+    order = jnp.argsort(~keep, axis=-1, stable=True)
+    pick = lambda a: jnp.take_along_axis(a, order, axis=-1)  # noqa: E731
+    flags = jnp.where(inside, index.block_causal, 1).astype(index.block_causal.dtype)
+    return index._replace(block_idx=pick(index.block_idx), block_count=keep.sum(-1).astype(index.block_count.dtype),
+                          block_causal=pick(flags))
 
 
 def row_block_map(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):

@@ -9,7 +9,8 @@ Backends (one module each, in order of preference on a GPU that has them):
 
 Each backend module defines ``supports(problem)``, which raises :class:`NotImplementedError` naming
 the reason when it cannot run a :class:`Problem`, and ``fwd`` / ``bwd`` with the signatures of
-:func:`pallas_kernels.api.block_sparse_attention_fwd` / ``_bwd`` (index already built).
+:func:`pallas_kernels.api.block_sparse_attention_fwd` / ``_bwd`` (index already built; packed
+documents: keyword ``segs = (q_seg [B, Sq], k_seg [B, Sk])`` or ``None``).
 ``impl="auto"`` tries ``mosaic`` (compute capability 9.x), then ``triton`` (GPU), then ``xla``,
 falling through on ``NotImplementedError``; a named backend is used or its reason raised.
 ``"pallas"`` is accepted as the earlier name of ``triton``.
@@ -40,6 +41,7 @@ class Problem:
     sk: int
     platform: str  # jax.default_backend(): "gpu", "cpu", "tpu"
     compute_capability: str | None  # "9.0" on an H100/H200, None off CUDA
+    segments: bool = False  # packed documents: q_seg / k_seg segment ids given
 
 
 def validate_impl(impl) -> str:
@@ -56,9 +58,9 @@ def compute_capability() -> str | None:
     return getattr(jax.devices()[0], "compute_capability", None)
 
 
-def problem(direction: str, q, block_size: int, sk: int) -> Problem:
+def problem(direction: str, q, block_size: int, sk: int, segments: bool = False) -> Problem:
     return Problem(direction, jax.numpy.dtype(q.dtype).name, int(q.shape[-1]), int(block_size), int(q.shape[1]),
-                   int(sk), jax.default_backend(), compute_capability())
+                   int(sk), jax.default_backend(), compute_capability(), bool(segments))
 
 
 def module(name: str):
@@ -92,6 +94,6 @@ def select(impl: str, prob: Problem):
     raise NotImplementedError("no kernel backend can run this call: " + "; ".join(reasons))
 
 
-def resolve(impl: str, direction: str, q, block_size: int, sk: int) -> str:
+def resolve(impl: str, direction: str, q, block_size: int, sk: int, segments: bool = False) -> str:
     """Name of the backend :func:`select` picks (for logs, tests and benchmarks)."""
-    return select(impl, problem(direction, q, block_size, sk)).NAME
+    return select(impl, problem(direction, q, block_size, sk, segments)).NAME

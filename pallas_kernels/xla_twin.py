@@ -5,7 +5,8 @@ Portable path (CPU training, tests) behind :mod:`pallas_kernels.api`. For every 
 (``MB * bs`` contiguous rows) followed by the ``MC`` gathered vertical columns of the head's
 shared list (those outside the row's prefix or inside its active blocks masked). The twin gathers
 those ``L = MB * bs + MC`` rows of K/V and does an exact softmax over them, masked by count and
-by global position (``k_pos <= q_pos``). A ``lax.scan`` runs over the query blocks, so live
+by global position (``k_pos <= q_pos``) and, for packed documents (``segs = (q_seg [B, Sq], k_seg
+[B, Sk])``), by segment (``k_seg == q_seg``). A ``lax.scan`` runs over the query blocks, so live
 memory is ``O(B * Hq * bs * L)`` for scores plus ``O(B * Hq * L * D)`` for the gathered rows:
 never ``[Sq, Sk]``.
 
@@ -76,21 +77,34 @@ def _block_scores(qb, kb, ok, scale, dt):
     return jnp.where(ok, s, -jnp.inf)
 
 
-def _mask(ids, valid, qpb, k_pos):
-    """``bool [B, H, bs, L]``: row valid and key position <= query position."""
-    return valid[:, :, None, :] & (k_pos[ids][:, :, None, :] <= qpb[None, None, :, None])
+def _mask(ids, valid, qpb, k_pos, qsb=None, k_seg=None):
+    """``bool [B, H, bs, L]``: row valid and key position <= query position (and, given the query
+    block's segments ``qsb [B, bs]`` and ``k_seg [B, Sk]``, key segment == query segment)."""
+    ok = valid[:, :, None, :] & (k_pos[ids][:, :, None, :] <= qpb[None, None, :, None])
+    if qsb is None:
+        return ok
+    ks = jnp.take_along_axis(k_seg[:, None, :], ids.reshape(ids.shape[0], -1)[:, None, :], axis=-1)
+    return ok & (ks.reshape(ids.shape)[:, :, None, :] == qsb[:, None, :, None])
 
 
-def xla_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None, *, sm_scale, block_size: int):
+def _seg_blocks(segs, B, nqb, bs):
+    """``(q_seg blocks [nQB, B, bs] or None, k_seg or None)``."""
+    if segs is None:
+        return None, None
+    return jnp.moveaxis(segs[0].reshape(B, nqb, bs), 1, 0), segs[1]
+
+
+def xla_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None, *, sm_scale, block_size: int, segs=None):
     """Forward of one (query chunk, KV chunk) pair; see module docstring."""
     bs = block_size
     B, Sq, H, D, g, nqb, dt, scale, ids, valid = _setup(q, k, q_pos, k_pos, index, sm_scale, bs)
     qblocks = jnp.moveaxis(q.reshape(B, nqb, bs, H, D), 1, 0)
     qpos_b = q_pos.reshape(nqb, bs)
+    qseg_b, k_seg = _seg_blocks(segs, B, nqb, bs)
 
     def one_block(_, xs):
-        qb, qpb, idb, vb = xs
-        ok = _mask(idb, vb, qpb, k_pos)
+        qb, qpb, idb, vb, qsb = xs
+        ok = _mask(idb, vb, qpb, k_pos, qsb, k_seg)
         s = _block_scores(qb, _gather_rows(k, idb, g), ok, scale, dt)
         m = jnp.max(s, axis=-1, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -101,16 +115,18 @@ def xla_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None, *, sm_scale, block_s
         lse = jnp.where(l[..., 0] == 0, -jnp.inf, m[..., 0] + jnp.log(jnp.where(l[..., 0] == 0, 1.0, l[..., 0])))
         return None, (o.astype(jnp.float32), lse.astype(jnp.float32))
 
-    _, (o, lse) = jax.lax.scan(one_block, None, (qblocks, qpos_b, ids, valid))
+    _, (o, lse) = jax.lax.scan(one_block, None, (qblocks, qpos_b, ids, valid, qseg_b))
     out = jnp.moveaxis(o, 0, 1).reshape(B, Sq, H, D)
     lse = jnp.moveaxis(lse, 0, 2).reshape(B, H, Sq)
     return out, lse
 
 
-def xla_bwd(q, k, v, q_pos, k_pos, index: StepIndex | None, do, lse, delta, *, sm_scale, block_size: int):
+def xla_bwd(q, k, v, q_pos, k_pos, index: StepIndex | None, do, lse, delta, *, sm_scale, block_size: int,
+            segs=None):
     """Backward of one pair given the final ``lse``/``delta``: f32 ``(dq, dk, dv)``."""
     bs = block_size
     B, Sq, H, D, g, nqb, dt, scale, ids, valid = _setup(q, k, q_pos, k_pos, index, sm_scale, bs)
+    qseg_b, k_seg = _seg_blocks(segs, B, nqb, bs)
     blk = lambda x: jnp.moveaxis(x.reshape(B, nqb, bs, H, D), 1, 0)  # noqa: E731
     row = lambda x: jnp.moveaxis(x.reshape(B, H, nqb, bs), 2, 0)  # noqa: E731
     safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(dt)
@@ -119,8 +135,8 @@ def xla_bwd(q, k, v, q_pos, k_pos, index: StepIndex | None, do, lse, delta, *, s
 
     def one_block(carry, xs):
         dk, dv = carry
-        qb, dob, qpb, lb, db, idb, vb = xs
-        ok = _mask(idb, vb, qpb, k_pos)
+        qb, dob, qpb, lb, db, idb, vb, qsb = xs
+        ok = _mask(idb, vb, qpb, k_pos, qsb, k_seg)
         kb = _gather_rows(k, idb, g).astype(dt)
         vvb = _gather_rows(v, idb, g).astype(dt)
         s = _block_scores(qb, kb, ok, scale, dt)
@@ -138,6 +154,6 @@ def xla_bwd(q, k, v, q_pos, k_pos, index: StepIndex | None, do, lse, delta, *, s
     zeros = jnp.zeros(k.shape[:3] + (D,), dt)
     (dk, dv), dq = jax.lax.scan(
         one_block, (zeros, zeros),
-        (blk(q), blk(do), q_pos.reshape(nqb, bs), row(safe_lse), row(delta.astype(dt)), ids, valid))
+        (blk(q), blk(do), q_pos.reshape(nqb, bs), row(safe_lse), row(delta.astype(dt)), ids, valid, qseg_b))
     dq = jnp.moveaxis(dq, 0, 1).reshape(B, Sq, H, D)
     return dq, dk.astype(jnp.float32), dv.astype(jnp.float32)

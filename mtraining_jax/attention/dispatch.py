@@ -4,7 +4,11 @@
 impl="auto") -> out [B, S, Hq, D]`` in ``q.dtype``, causal by *global position*:
 ``out[b, i, h] = softmax_j(q_i . k_j * sm_scale | positions[j] <= positions[i]) v_j`` with GQA
 (query head ``h`` reads KV head ``h // (Hq // Hkv)``). ``positions int32 [S]`` are the global
-positions of the laid-out tokens, shared by the batch.
+positions of the laid-out tokens, shared by the batch. ``segment_ids int [B, S]`` (packed documents,
+``None``: one stream) and-s the block-diagonal document mask ``segment_ids[b, j] ==
+segment_ids[b, i]``: exact on ``reference``, ``ring`` and ``mtraining``; ``cudnn`` raises
+``NotImplementedError`` (``jax.nn.dot_product_attention`` takes no segment ids on JAX 0.10 / 0.11,
+and its dense ``mask`` would materialise ``[B, S, S]``).
 
 Backends:
 
@@ -33,6 +37,17 @@ import numpy as np
 from mtraining_jax.attention.reference import check_gqa, dense_attention
 
 BACKENDS: tuple[str, ...] = ("reference", "cudnn", "ring", "mtraining")
+
+
+def _check_segments(segment_ids, q):
+    if segment_ids is None:
+        return None
+    segment_ids = segment_ids if isinstance(segment_ids, jax.Array) else jnp.asarray(segment_ids)
+    if tuple(segment_ids.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"segment_ids must have shape [B, S] = {list(q.shape[:2])}, got {tuple(segment_ids.shape)}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be integers, got dtype {segment_ids.dtype}")
+    return segment_ids.astype(jnp.int32)
 
 
 def _check_inputs(q, k, v, positions):
@@ -76,7 +91,7 @@ def _nan_unless(out, ok):
     return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
 
 
-def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, impl):
+def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, impl, segment_ids=None):
     """``(out, stats)``: the sparse ring and its :func:`~mtraining_jax.attention.mtraining.stats_scalars`."""
     import dataclasses
 
@@ -86,7 +101,8 @@ def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, im
         cfg = MTrainingConfig(ring_order=ring_order, impl=impl)
     if sm_scale is not None:
         cfg = dataclasses.replace(cfg, sparsity=dataclasses.replace(cfg.sparsity, sm_scale=sm_scale))
-    out, st = mtraining_attention(q, k, v, mesh, cfg, positions=positions, return_stats=True)  # checks concrete positions
+    out, st = mtraining_attention(q, k, v, mesh, cfg, positions=positions, segment_ids=segment_ids,
+                                  return_stats=True)  # checks concrete positions
     ok = None
     if isinstance(positions, jax.core.Tracer):
         perm = cfg.make_layout(q.shape[1], mesh.shape["node"] * mesh.shape["local"]).perm
@@ -108,6 +124,7 @@ def attention(
     impl: str = "auto",
     mtraining=None,
     return_stats: bool = False,
+    segment_ids=None,
 ):
     """Causal attention by global position through ``backend`` (see module docstring).
 
@@ -121,6 +138,7 @@ def attention(
       mtraining: :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` for ``mtraining``.
       return_stats: also return a dict of float32 scalars (``mtraining``: work fraction, worker and
         step imbalance of the executed ring; other backends: empty).
+      segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
 
     Returns:
       ``[B, S, Hq, D]`` in ``q.dtype``.
@@ -129,27 +147,35 @@ def attention(
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     positions = positions if isinstance(positions, jax.Array) else jnp.asarray(positions)
     _check_inputs(q, k, v, positions)
+    segment_ids = _check_segments(segment_ids, q)
     if backend == "mtraining":
         if mesh is None:
             raise ValueError("the mtraining attention backend needs a mesh (got mesh=None)")
-        out, stats = _mtraining_attention(q, k, v, positions, mesh, mtraining, ring_order, sm_scale, impl)
+        out, stats = _mtraining_attention(q, k, v, positions, mesh, mtraining, ring_order, sm_scale, impl,
+                                          segment_ids)
         out = out.astype(q.dtype)
         return (out, stats) if return_stats else out
-    out = _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl)
+    out = _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl, segment_ids)
     return (out, {}) if return_stats else out
 
 
-def _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl):
+def _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl, segment_ids=None):
     if backend == "reference":
-        out, _ = dense_attention(q, k, v, positions, positions, sm_scale=sm_scale)
+        out, _ = dense_attention(q, k, v, positions, positions, sm_scale=sm_scale, q_seg=segment_ids,
+                                 k_seg=segment_ids)
         return out.astype(q.dtype)
     if backend == "cudnn":
+        if segment_ids is not None:
+            raise NotImplementedError(
+                "the cudnn backend has no document (segment_ids) mask: jax.nn.dot_product_attention takes no "
+                "segment ids; use attention_backend 'reference', 'ring' or 'mtraining' with data.pack=documents")
         return _cudnn_attention(q, k, v, positions, sm_scale).astype(q.dtype)
     if backend == "ring":
         if mesh is None:
             raise ValueError("the ring attention backend needs a mesh (got mesh=None)")
         from mtraining_jax.attention.ring import ring_attention  # lazy: optional heavy import
 
-        out = ring_attention(q, k, v, positions, mesh, ring_order=ring_order, sm_scale=sm_scale, impl=impl)
+        out = ring_attention(q, k, v, positions, mesh, ring_order=ring_order, sm_scale=sm_scale, impl=impl,
+                             segment_ids=segment_ids)
         return out.astype(q.dtype)
     raise AssertionError(backend)

@@ -157,7 +157,7 @@ def _check_inputs(q, k, v, mesh, cfg: MTrainingConfig):
 
 
 def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(), *, positions=None,
-                        return_stats: bool = False):
+                        segment_ids=None, return_stats: bool = False):
     """Sparse ring attention with an online vertical-slash index (see module docstring).
 
     Args:
@@ -166,6 +166,9 @@ def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(),
       cfg: :class:`MTrainingConfig`.
       positions: optional ``int [S]`` global positions of the laid-out tokens; when concrete it is
         checked against ``cfg.layout`` (the operator derives positions from the layout statically).
+      segment_ids: optional ``int [B, S]`` document of each laid token (packed documents): the
+        index is estimated under the document mask (:mod:`~mtraining_jax.sparsity.estimate`),
+        tiles across a boundary are dropped and the kernels mask the straddling ones by segment.
       return_stats: also return :class:`MTrainingStats` (work per worker and ring step, the index).
 
     Returns:
@@ -181,30 +184,37 @@ def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(),
     batch_axis = "data" if "data" in mesh.shape else None
     spec = PartitionSpec(batch_axis, CP_AXES, None, None)
     sparsity, bs = cfg.sparsity, cfg.block_size
+    seg_spec = PartitionSpec(batch_axis, CP_AXES)
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids)
+        if segment_ids.shape != (B, S) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integers of shape [B, S] = [{B}, {S}], got "
+                             f"{segment_ids.dtype}{list(segment_ids.shape)}")
+        segment_ids = segment_ids.astype(jnp.int32)
 
-    def body(q_l, k_l, v_l):
+    def body(q_l, k_l, v_l, seg_l):
         rank = jax.lax.axis_index(CP_AXES)
         pos_l = jnp.asarray(pos_table, jnp.int32)[rank]
         if cfg.force_full:
             index = full_index(q_l.shape[0], Hq, S, bs)
         else:
             index = estimate_index_shard(jax.lax.stop_gradient(q_l), jax.lax.stop_gradient(k_l), pos_l,
-                                         sparsity, axis_names=CP_AXES)
+                                         sparsity, axis_names=CP_AXES, segment_ids=seg_l)
         # one ring step's StepIndex at a time, converted in the forward and again in the backward
         step_index = RankStepIndex(index, rank, layout, num_nodes, num_local, cfg.ring_order, bs, sparsity.max_cols)
         out, work = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
                                          ring_order=cfg.ring_order, step_index=step_index,
                                          sm_scale=sparsity.sm_scale, impl=cfg.impl, block_size=bs,
                                          return_work=True, fuse_forward=cfg.fuse_forward,
-                                         fuse_backward=cfg.fuse_backward)  # work: [P steps]
+                                         fuse_backward=cfg.fuse_backward, segment_ids=seg_l)  # work: [P steps]
         if batch_axis is not None:
             work = jax.lax.psum(work, batch_axis)
         return out, work[None], index
 
     idx_spec = VerticalSlashIndex(*(PartitionSpec(batch_axis),) * 4)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, seg_spec),
                        out_specs=(spec, PartitionSpec(CP_AXES), idx_spec), check_vma=False)
-    out, work, index = fn(q, k, v)
+    out, work, index = fn(q, k, v, segment_ids)
     if return_stats:
         return out, MTrainingStats(work, index)
     return out

@@ -5,7 +5,9 @@ groups: query head ``h`` reads KV head ``h // (Hq // Hkv)``). Returns ``out [B, 
 ``lse [B, Hq, Sq]``, both float32 (or float64 when the inputs are float64 and x64 is enabled).
 
 Masking: causal by *global position* (``k_pos <= q_pos``; positions default to ``arange``), and-ed
-with an optional boolean ``mask`` broadcastable to ``[B, Hq, Sq, Sk]``. A fully masked row gives
+with an optional boolean ``mask`` broadcastable to ``[B, Hq, Sq, Sk]`` and, for packed documents,
+with the block-diagonal document mask ``q_seg[b, i] == k_seg[b, j]`` (``q_seg int [B, Sq]``,
+``k_seg int [B, Sk]``, :func:`segment_mask`). A fully masked row gives
 ``out = 0`` and ``lse = -inf`` (never NaN), the convention the ring merge relies on.
 """
 
@@ -46,7 +48,17 @@ def attention_mask(q_pos, k_pos, mask=None, causal: bool = True):
     return m
 
 
-def dense_attention(q, k, v, q_pos=None, k_pos=None, mask=None, *, causal: bool = True, sm_scale=None):
+def segment_mask(q_seg, k_seg):
+    """``bool [B, 1, Sq, Sk]``: query ``i`` and key ``j`` of sequence ``b`` lie in the same document
+    (``q_seg [B, Sq]``, ``k_seg [B, Sk]`` integer segment ids)."""
+    q_seg, k_seg = jnp.asarray(q_seg), jnp.asarray(k_seg)
+    if q_seg.ndim != 2 or k_seg.ndim != 2 or q_seg.shape[0] != k_seg.shape[0]:
+        raise ValueError(f"segment ids must be q_seg [B, Sq] and k_seg [B, Sk]; got {q_seg.shape}, {k_seg.shape}")
+    return (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
+
+
+def dense_attention(q, k, v, q_pos=None, k_pos=None, mask=None, *, causal: bool = True, sm_scale=None,
+                    q_seg=None, k_seg=None):
     """Dense attention in float32. See module docstring for shapes and masking."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -55,6 +67,14 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, mask=None, *, causal: bool 
     q_pos = jnp.arange(Sq) if q_pos is None else jnp.asarray(q_pos)
     k_pos = jnp.arange(Sk) if k_pos is None else jnp.asarray(k_pos)
     s = attention_logits(q, k, sm_scale)
+    if (q_seg is None) != (k_seg is None):
+        raise ValueError("give both q_seg and k_seg (packed documents) or neither")
+    if q_seg is not None:
+        seg = segment_mask(q_seg, k_seg)
+        if seg.shape[0] != B or seg.shape[2:] != (Sq, Sk):
+            raise ValueError(f"q_seg / k_seg must be [B, Sq] = [{B}, {Sq}] / [B, Sk] = [{B}, {Sk}]; got "
+                             f"{jnp.shape(q_seg)}, {jnp.shape(k_seg)}")
+        mask = seg if mask is None else jnp.logical_and(mask, seg)
     m = attention_mask(q_pos, k_pos, mask, causal)
     if m is not None:
         s = jnp.where(jnp.broadcast_to(m, s.shape), s, -jnp.inf)

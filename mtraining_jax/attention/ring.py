@@ -101,7 +101,7 @@ from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring_schedule import source_rank, validate_ring_order
 from pallas_kernels.api import attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd, split_output
 from pallas_kernels.registry import validate_impl
-from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, chunk_work
+from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, chunk_work
 
 __all__ = ["RingConfig", "ring_attention", "ring_attention_shard"]
 
@@ -206,10 +206,27 @@ def _group_index(step_index, steps: tuple[int, ...]):
 
 
 def _group_positions(kpos_all, rank, steps: tuple[int, ...], cfg: RingConfig):
-    """``int32 [len(steps) * Sl]``: key positions of the chunks held at ``steps``, concatenated."""
+    """``int32 [..., len(steps) * Sl]``: key positions ``kpos_all [P, ..., Sl]`` (or segment ids) of
+    the chunks held at ``steps``, concatenated."""
     pos = [lax.dynamic_index_in_dim(kpos_all, source_rank(rank, s, cfg.num_nodes, cfg.num_local, cfg.ring_order),
                                     axis=0, keepdims=False) for s in steps]
-    return pos[0] if len(pos) == 1 else jnp.concatenate(pos)
+    return pos[0] if len(pos) == 1 else jnp.concatenate(pos, axis=-1)
+
+
+def _group_segments(segs, rank, steps: tuple[int, ...], cfg: RingConfig) -> dict:
+    """Keyword arguments ``q_seg, k_seg`` of the kernel call over the chunks of ``steps`` (``{}``
+    without packed documents); ``segs = (q_seg [B, Sl], kseg_all [P, B, Sl])``."""
+    if segs is None:
+        return {}
+    return {"q_seg": segs[0], "k_seg": _group_positions(segs[1], rank, steps, cfg)}
+
+
+def _narrow(index_g, seg_kw: dict, block_size: int):
+    """The grouped index without the tiles that lie across a document boundary (so the work
+    statistics count what the kernels run); unchanged without packed documents."""
+    if index_g is None or not seg_kw:
+        return index_g
+    return apply_segments(index_g, seg_kw["q_seg"], seg_kw["k_seg"], block_size)
 
 
 def _group_kv(chunks):
@@ -219,7 +236,7 @@ def _group_kv(chunks):
 
 # ----------------------------------------------------------------------------- forward / backward
 
-def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index):
+def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None):
     """The forward ring. ``kv_own [2, B, Sl, Hkv, D]`` is this rank's K/V, stacked.
 
     Returns ``(out f32 [B,Sl,Hq,D], lse f32 [B,Hq,Sl], work f32 [P], kv_last)``: ``work[s]`` the
@@ -246,20 +263,21 @@ def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index):
                 steps = tuple(t for t, _ in held)
                 kvs = _group_kv([c for _, c in held])
                 held = []
-                index_g = _group_index(step_index, steps)
+                seg_kw = _group_segments(segs, rank, steps, cfg)
+                index_g = _narrow(_group_index(step_index, steps), seg_kw, cfg.block_size)
                 sk = kvs.shape[2]
                 work.extend([jnp.float32(0)] * len(steps) if index_g is None else
                             list(chunk_work(index_g, sk, len(steps), cfg.block_size)))
                 out, lse = block_sparse_attention_fwd(
                     q, kvs[0], kvs[1], q_pos, _group_positions(kpos_all, rank, steps, cfg), index_g,
                     sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
-                    acc=None if out is None else (out, lse))
+                    acc=None if out is None else (out, lse), **seg_kw)
             kv = kv_next
         kv = kv_outer
     return out, lse, jnp.stack(work), kv_last
 
 
-def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do):
+def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs=None):
     """The backward ring (see module docstring): the forward's steps in reverse order, starting
     from ``kv_last``; ``out + out_lo`` is the forward's float32 output (``split_output``); returns
     float32 ``(dq, dk, dv)``."""
@@ -272,10 +290,11 @@ def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, 
     delta = attention_delta(out, do, out_lo)
 
     def attend(steps, kvs, dq, dkv_acc):
+        seg_kw = _group_segments(segs, rank, steps, cfg)
         return block_sparse_attention_bwd(
             q, kvs[0], kvs[1], q_pos, _group_positions(kpos_all, rank, steps, cfg), _group_index(step_index, steps),
             do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
-            dq_acc=dq, dkv_acc=dkv_acc)
+            dq_acc=dq, dkv_acc=dkv_acc, **seg_kw)
 
     def moved(x, axis, size, dest_step):
         # the chunk of step 0 is this rank's own: it never travels home, it is already here
@@ -312,30 +331,37 @@ def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, 
     return dq, dk, dv
 
 
+def _gather_segments(seg, cfg: RingConfig):
+    """``None`` or ``(q_seg [B, Sl], kseg_all [P, B, Sl])`` from this rank's ``seg [B, Sl]``."""
+    return None if seg is None else (seg, _gather_positions(seg, cfg))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index):
+def _ring(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     """``(out [B, Sl, Hq, D] in q's dtype, work f32 [P])``; ``work`` is not differentiated."""
-    out, _, work, _ = _forward(cfg, q, jnp.stack([k, v]), q_pos, _gather_positions(k_pos, cfg), step_index)
+    out, _, work, _ = _forward(cfg, q, jnp.stack([k, v]), q_pos, _gather_positions(k_pos, cfg), step_index,
+                               _gather_segments(seg, cfg))
     return out.astype(q.dtype), work
 
 
-def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index):
+def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     kpos_all = _gather_positions(k_pos, cfg)
     kv_own = jnp.stack([k, v])  # one permute per hop (see module docstring)
-    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index)
+    segs = _gather_segments(seg, cfg)
+    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
     # O is returned in q's dtype; its rounding error is kept beside it (split_output) so that
     # delta = rowsum(dO * O) is formed from the float32 O (bf16 gradients at the bf16 floor).
     # An on-demand index source (RankStepIndex) is saved as its compact global index only.
     out, out_lo = split_output(out, q.dtype)
-    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse)
+    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs)
 
 
 def _ring_bwd(cfg: RingConfig, res, cotangents):
     do = cotangents[0]  # work carries no gradient
-    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse = res
-    dq, dk, dv = _backward(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do)
-    # positions and the sparse index are integer data: zero cotangents (None).
-    return dq.astype(q.dtype), dk.astype(kv_own.dtype), dv.astype(kv_own.dtype), None, None, None
+    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs = res
+    dq, dk, dv = _backward(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
+    # positions, segment ids and the sparse index are integer data: zero cotangents (None).
+    return dq.astype(q.dtype), dk.astype(kv_own.dtype), dv.astype(kv_own.dtype), None, None, None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -392,7 +418,7 @@ def _check_axis_sizes(cfg: RingConfig) -> None:
 
 def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_order, step_index=None,
                          sm_scale=None, impl="auto", block_size: int | None = None, return_work: bool = False,
-                         fuse_forward: bool = True, fuse_backward: bool = True):
+                         fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None):
     """Per-rank ring attention body, to be called INSIDE ``shard_map`` over ``("node", "local")``.
 
     Args:
@@ -419,6 +445,8 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
         (``index_format.step_work``; zeros for the dense ring), for load statistics.
       fuse_forward, fuse_backward: one kernel call for the first two chunks of the forward / of
         the backward (:class:`RingConfig`).
+      segment_ids: ``int32 [B, Sl]`` this rank's segment ids (packed documents: a query attends
+        only keys of its own segment; they travel by one all-gather like ``k_pos``), or ``None``.
 
     Returns:
       ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
@@ -435,12 +463,16 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
     _check_axis_sizes(cfg)
     q_pos = jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.asarray(k_pos, jnp.int32)
-    out, work = _ring(cfg, q, k, v, q_pos, k_pos, step_index)
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected [B, Sl] = {list(q.shape[:2])}")
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    out, work = _ring(cfg, q, k, v, q_pos, k_pos, step_index, segment_ids)
     return (out, work) if return_work else out
 
 
 def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_scale=None, impl="auto",
-                   fuse_forward: bool = True, fuse_backward: bool = True):
+                   fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None):
     """Causal GQA ring attention over a ``(node, local)`` mesh on data already in a layout.
 
     Args:
@@ -452,6 +484,7 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
       sm_scale: softmax scale (default ``D ** -0.5``).
       impl: per-step kernel impl (:data:`pallas_kernels.registry.IMPLS`).
       fuse_forward, fuse_backward: see :class:`RingConfig`.
+      segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
 
     Returns:
       ``out [B, S, Hq, D]`` in ``q.dtype``, layout order, sequence sharded over ``("node",
@@ -478,14 +511,21 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
             raise ValueError(f"batch {B} is not divisible by the data axis size {mesh.shape['data']}")
     spec = PartitionSpec(batch_axis, CP_AXES, None, None)
     pos_spec = PartitionSpec(CP_AXES)
+    seg_spec = PartitionSpec(batch_axis, CP_AXES)
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids)
+        if segment_ids.shape != (B, S) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integers of shape [B, S] = [{B}, {S}], got "
+                             f"{segment_ids.dtype}{list(segment_ids.shape)}")
 
-    def body(q_l, k_l, v_l, pos_l):
+    def body(q_l, k_l, v_l, pos_l, seg_l):
         return ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
                                     ring_order=ring_order, sm_scale=sm_scale, impl=impl,
-                                    fuse_forward=fuse_forward, fuse_backward=fuse_backward)
+                                    fuse_forward=fuse_forward, fuse_backward=fuse_backward, segment_ids=seg_l)
 
     # check_vma=False: the per-step kernels (Pallas calls, scans with fresh zero carries) are not
     # annotated for varying-manual-axes typing; the ring itself is checked by tests, not by types.
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pos_spec), out_specs=spec,
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pos_spec, seg_spec), out_specs=spec,
                        check_vma=False)
-    return fn(q, k, v, positions.astype(jnp.int32))
+    return fn(q, k, v, positions.astype(jnp.int32),
+              None if segment_ids is None else segment_ids.astype(jnp.int32))

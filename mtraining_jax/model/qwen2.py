@@ -109,9 +109,9 @@ class Qwen2Attention(nnx.Module):
         return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))
 
     def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
-                 mtraining=None):
+                 mtraining=None, segment_ids=None):
         o, stats = attend(*self.qkv(x, cos, sin), positions, backend=backend, mesh=mesh, ring_order=ring_order,
-                          impl=impl, mtraining=mtraining)
+                          impl=impl, mtraining=mtraining, segment_ids=segment_ids)
         return self.output(o), stats
 
 
@@ -153,9 +153,9 @@ class Qwen2DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
-                 mtraining=None):
+                 mtraining=None, segment_ids=None):
         o, stats = attend(*self.attention_inputs(x, cos, sin), positions, backend=backend, mesh=mesh,
-                          ring_order=ring_order, impl=impl, mtraining=mtraining)
+                          ring_order=ring_order, impl=impl, mtraining=mtraining, segment_ids=segment_ids)
         return self.finish(x, o), stats
 
 
@@ -239,21 +239,29 @@ class Qwen2ForCausalLM(nnx.Module):
         return self.lm_head[...]
 
     def rope(self, positions):
-        """``cos, sin [S, head_dim]`` in the compute dtype for ``positions [S]``."""
+        """``cos, sin [..., S, head_dim]`` in the compute dtype for ``positions [..., S]``."""
         cfg = self.config
         items = None if cfg.rope_scaling is None else tuple(sorted(cfg.rope_scaling.items()))
         inv_freq, factor = _rope_tables(cfg.head_dim, cfg.rope_theta, items)
         return rope_cos_sin(positions, inv_freq, factor, _dtype(cfg.dtype))
 
-    def _check_inputs(self, tokens, positions):
+    def _check_inputs(self, tokens, positions, segment_ids, rope_positions):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tokens.shape}")
         if positions.shape != (tokens.shape[1],):
             raise ValueError(f"positions must be [S] = [{tokens.shape[1]}], got shape {positions.shape}")
+        for name, a in (("segment_ids", segment_ids), ("rope_positions", rope_positions)):
+            if a is not None and tuple(a.shape) != tuple(tokens.shape):
+                raise ValueError(f"{name} must be [B, S] = {list(tokens.shape)} like tokens, got shape {a.shape}")
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, tokens, positions, mesh=None, *, return_stats: bool = False):
+    def __call__(self, tokens, positions, mesh=None, *, segment_ids=None, rope_positions=None,
+                 return_stats: bool = False):
         """Final-normed hidden states ``[B, S, hidden]`` in ``cfg.dtype``.
+
+        ``segment_ids int [B, S]`` (packed documents): no token attends across a document;
+        ``rope_positions int [B, S]``: RoPE positions (default ``positions``, e.g. restarting per
+        document). The causal mask is always by the global ``positions``.
 
         ``return_stats=True`` also returns the attention statistics of the ``mtraining`` layers:
         ``{name: float32 [num_mtraining_layers]}`` (work fraction, worker / step imbalance; empty
@@ -261,14 +269,17 @@ class Qwen2ForCausalLM(nnx.Module):
         """
         cfg = self.config
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
-        self._check_inputs(tokens, positions)
+        segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+        rope_positions = None if rope_positions is None else jnp.asarray(rope_positions)
+        self._check_inputs(tokens, positions, segment_ids, rope_positions)
         x = self.embed_tokens(tokens).astype(_dtype(cfg.dtype))
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions if rope_positions is None else rope_positions)
         graphdef, stacked = nnx.split(self.layers)
 
         def run_layer(backend):
             attn_kwargs = dict(backend=backend, mesh=mesh, ring_order=cfg.ring_order, impl=cfg.attention_impl,
-                               mtraining=cfg.mtraining_config() if backend == "mtraining" else None)
+                               mtraining=cfg.mtraining_config() if backend == "mtraining" else None,
+                               segment_ids=segment_ids)
             return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, cfg.remat, prevent_cse=not cfg.scan_layers)
 
         per_segment = []

@@ -91,8 +91,9 @@ def rope_parameters(head_dim: int, theta: float, scaling: Mapping[str, Any] | No
 
 
 def rope_cos_sin(positions, inv_freq: np.ndarray, attention_factor: float, dtype):
-    """``cos, sin [S, head_dim]`` in ``dtype`` for int positions ``[S]`` (float32 math)."""
-    angles = jnp.asarray(positions).astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    """``cos, sin [..., S, head_dim]`` in ``dtype`` for int positions ``[..., S]`` (float32 math;
+    ``[S]`` shared by the batch, or ``[B, S]`` per sequence, e.g. restarting per document)."""
+    angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     emb = jnp.concatenate([angles, angles], axis=-1)
     cos = jnp.cos(emb) * jnp.float32(attention_factor)
     sin = jnp.sin(emb) * jnp.float32(attention_factor)
@@ -100,8 +101,10 @@ def rope_cos_sin(positions, inv_freq: np.ndarray, attention_factor: float, dtype
 
 
 def apply_rope(x, cos, sin):
-    """Rotate ``x [B, S, H, D]`` by ``cos, sin [S, D]`` (HF ``rotate_half`` convention)."""
+    """Rotate ``x [B, S, H, D]`` by ``cos, sin [S, D]`` or ``[B, S, D]`` (HF ``rotate_half`` convention)."""
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
+    if c.ndim == 3:
+        c, s = c[None], s[None]
     return x * c + rot * s

@@ -36,6 +36,11 @@ is the float32 error of the logits, ``exp`` and the division (relative ``~1e-7``
 the truncations add at most ``S * 2^-47`` relative to the denominator and ``S * 2^-(F+G)`` to a
 row's mass: below ``2^-17`` at ``S = 2^23``). Tested against float64 at ``S = 2^20``.
 
+Packed documents (``segment_ids [B, S]``): the window is masked to same-document pairs, i.e. the
+estimate is Algorithm 1 under the attention the kernels run (block-diagonal causal). Mass is never
+spent on cross-document pairs the kernels skip; slash offsets, being relative, carry over to every
+document; verticals are those of the documents the window sees (the last ones of the sequence).
+
 Cost per head: ``last_q x S`` logits (the paper's observation window), i.e. ``last_q / S`` of dense.
 """
 
@@ -110,9 +115,18 @@ def fixed_point_bits(cfg: SparsityConfig) -> tuple[int, int]:
     return F, G
 
 
-def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max):
+def _last_segments(seg, k_pos, seq_len: int, last_q: int, reduce_sum: Callable):
+    """``int32 [B, last_q]``: segment ids of the window queries (exact, as :func:`_last_queries`)."""
+    slot = k_pos - (seq_len - last_q)
+    slot = jnp.where(slot >= 0, slot, last_q)
+    buf = jnp.zeros((seg.shape[0], last_q), jnp.int32).at[:, slot].add(seg.astype(jnp.int32), mode="drop")
+    return reduce_sum(buf)
+
+
+def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg=None):
     """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``,
-    in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`)."""
+    in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`); ``seg [B, S_local]``
+    restricts the window to same-document pairs."""
     bs, lq = cfg.block_size, cfg.last_q
     nb = seq_len // bs
     F, G = fixed_point_bits(cfg)
@@ -120,6 +134,9 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     qp = np.arange(seq_len - lq, seq_len)
     z = _window_logits(q_last, k, cfg.sm_scale)  # [B, Hq, Lq, Sk]
     causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
+    if seg is not None:  # [B, 1, Lq, Sk]: and the same document
+        causal = causal & (_last_segments(seg, k_pos, seq_len, lq, reduce_sum)[:, :, None] == seg[:, None, :])
+        causal = causal[:, None]
     z = jnp.where(causal, z, -jnp.inf)
     m = reduce_max(z.max(axis=-1))  # exact in any order
     e = jnp.where(causal, jnp.exp(z - m[..., None]), 0.0)  # (0, 1]; the row max contributes exactly 1
@@ -175,13 +192,14 @@ def _select(vert, slash, cfg: SparsityConfig, seq_len: int, ids=None, total=None
     return VerticalSlashIndex(v_idx, v_count, s_idx, s_count)
 
 
-def estimate_index(q, k, positions, cfg: SparsityConfig = SparsityConfig()) -> VerticalSlashIndex:
+def estimate_index(q, k, positions, cfg: SparsityConfig = SparsityConfig(), segment_ids=None) -> VerticalSlashIndex:
     """Single-device estimate.
 
     Args:
       q: ``[B, S, Hq, D]``, k: ``[B, S, Hkv, D]`` (GQA), both in the same (any) layout order.
       positions: ``int32 [S]`` global position of each row (a permutation of ``0..S-1``).
       cfg: budgets (static).
+      segment_ids: ``int [B, S]`` documents of the rows (packed documents), or ``None``.
 
     Returns:
       :class:`VerticalSlashIndex` with ``MV = cfg.max_verticals(S)``, ``MS = cfg.max_slashes(S)``.
@@ -190,7 +208,7 @@ def estimate_index(q, k, positions, cfg: SparsityConfig = SparsityConfig()) -> V
     _check_inputs(q, k, positions, cfg, 1)
     S = q.shape[1]
     ident = lambda x: x  # noqa: E731
-    vert, slash = _local_scores(q, k, positions, S, cfg, ident, ident)
+    vert, slash = _local_scores(q, k, positions, S, cfg, ident, ident, segment_ids)
     vert_nat = jnp.zeros_like(vert).at[:, :, positions].set(vert)
     return _select(vert_nat, slash, cfg, S)
 
@@ -203,12 +221,13 @@ def _axis_size(axis_names) -> int:
 
 
 def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
-                         axis_names: str | Sequence[str] = ("node", "local")) -> VerticalSlashIndex:
+                         axis_names: str | Sequence[str] = ("node", "local"), segment_ids=None) -> VerticalSlashIndex:
     """Distributed estimate, called INSIDE ``shard_map`` over ``axis_names``.
 
     Args:
       q: local ``[B, S/P, Hq, D]``, k: local ``[B, S/P, Hkv, D]`` of any layout.
       q_pos: ``int32 [S/P]`` global positions of the local rows (shared by q and k).
+      segment_ids: local ``int [B, S/P]`` documents of the rows (packed documents), or ``None``.
 
     Communication: one ``psum`` of the ``last_q`` query rows (``B*last_q*Hq*D``), ``pmax`` and three
     integer ``psum`` of ``[B, Hq, last_q]`` row statistics, an integer ``psum`` of the
@@ -231,7 +250,7 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
     S = q.shape[1] * P
     psum = lambda x: jax.lax.psum(x, axis_names)  # noqa: E731
     pmax = lambda x: jax.lax.pmax(x, axis_names)  # noqa: E731
-    vert, slash = _local_scores(q, k, q_pos, S, cfg, psum, pmax)
+    vert, slash = _local_scores(q, k, q_pos, S, cfg, psum, pmax, segment_ids)
     order = jnp.argsort(q_pos)  # local keys in position order: top_k's ties fall to lower positions
     size = min(cfg.max_verticals(S), q.shape[1])
     vals, top = jax.lax.top_k(vert[..., order], size)  # [B, Hq, size]

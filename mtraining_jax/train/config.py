@@ -25,6 +25,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import yaml
 
 DATA_SOURCES = ("stdlib", "tokens", "text", "passkey")
+DATA_PACKS = ("stream", "documents")
+DATA_POSITIONS = ("global", "per_document")
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
 DEFAULT_MODEL_CLASS = "mtraining_jax.model.qwen2:Qwen2ForCausalLM"
 INIT_FROM_KINDS = ("hf", "ckpt")
@@ -89,6 +91,11 @@ class DataConfig:
       tokenizer: ``byte`` (256 byte tokens + specials, no download) or a ``tokenizers`` JSON file.
       heldout_percent: share (percent) of files/documents held out for evaluation.
       eval_path: optional separate held-out file (tokens/text sources).
+      pack: ``stream`` (attention runs across the documents of a window, the default) or
+        ``documents`` (every token carries the segment id of its document, split at ``eos``; no
+        token attends across a document boundary and no label crosses one).
+      positions: RoPE positions with ``pack: documents``: ``global`` (position in the window) or
+        ``per_document`` (restarting at 0 where each document starts in the window).
     """
 
     source: str = "stdlib"
@@ -103,12 +110,21 @@ class DataConfig:
     stripe: int = 64
     heldout_percent: float = 5.0
     seed: int = 0
+    pack: str = "stream"
+    positions: str = "global"
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:
             raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
         if self.source in ("tokens", "text") and not self.path:
             raise ValueError(f"data.path is required for data.source={self.source!r}")
+        if self.pack not in DATA_PACKS:
+            raise ValueError(f"data.pack must be one of {DATA_PACKS}, got {self.pack!r}")
+        if self.positions not in DATA_POSITIONS:
+            raise ValueError(f"data.positions must be one of {DATA_POSITIONS}, got {self.positions!r}")
+        if self.positions == "per_document" and self.pack != "documents":
+            raise ValueError("data.positions='per_document' needs data.pack='documents' (got data.pack="
+                             f"{self.pack!r})")
         if self.token_dtype not in TOKEN_DTYPES:
             raise ValueError(f"data.token_dtype must be one of {TOKEN_DTYPES}, got {self.token_dtype!r}")
         _positive("data.seq_len", self.seq_len)

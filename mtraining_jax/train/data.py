@@ -9,6 +9,16 @@ windows in a seeded random order per epoch, and emits :class:`Batch` es:
 * both are then permuted with the layout (``Layout.perm``; block-striped by default, MTraining
   §4.1) and ``positions = perm`` gives every laid token its global position (RoPE, causal mask).
 
+With ``pack="documents"`` (``data.pack``) the windows are cut the same way but keep their
+document boundaries: a document ends with its ``eos``, so token ``t`` of a window gets the segment
+id ``#eos among window[:t]`` (0, 1, ... per window; a document cut by the window edge is a
+segment of its own in each window), ``mask`` drops the labels of ``eos`` inputs (they would
+predict the first token of the NEXT document), and ``segment_ids`` travel with the tokens through
+the layout permutation. ``positions="per_document"`` (``data.positions``) also gives
+``rope_positions``: the position inside the document's part of the window (restarting at 0).
+``Batch.positions`` stays the global layout position: causal-by-global-position and-ed with
+same-segment is the block-diagonal causal document mask, for either choice of RoPE positions.
+
 The loader state is a small dict ``{"epoch", "index", "seed"}`` (checkpointed with the model);
 everything is deterministic given the seed.
 
@@ -36,12 +46,23 @@ class Batch(NamedTuple):
 
     ``tokens, labels``: int32 ``[..., B, S]``; ``mask``: float32 ``[..., B, S]`` (1 where the label
     counts in the loss); ``positions``: int32 ``[S]`` global position of each laid token.
+    ``segment_ids``: int32 ``[..., B, S]`` document of each laid token (``None``: one stream, no
+    document mask); ``rope_positions``: int32 ``[..., B, S]`` RoPE position of each laid token
+    (``None``: ``positions``).
     """
 
     tokens: np.ndarray
     labels: np.ndarray
     mask: np.ndarray
     positions: np.ndarray
+    segment_ids: Optional[np.ndarray] = None
+    rope_positions: Optional[np.ndarray] = None
+
+    def reshape(self, shape) -> "Batch":
+        """The per-token fields reshaped to ``shape`` (``positions`` is shared: unchanged)."""
+        r = lambda a: None if a is None else a.reshape(shape)  # noqa: E731
+        return Batch(r(self.tokens), r(self.labels), r(self.mask), self.positions, r(self.segment_ids),
+                     r(self.rope_positions))
 
 
 # ----------------------------------------------------------------------------------- streams
@@ -212,16 +233,38 @@ def passkey_batch(tokenizer, seq_len: int, batch_size: int, rng, layout: Optiona
     return _to_layout(np.stack(toks), np.stack(labs), np.stack(masks), layout, seq_len)
 
 
-def _to_layout(tokens, labels, mask, layout: Optional[Layout], seq_len: int) -> Batch:
-    if layout is None:
-        pos = np.arange(seq_len, dtype=np.int32)
-        return Batch(tokens.astype(np.int32), labels.astype(np.int32), mask.astype(np.float32), pos)
-    return Batch(
-        layout.permute(tokens, axis=-1).astype(np.int32),
-        layout.permute(labels, axis=-1).astype(np.int32),
-        layout.permute(mask, axis=-1).astype(np.float32),
-        layout.perm.astype(np.int32),
-    )
+def document_segments(inputs: np.ndarray, eos_id: int):
+    """``(segment_ids, doc_positions)`` int32 ``[..., S]`` of natural-order ``inputs [..., S]``:
+    segment ``#eos among inputs[..., :t]`` (an ``eos`` closes its own document) and the position
+    of each token inside its segment (0 at the segment's first token)."""
+    inputs = np.asarray(inputs)
+    S = inputs.shape[-1]
+    ends = (inputs == eos_id).astype(np.int32)
+    seg = np.concatenate([np.zeros(inputs.shape[:-1] + (1,), np.int32), np.cumsum(ends, -1)[..., :-1]], -1)
+    t = np.broadcast_to(np.arange(S, dtype=np.int32), inputs.shape)
+    first = np.concatenate([np.ones(inputs.shape[:-1] + (1,), bool), seg[..., 1:] != seg[..., :-1]], -1)
+    start = np.maximum.accumulate(np.where(first, t, 0), axis=-1)
+    return seg.astype(np.int32), (t - start).astype(np.int32)
+
+
+def _to_layout(tokens, labels, mask, layout: Optional[Layout], seq_len: int, segment_ids=None,
+               rope_positions=None) -> Batch:
+    perm = (lambda a: a) if layout is None else (lambda a: layout.permute(a, axis=-1))  # noqa: E731
+    opt = lambda a: None if a is None else perm(a).astype(np.int32)  # noqa: E731
+    pos = np.arange(seq_len, dtype=np.int32) if layout is None else layout.perm.astype(np.int32)
+    return Batch(perm(tokens).astype(np.int32), perm(labels).astype(np.int32), perm(mask).astype(np.float32), pos,
+                 opt(segment_ids), opt(rope_positions))
+
+
+def single_document(batch: Batch, pack: str = "documents", positions: str = "global") -> Batch:
+    """``batch`` (one document per sequence, ``[B, S]``) with the fields of ``pack="documents"``
+    (segment 0 everywhere; ``rope_positions = positions`` when ``per_document``); unchanged for
+    ``pack="stream"``."""
+    if pack == "stream":
+        return batch
+    shape = batch.tokens.shape
+    rope = np.broadcast_to(batch.positions, shape).astype(np.int32) if positions == "per_document" else None
+    return batch._replace(segment_ids=np.zeros(shape, np.int32), rope_positions=rope)
 
 
 # ----------------------------------------------------------------------------------- loaders
@@ -236,7 +279,15 @@ class PackedLoader:
 
     def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, layout: Optional[Layout],
                  seed: int = 0, accum: Optional[int] = None, shuffle: bool = True,
-                 pad_id: Optional[int] = None, name: str = "train"):
+                 pad_id: Optional[int] = None, name: str = "train", pack: str = "stream",
+                 positions: str = "global", eos_id: Optional[int] = None):
+        if pack not in ("stream", "documents"):
+            raise ValueError(f"data.pack must be 'stream' or 'documents', got {pack!r}")
+        if positions not in ("global", "per_document") or (positions == "per_document" and pack != "documents"):
+            raise ValueError(f"data.positions={positions!r} is not valid with data.pack={pack!r}")
+        if pack == "documents" and eos_id is None:
+            raise ValueError("data.pack='documents' needs the tokenizer's eos_id (document separator), got None")
+        self.pack, self.positions, self.eos_id = pack, positions, eos_id
         self.stream = stream
         self.seq_len = int(seq_len)
         self.batch_size = int(batch_size)
@@ -293,15 +344,22 @@ class PackedLoader:
         mask = np.ones(labels.shape, np.float32)
         if self.pad_id is not None:
             mask = (labels != self.pad_id).astype(np.float32)
-        b = _to_layout(tokens, labels, mask, self.layout, S)
+        seg = rope = None
+        if self.pack == "documents":
+            seg, doc_pos = document_segments(tokens, self.eos_id)
+            mask = mask * (tokens != self.eos_id)  # an eos input's label is the next document's first token
+            rope = doc_pos if self.positions == "per_document" else None
+        b = _to_layout(tokens, labels, mask, self.layout, S, seg, rope)
         shape = (self.accum, self.batch_size, S) if self.accum is not None else (self.batch_size, S)
-        return Batch(b.tokens.reshape(shape), b.labels.reshape(shape), b.mask.reshape(shape), b.positions)
+        return b.reshape(shape)
 
 
 class PasskeyLoader:
     """Resumable iterator of passkey sequences (training source ``passkey``; all tokens count)."""
 
-    def __init__(self, tokenizer, seq_len, batch_size, layout, seed=0, accum=None, digits=5):
+    def __init__(self, tokenizer, seq_len, batch_size, layout, seed=0, accum=None, digits=5, pack="stream",
+                 positions="global"):
+        self.pack, self.positions = pack, positions
         self.tokenizer, self.seq_len, self.batch_size = tokenizer, seq_len, batch_size
         self.layout, self.accum, self.digits = layout, accum, digits
         self.seed, self.index = int(seed), 0
@@ -322,7 +380,7 @@ class PasskeyLoader:
         n = self.batch_size * (self.accum or 1)
         b = passkey_batch(self.tokenizer, self.seq_len, n, rng, self.layout, self.digits, answer_only=False)
         shape = (self.accum, self.batch_size, self.seq_len) if self.accum is not None else (n, self.seq_len)
-        return Batch(b.tokens.reshape(shape), b.labels.reshape(shape), b.mask.reshape(shape), b.positions)
+        return single_document(b, self.pack, self.positions).reshape(shape)
 
 
 def build_streams(cfg, tokenizer, vocab_size: Optional[int] = None):
@@ -348,15 +406,19 @@ def build_streams(cfg, tokenizer, vocab_size: Optional[int] = None):
 
 
 def build_train_loader(cfg, tokenizer, layout, train_stream, accum: Optional[int]):
+    pack = dict(pack=getattr(cfg, "pack", "stream"), positions=getattr(cfg, "positions", "global"))
     if cfg.source == "passkey":
-        return PasskeyLoader(tokenizer, cfg.seq_len, cfg.batch_size, layout, cfg.seed, accum)
-    return PackedLoader(train_stream, cfg.seq_len, cfg.batch_size, layout, cfg.seed, accum, name="train")
+        return PasskeyLoader(tokenizer, cfg.seq_len, cfg.batch_size, layout, cfg.seed, accum, **pack)
+    return PackedLoader(train_stream, cfg.seq_len, cfg.batch_size, layout, cfg.seed, accum, name="train",
+                        eos_id=tokenizer.eos_id, **pack)
 
 
-def heldout_batches(cfg, layout, heldout_stream, num_batches: int) -> list[Batch]:
-    """The first ``num_batches`` held-out batches in file order (identical at every evaluation)."""
+def heldout_batches(cfg, layout, heldout_stream, num_batches: int, eos_id: Optional[int] = None) -> list[Batch]:
+    """The first ``num_batches`` held-out batches in file order (identical at every evaluation);
+    packed like the training data (``cfg.pack``: ``eos_id`` separates documents)."""
     if heldout_stream is None or num_batches == 0:
         return []
     loader = PackedLoader(heldout_stream, cfg.seq_len, cfg.batch_size, layout, shuffle=False,
-                          name="held-out")
+                          name="held-out", pack=getattr(cfg, "pack", "stream"),
+                          positions=getattr(cfg, "positions", "global"), eos_id=eos_id)
     return [next(loader) for _ in range(min(num_batches, loader.num_windows // cfg.batch_size))]

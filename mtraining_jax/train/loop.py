@@ -232,13 +232,14 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
     A = cfg.optim.grad_accum
     train_stream, held_stream = data_lib.build_streams(cfg.data, tokenizer, model_cfg.vocab_size)
     loader = data_lib.build_train_loader(cfg.data, tokenizer, layout, train_stream, accum=A)
-    held = data_lib.heldout_batches(cfg.data, layout, held_stream, cfg.eval.batches)
+    held = data_lib.heldout_batches(cfg.data, layout, held_stream, cfg.eval.batches, tokenizer.eos_id)
     passkey = []
     if cfg.eval.passkey_samples:
         rng = np.random.default_rng([cfg.seed, 314159])
         bs = cfg.data.batch_size
-        passkey = [data_lib.passkey_batch(tokenizer, cfg.data.seq_len, bs, rng, layout, cfg.eval.passkey_digits)
-                   for _ in range(math.ceil(cfg.eval.passkey_samples / bs))]
+        passkey = [data_lib.single_document(
+            data_lib.passkey_batch(tokenizer, cfg.data.seq_len, bs, rng, layout, cfg.eval.passkey_digits),
+            cfg.data.pack, cfg.data.positions) for _ in range(math.ceil(cfg.eval.passkey_samples / bs))]
 
     optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
     parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
@@ -284,8 +285,9 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
         f"backends {sorted(set(model_cfg.layer_backends))}; setup {time.time() - t_setup:.1f}s"
     )
     stop = cfg.steps if cfg.run_steps is None else min(cfg.steps, start + cfg.run_steps)
-    return Run(cfg, mesh, model_cfg, layout, loader, train_step, eval_step, batch_shardings(mesh, True),
-               batch_shardings(mesh, False), held, passkey, ckpt, writer, bar, state, start, stop, skipped,
+    docs = dict(segments=cfg.data.pack == "documents", rope_positions=cfg.data.positions == "per_document")
+    return Run(cfg, mesh, model_cfg, layout, loader, train_step, eval_step, batch_shardings(mesh, True, **docs),
+               batch_shardings(mesh, False, **docs), held, passkey, ckpt, writer, bar, state, start, stop, skipped,
                hooks=extra_hooks)
 
 

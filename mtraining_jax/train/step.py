@@ -27,14 +27,15 @@ from mtraining_jax.train.state import ModelParts, bind, replicated
 _global_norm = optax.tree.norm if hasattr(optax, "tree") and hasattr(optax.tree, "norm") else optax.global_norm
 
 
-def batch_shardings(mesh: Mesh | None, accum: bool):
-    """``Batch`` of shardings: sequence over ``(node, local)``, batch over ``data``."""
+def batch_shardings(mesh: Mesh | None, accum: bool, segments: bool = False, rope_positions: bool = False):
+    """``Batch`` of shardings: sequence over ``(node, local)``, batch over ``data``
+    (``segments`` / ``rope_positions``: the batches carry those fields, ``data.pack: documents``)."""
     if mesh is None:
         return None
     b = "data" if "data" in mesh.shape else None
     spec = P(None, b, CP_AXES) if accum else P(b, CP_AXES)
     s = NamedSharding(mesh, spec)
-    return Batch(s, s, s, NamedSharding(mesh, P()))
+    return Batch(s, s, s, NamedSharding(mesh, P()), s if segments else None, s if rope_positions else None)
 
 
 def forward_with_metrics(model, *args, **kwargs):
@@ -51,7 +52,10 @@ def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int):
 
     def loss_fn(params, batch: Batch):
         model = bind(parts, params)
-        hidden, extras = forward_with_metrics(model, batch.tokens, batch.positions, mesh=mesh)
+        docs = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
+        if batch.rope_positions is not None:
+            docs["rope_positions"] = batch.rope_positions
+        hidden, extras = forward_with_metrics(model, batch.tokens, batch.positions, mesh=mesh, **docs)
         w = model.lm_head_weight()
         loss_sum, correct, count = sharded_cross_entropy(hidden, w, batch.labels, batch.mask, mesh, chunk_size)
         return loss_sum, (correct, count, extras)
@@ -69,14 +73,14 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
 
         def micro(carry, mb):
             g_acc, l_acc, c_acc, n_acc = carry
-            (loss, (corr, cnt, extras)), g = grad_fn(params, Batch(mb[0], mb[1], mb[2], batch.positions))
+            (loss, (corr, cnt, extras)), g = grad_fn(params, mb._replace(positions=batch.positions))
             g_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
             return (g_acc, l_acc + loss, c_acc + corr, n_acc + cnt), extras
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         z = jnp.zeros((), jnp.float32)
         (g, loss, corr, cnt), extras = jax.lax.scan(
-            micro, (zeros, z, z, z), (batch.tokens, batch.labels, batch.mask)
+            micro, (zeros, z, z, z), batch._replace(positions=None)
         )
         denom = jnp.maximum(cnt, 1.0)
         grads = jax.tree.map(lambda x: x / denom.astype(x.dtype), g)

@@ -1,0 +1,238 @@
+"""Packed documents (issue 21): segment ids from the data to the kernels; every path equals the
+float32 dense reference with the block-diagonal causal document mask."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from mtraining_jax.attention.dispatch import attention
+from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
+from mtraining_jax.attention.reference import dense_attention
+from mtraining_jax.attention.ring import ring_attention
+from mtraining_jax.layouts import Layout
+from mtraining_jax.mesh import make_mesh
+from mtraining_jax.sparsity import SparsityConfig, estimate_index
+from mtraining_jax.sparsity.masks import index_to_mask
+from mtraining_jax.train.config import DataConfig
+from mtraining_jax.train.data import PackedLoader, document_segments
+from pallas_kernels.api import block_sparse_attention
+from pallas_kernels.index_format import apply_segments, full_step_index
+
+B, HQ, HKV, D = 2, 4, 2, 32
+
+
+def _qkv(seed, S):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (B, S, HQ, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, S, HKV, D), jnp.float32).at[:, 3].mul(4.0)
+    v = jax.random.normal(ks[2], (B, S, HKV, D), jnp.float32)
+    return q, k, v, jax.random.normal(ks[3], (B, S, HQ, D), jnp.float32)
+
+
+def _segments(lengths_per_row, S):
+    """``int32 [B, S]`` from document lengths per row (the last document fills the row)."""
+    seg = np.zeros((len(lengths_per_row), S), np.int32)
+    for b, lens in enumerate(lengths_per_row):
+        ends = np.cumsum(lens)
+        seg[b] = np.searchsorted(ends, np.arange(S), side="right")
+    return jnp.asarray(seg)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _value_and_grads(fn, q, k, v, cot):
+    def f(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * cot), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+def _assert_close(got, want, tol=1e-5):
+    (out, grads), (rout, rgrads) = got, want
+    assert _rel(out, rout) <= tol
+    for g, r in zip(grads, rgrads):
+        assert _rel(g, r) <= tol
+
+
+def _reference(seg, mask=None):
+    return lambda q, k, v: dense_attention(q, k, v, mask=mask, q_seg=seg, k_seg=seg)[0]
+
+
+# documents shorter than a block (5, 9), exactly on block boundaries (64), longer than a rank's share
+# of S = 512 over 4 ranks (300), one document (the degenerate case)
+DOCS = [[[5, 9, 50, 64, 64, 300]], [[64, 64, 128]], [[300]], [[1, 2, 3, 700]]]
+
+
+# ----------------------------------------------------------------------------------- data
+
+
+def test_document_segments_and_positions():
+    eos = 9
+    x = np.array([[1, 2, eos, 3, eos, eos, 4, 5]])
+    seg, pos = document_segments(x, eos)
+    np.testing.assert_array_equal(seg, [[0, 0, 0, 1, 1, 2, 3, 3]])
+    np.testing.assert_array_equal(pos, [[0, 1, 2, 0, 1, 0, 0, 1]])
+
+
+@pytest.mark.parametrize("positions", ["global", "per_document"])
+def test_loader_documents_travel_with_layout(positions):
+    eos, S = 0, 128
+    rng = np.random.default_rng(0)
+    stream = rng.integers(1, 50, size=4 * S + 1).astype(np.int32)
+    stream[rng.choice(len(stream), 20, replace=False)] = eos
+    layout = Layout("block_striped", S, 4, stripe=16)
+    kw = dict(seq_len=S, batch_size=2, layout=layout, shuffle=False, eos_id=eos)
+    docs = next(PackedLoader(stream, pack="documents", positions=positions, **kw))
+    plain = next(PackedLoader(stream, **kw))
+    np.testing.assert_array_equal(docs.tokens, plain.tokens)  # same windows, same layout
+    tokens = layout.unpermute(docs.tokens, axis=-1)
+    seg, pos = document_segments(tokens, eos)
+    np.testing.assert_array_equal(layout.unpermute(docs.segment_ids, axis=-1), seg)
+    # the label of an eos input is the next document's first token: not counted
+    np.testing.assert_array_equal(layout.unpermute(docs.mask, axis=-1), (tokens != eos).astype(np.float32))
+    if positions == "per_document":
+        np.testing.assert_array_equal(layout.unpermute(docs.rope_positions, axis=-1), pos)
+    else:
+        assert docs.rope_positions is None
+    assert plain.segment_ids is None
+
+
+def test_data_config_rejects_bad_packing():
+    with pytest.raises(ValueError, match="data.pack must be one of"):
+        DataConfig(pack="docs")
+    with pytest.raises(ValueError, match="per_document.*needs data.pack='documents'"):
+        DataConfig(positions="per_document")
+
+
+# ----------------------------------------------------------------------------------- kernels
+
+
+def test_apply_segments_drops_and_flags_tiles():
+    bs, S = 16, 64
+    seg = _segments([[16, 8, 40]], S)[:1]  # segments per block of 16: {0}, {1, 2}, {2}, {2}
+    pos = jnp.arange(S, dtype=jnp.int32)
+    idx = apply_segments(full_step_index(1, 1, S, S, pos, pos, bs), seg, seg, bs)
+    rows = [sorted(np.asarray(idx.block_idx[0, 0, i, :idx.block_count[0, 0, i]]).tolist()) for i in range(4)]
+    assert rows == [[0], [1], [1, 2], [1, 2, 3]]  # block 0 (document 0 only) seen by row 0 only
+    flags = {(i, int(j)): int(f) for i in range(4)
+             for j, f in zip(idx.block_idx[0, 0, i, :idx.block_count[0, 0, i]], idx.block_causal[0, 0, i])}
+    assert flags[(3, 3)] == 1 and flags[(0, 0)] == 1  # diagonal tiles: causal mask
+    assert flags[(3, 2)] == 0 and flags[(2, 1)] == 1  # inside one document: free; straddling: masked
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.lists(st.integers(1, 150), min_size=1, max_size=6), st.sampled_from([16, 32]))
+def test_kernel_api_documents_match_reference(lens, bs):
+    S = 256
+    q, k, v, cot = _qkv(len(lens) + bs, S)
+    seg = _segments([lens, lens[::-1]], S)
+    fn = lambda q, k, v: block_sparse_attention(q, k, v, block_size=bs, impl="xla", q_seg=seg, k_seg=seg)  # noqa: E731
+    _assert_close(_value_and_grads(fn, q, k, v, cot), _value_and_grads(_reference(seg), q, k, v, cot))
+
+
+def test_segment_errors_are_clear():
+    q, k, v, _ = _qkv(0, 64)
+    seg = jnp.zeros((B, 64), jnp.int32)
+    with pytest.raises(ValueError, match="give both q_seg and k_seg"):
+        block_sparse_attention(q, k, v, block_size=16, impl="xla", q_seg=seg)
+    with pytest.raises(ValueError, match=r"q_seg has shape \(2, 32\)"):
+        block_sparse_attention(q, k, v, block_size=16, impl="xla", q_seg=seg[:, :32], k_seg=seg)
+    with pytest.raises(NotImplementedError, match="cudnn backend has no document"):
+        attention(q, k, v, jnp.arange(64), backend="cudnn", segment_ids=seg)
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, S\]"):
+        attention(q, k, v, jnp.arange(64), backend="reference", segment_ids=seg[0])
+    with pytest.raises(NotImplementedError, match="Triton kernels"):
+        block_sparse_attention(q, k, v, block_size=16, impl="triton", q_seg=seg, k_seg=seg)
+
+
+# ----------------------------------------------------------------------------------- rings
+
+
+@pytest.mark.parametrize("docs,mesh_shape,layout_name,order",
+                         [(DOCS[0], (2, 2), "block_striped", "hierarchical"), (DOCS[1], (1, 4), "zigzag", "flat")])
+def test_dense_ring_documents(docs, mesh_shape, layout_name, order):
+    S = 512
+    q, k, v, cot = _qkv(1, S)
+    seg = _segments(docs * B, S)
+    mesh = make_mesh(mesh_shape, jax.devices()[:4])
+    lay = Layout(layout_name, S, 4, stripe=64)
+    p = lay.permute
+
+    def fn(q, k, v):
+        out = ring_attention(p(q), p(k), p(v), lay.perm, mesh, ring_order=order, impl="xla",
+                             segment_ids=lay.permute(seg, axis=-1))
+        return lay.unpermute(out)
+
+    _assert_close(_value_and_grads(fn, q, k, v, cot), _value_and_grads(_reference(seg), q, k, v, cot))
+
+
+SPARSE = SparsityConfig(vertical_p=0.6, slash_p=0.6, vertical_min=4, vertical_max=24, slash_min=1, slash_max=4)
+
+
+@pytest.mark.parametrize("docs", [DOCS[0], DOCS[3]])
+def test_sparse_ring_documents_match_masked_reference(docs):
+    """The sparse ring with documents = dense reference under (index mask AND document mask), the
+    index being the one estimated under the document mask."""
+    S = 512
+    q, k, v, cot = _qkv(2, S)
+    seg = _segments(docs * B, S)
+    mesh = make_mesh((2, 2), jax.devices()[:4])
+    cfg = MTrainingConfig(sparsity=SPARSE, impl="xla")
+    lay = cfg.make_layout(S, 4)
+    p = lay.permute
+
+    def fn(q, k, v):
+        return lay.unpermute(mtraining_attention(p(q), p(k), p(v), mesh, cfg, segment_ids=p(seg, axis=-1)))
+
+    index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SPARSE, segment_ids=seg)
+    mask = index_to_mask(index, S, SPARSE.block_size)
+    _assert_close(_value_and_grads(fn, q, k, v, cot), _value_and_grads(_reference(seg, mask), q, k, v, cot))
+
+
+def test_documents_cut_sparse_work():
+    """Tiles across a boundary are skipped: the executed work shrinks with the documents, and a
+    full index through the sparse machinery is exact under the document mask."""
+    S = 512
+    q, k, v, cot = _qkv(3, S)
+    seg = _segments(DOCS[1] * B, S)
+    mesh = make_mesh((1, 4), jax.devices()[:4])
+    cfg = MTrainingConfig(sparsity=SPARSE, impl="xla", force_full=True, ring_order="flat")
+    lay = cfg.make_layout(S, 4)
+    p = lay.permute
+    run = jax.jit(lambda q, k, v, s: mtraining_attention(q, k, v, mesh, cfg, segment_ids=s, return_stats=True))
+    _, stream = run(p(q), p(k), p(v), None)
+    out, docs = run(p(q), p(k), p(v), p(seg, axis=-1))
+    # 64 + 64 + 128 + 256 tokens in blocks of 64: 1 + 1 + 3 + 10 of the 36 causal tiles
+    assert float(np.sum(docs.work)) / float(np.sum(stream.work)) == pytest.approx(15 / 36)
+    np.testing.assert_allclose(lay.unpermute(out), _reference(seg)(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- model
+
+
+def test_model_packed_documents_equal_separate_runs():
+    """Two documents packed with per-document RoPE positions give, token for token, the hidden
+    states of each document run alone."""
+    from flax import nnx
+
+    from mtraining_jax.model.config import ModelConfig
+    from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                      num_kv_heads=2, rope_theta=1e4, max_position_embeddings=512, initializer_range=0.2,
+                      attention_backend="reference", dtype="float32", param_dtype="float32")
+    model = Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (1, 48), 0, 96)
+    seg = _segments([[20, 28]], 48)[:1]
+    doc_pos = jnp.concatenate([jnp.arange(20), jnp.arange(28)])[None]
+    packed = model(tokens, jnp.arange(48), segment_ids=seg, rope_positions=doc_pos)
+    first = model(tokens[:, :20], jnp.arange(20))
+    second = model(tokens[:, 20:], jnp.arange(28))
+    np.testing.assert_allclose(packed, jnp.concatenate([first, second], axis=1), rtol=2e-5, atol=2e-5)
