@@ -2,8 +2,8 @@
 
 Measures the real training step of ``mtraining-train --config CONFIG`` — the same config loader and
 ``key=value`` overrides (:func:`mtraining_jax.train.config.load_config`), the same validation
-(:func:`~mtraining_jax.train.loop.check_run_config`), model split, optimizer, replicated state and
-jitted ``train_step`` as :func:`mtraining_jax.train.loop.run` — for every (sequence length,
+(:func:`~mtraining_jax.train.loop.check_run_config`), model split, optimizer, state shardings and
+jitted ``train_step`` (:func:`~mtraining_jax.train.loop.build_training`) as :func:`mtraining_jax.train.loop.run` — for every (sequence length,
 attention backend) pair, and reports the step time, training tokens/s, peak device memory and
 compile time, plus the loss of every step and the attention statistics the step returns.
 
@@ -161,22 +161,17 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
     import jax
     import numpy as np
 
-    from mtraining_jax.train.loop import build_mesh, check_run_config, to_global
-    from mtraining_jax.train.optim import build_optimizer
-    from mtraining_jax.train.state import (abstract_train_state, build_model_config, num_params,
-                                           split_model, train_state_fn)
-    from mtraining_jax.train.step import batch_shardings, make_train_step
+    from mtraining_jax.train.loop import build_mesh, build_training, check_run_config, to_global
+    from mtraining_jax.train.state import build_model_config, num_params
+    from mtraining_jax.train.step import batch_shardings
     from mtraining_jax.train.tokenizer import load_tokenizer
 
     # --- exactly loop.run's construction -----------------------------------------------------
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     layout = check_run_config(cfg, model_cfg, mesh, load_tokenizer(cfg.data.tokenizer))
-    optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
-    parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
-    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed)
-    state_sh = jax.tree.map(lambda x: x.sharding, abstract_train_state(state_fn, mesh))
-    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
+    training = build_training(cfg, mesh, model_cls, model_cfg)
+    state_fn, train_step = training.state_fn, training.train_step
     sh_acc = batch_shardings(mesh, True)
 
     n = warmup + steps

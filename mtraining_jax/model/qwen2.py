@@ -159,6 +159,19 @@ class Qwen2DecoderLayer(nnx.Module):
         return self.finish(x, o), stats
 
 
+def gather_layer_params(layer_state, mesh):
+    """One layer's parameters constrained to be replicated over ``mesh`` (no-op without a mesh or
+    when they already are). Applied inside the layer scan body (and inside its ``jax.checkpoint``
+    pieces), so parameters stored sharded (FSDP, :mod:`mtraining_jax.train.sharding`) are
+    all-gathered one layer at a time in the forward, gathered again for the recomputation in the
+    backward, and the layer's gradient is reduce-scattered back by the constraint's transpose."""
+    if mesh is None:
+        return layer_state
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.lax.with_sharding_constraint(layer_state, NamedSharding(mesh, PartitionSpec()))
+
+
 def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, prevent_cse: bool):
     """``f(h, layer_state) -> (h, stats)`` for one decoder layer under the remat ``policy``.
 
@@ -170,8 +183,13 @@ def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, pre
     would still have to rerun the attention forward to rebuild those residuals.
     """
 
+    mesh = attn_kwargs.get("mesh")
+
+    def layer(st):
+        return nnx.merge(graphdef, gather_layer_params(st, mesh))
+
     def whole(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, cos, sin, positions, **attn_kwargs)
+        return layer(layer_state)(h, cos, sin, positions, **attn_kwargs)
 
     if policy == "none":
         return whole
@@ -179,9 +197,8 @@ def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, pre
         return jax.checkpoint(whole, prevent_cse=prevent_cse)
     if policy != "save_attn":
         raise ValueError(f"unknown remat policy {policy!r}")
-    before = jax.checkpoint(lambda h, st: nnx.merge(graphdef, st).attention_inputs(h, cos, sin),
-                            prevent_cse=prevent_cse)
-    after = jax.checkpoint(lambda h, o, st: nnx.merge(graphdef, st).finish(h, o), prevent_cse=prevent_cse)
+    before = jax.checkpoint(lambda h, st: layer(st).attention_inputs(h, cos, sin), prevent_cse=prevent_cse)
+    after = jax.checkpoint(lambda h, o, st: layer(st).finish(h, o), prevent_cse=prevent_cse)
 
     def split(h, layer_state):
         o, stats = attend(*before(h, layer_state), positions, **attn_kwargs)

@@ -6,6 +6,7 @@ Examples::
     mtraining-train --config configs/tiny_cpu.yaml steps=20 data.seq_len=2048 optim.lr=1e-3
     mtraining-train --config configs/tiny_cpu.yaml --resume          # or: steps=40 --resume eval.every=0
     mtraining-train --config runs/tiny_cpu/config.yaml --overwrite   # a run's saved config, started again
+    mtraining-train --config configs/qwen2.5-3b-512k.yaml --plan      # per-device memory; does it fit?
     # a plain multi-process launch (one process per host):
     mtraining-train --config configs/qwen2.5-3b-512k.yaml --coordinator-address host0:1234 \\
         --num-processes 4 --process-id $RANK
@@ -13,8 +14,9 @@ Examples::
 Overrides and flags mix in any order. A new run refuses a ``run_dir`` that holds another run:
 ``--resume`` continues it, ``--overwrite`` deletes its artefacts first.
 
-Exit status: 0 done, 1 non-finite loss or gradient (``optim.max_bad_steps`` steps in a row; the last
-good checkpoint is kept), 2 bad config/input, 130 interrupted (Ctrl-C; a checkpoint is saved).
+Exit status: 0 done (``--plan``: fits, or the device memory is unknown), 1 non-finite loss or
+gradient (``optim.max_bad_steps`` steps in a row; the last good checkpoint is kept), 2 bad
+config/input (``--plan``: does not fit), 130 interrupted (Ctrl-C; a checkpoint is saved).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=int, help="number of processes (multi-process launch)")
     p.add_argument("--process-id", type=int, help="this process's id in [0, num-processes)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--plan", action="store_true",
+                   help="compile the training step, print its per-device memory plan (parameters, gradients, "
+                        "optimizer state, activations) and whether it fits the device, and exit (status 2 if not)")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="device memory for --plan where the backend reports none (e.g. CPU): 80GiB, 141G, ...")
     return p
 
 
@@ -87,6 +94,16 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
+def _plan(cfg, device_memory: int | None) -> int:
+    """``--plan``: print the memory plan; status 2 with what to change when it does not fit."""
+    from mtraining_jax.train.plan import check_fits, memory_plan
+
+    plan = memory_plan(cfg, device_memory)
+    print(plan.table())
+    check_fits(plan, cfg)  # DoesNotFit is a ValueError: exit 2 with the message
+    return 0
+
+
 def main(argv: typing.Sequence[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # overrides before and after flags
     from mtraining_jax.train.config import load_config
@@ -105,6 +122,14 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ValueError as e:
         return _fail(str(e))
+    device_memory = None
+    if args.device_memory is not None:
+        from mtraining_jax.train.plan import parse_bytes
+
+        try:
+            device_memory = parse_bytes(args.device_memory)
+        except ValueError as e:
+            return _fail(str(e))
     if args.print_config:
         import yaml
 
@@ -117,6 +142,8 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     try:
         _setup_platform(cfg.mesh.cpu_devices, cfg.distributed.num_processes)
         maybe_initialize(cfg.distributed)
+        if args.plan:
+            return _plan(cfg, device_memory)
         result = run(cfg, overwrite=args.overwrite)
     except NonFiniteLossError as e:
         return _fail(str(e), 1)

@@ -183,11 +183,15 @@ class MeshConfig:
       cpu_devices: when set, the CLI runs on CPU with this many virtual devices IN TOTAL, split
         evenly over the processes of a multi-process launch (``cpu_devices / num_processes`` each;
         set before JAX's backends start).
+      fsdp: shard parameters, gradients and optimizer state over all devices (FSDP / ZeRO-3,
+        gathered layer by layer; :mod:`mtraining_jax.train.sharding`). ``None`` (default): on when
+        the mesh has more than one device; ``false``: replicated on every device.
     """
 
     shape: Optional[tuple[int, int]] = None
     data: int = 1
     cpu_devices: Optional[int] = None
+    fsdp: Optional[bool] = None
 
     def __post_init__(self):
         if self.shape is not None:

@@ -3,12 +3,13 @@
 
 ``run(cfg)`` is what ``mtraining-train`` calls. Setup checks the inputs up front (paths, the
 run directory — :mod:`.rundir` —, mesh / layout / model constraints, token files), builds the data,
-the jitted steps and the state: restored with ``--resume``, else from ``model.init_from``
+the jitted steps (:func:`build_training`) and the state: restored with ``--resume``, else from ``model.init_from``
 (pretrained weights, fresh optimizer) or a random initialisation.
 
 Per optimizer step: the loader yields a host batch ``[A, B, S]`` in layout order; it becomes a
 global array sharded over the mesh (:func:`to_global`; every process builds the same host batch
-and contributes its own shards); the jitted step updates the replicated state. A step whose loss
+and contributes its own shards); the jitted step updates the state (replicated, or sharded over all
+devices with ``mesh.fsdp``). A step whose loss
 or gradient is not finite leaves the state unchanged (a skipped update, warned about and counted
 in ``skipped_updates``); ``optim.max_bad_steps`` of them in a row stop the run with
 :class:`NonFiniteLossError` before anything is saved, so the last good checkpoint stays the newest.
@@ -42,6 +43,7 @@ from mtraining_jax.train.config import TrainConfig
 from mtraining_jax.train.metrics import MetricsWriter, Progress, plot_losses
 from mtraining_jax.train.optim import build_optimizer
 from mtraining_jax.train.rundir import prepare_run_dir, truncate_metrics
+from mtraining_jax.train.sharding import resolve_fsdp
 from mtraining_jax.train.state import (abstract_train_state, build_model_config, load_init_params, num_params,
                                        split_model, train_state_fn, train_state_from_params)
 from mtraining_jax.train.step import batch_shardings, make_eval_step, make_train_step
@@ -215,6 +217,33 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """The jitted pieces of a run (what :func:`setup`, ``--plan`` and the benchmarks share)."""
+
+    optimizer: Any
+    schedule: Callable
+    parts: Any  # ModelParts
+    fsdp: bool  # state sharded over all devices (mesh.fsdp resolved)
+    state_fn: Callable  # jitted () -> fresh state, in its shardings
+    abstract: dict  # ShapeDtypeStruct pytree of the state, with shardings
+    train_step: Callable
+    eval_step: Callable
+
+
+def build_training(cfg: TrainConfig, mesh, model_cls, model_cfg) -> Training:
+    """Optimizer, model split, state shardings (``mesh.fsdp``) and the jitted steps of ``cfg``."""
+    optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
+    parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
+    fsdp = resolve_fsdp(cfg.mesh.fsdp, mesh)
+    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed, fsdp)
+    abstract = abstract_train_state(state_fn, mesh, fsdp)
+    state_sh = jax.tree.map(lambda x: x.sharding, abstract)
+    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
+    eval_step = make_eval_step(parts, mesh, cfg.loss_chunk_size)
+    return Training(optimizer, schedule, parts, fsdp, state_fn, abstract, train_step, eval_step)
+
+
 def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
     """Check the inputs, prepare ``run_dir``, build data, steps and the state (module docstring)."""
     t_setup = time.time()
@@ -241,13 +270,9 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
             data_lib.passkey_batch(tokenizer, cfg.data.seq_len, bs, rng, layout, cfg.eval.passkey_digits),
             cfg.data.pack, cfg.data.positions) for _ in range(math.ceil(cfg.eval.passkey_samples / bs))]
 
-    optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
-    parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
-    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed)
-    abstract = abstract_train_state(state_fn, mesh)
-    state_sh = jax.tree.map(lambda x: x.sharding, abstract)
-    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
-    eval_step = make_eval_step(parts, mesh, cfg.loss_chunk_size)
+    t = build_training(cfg, mesh, model_cls, model_cfg)
+    optimizer, state_fn, abstract = t.optimizer, t.state_fn, t.abstract
+    train_step, eval_step = t.train_step, t.eval_step
 
     ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.every else None
     start, state, skipped, msgs = 0, None, 0, []
@@ -264,7 +289,7 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
             msgs.append(f"no checkpoint in {where}; starting from scratch")
     if state is None and cfg.model.init_from:
         params = load_init_params(cfg.model, model_cfg, abstract["params"], to_global)
-        state = train_state_from_params(params, optimizer, mesh, cfg.seed)
+        state = train_state_from_params(params, optimizer, mesh, cfg.seed, t.fsdp)
         msgs.append(f"initialised from {cfg.model.init_from} (fresh optimizer, step 0)")
     if state is None:
         state = state_fn()
@@ -281,7 +306,7 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
         bar.write(m)
     bar.write(
         f"model {model_cfg.name or model_cls.__name__}: {num_params(state['params']):,} parameters; "
-        f"mesh {dict(mesh.shape)}; layout {layout.name} S={layout.seq_len}; "
+        f"mesh {dict(mesh.shape)}{' (FSDP)' if t.fsdp else ''}; layout {layout.name} S={layout.seq_len}; "
         f"backends {sorted(set(model_cfg.layer_backends))}; setup {time.time() - t_setup:.1f}s"
     )
     stop = cfg.steps if cfg.run_steps is None else min(cfg.steps, start + cfg.run_steps)

@@ -4,8 +4,8 @@ The NNX model is split once into a static ``graphdef``, its parameters (as a pla
 of arrays — what optax and orbax handle best) and any non-parameter state. Inside ``jit`` the
 module is rebuilt from them with :func:`bind`. The training state is the dict
 ``{"step": int32[], "params": {...}, "opt_state": optax state, "rng": uint32 key data}``,
-replicated over the mesh (MTraining keeps full weights on every CP worker; the gradients are
-averaged by the sharded loss's transpose).
+replicated over the mesh or, with ``fsdp``, sharded over all devices (FSDP / ZeRO-3; the rule is
+in :mod:`mtraining_jax.train.sharding`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtraining_jax.train.config import ModelSection
+from mtraining_jax.train.sharding import state_shardings
 
 
 def import_object(spec: str):
@@ -131,27 +132,32 @@ def _fresh_state(params, optimizer, seed: int) -> dict:
     }
 
 
-def train_state_fn(init_fn, optimizer, mesh: Mesh | None, seed: int):
+def train_state_fn(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False):
     """A jitted ``() -> {"step", "params", "opt_state", "rng"}`` building the state directly into
-    replicated arrays (every process computes the same values). ``jax.eval_shape`` of it gives
-    the restore target without allocating anything."""
-    return jax.jit(lambda: _fresh_state(init_fn(), optimizer, seed), out_shardings=replicated(mesh))
+    its shardings (replicated, or FSDP-sharded when ``fsdp``; every process computes the same
+    values). ``jax.eval_shape`` of it gives the restore target without allocating anything."""
+    fn = lambda: _fresh_state(init_fn(), optimizer, seed)  # noqa: E731
+    return jax.jit(fn, out_shardings=state_shardings(jax.eval_shape(fn), mesh, fsdp))
 
 
-def train_state_from_params(params, optimizer, mesh: Mesh | None, seed: int) -> dict:
+def train_state_from_params(params, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False) -> dict:
     """Step-0 training state around given (pretrained) parameters: fresh optimizer state."""
-    return jax.jit(lambda p: _fresh_state(p, optimizer, seed), out_shardings=replicated(mesh))(params)
+    fn = lambda p: _fresh_state(p, optimizer, seed)  # noqa: E731
+    return jax.jit(fn, out_shardings=state_shardings(jax.eval_shape(fn, params), mesh, fsdp))(params)
 
 
-def abstract_train_state(state_fn, mesh: Mesh | None):
-    """``ShapeDtypeStruct`` pytree (replicated shardings) of ``state_fn()``."""
-    sh = replicated(mesh)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), jax.eval_shape(state_fn))
+def abstract_train_state(state_fn, mesh: Mesh | None, fsdp: bool = False):
+    """``ShapeDtypeStruct`` pytree of ``state_fn()`` with its shardings (replicated, or FSDP)."""
+    shapes = jax.eval_shape(state_fn)
+    sh = state_shardings(shapes, mesh, fsdp)
+    if sh is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sh)
 
 
-def init_train_state(init_fn, optimizer, mesh: Mesh | None, seed: int):
+def init_train_state(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False):
     """Initialised training state (see :func:`train_state_fn`)."""
-    return train_state_fn(init_fn, optimizer, mesh, seed)()
+    return train_state_fn(init_fn, optimizer, mesh, seed, fsdp)()
 
 
 def num_params(params) -> int:

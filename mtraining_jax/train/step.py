@@ -7,7 +7,10 @@ gradients, losses and token counts are accumulated, then ``grad = sum_grad / num
 exact token-mean over all micro-batches) goes through clipping + AdamW.
 
 Sharding: tokens / labels / mask ``P(None, data?, (node, local))`` — the sequence is split over
-the context-parallel ranks in layout order; parameters and optimizer state are replicated.
+the context-parallel ranks in layout order; parameters and optimizer state have the state's
+shardings (replicated, or FSDP over all devices: :mod:`.sharding`), and the gradient accumulator
+is constrained to the parameters' shardings, so under FSDP each micro-batch's gradient is
+reduce-scattered straight into the sharded accumulator.
 Compute runs in the model's ``dtype`` (bfloat16 on accelerators) from float32 master weights.
 """
 
@@ -64,9 +67,13 @@ def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int):
 
 
 def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, chunk_size: int, state_sharding=None):
-    """Jitted ``train_step(state, batch[A, B, S]) -> (state, metrics)``; ``state`` is donated."""
+    """Jitted ``train_step(state, batch[A, B, S]) -> (state, metrics)``; ``state`` is donated.
+    ``state_sharding``: the state's pytree of shardings (its ``params`` also shard the gradients)."""
     loss_fn = make_loss_fn(parts, mesh, chunk_size)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    param_sh = state_sharding["params"] if isinstance(state_sharding, dict) else None
+    like_params = (lambda t: t) if param_sh is None else (  # noqa: E731
+        lambda t: jax.lax.with_sharding_constraint(t, param_sh))
 
     def train_step(state, batch: Batch):
         params = state["params"]
@@ -74,10 +81,10 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
         def micro(carry, mb):
             g_acc, l_acc, c_acc, n_acc = carry
             (loss, (corr, cnt, extras)), g = grad_fn(params, mb._replace(positions=batch.positions))
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
+            g_acc = like_params(jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, like_params(g)))
             return (g_acc, l_acc + loss, c_acc + corr, n_acc + cnt), extras
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = like_params(jax.tree.map(jnp.zeros_like, params))
         z = jnp.zeros((), jnp.float32)
         (g, loss, corr, cnt), extras = jax.lax.scan(
             micro, (zeros, z, z, z), batch._replace(positions=None)
