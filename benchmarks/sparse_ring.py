@@ -53,8 +53,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from _timing import steady_state, timeit  # noqa: E402
-from trace_summary import op_counts, schedule_outline, summarize_dir  # noqa: E402
+from benchmarks._timing import steady_state, timeit  # noqa: E402
+from benchmarks.hlo import op_counts, schedule_outline  # noqa: E402
+from benchmarks.trace_summary import summarize_dir  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
 from mtraining_jax.attention.reference import dense_attention  # noqa: E402
 from mtraining_jax.attention.ring import ring_attention  # noqa: E402

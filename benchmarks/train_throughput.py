@@ -1,9 +1,9 @@
 """Training throughput on one GPU: dense (``cudnn``) vs sparse (``mtraining``) attention (issue 7).
 
 Measures the real training step of ``mtraining-train --config CONFIG`` — the same config loader and
-``key=value`` overrides (:func:`mtraining_jax.train.config.load_config`), the same validation
-(:func:`~mtraining_jax.train.loop.check_run_config`), model split, optimizer, replicated state and
-jitted ``train_step`` as :func:`mtraining_jax.train.loop.run` — for every (sequence length,
+``key=value`` overrides (:func:`mtraining_jax.train.config.load_config`) and the trainer's own
+construction (:func:`mtraining_jax.train.loop.build_trainer`: validation, model split, optimizer,
+replicated state and jitted ``train_step``, as :func:`mtraining_jax.train.loop.setup` uses) — for every (sequence length,
 attention backend) pair, and reports the step time, training tokens/s, peak device memory and
 compile time, plus the loss of every step and the attention statistics the step returns.
 
@@ -43,12 +43,12 @@ unless set, so that the default 75 % pool does not cause an OOM the device could
 measured peak does not depend on the pool size.
 
     # issue 7 (one H200; the 4 configurations, cut off after 5 minutes in all)
-    PYTHONPATH=. python benchmarks/train_throughput.py --warmup 1 --steps 3 --time-budget 290 \\
+    python -m benchmarks.train_throughput --warmup 1 --steps 3 --time-budget 290 \\
         --out /tmp/train_tp
     # re-print the table of saved rows (several files: one table)
-    PYTHONPATH=. python benchmarks/train_throughput.py --report /tmp/train_tp/train_throughput.jsonl
+    python -m benchmarks.train_throughput --report /tmp/train_tp/train_throughput.jsonl
     # one configuration in this process (what the driver's children run)
-    PYTHONPATH=. python benchmarks/train_throughput.py --one --seq-len 65536 --backend mtraining
+    python -m benchmarks.train_throughput --one --seq-len 65536 --backend mtraining
 
 Rows (``OUT/train_throughput.jsonl``, one per configuration; the table also goes to
 ``OUT/train_throughput.md``): see :data:`ROW_KEYS`; error rows carry ``error`` and the
@@ -69,11 +69,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # `python benchmarks/train_throughput.py` without PYTHONPATH=.
-    sys.path.insert(0, REPO)
+from mtraining_jax.train.config import TrainConfig, load_config  # (no JAX backend start)
 
-from mtraining_jax.train.config import TrainConfig, load_config  # noqa: E402  (no JAX backend start)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "qwen2.5-0.5b-128k.yaml")
 BACKENDS = ("reference", "cudnn", "ring", "mtraining")
@@ -161,33 +159,23 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
     import jax
     import numpy as np
 
-    from mtraining_jax.train.loop import build_mesh, check_run_config, to_global
-    from mtraining_jax.train.optim import build_optimizer
-    from mtraining_jax.train.state import (abstract_train_state, build_model_config, num_params,
-                                           split_model, train_state_fn)
-    from mtraining_jax.train.step import batch_shardings, make_train_step
-    from mtraining_jax.train.tokenizer import load_tokenizer
+    from mtraining_jax.train.loop import build_trainer, to_global
+    from mtraining_jax.train.state import num_params
+    from mtraining_jax.train.step import batch_shardings
 
-    # --- exactly loop.run's construction -----------------------------------------------------
-    mesh = build_mesh(cfg.mesh)
-    model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
-    layout = check_run_config(cfg, model_cfg, mesh, load_tokenizer(cfg.data.tokenizer))
-    optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
-    parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
-    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed)
-    state_sh = jax.tree.map(lambda x: x.sharding, abstract_train_state(state_fn, mesh))
-    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
+    tr = build_trainer(cfg)  # exactly loop.setup's step, state and validation
+    mesh, model_cfg, layout = tr.mesh, tr.model_cfg, tr.layout
     sh_acc = batch_shardings(mesh, True)
 
     n = warmup + steps
     host = random_batches(cfg, layout, model_cfg.vocab_size, min(n, 4), seed)
     batches = [jax.tree.map(to_global, b, sh_acc) for b in host]
-    state = state_fn()
+    state = tr.state_fn()
     jax.block_until_ready(state)
     device = mesh.devices.flat[0]
 
     t0 = time.perf_counter()
-    compiled = train_step.lower(state, batches[0]).compile()
+    compiled = tr.train_step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
 
     times, losses, metrics = [], [], {}
@@ -273,7 +261,7 @@ def _one_main(args) -> int:
 
 
 def child_command(args, seq_len: int, backend: str) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", "--config", args.config,
+    cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--one", "--config", args.config,
            "--seq-len", str(seq_len), "--backend", backend, "--batch", str(args.batch),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
     if args.set:

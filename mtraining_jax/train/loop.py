@@ -201,14 +201,48 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
-    """Check the inputs, prepare ``run_dir``, build data, steps and the state (module docstring)."""
-    t_setup = time.time()
-    resume = cfg.checkpoint.resume
+@dataclasses.dataclass
+class Trainer:
+    """The training step and what it is built from (:func:`build_trainer`): no files, no data."""
+
+    mesh: Any
+    model_cls: type
+    model_cfg: Any
+    tokenizer: Any
+    layout: Layout
+    optimizer: Any
+    schedule: Callable
+    parts: Any  # split_model's parts (graph + static pieces)
+    init_fn: Callable
+    state_fn: Callable  # () -> a fresh replicated train state
+    abstract: dict  # abstract train state (shapes, dtypes, shardings)
+    train_step: Callable  # jitted (state, batch [A, B, S]) -> (state, metrics)
+
+
+def build_trainer(cfg: TrainConfig) -> Trainer:
+    """Mesh, model, validated layout, optimizer, state constructor and jitted train step of ``cfg``
+    (shared by :func:`setup` and ``benchmarks/train_throughput.py``)."""
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     layout = check_run_config(cfg, model_cfg, mesh, tokenizer)
+    optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
+    parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
+    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed)
+    abstract = abstract_train_state(state_fn, mesh)
+    state_sh = jax.tree.map(lambda x: x.sharding, abstract)
+    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
+    return Trainer(mesh, model_cls, model_cfg, tokenizer, layout, optimizer, schedule, parts, init_fn, state_fn,
+                   abstract, train_step)
+
+
+def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
+    """Check the inputs, prepare ``run_dir``, build data, steps and the state (module docstring)."""
+    t_setup = time.time()
+    resume = cfg.checkpoint.resume
+    tr = build_trainer(cfg)
+    mesh, model_cls, model_cfg, tokenizer, layout = tr.mesh, tr.model_cls, tr.model_cfg, tr.tokenizer, tr.layout
+    optimizer, parts, state_fn, abstract, train_step = tr.optimizer, tr.parts, tr.state_fn, tr.abstract, tr.train_step
     prepare_run_dir(cfg.run_dir, cfg.checkpoint_dir, resume=resume, overwrite=overwrite,
                     checkpoint_key="checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints",
                     is_main=_is_main())
@@ -225,12 +259,6 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
         passkey = [data_lib.passkey_batch(tokenizer, cfg.data.seq_len, bs, rng, layout, cfg.eval.passkey_digits)
                    for _ in range(math.ceil(cfg.eval.passkey_samples / bs))]
 
-    optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
-    parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
-    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed)
-    abstract = abstract_train_state(state_fn, mesh)
-    state_sh = jax.tree.map(lambda x: x.sharding, abstract)
-    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
     eval_step = make_eval_step(parts, mesh, cfg.loss_chunk_size)
 
     ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.every else None
