@@ -3,7 +3,7 @@
 An instruction line reads ``%name = SHAPE opcode(operands), attr=..., metadata={...}``; this module
 turns such lines into :class:`Instruction` s and answers the questions the benchmarks ask of a
 compiled step: how many instructions of each opcode (:func:`op_counts`), how many bytes each
-collective-permute moves (:func:`permute_bytes`), which compute an asynchronous permute's
+collective-permute moves and between which devices (:func:`permutes`), which compute an asynchronous permute's
 ``-start`` / ``-done`` pair encloses (:func:`overlap_report`, :func:`schedule_outline`) and which
 JAX op and source line emitted each instruction (:func:`hlo_sources`).
 """
@@ -23,6 +23,7 @@ _META = re.compile(r'(op_name|source_file|source_line|stack_frame_id)=("(?:[^"\\
 _COMPUTE = ("fusion", "custom-call", "dot", "convolution")
 _OUTLINE = re.compile(r"collective-permute|all-reduce|all-gather|reduce-scatter|all-to-all|custom-call")
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 
 
@@ -78,11 +79,24 @@ def op_counts(hlo_text: str) -> collections.Counter:
     return collections.Counter(ins.opcode for ins in instructions(hlo_text))
 
 
-def permute_bytes(hlo_text: str) -> list[int]:
-    """Bytes sent per device by each collective-permute of the module (synchronous
-    ``collective-permute`` or asynchronous ``-start``), in text order."""
-    return [array_bytes(ins.shape) for ins in instructions(hlo_text)
-            if ins.opcode in ("collective-permute", "collective-permute-start")]
+class Permute(NamedTuple):
+    """One collective-permute: ``nbytes`` each device sends, ``pairs`` its ``(source, target)``
+    device pairs."""
+
+    nbytes: int
+    pairs: frozenset
+
+
+def permutes(hlo_text: str) -> list[Permute]:
+    """Every collective-permute of the module (synchronous ``collective-permute`` or asynchronous
+    ``-start``), in text order."""
+    out = []
+    for ins in instructions(hlo_text):
+        if ins.opcode in ("collective-permute", "collective-permute-start"):
+            m = _PAIRS.search(ins.line)
+            pairs = frozenset((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) if m else frozenset()
+            out.append(Permute(array_bytes(ins.shape), pairs))
+    return out
 
 
 def overlap_report(hlo_text: str) -> list[tuple[str, int]]:

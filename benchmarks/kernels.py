@@ -14,7 +14,7 @@ TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per hea
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
 ``bs`` per column). Forward = ``4 * pairs * D`` FLOP; forward+backward = 3.5x forward.
 
-Usage (GPU): ``PYTHONPATH=. python benchmarks/kernels.py --seqs 32768,131072 --json out.json``
+Usage (GPU): ``python -m benchmarks.kernels --seqs 32768,131072 --json out.json``
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ ENTRY %main {
   %pallas_call.3 = (f32[4]{0}, f32[4]{0}) custom-call(%add.3, %p.1), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name": "block_sparse_fwd", "ir": "x"}
   %collective-permute-done = f32[2]{0} collective-permute-done(%collective-permute-start), metadata={op_name="a/ppermute"}
   %kv.2 = bf16[2,1,64,2,8]{4,3,2,1,0} parameter(1)
-  %collective-permute-start.1 = (bf16[2,1,64,2,8]{4,3,2,1,0}, bf16[2,1,64,2,8]{4,3,2,1,0}, u32[], u32[]) collective-permute-start(%kv.2)
+  %collective-permute-start.1 = (bf16[2,1,64,2,8]{4,3,2,1,0}, bf16[2,1,64,2,8]{4,3,2,1,0}, u32[], u32[]) collective-permute-start(%kv.2), channel_id=2, source_target_pairs={{0,1},{1,0}}
   ROOT %collective-permute-done.1 = bf16[2,1,64,2,8]{4,3,2,1,0} collective-permute-done(%collective-permute-start.1)
 }
 """
@@ -43,12 +43,12 @@ def test_op_counts_count_opcodes_of_every_computation():
     assert sum(counts.values()) == 9
 
 
-def test_overlap_report_and_permute_bytes():
+def test_overlap_report_and_permutes():
     # the first async permute encloses the Pallas call (a custom-call; the add is not compute);
     # the second encloses nothing: exposed
     assert hlo.overlap_report(SCHEDULED) == [("collective-permute-start", 1), ("collective-permute-start.1", 0)]
     # text order: the fused sync permute (f32[2]), then the async ones (their operand, not the tuple)
-    assert hlo.permute_bytes(SCHEDULED) == [8, 8, 2 * 1 * 64 * 2 * 8 * 2]
+    assert hlo.permutes(SCHEDULED) == [(8, {(0, 1)}), (8, frozenset()), (2 * 1 * 64 * 2 * 8 * 2, {(0, 1), (1, 0)})]
 
 
 @pytest.mark.parametrize("shape, nbytes", [("bf16[2,3]{1,0}", 12), ("f32[]", 4), ("pred[5]", 5), ("s8[4]", 4),
