@@ -34,11 +34,18 @@ def test_bad_mesh_is_named():
         ring_comm.ring_hops(2, 2, "ring")
 
 
-def test_accounting_matches_the_compiled_ring():
-    """Every collective-permute of jit(grad(ring_attention)) on a (2, 4) hierarchical mesh is one
-    predicted hop: same count, bytes per device and (source, target) devices. float32 inputs: XLA:CPU
-    sends bf16 K/V as float32, so only float32 makes the predicted bytes those of a GPU."""
-    N, L, order = 2, 4, "hierarchical"
+@pytest.mark.parametrize("mesh_shape, order, fuse", [
+    ((2, 4), "hierarchical", (True, True)),
+    ((2, 2), "hierarchical", (False, False)),
+    ((2, 2), "flat", (False, False)),
+], ids=str)
+def test_accounting_matches_the_compiled_ring(mesh_shape, order, fuse):
+    """Every collective-permute of jit(grad(ring_attention)) is one predicted hop: same count, bytes
+    per device and (source, target) devices. So XLA did not merge the backward's K/V permutes into
+    the forward's (that would keep all P visiting chunks alive), and fusing kernel calls moves
+    nothing more. float32 inputs: XLA:CPU sends bf16 K/V as float32, so only float32 makes the
+    predicted bytes those of a GPU."""
+    (N, L), P = mesh_shape, mesh_shape[0] * mesh_shape[1]
     mesh = make_mesh((N, L), jax.devices()[:N * L])
     B, Sl, Hq, Hkv, D = 1, 16, 2, 1, 32
     S = Sl * N * L
@@ -46,7 +53,8 @@ def test_accounting_matches_the_compiled_ring():
     kv = jnp.zeros((B, S, Hkv, D), jnp.float32)
 
     def loss(q, k, v):
-        return ring_attention(q, k, v, jnp.arange(S), mesh, ring_order=order, impl="xla").sum()
+        return ring_attention(q, k, v, jnp.arange(S), mesh, ring_order=order, impl="xla", fuse_forward=fuse[0],
+                              fuse_backward=fuse[1]).sum()
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
     got = collections.Counter(hlo.permutes(text))
@@ -54,7 +62,8 @@ def test_accounting_matches_the_compiled_ring():
     hops = ring_comm.ring_hops(N, L, order)
     want = collections.Counter(hlo.Permute(ring_comm.hop_bytes(h, **shape), ring_comm.hop_pairs(h, N, L, order))
                                for h in hops)
-    assert len(hops) == 7 + 6 + 7 and sum(got.values()) == 20
+    n = (P - 1) + (P - 2) + (P - 1)  # K/V forward, K/V backward, dK/dV
+    assert len(hops) == n and sum(got.values()) == n
     assert got == want
-    assert hlo.op_counts(text)["collective-permute"] + hlo.op_counts(text)["collective-permute-start"] == 20
+    assert hlo.op_counts(text)["collective-permute"] + hlo.op_counts(text)["collective-permute-start"] == n
     assert sum(p.nbytes for p in got.elements()) == sum(ring_comm.ring_bytes(N, L, order, **shape).values())
