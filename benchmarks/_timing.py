@@ -1,5 +1,4 @@
-"""Wall-clock timing shared by the benchmark scripts (imported as ``from _timing import timeit``:
-a script's own folder is first on ``sys.path``)."""
+"""Wall-clock timing shared by the benchmark scripts (``from benchmarks._timing import timeit``)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per hea
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
 ``bs`` per column). Forward = ``4 * pairs * D`` FLOP; forward+backward = 3.5x forward.
 
-Usage (GPU): ``PYTHONPATH=. python benchmarks/kernels.py --seqs 32768,131072 --json out.json``
+Usage (GPU): ``python -m benchmarks.kernels --seqs 32768,131072 --json out.json``
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _timing import timeit
+from benchmarks._timing import timeit
 from pallas_kernels import api
 from pallas_kernels import registry as api_registry
 from pallas_kernels.index_format import full_step_index, row_columns

@@ -3,13 +3,13 @@
 Run on a multi-GPU host (not in CI), e.g. 2 GPUs as one node or as two nodes::
 
     XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true" \\
-        python benchmarks/ring_overlap.py --mesh 1x2 --order hierarchical --seq 65536 --out /tmp/ring_overlap
+        python -m benchmarks.ring_overlap --mesh 1x2 --order hierarchical --seq 65536 --out /tmp/ring_overlap
 
 It compiles forward+backward of :func:`mtraining_jax.attention.ring.ring_attention` under ``jit``,
 writes the optimised HLO (``ring.hlo.txt``), and reports, for every asynchronous collective-permute
 (``collective-permute-start`` ... ``-done``), how many fusions / custom calls (the attention kernels)
-XLA scheduled between the start and its done: a transfer with zero compute inside is exposed.
-With ``--profile`` it also times a few steps and writes a ``jax.profiler`` trace (open it in
+XLA scheduled between the start and its done (:func:`benchmarks.hlo.overlap_report`): a transfer
+with zero compute inside is exposed. With ``--profile`` it also times a few steps and writes a ``jax.profiler`` trace (open it in
 Perfetto/TensorBoard to see NCCL send/recv kernels on their own stream under the attention kernels).
 The same script runs on CPU (``--cpu N`` virtual devices) to check the HLO plumbing; CPU permutes are
 synchronous, so overlap is only meaningful on GPU.
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.hlo import overlap_report
 
 
 def _parse_args(argv=None):
@@ -40,26 +41,6 @@ def _parse_args(argv=None):
     p.add_argument("--cpu", type=int, default=0, help="use N virtual CPU devices instead of GPUs")
     p.add_argument("--out", default="ring_overlap_out")
     return p.parse_args(argv)
-
-
-def overlap_report(hlo: str) -> list[tuple[str, int]]:
-    """For each ``collective-permute-start`` in the scheduled entry computation: ``(name, number of
-    fusion / custom-call / dot / convolution instructions scheduled before its matching done)``."""
-    lines = hlo.splitlines()
-    starts: dict[str, int] = {}
-    report = []
-    compute = re.compile(r"= [^=]*\b(fusion|custom-call|dot|convolution)\(")
-    for i, line in enumerate(lines):
-        m = re.search(r"%([\w.\-]+) = .*collective-permute-start\(", line)
-        if m:
-            starts[m.group(1)] = i
-            continue
-        m = re.search(r"collective-permute-done\(.*?%([\w.\-]+)\)", line)
-        if m and m.group(1) in starts:
-            name = m.group(1)
-            s = starts.pop(name)
-            report.append((name, sum(1 for ln in lines[s + 1:i] if compute.search(ln))))
-    return report
 
 
 def main(argv=None) -> int:

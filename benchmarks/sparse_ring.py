@@ -27,12 +27,12 @@ then the scaling table (``scaling_table.md``) and a throughput-vs-GPUs plot (``s
 "mesh" field, as written before issue 8, are read as ``1xP``, hierarchical, fixed total length).
 
     # issue 5 (1-2 GPUs)
-    PYTHONPATH=. python benchmarks/sparse_ring.py --lengths 131072 262144 --gpus 1 2 --out /tmp/out
+    python -m benchmarks.sparse_ring --lengths 131072 262144 --gpus 1 2 --out /tmp/out
     # issue 8 (8 GPUs): strong scaling at 256K/512K, weak scaling at 64K per GPU, (2,4) both orders
-    PYTHONPATH=. python benchmarks/sparse_ring.py --lengths 262144 524288 --per-gpu-length 65536 \\
+    python -m benchmarks.sparse_ring --lengths 262144 524288 --per-gpu-length 65536 \\
         --meshes 1x1 1x2 1x4 1x8 2x4 --ring-orders hierarchical flat --repeat 3 --check --out /tmp/out
     # table + plot from existing records
-    PYTHONPATH=. python benchmarks/sparse_ring.py --report benchmarks/sparse_ring_results.jsonl \\
+    python -m benchmarks.sparse_ring --report benchmarks/sparse_ring_results.jsonl \\
         --plot benchmarks/scaling_2gpu.png --table /tmp/scaling_2gpu.md
 """
 
@@ -53,13 +53,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from _timing import steady_state, timeit  # noqa: E402
-from trace_summary import op_counts, schedule_outline, summarize_dir  # noqa: E402
+from benchmarks._timing import steady_state, timeit  # noqa: E402
+from benchmarks.hlo import op_counts, schedule_outline  # noqa: E402
+from benchmarks.ring_comm import transfer_units  # noqa: E402
+from benchmarks.trace_summary import summarize_dir  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
 from mtraining_jax.attention.reference import dense_attention  # noqa: E402
 from mtraining_jax.attention.ring import ring_attention  # noqa: E402
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh, sequence_sharding  # noqa: E402
-from mtraining_jax.ring_schedule import validate_ring_order  # noqa: E402
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index_shard  # noqa: E402
 from mtraining_jax.sparsity.index import active_diagonals, vertical_flags  # noqa: E402
 from mtraining_jax.sparsity.metrics import density  # noqa: E402
@@ -127,29 +128,6 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def ring_transfers(num_nodes: int, num_local: int, ring_order: str) -> tuple[int, int]:
-    """``(inner, outer)`` bytes moved per rank by one forward+backward of the ring, in units of one
-    bf16 K/V buffer ``[2, B, S/P, Hkv, D]`` (f32 dK/dV counts 2), following ``attention/ring.py``:
-
-    * forward: the K/V buffer moves ``n_outer (n_inner - 1)`` times on the inner ring and
-      ``n_outer - 1`` times on the outer ring;
-    * backward: the V/K buffer moves the same way, each move joined by the travelling f32 dK/dV
-      (3 units per move), plus the f32 dK/dV "send home" after the last step (2 units; counted
-      as inner, it is one ppermute over all ranks).
-
-    The flat order (or a 1xP mesh) is one ring of P over ``("node", "local")``: all inner.
-    """
-    validate_ring_order(ring_order)
-    P = num_nodes * num_local
-    if ring_order == "flat":
-        n_outer, n_inner = 1, P
-    else:
-        n_outer, n_inner = num_nodes, num_local
-    inner_moves, outer_moves = n_outer * (n_inner - 1), n_outer - 1
-    home = 2 if P > 1 else 0
-    return inner_moves * (1 + 3) + home, outer_moves * (1 + 3)
-
-
 def time_ppermute(kv, mesh, axis, size, repeat):
     """Median time of one ring shift of the stacked K/V buffer (sequence-sharded) along ``axis``."""
     spec = PartitionSpec(None, None, CP_AXES)
@@ -165,7 +143,7 @@ def exposed_bound(rec: dict, step_s: float) -> float | None:
         return 0.0
     if "kv_ppermute_s" not in rec:
         return None
-    inner, outer = ring_transfers(N, L, rec["ring_order"])
+    inner, outer = transfer_units(N, L, rec["ring_order"])  # bf16 K/V buffers, as timed
     t_outer = rec.get("kv_ppermute_outer_s", rec["kv_ppermute_s"])
     return (inner * rec["kv_ppermute_s"] + outer * t_outer) / step_s
 

@@ -14,113 +14,25 @@ event (``"ph": "X"``) per kernel or copy. From those this module computes, per d
 * ``idle_ms``   ``span_ms`` minus the union of all kernels (launch gaps, host sync);
 * ``top``       kernels grouped by name: total ms and count, largest first; given the step's
   optimized HLO text (``compiled.as_text()``), each XLA kernel also gets ``op`` and ``src``: the
-  JAX op name and source line of the HLO instruction it runs (:func:`hlo_sources`), so "where do
-  the non-Pallas milliseconds come from" has an answer.
+  JAX op name and source line of the HLO instruction it runs (:func:`benchmarks.hlo.hlo_sources`),
+  so "where do the non-Pallas milliseconds come from" has an answer.
 
-Usage: ``python benchmarks/trace_summary.py TRACE_DIR [--top 20] [--hlo STEP.hlo.txt]`` (prints JSON), or
-:func:`summarize_dir` from a benchmark script.
+Usage: ``python -m benchmarks.trace_summary TRACE_DIR [--top 20] [--hlo STEP.hlo.txt]`` (prints
+JSON), or :func:`summarize_dir` from a benchmark script.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import gzip
 import json
 import os
 import re
 
+from benchmarks.hlo import hlo_sources
+
 COMM = re.compile(r"nccl|all[-_]?reduce|collective|sendrecv", re.IGNORECASE)
-_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", re.MULTILINE)
-_META = re.compile(r'(op_name|source_file|source_line|stack_frame_id)=("(?:[^"\\]|\\.)*"|\d+)')
-
-
-def _table(hlo_text: str, header: str, row: str) -> dict[int, tuple]:
-    """Rows of one of the HLO module's debug tables (``FileNames``, ``StackFrames``...)."""
-    m = re.search(rf"^{header}\n((?:\d+ .*\n)+)", hlo_text, re.MULTILINE)
-    rows = re.findall(rf"^(\d+) {row}$", m.group(1), re.MULTILINE) if m else []
-    return {int(r[0]): r[1:] for r in rows}
-
-
-def _frames(hlo_text: str):
-    """``frame id -> "file:line < caller file:line < ..."`` from the module's stack-frame tables
-    (newer XLA: ``metadata={... stack_frame_id=N}``; ``parent_frame_id`` is the parent's id + 1,
-    so 1 means no parent)."""
-    files = {i: os.path.basename(r[0]) for i, r in _table(hlo_text, "FileNames", r'"(.*)"').items()}
-    locs = {i: (int(r[0]), int(r[2])) for i, r in _table(
-        hlo_text, "FileLocations", r"\{file_name_id=(\d+) function_name_id=(\d+) line=(\d+).*\}").items()}
-    frames = {i: (int(r[0]), int(r[1])) for i, r in _table(
-        hlo_text, "StackFrames", r"\{file_location_id=(\d+) parent_frame_id=(\d+)\}").items()}
-
-    def chain(fid: int, depth: int = 4) -> str:
-        parts = []
-        while fid in frames and len(parts) < depth:
-            loc, parent = frames[fid]
-            f, line = locs.get(loc, (0, 0))
-            parts.append(f"{files.get(f, '?')}:{line}")
-            fid = parent - 1
-        return " < ".join(parts)
-    return chain
-
-
-def hlo_sources(hlo_text: str) -> dict[str, dict[str, str]]:
-    """``{kernel name: {"op": jax op name, "src": "file:line < caller ..."}}`` from optimized HLO.
-
-    A GPU kernel is named after its HLO instruction with ``.`` and ``-`` replaced by ``_``
-    (``%input_scatter_fusion.3`` runs as ``input_scatter_fusion_3``); the instruction's
-    ``metadata`` holds the JAX op name and the Python lines that emitted it (``source_file`` /
-    ``source_line``, or a ``stack_frame_id`` into the module's frame tables)."""
-    chain = _frames(hlo_text)
-    out = {}
-    for m in _HLO_INSTR.finditer(hlo_text):
-        meta = {k: v.strip('"') for k, v in _META.findall(m.group(2))}
-        if "op_name" not in meta:
-            continue
-        if "stack_frame_id" in meta:
-            src = chain(int(meta["stack_frame_id"]))
-        else:
-            src = f"{os.path.basename(meta.get('source_file', '?'))}:{meta.get('source_line', '?')}"
-        out[re.sub(r"[.\-]", "_", m.group(1))] = {"op": meta["op_name"][-160:], "src": src}
-    return out
-
-
-_OUTLINE = re.compile(r"collective-permute|all-reduce|all-gather|reduce-scatter|all-to-all|custom-call")
-_DEF = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
-_OPCODE = re.compile(r"(?:^|[\s)}\]])([a-z][a-z\-]*)\(([^)]*)\)")
-
-
-def _instruction(line: str) -> tuple[str, str, str] | None:
-    """``(name, opcode, operands)`` of one HLO instruction line (``%name = shape opcode(operands), ...``),
-    or ``None`` for any other line."""
-    m = _DEF.match(line)
-    op = _OPCODE.search(m.group(2)) if m else None
-    return (m.group(1), op.group(1), op.group(2)) if op else None
-
-
-def op_counts(hlo_text: str) -> collections.Counter:
-    """Instructions per opcode over the whole module (every computation, loop bodies included):
-    ``["collective-permute-start"]`` asynchronous permutes, ``["collective-permute"]`` synchronous
-    ones. Counts opcodes only, not the names and operands that mention them."""
-    return collections.Counter(ins[1] for ins in map(_instruction, hlo_text.splitlines()) if ins)
-
-
-def schedule_outline(hlo_text: str) -> list[str]:
-    """The ENTRY computation of scheduled optimized HLO, reduced to its collectives and custom
-    calls (Pallas kernels) in execution order: ``"name = op(operands) [kernel or op_name]"``.
-    Shows which compute an asynchronous transfer's ``-start`` / ``-done`` pair encloses."""
-    entry = hlo_text[hlo_text.find("\nENTRY"):]
-    entry = entry[:entry.find("\n}")]
-    rows = []
-    for line in entry.splitlines()[1:]:
-        ins = _instruction(line)
-        if not ins or not _OUTLINE.search(ins[1]):
-            continue
-        name, opcode, operands = ins
-        label = re.search(r'"name":\s*"([^"]+)"', line) or re.search(r'op_name="([^"]+)"', line)
-        operands = ",".join(o.strip().lstrip("%") for o in operands.split(","))[:80]
-        rows.append(f"{name} = {opcode}({operands}) {label.group(1)[-70:] if label else ''}")
-    return rows
 
 
 def find_trace(trace_dir: str) -> str:
@@ -196,7 +108,7 @@ def exposed_intervals(kernels, exposed, top: int = 8) -> list[dict]:
 
 def summarize(kernels: list[tuple[str, float, float]], top: int = 20, sources: dict | None = None) -> dict:
     """Timing summary of one device's kernels (see module docstring); times in ms. ``sources``:
-    :func:`hlo_sources` of the step, to attribute kernels to JAX ops."""
+    :func:`benchmarks.hlo.hlo_sources` of the step, to attribute kernels to JAX ops."""
     if not kernels:
         return {"kernels": 0}
     comm = _union((s, e) for n, s, e in kernels if COMM.search(n))

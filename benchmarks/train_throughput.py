@@ -43,12 +43,12 @@ unless set, so that the default 75 % pool does not cause an OOM the device could
 measured peak does not depend on the pool size.
 
     # issue 7 (one H200; the 4 configurations, cut off after 5 minutes in all)
-    PYTHONPATH=. python benchmarks/train_throughput.py --warmup 1 --steps 3 --time-budget 290 \\
+    python -m benchmarks.train_throughput --warmup 1 --steps 3 --time-budget 290 \\
         --out /tmp/train_tp
     # re-print the table of saved rows (several files: one table)
-    PYTHONPATH=. python benchmarks/train_throughput.py --report /tmp/train_tp/train_throughput.jsonl
+    python -m benchmarks.train_throughput --report /tmp/train_tp/train_throughput.jsonl
     # one configuration in this process (what the driver's children run)
-    PYTHONPATH=. python benchmarks/train_throughput.py --one --seq-len 65536 --backend mtraining
+    python -m benchmarks.train_throughput --one --seq-len 65536 --backend mtraining
 
 Rows (``OUT/train_throughput.jsonl``, one per configuration; the table also goes to
 ``OUT/train_throughput.md``): see :data:`ROW_KEYS`; error rows carry ``error`` and the
@@ -69,11 +69,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # `python benchmarks/train_throughput.py` without PYTHONPATH=.
-    sys.path.insert(0, REPO)
+from mtraining_jax.train.config import TrainConfig, load_config  # (no JAX backend start)
 
-from mtraining_jax.train.config import TrainConfig, load_config  # noqa: E402  (no JAX backend start)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "qwen2.5-0.5b-128k.yaml")
 BACKENDS = ("reference", "cudnn", "ring", "mtraining")
@@ -268,7 +266,7 @@ def _one_main(args) -> int:
 
 
 def child_command(args, seq_len: int, backend: str) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", "--config", args.config,
+    cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--one", "--config", args.config,
            "--seq-len", str(seq_len), "--backend", backend, "--batch", str(args.batch),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
     if args.set:

@@ -3,11 +3,8 @@ CPU and writes its small result files (the GPU study is the same code at configs
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-
-import quality_study  # noqa: E402
+from benchmarks import quality_study
 
 
 def test_quality_study_smoke(tmp_path):

@@ -1,4 +1,11 @@
-"""MTraining sparse ring attention (issue 5) against the masked dense float32 reference."""
+"""MTraining sparse ring attention (issue 5) against the masked dense float32 reference.
+
+``_SparseRingSuite`` holds the operator-level cases; subclasses pick the per-step kernel backend
+(``pallas_kernels.registry.BACKENDS``): the XLA twin (every mesh x layout x order, fused and
+unfused kernel calls), the Triton kernels in interpret mode on CPU (two ranks, three fuse variants)
+and compiled on a GPU (``@pytest.mark.gpu``: ``MTRAINING_TEST_GPU=1 pytest -m gpu
+tests/test_mtraining_attention.py``).
+"""
 
 import itertools
 
@@ -13,7 +20,8 @@ from mtraining_jax.attention.reference import dense_attention
 from mtraining_jax.attention.ring import ring_attention
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index, masked_reference
-from mtraining_jax.sparsity.metrics import work_matrix
+from mtraining_jax.sparsity.metrics import density, work_matrix
+from pallas_kernels import registry
 
 S, B, HQ, HKV, D = 1024, 1, 4, 2, 32
 # Small caps so the index is genuinely sparse at this length (16 blocks of 64).
@@ -70,25 +78,6 @@ FUSED_CASES = [((1, 2), "block_striped", "hierarchical", (True, True)),  # P = 2
                ((2, 1), "block_striped", "hierarchical", (True, False)),
                ((2, 4), "zigzag", "flat", (False, True)),
                ((4, 2), "block_striped", "hierarchical", (False, False))]
-
-
-@pytest.mark.parametrize("mesh_shape,layout,order,fuse", [c + ((True, True),) for c in CASES] + FUSED_CASES)
-def test_sparse_ring_matches_masked_reference(mesh_shape, layout, order, fuse):
-    q, k, v, cot = _inputs(hash((mesh_shape, layout, order)) % 1000)
-    mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
-    cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl="xla", fuse_forward=fuse[0],
-                          fuse_backward=fuse[1])
-    index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SPARSE)
-    # the index is genuinely sparse, so a dense answer would fail this test
-    from mtraining_jax.sparsity.metrics import density
-    assert float(np.mean(density(index, S))) < 0.7
-    out, grads = _run(cfg, mesh, q, k, v, cot)
-    ref_out, ref_grads = _reference(index, q, k, v, cot)
-    assert _rel(out, ref_out) <= 1e-5
-    for g, r in zip(grads, ref_grads):
-        assert _rel(g, r) <= 1e-5
-    dense_out, _ = dense_attention(q, k, v)
-    assert _rel(out, dense_out) > 1e-3  # sparsity really changed the answer
 
 
 @pytest.mark.parametrize("order", ["hierarchical", "flat"])
@@ -185,28 +174,67 @@ def test_backward_keeps_the_compact_index_not_every_step():
     assert int_residuals <= compact + (1 + P) * S + 64 < all_steps, (int_residuals, compact, all_steps)
 
 
-@pytest.mark.parametrize("fuse", [(False, False), (False, True), (True, True)], ids=str)
-def test_pallas_ring_matches_masked_reference(fuse):
-    """The Pallas kernels inside the sparse ring on two devices (interpret mode on CPU; on the GPU
-    machine ``MTRAINING_TEST_GPU=1 pytest tests/test_mtraining_attention.py -k pallas`` runs them
-    compiled), fused and unfused kernel calls: output and q/k/v gradients against the masked
-    reference of the index the operator used."""
-    devices = jax.devices()[:2]
-    mesh = make_mesh((1, len(devices)), devices)
-    q, k, v, cot = _inputs(21)
-    cfg = MTrainingConfig(sparsity=SPARSE, impl="pallas", fuse_forward=fuse[0], fuse_backward=fuse[1])
-    layout = cfg.make_layout(S, len(devices))
+def pytest_generate_tests(metafunc):
+    """``ring_case``: the cases of the suite subclass being collected."""
+    if "ring_case" in metafunc.fixturenames:
+        cases = metafunc.cls.CASES
+        metafunc.parametrize("ring_case", cases, ids=[f"{m[0]}x{m[1]}-{lay}-{o}-fuse={f}" for m, lay, o, f in cases])
 
-    def f(q, k, v):
-        out, stats = mtraining_attention(layout.permute(q), layout.permute(k), layout.permute(v), mesh, cfg,
-                                         return_stats=True)
-        out = layout.unpermute(out)
-        return jnp.sum(out.astype(jnp.float32) * cot), (out, stats.index)
 
-    (_, (out, index)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    with jax.default_matmul_precision("highest"):
-        ref_out, ref_grads = _reference(index, q, k, v, cot)
-    tol = 2e-3  # float32 inputs: TF32 tensor-core dots in the kernels on a GPU
-    assert _rel(out, ref_out) < tol
-    for name, g, r in zip("qkv", grads, ref_grads):
-        assert _rel(g, r) < tol, f"d{name}: {_rel(g, r)}"
+class _SparseRingSuite:
+    """``mtraining_attention`` (estimate + per-step conversion + sparse ring) with kernel ``impl``:
+    output and q/k/v gradients against the masked reference of the index the operator used."""
+
+    impl = "xla"
+    tol = 1e-5
+    CASES = [c + ((True, True),) for c in CASES] + FUSED_CASES  # (mesh, layout, order, fuse)
+
+    def test_impl_is_a_registry_backend(self):
+        assert self.impl in registry.BACKENDS
+
+    def test_sparse_ring_matches_masked_reference(self, ring_case):
+        mesh_shape, layout, order, fuse = ring_case
+        q, k, v, cot = _inputs(hash((mesh_shape, layout, order)) % 1000)
+        mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
+        cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl=self.impl,
+                              fuse_forward=fuse[0], fuse_backward=fuse[1])
+        P = mesh_shape[0] * mesh_shape[1]
+        lay = cfg.make_layout(S, P)
+
+        def f(q, k, v):
+            out, stats = mtraining_attention(lay.permute(q), lay.permute(k), lay.permute(v), mesh, cfg,
+                                             return_stats=True)
+            out = lay.unpermute(out)
+            return jnp.sum(out.astype(jnp.float32) * cot), (out, stats.index)
+
+        (_, (out, index)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        chex.assert_trees_all_equal(tuple(index), tuple(estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SPARSE)))
+        # the index is genuinely sparse, so a dense answer would fail this test
+        assert float(np.mean(density(index, S))) < 0.7
+        with jax.default_matmul_precision("highest"):
+            ref_out, ref_grads = _reference(index, q, k, v, cot)
+        assert _rel(out, ref_out) <= self.tol
+        for name, g, r in zip("qkv", grads, ref_grads):
+            assert _rel(g, r) <= self.tol, f"d{name}: {_rel(g, r)}"
+        dense_out, _ = dense_attention(q, k, v)
+        assert _rel(out, dense_out) > 1e-3  # sparsity really changed the answer
+
+
+class TestXlaTwin(_SparseRingSuite):
+    impl = "xla"
+
+
+class TestTritonInterpret(_SparseRingSuite):
+    """Interpret mode is slow: two ranks, three fuse variants."""
+
+    impl = "triton"
+    CASES = [((1, 2), "block_striped", "hierarchical", f) for f in [(False, False), (False, True), (True, True)]]
+
+
+@pytest.mark.gpu
+class TestTritonGPU(_SparseRingSuite):
+    """Compiled Triton kernels on one GPU (float32: TF32 tensor-core dots, looser tolerance)."""
+
+    impl = "triton"
+    tol = 2e-3
+    CASES = [((1, 1), "block_striped", "hierarchical", (True, True)), ((1, 1), "zigzag", "flat", (False, False))]

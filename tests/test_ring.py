@@ -1,8 +1,13 @@
 """Ring attention (flat + hierarchical) against the dense float64 reference on the natural sequence.
 
 Every check is forward output AND q/k/v gradients under a random non-uniform cotangent, measured as
-``norm(x - ref) / norm(ref)``. The ring is jitted once per (mesh, order, dtype, shapes) with the
-layout positions as a traced argument, so all four layouts reuse one compilation.
+``norm(x - ref) / norm(ref)``. The ring is jitted once per (mesh, order, dtype, shapes, impl) with
+the layout positions as a traced argument, so all four layouts reuse one compilation.
+
+``_RingSuite`` holds the cases; subclasses pick the per-step kernel backend
+(``pallas_kernels.registry.BACKENDS``) and their cases: the XLA twin (every mesh, order, layout),
+the Triton kernels in interpret mode on CPU (two tiny cases: interpret mode is slow) and compiled
+on a GPU (``@pytest.mark.gpu``: ``MTRAINING_TEST_GPU=1 pytest -m gpu tests/test_ring.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from mtraining_jax.attention.ring import RingConfig, ring_attention, ring_attent
 from mtraining_jax.layouts import LAYOUTS, Layout
 from mtraining_jax.mesh import CP_AXES, make_mesh, sequence_sharding
 from mtraining_jax.ring_schedule import RING_ORDERS, source_rank
+from pallas_kernels import registry
 from pallas_kernels.index_format import StepIndex, causal_flags, full_step_index, step_index_to_mask
-from pallas_kernels.merge import merge_partials
 
 MESHES = ((1, 1), (1, 8), (2, 4), (4, 2))
 STRIPE = 16  # block_striped stripe for these small tests (the layout's default is 64)
@@ -64,11 +69,12 @@ def _reference(q, k, v, cot, mask=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _ring_vg(mesh_shape, order, fuse=(True, True)):
+def _ring_vg(mesh_shape, order, fuse=(True, True), impl="xla"):
     mesh = _mesh(mesh_shape)
 
     def loss(q, k, v, positions, cot):
-        out = ring_attention(q, k, v, positions, mesh, ring_order=order, fuse_forward=fuse[0], fuse_backward=fuse[1])
+        out = ring_attention(q, k, v, positions, mesh, ring_order=order, fuse_forward=fuse[0], fuse_backward=fuse[1],
+                             impl=impl)
         return jnp.sum(out.astype(jnp.float32) * cot), out
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -89,48 +95,50 @@ def _check_against_reference(out, grads, layout, ref_out, ref_grads, dtype, tol,
 
 
 def _run_layouts(mesh_shape, order, layouts, *, B=1, S=256, Hq=4, Hkv=1, D=64, dtype="float32", seed=0,
-                 fuse=(True, True)):
+                 fuse=(True, True), impl="xla", tol=TOL):
     dt = jnp.dtype(dtype)
     q, k, v, cot = _inputs(seed, B, S, Hq, Hkv, D, dt)
     ref_out, ref_grads = _reference(q, k, v, cot)
-    fn = _ring_vg(mesh_shape, order, fuse)
+    fn = _ring_vg(mesh_shape, order, fuse, impl)
     P = mesh_shape[0] * mesh_shape[1]
     for name in layouts:
         lay = Layout(name, S, P, stripe=STRIPE)
         args = [jnp.asarray(lay.permute(x), dt) for x in (q, k, v)]
         (_, out), grads = fn(*args, jnp.asarray(lay.perm), jnp.asarray(lay.permute(cot), jnp.float32))
-        _check_against_reference(out, grads, lay, ref_out, ref_grads, dt, TOL[dtype],
-                                 f"{name} mesh={mesh_shape} order={order} {dtype} Hq/Hkv={Hq}/{Hkv} D={D} fuse={fuse}")
+        _check_against_reference(out, grads, lay, ref_out, ref_grads, dt, tol[dtype],
+                                 f"{name} mesh={mesh_shape} order={order} {dtype} Hq/Hkv={Hq}/{Hkv} D={D} fuse={fuse} "
+                                 f"impl={impl}")
 
 
-# --------------------------------------------------------------------------- dense ring vs reference
-
-@pytest.mark.parametrize("order", RING_ORDERS)
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_ring_float32_all_layouts(mesh_shape, order):
-    """Full layout x mesh x order product, float32, GQA 4, head_dim 64, S = 256."""
-    _run_layouts(mesh_shape, order, LAYOUTS)
+def _case_id(case) -> str:
+    mesh_shape, order, *rest = case
+    extra = rest[-1] if rest and isinstance(rest[-1], dict) else {}
+    return f"{mesh_shape[0]}x{mesh_shape[1]}-{order}" + "".join(f"-{k}={v}" for k, v in extra.items())
 
 
-@pytest.mark.parametrize(
-    "mesh_shape,order,layouts,Hq,Hkv,D,dtype",
-    [
+def pytest_generate_tests(metafunc):
+    """``ring_case`` / ``step_case``: the cases of the suite subclass being collected."""
+    for name, attr in (("ring_case", "RING_CASES"), ("step_case", "STEP_CASES")):
+        if name in metafunc.fixturenames:
+            cases = getattr(metafunc.cls, attr)
+            metafunc.parametrize(name, cases, ids=[_case_id(c) for c in cases])
+
+
+# (mesh, order, layouts, keywords of _run_layouts)
+_XLA_RING_CASES = (
+    # full layout x mesh x order product, float32, GQA 4, head_dim 64, S = 256
+    [(m, o, LAYOUTS, {}) for m in MESHES for o in RING_ORDERS]
+    # GQA ratio 1, head_dim 128 and bfloat16 crossed over a subset of meshes, orders and layouts
+    + [(m, o, lays, dict(Hq=Hq, Hkv=Hkv, D=D, dtype=dt, seed=1, B=2 if Hq == 2 else 1)) for m, o, lays, Hq, Hkv, D, dt in [
         ((2, 4), "hierarchical", ("zigzag", "block_striped"), 2, 2, 128, "float32"),
         ((4, 2), "flat", ("contiguous", "token_striped"), 2, 2, 128, "float32"),
         ((4, 2), "hierarchical", LAYOUTS, 4, 1, 64, "bfloat16"),
         ((2, 4), "flat", ("zigzag", "block_striped"), 4, 1, 64, "bfloat16"),
         ((1, 8), "hierarchical", ("block_striped", "contiguous"), 2, 2, 128, "bfloat16"),
         ((8, 1), "hierarchical", ("zigzag",), 4, 1, 64, "float32"),  # outer ring only
-    ],
-)
-def test_ring_gqa_headdim_dtype(mesh_shape, order, layouts, Hq, Hkv, D, dtype):
-    """GQA ratio 1, head_dim 128 and bfloat16 crossed over a subset of meshes, orders and layouts."""
-    _run_layouts(mesh_shape, order, layouts, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, seed=1, B=2 if Hq == 2 else 1)
-
-
-@pytest.mark.parametrize(
-    "mesh_shape,order,fuse",
-    [
+    ]]
+    # forward / backward with the first two chunks in one kernel call or not: same attention
+    + [(m, o, ("block_striped", "zigzag"), dict(fuse=f)) for m, o, f in [
         ((1, 2), "hierarchical", (True, True)),  # P = 2: one kernel call per pass
         ((2, 1), "hierarchical", (False, True)),  # outer ring only: the fused call feeds the outer totals
         ((1, 2), "flat", (False, False)),
@@ -138,12 +146,85 @@ def test_ring_gqa_headdim_dtype(mesh_shape, order, layouts, Hq, Hkv, D, dtype):
         ((4, 2), "hierarchical", (False, False)),
         ((2, 4), "flat", (False, True)),
         ((8, 1), "hierarchical", (True, True)),
-    ],
-    ids=str,
+    ]]
 )
-def test_ring_fused_and_unfused_steps(mesh_shape, order, fuse):
-    """Forward / backward with the first two chunks in one kernel call or not: same attention."""
-    _run_layouts(mesh_shape, order, ("block_striped", "zigzag"), fuse=fuse)
+
+
+class _RingSuite:
+    """Dense ring and ``step_index`` plumbing against the float64 reference with kernel ``impl``."""
+
+    impl = "xla"
+    tol = TOL
+    RING_CASES = _XLA_RING_CASES
+    # (mesh, order, layout) of the random sparse StepIndex test; the full-index test runs the first
+    STEP_CASES = [((2, 4), "hierarchical", "block_striped"), ((4, 2), "flat", "zigzag")]
+    STEP_SHAPES = dict(B=1, S=256, Hq=4, Hkv=1, D=64, bs=16)  # the shapes of the float32 layout tests
+
+    def test_impl_is_a_registry_backend(self):
+        assert self.impl in registry.BACKENDS
+
+    def test_ring_matches_reference(self, ring_case):
+        mesh_shape, order, layouts, kw = ring_case
+        _run_layouts(mesh_shape, order, layouts, impl=self.impl, tol=self.tol, **kw)
+
+    def test_step_index_random_sparse_matches_masked_reference(self, step_case):
+        """Random block + column indices per (rank, step): the sparse ring equals dense attention with
+        the union mask, so entry s of the index is applied to exactly the chunk source_rank says."""
+        mesh_shape, order, layout_name = step_case
+        make = functools.partial(_random_step_index, max_cols=5, empty_rows=True)
+        lay, (q, k, v, cot), mask, out, grads = _run_step_index(mesh_shape, order, layout_name, make, 4, self.impl,
+                                                                **self.STEP_SHAPES)
+        assert 0 < mask.mean() < 1  # the mask is really sparse
+        # rows with no allowed key at any step: exactly zero output and dq (merge of all -inf partials)
+        bs = self.STEP_SHAPES["bs"]
+        np.testing.assert_array_equal(np.asarray(out)[0, :bs, 0], 0.0)
+        np.testing.assert_array_equal(np.asarray(grads[0])[0, :bs, 0], 0.0)
+        ref_out, ref_grads = _reference(q, k, v, cot, mask)
+        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, self.tol["float32"],
+                                 f"random StepIndex {order} impl={self.impl}")
+
+    def test_step_index_full_equals_dense_ring(self):
+        """full_step_index for each step's (q_pos, visiting k_pos) reproduces the dense ring exactly."""
+        mesh_shape, order, _ = self.STEP_CASES[0]
+        make = lambda rng, *a: _full_step_index(*a, max_cols=5)  # noqa: E731
+        lay, (q, k, v, cot), mask, out, grads = _run_step_index(mesh_shape, order, "token_striped", make, 5,
+                                                                self.impl, **self.STEP_SHAPES)
+        (_, dense_out), dense_grads = _ring_vg(mesh_shape, order, (True, True), self.impl)(
+            *[jnp.asarray(lay.permute(x), jnp.float32) for x in (q, k, v)], jnp.asarray(lay.perm),
+            jnp.asarray(lay.permute(cot), jnp.float32))
+        for a, b in zip((out, *grads), (dense_out, *dense_grads)):
+            assert _rel(a, b) <= self.tol["float32"] / 10, _rel(a, b)
+        ref_out, ref_grads = _reference(q, k, v, cot)
+        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, self.tol["float32"],
+                                 f"full index impl={self.impl}")
+
+
+class TestXlaTwin(_RingSuite):
+    impl = "xla"
+
+
+class TestTritonInterpret(_RingSuite):
+    """Interpret mode is slow: two rings of two ranks (one per ring axis), S = 128 (one 64-block per
+    chunk), and the step-index tests on two ranks with 32-blocks."""
+
+    impl = "triton"
+    RING_CASES = [((1, 2), "hierarchical", ("zigzag",), dict(S=128, Hq=2, Hkv=1, D=32)),
+                  ((2, 1), "hierarchical", ("block_striped",), dict(S=128, Hq=2, Hkv=1, D=32, fuse=(False, False)))]
+    STEP_CASES = [((1, 2), "flat", "zigzag")]
+    STEP_SHAPES = dict(B=1, S=128, Hq=2, Hkv=1, D=32, bs=32)
+
+
+@pytest.mark.gpu
+class TestTritonGPU(_RingSuite):
+    """Compiled Triton kernels on one GPU (a ring of one rank; the multi-rank schedule is the same
+    code as on CPU). Float32 runs TF32 tensor-core dots: looser float32 tolerance."""
+
+    impl = "triton"
+    tol = {"float32": 2e-3, "bfloat16": 2e-2}
+    RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype=dt)) for dt in
+                  ("float32", "bfloat16")]
+    STEP_CASES = [((1, 1), "hierarchical", "block_striped")]
+    STEP_SHAPES = dict(B=1, S=1024, Hq=4, Hkv=1, D=64, bs=64)
 
 
 def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
@@ -168,30 +249,6 @@ def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
     assert out.sharding.is_equivalent_to(shard, 4), out.sharding
     assert grads[1].sharding.is_equivalent_to(shard, 4), grads[1].sharding
     _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, TOL["float32"], "data axis")
-
-
-def _expected_permutes(nodes, local, order):
-    """Collective-permutes of one forward + backward ring (see the ring module docstring)."""
-    n_out, n_in = (1, nodes * local) if order == "flat" else (nodes, local)
-    kv_hops = (n_out - 1) + n_out * (n_in - 1)  # outer + inner K/V hops of the forward
-    # the backward runs the steps in reverse from the saved last chunk: every hop but the one that
-    # would bring the own chunk back; the inner acc and the outer totals travel stacked, no send home
-    acc_hops = n_out * (n_in - 1) + (n_out - 1)
-    return kv_hops + (kv_hops - 1) + acc_hops
-
-
-@pytest.mark.parametrize("order", RING_ORDERS)
-@pytest.mark.parametrize("fuse", [(False, False), (True, True)])
-def test_backward_recirculates_kv_instead_of_keeping_forward_chunks(order, fuse):
-    """In one jit of forward + backward, XLA must not merge the backward's K/V permutes into the
-    forward's (that would keep all P visiting chunks alive): count the permutes in compiled HLO."""
-    mesh = _mesh((2, 2))
-    q, k, v, pos = jnp.zeros((1, 64, 2, 32)), jnp.zeros((1, 64, 1, 32)), jnp.zeros((1, 64, 1, 32)), jnp.arange(64)
-    loss = lambda q, k, v: jnp.sum(ring_attention(q, k, v, pos, mesh, ring_order=order,  # noqa: E731
-                                                  fuse_forward=fuse[0], fuse_backward=fuse[1]))
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
-    count = hlo.count("collective-permute(") + hlo.count("collective-permute-start(")
-    assert count == _expected_permutes(2, 2, order), (count, _expected_permutes(2, 2, order))
 
 
 # --------------------------------------------------------------------------- step_index plumbing
@@ -243,7 +300,7 @@ def _laid_mask(index, sl, bs, src):
 
 
 @functools.lru_cache(maxsize=None)
-def _sparse_ring_vg(mesh_shape, order, bs):
+def _sparse_ring_vg(mesh_shape, order, bs, impl):
     mesh = _mesh(mesh_shape)
     nodes, local = mesh_shape
     spec = PartitionSpec(None, CP_AXES, None, None)
@@ -252,7 +309,7 @@ def _sparse_ring_vg(mesh_shape, order, bs):
     def body(q, k, v, pos, idx):
         idx = jax.tree.map(lambda a: a[0], idx)  # [1, P_step, ...] -> [P_step, ...]
         return ring_attention_shard(q, k, v, pos, pos, num_nodes=nodes, num_local=local, ring_order=order,
-                                    step_index=idx, block_size=bs)
+                                    step_index=idx, block_size=bs, impl=impl)
 
     ring = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec, pspec), out_specs=spec,
                          check_vma=False)
@@ -264,10 +321,9 @@ def _sparse_ring_vg(mesh_shape, order, bs):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
-def _run_step_index(mesh_shape, order, layout_name, make_index, seed):
+def _run_step_index(mesh_shape, order, layout_name, make_index, seed, impl, *, B, S, Hq, Hkv, D, bs):
     nodes, local = mesh_shape
     P = nodes * local
-    B, S, Hq, Hkv, D, bs = 1, 256, 4, 1, 64, 16  # the shapes of the float32 layout tests
     sl = S // P
     lay = Layout(layout_name, S, P, stripe=STRIPE)
     src = np.asarray(source_rank(np.arange(P)[:, None], np.arange(P)[None, :], nodes, local, order))
@@ -275,91 +331,10 @@ def _run_step_index(mesh_shape, order, layout_name, make_index, seed):
     index = make_index(np.random.default_rng(seed), P, B, Hq, sl, bs, lay.positions, kpos)
     mask_nat = _laid_mask(index, sl, bs, src)[:, :, lay.inverse][:, :, :, lay.inverse]
     q, k, v, cot = _inputs(seed, B, S, Hq, Hkv, D, jnp.float32)
-    fn = _sparse_ring_vg(mesh_shape, order, bs)
+    fn = _sparse_ring_vg(mesh_shape, order, bs, impl)
     args = [jnp.asarray(lay.permute(x), jnp.float32) for x in (q, k, v)]
     (_, out), grads = fn(*args, jnp.asarray(lay.perm), index, jnp.asarray(lay.permute(cot), jnp.float32))
     return lay, (q, k, v, cot), mask_nat, out, grads
-
-
-@pytest.mark.parametrize("mesh_shape,order,layout_name",
-                         [((2, 4), "hierarchical", "block_striped"), ((4, 2), "flat", "zigzag")])
-def test_step_index_random_sparse_matches_masked_reference(mesh_shape, order, layout_name):
-    """Random block + column indices per (rank, step): the sparse ring equals dense attention with the
-    union mask, so entry s of the index is applied to exactly the chunk source_rank says."""
-    make = functools.partial(_random_step_index, max_cols=5, empty_rows=True)
-    lay, (q, k, v, cot), mask, out, grads = _run_step_index(mesh_shape, order, layout_name, make, seed=4)
-    assert 0 < mask.mean() < 1  # the mask is really sparse
-    # rows with no allowed key at any step: exactly zero output and dq (merge of all -inf partials)
-    np.testing.assert_array_equal(np.asarray(out)[0, :16, 0], 0.0)
-    np.testing.assert_array_equal(np.asarray(grads[0])[0, :16, 0], 0.0)
-    ref_out, ref_grads = _reference(q, k, v, cot, mask)
-    _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, TOL["float32"],
-                             f"random StepIndex {order}")
-
-
-def test_step_index_full_equals_dense_ring():
-    """full_step_index for each step's (q_pos, visiting k_pos) reproduces the dense ring exactly."""
-    make = lambda rng, *a: _full_step_index(*a, max_cols=5)  # noqa: E731
-    lay, (q, k, v, cot), mask, out, grads = _run_step_index((2, 4), "hierarchical", "token_striped", make, seed=5)
-    (_, dense_out), dense_grads = _ring_vg((2, 4), "hierarchical")(
-        *[jnp.asarray(lay.permute(x), jnp.float32) for x in (q, k, v)], jnp.asarray(lay.perm),
-        jnp.asarray(lay.permute(cot), jnp.float32))
-    for a, b in zip((out, *grads), (dense_out, *dense_grads)):
-        assert _rel(a, b) <= 1e-6, _rel(a, b)
-    ref_out, ref_grads = _reference(q, k, v, cot)
-    _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, TOL["float32"], "full index")
-
-
-# --------------------------------------------------------------------------- merge
-
-def _partial(q, k, v, keep):
-    """Dense partial over the keys where ``keep`` (a [Sk] bool) holds; float64."""
-    mask = jnp.broadcast_to(jnp.asarray(keep)[None, :], (q.shape[1], k.shape[1]))
-    return dense_attention(q, k, v, mask=mask, causal=False)
-
-
-def test_merge_partials_equals_attention_over_union():
-    rng = np.random.default_rng(6)
-    q = rng.standard_normal((2, 8, 4, 16))
-    k = rng.standard_normal((2, 12, 2, 16)) * 3.0
-    v = rng.standard_normal((2, 12, 2, 16))
-    keep_a = rng.random(12) < 0.5
-    out_a, lse_a = _partial(q, k, v, keep_a)
-    out_b, lse_b = _partial(q, k, v, ~keep_a)
-    out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
-    ref_out, ref_lse = dense_attention(q, k, v, causal=False)
-    chex.assert_trees_all_close((out, lse), (ref_out, ref_lse), rtol=1e-12, atol=1e-12)
-    out2, lse2 = merge_partials(out_b, lse_b, out_a, lse_a)  # symmetric
-    chex.assert_trees_all_close((out2, lse2), (ref_out, ref_lse), rtol=1e-12, atol=1e-12)
-
-
-def test_merge_partials_minus_inf_sides():
-    rng = np.random.default_rng(7)
-    out_a = rng.standard_normal((1, 3, 2, 4)).astype(np.float32)
-    lse_a = np.array([[[0.5, -np.inf, -np.inf], [1.0, 2.0, -np.inf]]], np.float32)  # [B, H, S]
-    zeros = np.zeros_like(out_a)
-    ninf = np.full_like(lse_a, -np.inf)
-    out, lse = merge_partials(out_a, lse_a, zeros, ninf)  # empty right side: identity
-    chex.assert_tree_all_finite(out)
-    finite = np.isfinite(lse_a).transpose(0, 2, 1)[..., None]
-    np.testing.assert_array_equal(np.asarray(out), np.where(finite, out_a, 0.0))
-    np.testing.assert_array_equal(np.asarray(lse), lse_a)
-    out, lse = merge_partials(zeros, ninf, zeros, ninf)  # both empty: 0 and -inf, no NaN
-    np.testing.assert_array_equal(np.asarray(out), 0.0)
-    assert np.all(np.isneginf(np.asarray(lse)))
-    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
-
-
-def test_merge_partials_large_logits_no_overflow():
-    """lse ~ 1000 (exp would overflow float32): weights are taken relative to the max."""
-    out_a = np.ones((1, 1, 1, 2), np.float32)
-    out_b = -np.ones((1, 1, 1, 2), np.float32)
-    lse_a = np.array([[[1000.0]]], np.float32)
-    lse_b = np.array([[[1000.0 + np.log(3.0)]]], np.float32)
-    out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
-    r = np.exp(np.float64(lse_b[0, 0, 0]) - np.float64(lse_a[0, 0, 0]))  # ~3, as stored in float32
-    np.testing.assert_allclose(np.asarray(out), (1.0 - r) / (1.0 + r), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(lse), 1000.0 + np.log1p(r), rtol=1e-7)
 
 
 # --------------------------------------------------------------------------- bad input

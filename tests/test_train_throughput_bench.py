@@ -3,7 +3,6 @@ loop's validation, ``--one`` measures a real train step (finite loss at log(voca
 tokens/s, the attention stats of the sparse layers), and the driver turns child failures into
 error rows and writes / re-prints the table."""
 
-import importlib.util
 import json
 import math
 import os
@@ -11,6 +10,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from benchmarks import train_throughput as tt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -21,14 +22,6 @@ TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers
 S = 1024
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("train_throughput", os.path.join(ROOT, "benchmarks", "train_throughput.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tt = _load()
 
 
 def test_backend_configs_pass_the_loops_validation():

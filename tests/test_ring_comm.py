@@ -1,0 +1,69 @@
+"""The ring's communication accounting (benchmarks/ring_comm.py, derived from ring_schedule) against
+the collective-permutes in the compiled HLO of a forward + backward ring on 8 virtual devices."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import hlo, ring_comm
+from mtraining_jax.attention.ring import ring_attention
+from mtraining_jax.mesh import make_mesh
+
+
+@pytest.mark.parametrize("mesh_shape, order, inner, outer", [
+    ((1, 1), "hierarchical", 0, 0),
+    ((1, 2), "flat", 1 + 2, 0),  # on 2 ranks the backward moves one float32 dK/dV and nothing else
+    ((2, 1), "hierarchical", 0, 1 + 2),
+    ((1, 8), "flat", 7 + 6 + 7 * 2, 0),  # P-1 K/V forward, P-2 backward, P-1 dK/dV (2 units each)
+    ((2, 4), "flat", 7 + 6 + 7 * 2, 0),  # flat: one ring over all ranks
+    ((2, 4), "hierarchical", 6 + 5 + 6 * 2, 1 + 1 + 1 * 2),
+    ((3, 1), "hierarchical", 0, 2 + 1 + 2 * 2),  # the outer hop back to step 0 is skipped
+])
+def test_transfer_units(mesh_shape, order, inner, outer):
+    assert ring_comm.transfer_units(*mesh_shape, order) == (inner, outer)
+
+
+def test_bad_mesh_is_named():
+    with pytest.raises(ValueError, match="num_local must be a positive integer, got 0"):
+        ring_comm.ring_hops(2, 0, "flat")
+    with pytest.raises(ValueError, match="'ring'"):
+        ring_comm.ring_hops(2, 2, "ring")
+
+
+@pytest.mark.parametrize("mesh_shape, order, fuse", [
+    ((2, 4), "hierarchical", (True, True)),
+    ((2, 2), "hierarchical", (False, False)),
+    ((2, 2), "flat", (False, False)),
+], ids=str)
+def test_accounting_matches_the_compiled_ring(mesh_shape, order, fuse):
+    """Every collective-permute of jit(grad(ring_attention)) is one predicted hop: same count, bytes
+    per device and (source, target) devices. So XLA did not merge the backward's K/V permutes into
+    the forward's (that would keep all P visiting chunks alive), and fusing kernel calls moves
+    nothing more. float32 inputs: XLA:CPU sends bf16 K/V as float32, so only float32 makes the
+    predicted bytes those of a GPU."""
+    (N, L), P = mesh_shape, mesh_shape[0] * mesh_shape[1]
+    mesh = make_mesh((N, L), jax.devices()[:N * L])
+    B, Sl, Hq, Hkv, D = 1, 16, 2, 1, 32
+    S = Sl * N * L
+    q = jnp.zeros((B, S, Hq, D), jnp.float32)
+    kv = jnp.zeros((B, S, Hkv, D), jnp.float32)
+
+    def loss(q, k, v):
+        return ring_attention(q, k, v, jnp.arange(S), mesh, ring_order=order, impl="xla", fuse_forward=fuse[0],
+                              fuse_backward=fuse[1]).sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+    got = collections.Counter(hlo.permutes(text))
+    shape = dict(batch=B, chunk_len=Sl, kv_heads=Hkv, head_dim=D, itemsize=4)
+    hops = ring_comm.ring_hops(N, L, order)
+    want = collections.Counter(hlo.Permute(ring_comm.hop_bytes(h, **shape), ring_comm.hop_pairs(h, N, L, order))
+                               for h in hops)
+    n = (P - 1) + (P - 2) + (P - 1)  # K/V forward, K/V backward, dK/dV
+    assert len(hops) == n and sum(got.values()) == n
+    assert got == want
+    assert hlo.op_counts(text)["collective-permute"] + hlo.op_counts(text)["collective-permute-start"] == n
+    assert sum(p.nbytes for p in got.elements()) == sum(ring_comm.ring_bytes(N, L, order, **shape).values())
