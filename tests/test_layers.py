@@ -28,6 +28,9 @@ ALLOWED = {
     ("mtraining_jax.sparsity.estimate", "mtraining_jax.attention.reference"),
     ("mtraining_jax.sparsity.metrics", "mtraining_jax.attention.reference"),
     ("mtraining_jax.sparsity.masks", "mtraining_jax.attention.reference"),
+    # opt-in `eval.long_context`: the trainer builds the evaluation hook (lazy import in
+    # loop.config_hooks); to remove, the CLI above both layers should inject it through run(hooks=)
+    ("mtraining_jax.train.loop", "mtraining_jax.eval.hook"),
 }
 
 
