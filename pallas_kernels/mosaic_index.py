@@ -76,7 +76,7 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int) -> MosaicOperands:
     """Build :class:`MosaicOperands` for ``k, v [B, Sk, Hkv, D]`` and query heads ``H`` of ``index``."""
     bs = block_size
     B, H, nqb, mb = index.block_idx.shape
-    sk, hkv, d = k.shape[1], k.shape[2], k.shape[3]
+    sk, hkv = k.shape[1], k.shape[2]
     nkb, mc = sk // bs, index.max_cols
     g = H // hkv
 
@@ -107,7 +107,6 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int) -> MosaicOperands:
     cpos = jnp.where(real, k_pos.astype(jnp.int32)[cidx], POS_PAD)
     c_info = jnp.stack([cpos.reshape(B, H, mcp // bs, bs),
                         jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))], axis=3)
-    del d
     return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info.astype(jnp.int32))
 
 
