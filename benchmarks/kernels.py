@@ -101,14 +101,9 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
                     q, k, v, pos, pos, full, impl=impl))
         for fam in families:
             for sp in sparsities:
-                if fam == "slash":
-                    idx, name = vertical_slash_index(rng, 1, H, S, sp, block_size=BS), f"vs{int(round(sp * 100))}"
-                else:
-                    idx, name = _vertical_heavy(rng, S, sp, vert_cols), f"vert{int(round(sp * 100))}"
+                idx, name = _family_index(rng, fam, S, sp, vert_cols)
                 idx = jax.tree.map(jnp.asarray, idx)
-                bc = np.asarray(idx.block_count, np.float64).sum()
-                cc = float(np.asarray(row_columns(idx, S, BS)[1]).sum())  # columns outside the rows' blocks
-                pairs = bc * BS * BS + cc * BS
+                pairs = sum(_pairs(idx, S))
                 for impl in impls:
                     add(f"{impl}_{name}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
                         q, k, v, pos, pos, idx, impl=impl))
@@ -162,6 +157,73 @@ def sweep(S, sparsities, reps, seed=1):
             f = functools.partial(tb.pallas_bwd, sm_scale=scale, block_size=BS, **opts)
             rec(name, "bwd_total", _time(f, *args, reps=reps) * 1e3, **opts)
     return rows
+
+
+def _family_index(rng, fam, S, sp, vert_cols):
+    if fam == "slash":
+        return vertical_slash_index(rng, 1, H, S, sp, block_size=BS), f"vs{int(round(sp * 100))}"
+    if fam == "full":
+        pos = jnp.arange(S, dtype=jnp.int32)
+        return full_step_index(1, H, S, S, pos, pos, BS), "full"
+    return _vertical_heavy(rng, S, sp, vert_cols), f"vert{int(round(sp * 100))}"
+
+
+def _pairs(idx, S):
+    """``(block pairs, column pairs)`` the kernels compute (``bs*bs`` per active block tile,
+    ``bs`` per column outside the row's blocks)."""
+    bc = float(np.asarray(idx.block_count, np.float64).sum())
+    cc = float(np.asarray(row_columns(idx, S, BS)[1]).sum())
+    return bc * BS * BS, cc * BS
+
+
+def passes(S, sparsities, families, vert_cols, reps, seed=1):
+    """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
+    dK/dV block pass, dK/dV column pass (Triton only), with TFLOP/s on the pass's own active work
+    (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
+    block pairs, the column pass the column pairs)."""
+    from pallas_kernels import mosaic_bwd, mosaic_fwd
+    from pallas_kernels import triton_backward as tb
+    from pallas_kernels import triton_kernels as tk
+
+    rng = np.random.default_rng(seed)
+    q, k, v, do = _inputs(S, seed, jnp.bfloat16)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    kw = dict(sm_scale=D**-0.5, block_size=BS)
+    rows = []
+    cases = [(fam, sp) for fam in families for sp in (sparsities if fam != "full" else [0.0])]
+    for fam, sp in cases:
+        idx, name = _family_index(rng, fam, S, sp, vert_cols)
+        idx = jax.tree.map(jnp.asarray, idx)
+        bp, cp = _pairs(idx, S)
+        out, lse = api.block_sparse_attention_fwd(q, k, v, pos, pos, idx, impl="auto")
+        delta = api.attention_delta(out, do)
+        args = (q, k, v, pos, pos, idx, do, lse, delta)
+        zeros = jnp.zeros(k.shape, jnp.float32)
+        fns = [("fwd", "triton", tk.pallas_fwd, args[:6], 2 * (bp + cp)),
+               ("fwd", "mosaic", mosaic_fwd.mosaic_fwd, args[:6], 2 * (bp + cp)),
+               ("dq", "triton", tb.dq_pass, args, 3 * (bp + cp)),
+               ("dq", "mosaic", mosaic_bwd.mosaic_dq, args, 3 * (bp + cp)),
+               ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
+               ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
+               ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp)]
+        for pname, impl, fn, a, matmul_pairs in fns:
+            if pname == "dkv_cols" and cp == 0:
+                continue
+            ms, ts = timeit(jax.jit(functools.partial(fn, **kw)), *a, warmup=2, repeat=reps)
+            row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (H * S * (S + 1) / 2), pass_=pname, impl=impl,
+                       ms=ms * 1e3, spread_ms=[round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)],
+                       tflops=2 * D * matmul_pairs / ms / 1e12)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def passes_table(rows):
+    out = ["| seq | index | pass | impl | ms (min-max) | TFLOP/s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['seq']} | {r['index']} | {r['pass_']} | {r['impl']} | {r['ms']:.2f} "
+                   f"({r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}) | {r['tflops']:.0f} |")
+    return "\n".join(out)
 
 
 def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
@@ -276,6 +338,8 @@ def main():
     ap.add_argument("--plot-from", default="", help="comma-separated JSON results to plot (no timing run)")
     ap.add_argument("--plot", default=None, help="PNG path for the bar chart")
     ap.add_argument("--col-split-sweep", default="", help="S:max_cols pairs, e.g. 131072:1024,524288:4096")
+    ap.add_argument("--passes", default="", help="comma-separated sequence lengths: time each kernel pass "
+                    "alone per backend (families from --families, plus 'full')")
     a = ap.parse_args()
     if a.plot_from:
         rows = [r for f in a.plot_from.split(",") for r in json.load(open(f))["rows"]]
@@ -289,6 +353,13 @@ def main():
     for pair in [x for x in a.col_split_sweep.split(",") if x]:
         S, mc = (int(y) for y in pair.split(":"))
         sweeps += col_split_sweep(S, mc, a.reps)
+    pass_rows = []
+    for S in [int(x) for x in a.passes.split(",") if x]:
+        pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x], tuple(a.families.split(",")),
+                            a.vert_cols, a.reps)
+    if pass_rows:
+        print(passes_table(pass_rows))
+        sweeps += pass_rows
     if sweeps and a.json:
         with open(a.json.replace(".json", "_sweep.json"), "w") as f:
             json.dump(sweeps, f, indent=1)

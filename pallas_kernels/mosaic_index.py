@@ -21,6 +21,12 @@ for both tile kinds, on a per-tile ``info [2, 64]`` int32 pair ``(pos, aux)``::
     column tile: pos = k_pos of the column (INT32_MAX on padding),
                  aux = -(list slot),         thr = 1 - col_count[i]  (keep slots < col_count[i])
 
+The dK/dV block pass walks the transposed schedule (:func:`kv_schedule`): for every KV block,
+the (query head of its group, query block) tiles that list it, free ones first; its tiles follow
+the Triton passes' split (a block tile counts every causal pair of the block, the column pass only
+listed columns outside the row's blocks), so it pairs with :mod:`pallas_kernels.triton_backward`'s
+column pass.
+
 Costs per ring step: one ``[B, H, Sk]`` scatter-min (the slots), the column gathers
 ``2 * B * H * MCp * D`` elements and ``info`` arrays of ``8 * B * H * (Sk + MCp)`` bytes — linear in
 the chunk, never ``nQB x MC``.
@@ -108,6 +114,73 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int) -> MosaicOperands:
     c_info = jnp.stack([cpos.reshape(B, H, mcp // bs, bs),
                         jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))], axis=3)
     return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info.astype(jnp.int32))
+
+
+def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
+    """KV-stationary schedule of the dK/dV block pass, one list per (batch, KV head, KV block) over
+    the ``g = H // hkv`` query heads of the group.
+
+    Returns ``(sched int32 [B, Hkv, nKB, g * nQB], counts int32 [B, Hkv, nKB, 2])``: entry
+    ``e = j * nQB + qb`` is query block ``qb`` of query head ``hk * g + j``; the first
+    ``counts[..., 0]`` entries are free tiles (every pair causal: no mask), then masked ones up to
+    ``counts[..., 1]``, each group in (head, query block) order; the rest is padding (in range).
+    Built from a dense ``[B, H, nKB, nQB]`` int8 tile map, like
+    :func:`pallas_kernels.triton_backward.transpose_block_index`."""
+    bs = block_size
+    B, H, nqb, mb = index.block_idx.shape
+    nkb, g = sk // bs, H // hkv
+    valid = jnp.arange(mb) < index.block_count[..., None]
+    kb = jnp.where(valid, jnp.clip(index.block_idx, 0, nkb - 1), nkb)  # invalid -> spill row
+    b_ix = jnp.arange(B)[:, None, None, None]
+    h_ix = jnp.arange(H)[None, :, None, None]
+    q_ix = jnp.broadcast_to(jnp.arange(nqb, dtype=jnp.int32)[None, None, :, None], kb.shape)
+    code = (1 + (index.block_causal != 0)).astype(jnp.int8)
+    tiles = jnp.zeros((B, H, nkb + 1, nqb), jnp.int8).at[b_ix, h_ix, kb, q_ix].set(code)[:, :, :nkb]
+    tiles = tiles.reshape(B, hkv, g, nkb, nqb).transpose(0, 1, 3, 2, 4).reshape(B, hkv, nkb, g * nqb)
+    dst, n_free, n_all = _partition(tiles == 1, tiles == 2)
+    entries = jnp.broadcast_to(jnp.arange(g * nqb, dtype=jnp.int32), dst.shape)
+    sched = jnp.zeros_like(dst).at[
+        jnp.arange(B)[:, None, None, None], jnp.arange(hkv)[None, :, None, None],
+        jnp.arange(nkb)[None, None, :, None], dst].set(entries)
+    return sched, jnp.stack([n_free, n_all], axis=-1).astype(jnp.int32)
+
+
+def emulate_dkv_blocks(q, k, v, q_pos, k_pos, sched, counts, do, lse, delta, *, sm_scale: float,
+                       block_size: int):
+    """The dK/dV block pass's walk over :func:`kv_schedule` in plain ``jax.numpy`` (float32): for
+    every listed tile, ``dV += P^T dO`` and ``dK += scale * dS^T Q`` with the causal mask on masked
+    tiles only. Returns ``(dk, dv) f32 [B, Sk, Hkv, D]`` (for testing the schedule on any machine)."""
+    bs = block_size
+    B, sq, H, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    nqb, nkb, g = sq // bs, sk // bs, H // hkv
+    f32 = jnp.float32
+    L = sched.shape[-1]
+    qb = sched % nqb
+    t = jnp.arange(L)
+    used = t < counts[..., 1:2]
+    masked = t >= counts[..., 0:1]
+    b_ix = jnp.arange(B)[:, None, None, None]
+    hq = jnp.arange(hkv)[None, :, None, None] * g + sched // nqb
+    qt = q.astype(f32).reshape(B, nqb, bs, H, d)[b_ix, qb, :, hq]  # [B, Hkv, nKB, L, bs, D]
+    dot = do.astype(f32).reshape(B, nqb, bs, H, d)[b_ix, qb, :, hq]
+    lse_t = lse.reshape(B, H, nqb, bs)[b_ix, hq, qb]  # [B, Hkv, nKB, L, bs]
+    delta_t = delta.reshape(B, H, nqb, bs)[b_ix, hq, qb]
+    qpos_t = q_pos.reshape(nqb, bs)[qb]
+    kt = k.astype(f32).reshape(B, nkb, bs, hkv, d).transpose(0, 3, 1, 2, 4)  # [B, Hkv, nKB, bs, D]
+    vt = v.astype(f32).reshape(B, nkb, bs, hkv, d).transpose(0, 3, 1, 2, 4)
+    kpos_t = k_pos.reshape(nkb, bs)[None, None, :, None, :, None]  # [.., kv, q]
+    s = jnp.einsum("bhnkd,bhnlqd->bhnlkq", kt, qt) * sm_scale
+    causal = kpos_t <= qpos_t[..., None, :]
+    ok = used[..., None, None] & (~masked[..., None, None] | causal)
+    lse_safe = jnp.where(jnp.isfinite(lse_t), lse_t, 0.0)[..., None, :]
+    p = jnp.where(ok, jnp.exp(s - lse_safe), 0.0)
+    dv = jnp.einsum("bhnlkq,bhnlqd->bhnkd", p, dot)
+    dp = jnp.einsum("bhnkd,bhnlqd->bhnlkq", vt, dot)
+    ds = p * (dp - delta_t[..., None, :])
+    dk = jnp.einsum("bhnlkq,bhnlqd->bhnkd", ds, qt) * sm_scale
+    back = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(B, sk, hkv, d)  # noqa: E731
+    return back(dk), back(dv)
 
 
 def emulate_fwd(q, ops: MosaicOperands, k, v, q_pos, *, sm_scale: float, block_size: int):

@@ -394,18 +394,22 @@ def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv
     return add_column_grads(dk, dv, dkc, dvc, cidx, index.col_count)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("dq_kernel",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("dq_kernel", "dkv_kernel"))
 def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, *,
-               dq_kernel=None, **options):
+               dq_kernel=None, dkv_kernel=None, **options):
     """Backward kernels (module docstring: three passes, dK/dV first, dQ last); returns f32
     ``(dq, dk, dv)``, added to ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)``
     when given (ring steps). ``dkv_acc`` is added after the block pass, in the column scatter's
     operand: in a ring it arrives from the neighbour, and making the step's first dK/dV kernel wait
     for it exposed the transfer (measured: ``benchmarks/sparse_ring_results.md``, v7).
     ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`.
-    ``dq_kernel``: another dQ pass with :func:`dq_pass`'s signature (the Mosaic GPU one), or None."""
+    ``dq_kernel`` / ``dkv_kernel``: another dQ pass / dK/dV block pass with :func:`dq_pass`'s /
+    :func:`dkv_block_pass`'s contract (the Mosaic GPU ones), or None."""
     args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
-    dk, dv = dkv_block_pass(*args, **options)
+    if dkv_kernel is None:
+        dk, dv = dkv_block_pass(*args, **options)
+    else:
+        dk, dv = dkv_kernel(*args, sm_scale=options["sm_scale"], block_size=options["block_size"])
     if dkv_acc is not None:
         dk, dv = dk + dkv_acc[0], dv + dkv_acc[1]
     dk, dv = dkv_col_pass(*args, dk, dv, **options)
