@@ -178,9 +178,10 @@ def _pairs(idx, S):
 
 def passes(S, sparsities, families, vert_cols, reps, seed=1):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
-    dK/dV block pass, dK/dV column pass (Triton only), with TFLOP/s on the pass's own active work
+    dK/dV block pass, dK/dV column pass, with TFLOP/s on the pass's own active work
     (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
-    block pairs, the column pass the column pairs)."""
+    block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
+    active blocks from the block pass to the column pass, a small share of either)."""
     from pallas_kernels import mosaic_bwd, mosaic_fwd
     from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
@@ -205,7 +206,8 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1):
                ("dq", "mosaic", mosaic_bwd.mosaic_dq, args, 3 * (bp + cp)),
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
-               ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp)]
+               ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
+               ("dkv_cols", "mosaic", mosaic_bwd.mosaic_dkv_cols, args + (zeros, zeros), 4 * cp)]
         for pname, impl, fn, a, matmul_pairs in fns:
             if pname == "dkv_cols" and cp == 0:
                 continue

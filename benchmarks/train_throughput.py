@@ -146,9 +146,11 @@ def _memory_analysis(compiled) -> Optional[dict]:
 
 
 def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, batch: int = 1,
-            warmup: int = 2, steps: int = 5, seed: int = 0) -> dict:
+            warmup: int = 2, steps: int = 5, seed: int = 0, profile: bool = False) -> dict:
     """Build, compile and time one configuration in this process; returns its row (raises on
-    error — the ``--one`` entry point turns exceptions into error rows)."""
+    error — the ``--one`` entry point turns exceptions into error rows). ``profile``: trace one more
+    step and add its per-kernel breakdown (:mod:`benchmarks.trace_summary`, kernels attributed to
+    JAX ops and source lines) as the row's ``profile``."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     cfg, overrides = bench_config(config, sets, seq_len, backend, batch)
@@ -195,6 +197,16 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
             times.append(dt)
 
     step_s = statistics.median(times)
+    prof = None
+    if profile:
+        import tempfile
+
+        from benchmarks.trace_summary import summarize_dir
+
+        with tempfile.TemporaryDirectory() as tdir:
+            with jax.profiler.trace(tdir, create_perfetto_trace=True):
+                jax.block_until_ready(compiled(state, batches[0]))
+            prof = next(iter(summarize_dir(tdir, top=30, hlo_text=compiled.as_text()).values()), None)
     tokens = cfg.data.seq_len * cfg.data.batch_size
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     peak = int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
@@ -225,6 +237,7 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
         "device_kind": device.device_kind,
         "platform": device.platform,
         "jax_version": jax.__version__,
+        "profile": prof,
         "error": None,
     }
 
@@ -247,7 +260,7 @@ def error_row(seq_len: int, backend: str, batch: int, message: str, **extra) -> 
 def _one_main(args) -> int:
     try:
         row = run_one(args.config, args.set, args.seq_len, args.backend, batch=args.batch,
-                      warmup=args.warmup, steps=args.steps, seed=args.seed)
+                      warmup=args.warmup, steps=args.steps, seed=args.seed, profile=args.profile)
     except Exception as e:  # noqa: BLE001  (OOM, compile errors, bad config: all become rows)
         extra = {}
         try:
@@ -271,6 +284,8 @@ def child_command(args, seq_len: int, backend: str) -> list[str]:
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
     if args.set:
         cmd += ["--set", *args.set]
+    if args.profile:
+        cmd.append("--profile")
     return cmd
 
 
@@ -368,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "what is left (a configuration cut off becomes a timeout row)")
     p.add_argument("--out", help="folder for train_throughput.jsonl / .md")
     p.add_argument("--report", nargs="+", metavar="JSONL", help="only print the table of saved rows")
+    p.add_argument("--profile", action="store_true", help="trace one extra step per configuration: per-kernel "
+                   "breakdown (ms, count, JAX op, source line) in each row's 'profile'")
     p.add_argument("--one", action="store_true", help="run one configuration here, print its JSON row")
     p.add_argument("--seq-len", type=int, help="--one: sequence length")
     p.add_argument("--backend", choices=BACKENDS, help="--one: attention backend")

@@ -3,9 +3,9 @@
 Supports: compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128; block size 64;
 ``Sq`` a multiple of 128 (two query blocks per CTA); no packed documents (segment ids: ``auto``
 falls through). Forward: :mod:`pallas_kernels.mosaic_fwd`.
-Backward (:func:`pallas_kernels.triton_backward.pallas_bwd`'s three passes): the dQ pass and the dK/dV
-block pass are Mosaic (:mod:`pallas_kernels.mosaic_bwd`; the block pass when ``Sk`` is a multiple of 128,
-else Triton's), the vertical columns' dK/dV pass is the Triton kernel. Mosaic GPU's CPU interpret mode (JAX 0.10)
+Backward (:func:`pallas_kernels.triton_backward.pallas_bwd`'s three passes): all Mosaic
+(:mod:`pallas_kernels.mosaic_bwd`); when ``Sk`` is not a multiple of 128 (two KV blocks per CTA) the
+two dK/dV passes are Triton's. Mosaic GPU's CPU interpret mode (JAX 0.10)
 cannot run these kernels (no transposed-operand or register-operand ``wgmma``), so they are tested
 on the GPU; the shared kernel suite covers the same semantics through the other backends on CPU.
 """
@@ -47,9 +47,9 @@ def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_sca
     if segs is not None:
         raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     from pallas_kernels import triton_backward
-    from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dq
+    from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dkv_cols, mosaic_dq
 
-    dkv_kernel = mosaic_dkv_blocks if k.shape[1] % 128 == 0 else None  # two KV blocks per CTA
+    dkv = (mosaic_dkv_blocks, mosaic_dkv_cols) if k.shape[1] % 128 == 0 else None
     return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
-                                      dq_kernel=mosaic_dq, dkv_kernel=dkv_kernel, sm_scale=sm_scale,
+                                      dq_kernel=mosaic_dq, dkv_kernels=dkv, sm_scale=sm_scale,
                                       block_size=block_size)

@@ -16,8 +16,14 @@ The dK/dV block pass (:func:`mosaic_dkv_blocks`, contract of
 and walks the (query head of the group, query block) tiles that list it, so GQA is reduced in
 registers and dK/dV are written once per KV head, without atomics. The producer TMA-loads each
 tile's ``Q``, ``dO``, ``(lse, delta)`` and query positions. Four ``wgmma`` per tile: ``S^T = K Q^T``,
-``dP^T = V dO^T``, ``dV += P^T dO`` (``P^T`` from registers), ``dK += dS^T Q``. The vertical
-columns' dK/dV stay on the Triton column pass (:mod:`pallas_kernels.backend_mosaic`).
+``dP^T = V dO^T``, ``dV += P^T dO`` (``P^T`` from registers), ``dK += dS^T Q``.
+
+The dK/dV column pass (:func:`mosaic_dkv_cols`) is the same consumer on the gathered column tiles
+of :func:`pallas_kernels.mosaic_index.prepare`: CTA ``(p, h, (b, r))`` owns column chunks ``2p`` and
+``2p + 1`` of query head ``h`` and walks range ``r`` of the query blocks whose prefix reaches them
+(:func:`pallas_kernels.mosaic_index.column_ranges`); each range writes its own per-slot buffer, and
+XLA sums the ranges and scatters the slots into the KV heads — deterministic, no atomics. The two
+dK/dV passes split the pairs as the forward does (a listed prefix column is the column pass's).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_fwd import (LOG2E, _NEG_INF, _col_layout, _load, _producer_loop, _row_layout,
                                        _tile_transforms, _transposed)
-from pallas_kernels.mosaic_index import kv_schedule, prepare
+from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
 
 
 def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
@@ -170,15 +176,114 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     )(*args)
 
 
-def _dkv_kernel(cnt_ref, sched_ref, qpos_ref, kpos_ref, q_ref, do_ref, rinfo_ref, k_ref, v_ref, dk_ref, dv_ref,
-                smems, bars, *, stages: int, g: int, bs: int, nqb: int, qk_scale: float, scale: float):
-    kres, vres, q_smem, do_smem, r_smem, qp_smem, kp_smem = smems
-    kv_bar, q_bar, do_bar, r_bar, qp_bar, q_free, do_free = bars
+
+
+def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
+                  qk_scale: float, scale: float, dtype):
+    """One consumer warpgroup's KV-stationary walk (both dK/dV passes): K, V of its 64 rows
+    resident in ``kres/vres[w]``; tile ``t`` in slot ``w * stages + t % stages``; tiles before
+    ``n_free`` unmasked, the rest masked by ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]`` with the
+    KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``). Returns the
+    float32 ``(dk * scale, dv)`` of the rows in the wgmma layout."""
+    q_smem, do_smem, r_smem, qi_smem, ka_smem = smems
+    q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
+
+    def tile(t, carry, masked: bool):
+        dk, dv = carry
+        slot = w * stages + lax.rem(t, jnp.int32(stages))
+        plgpu.barrier_wait(q_bar.at[slot])
+
+        def kq(acc_ref):
+            plgpu.wgmma(acc_ref, kres.at[w], _transposed(q_smem.at[slot]))
+            return acc_ref[...]
+
+        st = pl.run_scoped(kq, plgpu.ACC((bs, bs), jnp.float32)) * qk_scale  # [kv, q], log2 domain
+        plgpu.barrier_wait(r_bar.at[slot])
+        plgpu.barrier_wait(qi_bar.at[slot])
+        if kaux_b is None:
+            plgpu.barrier_wait(ka_bar.at[slot])
+        if masked:
+            qpos = lax.broadcast_in_dim(_load(qi_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
+            thr = lax.broadcast_in_dim(_load(qi_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+            aux = kaux_b if kaux_b is not None else lax.broadcast_in_dim(
+                _load(ka_smem.at[slot], _row_layout()), (bs, bs), [0])
+            st = jnp.where((kpos_b <= qpos) & (aux >= thr), st, _NEG_INF)
+        lse2 = lax.broadcast_in_dim(_load(r_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
+        pt = jnp.exp2(st - lse2)
+        plgpu.barrier_wait(do_bar.at[slot])
+
+        def vdo(acc_ref):
+            plgpu.wgmma(acc_ref, vres.at[w], _transposed(do_smem.at[slot]))
+            return acc_ref[...]
+
+        dpt = pl.run_scoped(vdo, plgpu.ACC((bs, bs), jnp.float32))
+
+        def pdo(acc_ref):
+            plgpu.wgmma(acc_ref, pt.astype(dtype), do_smem.at[slot])
+
+        dv = pl.run_state(pdo)(plgpu.ACC.init(dv))
+        plgpu.barrier_arrive(do_free.at[slot])
+        delta = lax.broadcast_in_dim(_load(r_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+        dst = (pt * (dpt - delta)).astype(dtype)
+
+        def dsq(acc_ref):
+            plgpu.wgmma(acc_ref, dst, q_smem.at[slot])
+
+        dk = pl.run_state(dsq)(plgpu.ACC.init(dk))
+        plgpu.barrier_arrive(q_free.at[slot])
+        return dk, dv
+
+    d = kres.shape[-1]
+    zeros = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False), (zeros, zeros))
+    dk, dv = lax.fori_loop(n_free, n_all, functools.partial(tile, masked=True), carry)
+    return dk * scale, dv
+
+
+def _dkv_producer(walks, b, stages: int, bs: int, q_ref, do_ref, rinfo_ref, qinfo_ref, kslot_ref, smems, bars):
+    """The producer of both dK/dV passes: ``walks[w] = (n_tiles, at)`` with ``at(t) = (query head,
+    query block, KV rows or None)``; per tile it TMA-loads ``Q``, ``(lse2, delta)``, ``(q_pos, thr)``,
+    the KV rows' aux vector (when given) and ``dO``, after the consumer freed the slot."""
+    q_smem, do_smem, r_smem, qi_smem, ka_smem = smems
+    q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
+
+    @pl.loop(0, jnp.maximum(walks[0][0], walks[1][0]))
+    def _(t):
+        for w in range(2):
+            n_all, at = walks[w]
+
+            @pl.when(t < n_all)
+            def _():
+                slot = w * stages + lax.rem(t, jnp.int32(stages))
+                h, qb, krows = at(t)
+                rows = pl.ds(qb * bs, bs)
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(q_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(rinfo_ref.at[b, h, qb], r_smem.at[slot], r_bar.at[slot])
+                plgpu.copy_gmem_to_smem(qinfo_ref.at[b, h, qb], qi_smem.at[slot], qi_bar.at[slot])
+                if krows is not None:
+                    plgpu.copy_gmem_to_smem(kslot_ref.at[b, h, krows], ka_smem.at[slot], ka_bar.at[slot])
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(do_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_bar.at[slot])
+
+
+def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, k_ref, v_ref,
+                       dk_ref, dv_ref, smems, bars, *, stages: int, g: int, bs: int, nqb: int, qk_scale: float,
+                       scale: float):
+    kres, vres, kp_smem, *tile_smems = smems
+    kv_bar, *tile_bars = bars
     b = lax.axis_index("b")
     hk = lax.axis_index("h")
     pair = lax.axis_index("p")  # the first KV blocks are listed by the most query blocks: heavy first
     wg = lax.axis_index("wg")
-    dtype = q_ref.dtype
 
     def walk(w):
         j = 2 * pair + w
@@ -196,127 +301,148 @@ def _dkv_kernel(cnt_ref, sched_ref, qpos_ref, kpos_ref, q_ref, do_ref, rinfo_ref
         for x in range(3):
             plgpu.barrier_wait(kv_bar.at[2 * x + w])
         kpos_b = lax.broadcast_in_dim(_load(kp_smem.at[w], _row_layout()), (bs, bs), [0])
-        d = kres.shape[-1]
-        zeros = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-        def tile(t, carry, masked: bool):
-            dk, dv = carry
-            slot = w * stages + lax.rem(t, jnp.int32(stages))
-            plgpu.barrier_wait(q_bar.at[slot])
-
-            def kq(acc_ref):
-                plgpu.wgmma(acc_ref, kres.at[w], _transposed(q_smem.at[slot]))
-                return acc_ref[...]
-
-            st = pl.run_scoped(kq, plgpu.ACC((bs, bs), jnp.float32)) * qk_scale  # [kv, q], log2 domain
-            plgpu.barrier_wait(r_bar.at[slot])
-            plgpu.barrier_wait(qp_bar.at[slot])
-            if masked:
-                qpos = lax.broadcast_in_dim(_load(qp_smem.at[slot], _col_layout()), (bs, bs), [1])
-                st = jnp.where(kpos_b <= qpos, st, _NEG_INF)
-            lse2 = lax.broadcast_in_dim(_load(r_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
-            pt = jnp.exp2(st - lse2)
-            plgpu.barrier_wait(do_bar.at[slot])
-
-            def vdo(acc_ref):
-                plgpu.wgmma(acc_ref, vres.at[w], _transposed(do_smem.at[slot]))
-                return acc_ref[...]
-
-            dpt = pl.run_scoped(vdo, plgpu.ACC((bs, bs), jnp.float32))
-
-            def pdo(acc_ref):
-                plgpu.wgmma(acc_ref, pt.astype(dtype), do_smem.at[slot])
-
-            dv = pl.run_state(pdo)(plgpu.ACC.init(dv))
-            plgpu.barrier_arrive(do_free.at[slot])
-            delta = lax.broadcast_in_dim(_load(r_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
-            dst = (pt * (dpt - delta)).astype(dtype)
-
-            def dsq(acc_ref):
-                plgpu.wgmma(acc_ref, dst, q_smem.at[slot])
-
-            dk = pl.run_state(dsq)(plgpu.ACC.init(dk))
-            plgpu.barrier_arrive(q_free.at[slot])
-            return dk, dv
-
-        carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False), (zeros, zeros))
-        dk, dv = lax.fori_loop(n_free, n_all, functools.partial(tile, masked=True), carry)
-        dk_ref[b, rows, hk] = dk * scale
+        dk, dv = _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, None, tile_smems, tile_bars, stages=stages,
+                               bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype)
+        dk_ref[b, rows, hk] = dk
         dv_ref[b, rows, hk] = dv
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        walks = [walk(w) for w in range(2)]
 
-        @pl.loop(0, jnp.maximum(walks[0][2], walks[1][2]))
-        def _(t):
-            for w in range(2):
-                j, _, n_all = walks[w]
+        def at(j):
+            def f(t):
+                e = sched_ref[b, hk, j, t]
+                jq = lax.div(e, jnp.int32(nqb))
+                return hk * g + jq, e - jq * nqb, pl.ds(j * bs, bs)
+            return f
 
-                @pl.when(t < n_all)
-                def _():
-                    slot = w * stages + lax.rem(t, jnp.int32(stages))
-                    e = sched_ref[b, hk, j, t]
-                    jq = lax.div(e, jnp.int32(nqb))
-                    qb = e - jq * nqb
-                    h = hk * g + jq
-                    rows = pl.ds(qb * bs, bs)
+        walks = [(walk(w)[2], at(walk(w)[0])) for w in range(2)]
+        _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, kslot_ref, tile_smems, tile_bars)
 
-                    @pl.when(t >= stages)
-                    def _():
-                        plgpu.barrier_wait(q_free.at[slot])
 
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(rinfo_ref.at[b, h, qb], r_smem.at[slot], r_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(qpos_ref.at[rows], qp_smem.at[slot], qp_bar.at[slot])
+def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref,
+                     smems, bars, *, stages: int, bs: int, nqb: int, nranges: int, range_blocks: int,
+                     qk_scale: float, scale: float):
+    kres, vres, ci_smem, *tile_smems = smems
+    kv_bar, *tile_bars = bars
+    br = lax.axis_index("br")
+    b = lax.div(br, jnp.int32(nranges))
+    r = br - b * nranges
+    h = lax.axis_index("h")
+    pair = lax.axis_index("p")
+    wg = lax.axis_index("wg")
 
-                    @pl.when(t >= stages)
-                    def _():
-                        plgpu.barrier_wait(do_free.at[slot])
+    def walk(w):
+        c = 2 * pair + w
+        lo = jnp.maximum(first_ref[b, h, c], r * range_blocks)
+        hi = jnp.minimum(jnp.int32(nqb), (r + 1) * range_blocks)
+        return c, lo, jnp.maximum(hi - lo, 0)
 
-                    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_bar.at[slot])
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        w = wg
+        c, _, n = walk(w)
+        rows = pl.ds(c * bs, bs)
+        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, rows], kres.at[w], kv_bar.at[w])
+        plgpu.copy_gmem_to_smem(vc_ref.at[b, h, rows], vres.at[w], kv_bar.at[2 + w])
+        plgpu.copy_gmem_to_smem(cinfo_ref.at[b, h, c], ci_smem.at[w], kv_bar.at[4 + w])
+        for x in range(3):
+            plgpu.barrier_wait(kv_bar.at[2 * x + w])
+        kpos_b = lax.broadcast_in_dim(_load(ci_smem.at[w, 0], _row_layout()), (bs, bs), [0])
+        kaux_b = lax.broadcast_in_dim(_load(ci_smem.at[w, 1], _row_layout()), (bs, bs), [0])
+        dk, dv = _dkv_consumer(w, jnp.int32(0), n, kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,
+                               stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype)
+        dk_ref[r, b, h, rows] = dk
+        dv_ref[r, b, h, rows] = dv
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def at(lo):
+            return lambda t: (h, lo + t, None)
+
+        walks = [(walk(w)[2], at(walk(w)[1])) for w in range(2)]
+        _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, None, tile_smems, tile_bars)
+
+
+def _row_infos(q_pos, lse, delta, thr, bs: int):
+    """Per (batch, query head, query block) tile operands of the dK/dV passes: ``rinfo f32
+    [B, H, nQB, 2, bs]`` = (log2-domain lse, 0 where the row is empty; delta) and ``qinfo int32
+    [B, H, nQB, 2, bs]`` = (query positions; the tile's threshold ``thr [B, H, nQB]``)."""
+    B, H, sq = lse.shape
+    nqb = sq // bs
+    lse = lse.astype(jnp.float32)
+    lse2 = jnp.where(lse == _NEG_INF, 0.0, lse * LOG2E)
+    rinfo = jnp.stack([lse2.reshape(B, H, nqb, bs), delta.astype(jnp.float32).reshape(B, H, nqb, bs)], axis=3)
+    qpos = jnp.broadcast_to(q_pos.astype(jnp.int32).reshape(1, 1, nqb, bs), (B, H, nqb, bs))
+    thr = jnp.broadcast_to(thr.astype(jnp.int32)[..., None], (B, H, nqb, bs))
+    return rinfo, jnp.stack([qpos, thr], axis=3)
+
+
+def _dkv_scratch(dtype, bs: int, d: int, stages: int, kv_info):
+    """Shared memory of both dK/dV passes: resident K/V of the two consumers, their KV rows' info
+    ``kv_info``, and ``stages`` slots per consumer of the per-tile operands; barriers likewise."""
+    tr = _tile_transforms(dtype)
+    nb = 2 * stages
+    smem = (plgpu.SMEM((2, bs, d), dtype, transforms=tr), plgpu.SMEM((2, bs, d), dtype, transforms=tr), kv_info,
+            plgpu.SMEM((nb, bs, d), dtype, transforms=tr), plgpu.SMEM((nb, bs, d), dtype, transforms=tr),
+            plgpu.SMEM((nb, 2, bs), jnp.float32), plgpu.SMEM((nb, 2, bs), jnp.int32), plgpu.SMEM((nb, bs), jnp.int32))
+    bars = (plgpu.Barrier(num_barriers=6),) + tuple(plgpu.Barrier(num_barriers=nb) for _ in range(7))
+    return [smem, bars]
+
+
+def _launch(kernel, out_type, scratch, grid, grid_names, *args):
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
+                        num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
                       block_size: int = 64, stages: int = 2):
-    """Backward block pass: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks (every causal pair
-    of each listed block tile), summed over each KV head's group of query heads. ``Sk`` a multiple
-    of 128. ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``."""
+    """Backward block pass: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks' pairs (causal,
+    minus the listed columns of each row's prefix: :func:`mosaic_dkv_cols` has those), summed over
+    each KV head's group of query heads. ``Sk`` a multiple of 128; ``do`` in q's dtype (cast here),
+    ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
-    nqb, nkb = sq // bs, sk // bs
     sched, counts = kv_schedule(index, sk, hkv, bs)
-    lse = lse.astype(jnp.float32)
-    lse2 = jnp.where(lse == _NEG_INF, 0.0, lse * LOG2E)
-    rinfo = jnp.stack([lse2.reshape(B, H, nqb, bs), delta.astype(jnp.float32).reshape(B, H, nqb, bs)], axis=3)
-    kernel = functools.partial(_dkv_kernel, stages=stages, g=H // hkv, bs=bs, nqb=nqb,
+    rinfo, qinfo = _row_infos(q_pos, lse, delta, index.col_count, bs)
+    kernel = functools.partial(_dkv_blocks_kernel, stages=stages, g=H // hkv, bs=bs, nqb=sq // bs,
                                qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale))
-    tr = _tile_transforms(q.dtype)
-    nb = 2 * stages
-    scratch = [
-        (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((nb, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((nb, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((nb, 2, bs), jnp.float32),
-         plgpu.SMEM((nb, bs), jnp.int32),
-         plgpu.SMEM((2, bs), jnp.int32)),
-        (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=nb), plgpu.Barrier(num_barriers=nb),
-         plgpu.Barrier(num_barriers=nb), plgpu.Barrier(num_barriers=nb), plgpu.Barrier(num_barriers=nb),
-         plgpu.Barrier(num_barriers=nb)),
-    ]
     out = jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)
-    dk, dv = plgpu.kernel(
-        kernel,
-        out_type=[out, out],
-        scratch_types=scratch,
-        grid=(nkb // 2, hkv, B),
-        grid_names=("p", "h", "b"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(counts, sched, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), q, do.astype(q.dtype), rinfo, k, v)
-    return dk, dv
+    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, bs), jnp.int32))
+    return tuple(_launch(kernel, [out, out], scratch, (sk // bs // 2, hkv, B), ("p", "h", "b"),
+                         counts, sched, k_pos.astype(jnp.int32), column_slots(index, sk), q, do.astype(q.dtype),
+                         rinfo, qinfo, k, v))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks",))
+def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
+                    block_size: int = 64, stages: int = 2, range_blocks: int = 512):
+    """Backward column pass: adds the listed columns' dK/dV (every row's prefix columns, causal)
+    into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
+    chunk, summed in XLA, then one scatter-add by list slot
+    (:func:`pallas_kernels.triton_backward.add_column_grads`)."""
+    from pallas_kernels.triton_backward import add_column_grads
+
+    B, sq, H, d = q.shape
+    sk = k.shape[1]
+    bs = block_size
+    ops = prepare(index, k, v, k_pos, bs)
+    mcp = ops.kc.shape[2]
+    nch = mcp // bs
+    first, nranges = column_ranges(index.col_count, nch, bs, range_blocks)
+    rinfo, qinfo = _row_infos(q_pos, lse, delta, 1 - index.col_count, bs)
+    kernel = functools.partial(_dkv_cols_kernel, stages=stages, bs=bs, nqb=sq // bs, nranges=nranges,
+                               range_blocks=range_blocks, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale))
+    out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
+    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2, bs), jnp.int32))
+    dkc, dvc = _launch(kernel, [out, out], scratch, (nch // 2, H, B * nranges), ("p", "h", "br"),
+                       first, ops.c_info, q, do.astype(q.dtype), rinfo, qinfo, ops.kc, ops.vc)
+    cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - index.max_cols)])
+    return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), cidx, index.col_count)

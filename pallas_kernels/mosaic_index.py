@@ -21,11 +21,15 @@ for both tile kinds, on a per-tile ``info [2, 64]`` int32 pair ``(pos, aux)``::
     column tile: pos = k_pos of the column (INT32_MAX on padding),
                  aux = -(list slot),         thr = 1 - col_count[i]  (keep slots < col_count[i])
 
-The dK/dV block pass walks the transposed schedule (:func:`kv_schedule`): for every KV block,
-the (query head of its group, query block) tiles that list it, free ones first; its tiles follow
-the Triton passes' split (a block tile counts every causal pair of the block, the column pass only
-listed columns outside the row's blocks), so it pairs with :mod:`pallas_kernels.triton_backward`'s
-column pass.
+The dK/dV passes split the pairs the same way (a listed prefix column is the column pass's):
+
+* the block pass walks the transposed schedule (:func:`kv_schedule`): for every KV block, the
+  (query head of its group, query block) tiles that list it, free ones first (free as above);
+  masked tiles use the same rule with the roles of rows and columns swapped (KV rows carry
+  ``pos, aux``, the tile's query block carries ``q_pos`` and ``thr``);
+* the column pass is column-stationary: each 64-slot chunk of a head's gathered columns walks the
+  query blocks of a range whose prefix can reach it, with the column tiles' rule; its per-slot
+  dK/dV (one buffer per range: no atomics) are summed and scattered into the KV heads.
 
 Costs per ring step: one ``[B, H, Sk]`` scatter-min (the slots), the column gathers
 ``2 * B * H * MCp * D`` elements and ``info`` arrays of ``8 * B * H * (Sk + MCp)`` bytes — linear in
@@ -102,7 +106,7 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int) -> MosaicOperands:
     kpos_t = jnp.broadcast_to(k_pos.astype(jnp.int32).reshape(1, 1, nkb, bs), (B, H, nkb, bs))
     k_info = jnp.stack([kpos_t, slot.reshape(B, H, nkb, bs)], axis=3)
 
-    mcp = max(bs, -(-mc // bs) * bs)
+    mcp = -(-max(mc, 1) // (2 * bs)) * 2 * bs  # pairs of column tiles (the column dK/dV pass's CTAs)
     cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - mc)])
     s = jnp.arange(mcp, dtype=jnp.int32)
     real = s < mc
@@ -122,10 +126,10 @@ def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
 
     Returns ``(sched int32 [B, Hkv, nKB, g * nQB], counts int32 [B, Hkv, nKB, 2])``: entry
     ``e = j * nQB + qb`` is query block ``qb`` of query head ``hk * g + j``; the first
-    ``counts[..., 0]`` entries are free tiles (every pair causal: no mask), then masked ones up to
-    ``counts[..., 1]``, each group in (head, query block) order; the rest is padding (in range).
-    Built from a dense ``[B, H, nKB, nQB]`` int8 tile map, like
-    :func:`pallas_kernels.triton_backward.transpose_block_index`."""
+    ``counts[..., 0]`` entries are free tiles (every pair causal and no listed column of the row's
+    prefix in the block: no mask), then masked ones up to ``counts[..., 1]``, each group in
+    (head, query block) order; the rest is padding (in range). Built from a dense
+    ``[B, H, nKB, nQB]`` int8 tile map, like :func:`pallas_kernels.triton_backward.transpose_block_index`."""
     bs = block_size
     B, H, nqb, mb = index.block_idx.shape
     nkb, g = sk // bs, H // hkv
@@ -134,7 +138,9 @@ def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     b_ix = jnp.arange(B)[:, None, None, None]
     h_ix = jnp.arange(H)[None, :, None, None]
     q_ix = jnp.broadcast_to(jnp.arange(nqb, dtype=jnp.int32)[None, None, :, None], kb.shape)
-    code = (1 + (index.block_causal != 0)).astype(jnp.int8)
+    first_slot = column_slots(index, sk).reshape(B, H, nkb, bs).min(axis=-1)
+    has_col = first_slot[b_ix, h_ix, jnp.minimum(kb, nkb - 1)] < index.col_count[..., None]
+    code = (1 + ((index.block_causal != 0) | has_col)).astype(jnp.int8)
     tiles = jnp.zeros((B, H, nkb + 1, nqb), jnp.int8).at[b_ix, h_ix, kb, q_ix].set(code)[:, :, :nkb]
     tiles = tiles.reshape(B, hkv, g, nkb, nqb).transpose(0, 1, 3, 2, 4).reshape(B, hkv, nkb, g * nqb)
     dst, n_free, n_all = _partition(tiles == 1, tiles == 2)
@@ -145,16 +151,29 @@ def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     return sched, jnp.stack([n_free, n_all], axis=-1).astype(jnp.int32)
 
 
-def emulate_dkv_blocks(q, k, v, q_pos, k_pos, sched, counts, do, lse, delta, *, sm_scale: float,
+def column_ranges(col_count, nchunks: int, bs: int, range_blocks: int):
+    """Query-block walk of the column dK/dV pass: ``first int32 [B, H, nchunks]``, the first query
+    block whose prefix reaches chunk ``c`` (``col_count > c * bs``; ``nQB`` if none), and the number
+    of ranges ``R = ceil(nQB / range_blocks)``; range ``r`` of a chunk walks query blocks
+    ``[max(first, r * range_blocks), min(nQB, (r + 1) * range_blocks))``."""
+    nqb = col_count.shape[-1]
+    reach = col_count[..., None, :] > (jnp.arange(nchunks, dtype=jnp.int32) * bs)[:, None]  # [B,H,nch,nQB]
+    first = jnp.where(reach.any(-1), jnp.argmax(reach, axis=-1), nqb).astype(jnp.int32)
+    return first, max(1, -(-nqb // range_blocks))
+
+
+def emulate_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
                        block_size: int):
     """The dK/dV block pass's walk over :func:`kv_schedule` in plain ``jax.numpy`` (float32): for
-    every listed tile, ``dV += P^T dO`` and ``dK += scale * dS^T Q`` with the causal mask on masked
-    tiles only. Returns ``(dk, dv) f32 [B, Sk, Hkv, D]`` (for testing the schedule on any machine)."""
+    every listed tile, ``dV += P^T dO`` and ``dK += scale * dS^T Q``; masked tiles keep the causal
+    pairs whose key is not a listed column of the row's prefix. Returns ``(dk, dv) f32
+    [B, Sk, Hkv, D]`` (for testing the schedule on any machine)."""
     bs = block_size
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     nqb, nkb, g = sq // bs, sk // bs, H // hkv
     f32 = jnp.float32
+    sched, counts = kv_schedule(index, sk, hkv, bs)
     L = sched.shape[-1]
     qb = sched % nqb
     t = jnp.arange(L)
@@ -167,12 +186,14 @@ def emulate_dkv_blocks(q, k, v, q_pos, k_pos, sched, counts, do, lse, delta, *, 
     lse_t = lse.reshape(B, H, nqb, bs)[b_ix, hq, qb]  # [B, Hkv, nKB, L, bs]
     delta_t = delta.reshape(B, H, nqb, bs)[b_ix, hq, qb]
     qpos_t = q_pos.reshape(nqb, bs)[qb]
+    thr_t = index.col_count[b_ix, hq, qb][..., None, None]  # [B, Hkv, nKB, L, 1, 1]
+    slot_t = column_slots(index, sk).reshape(B, H, nkb, bs)[b_ix, hq, jnp.arange(nkb)[None, None, :, None]]
     kt = k.astype(f32).reshape(B, nkb, bs, hkv, d).transpose(0, 3, 1, 2, 4)  # [B, Hkv, nKB, bs, D]
     vt = v.astype(f32).reshape(B, nkb, bs, hkv, d).transpose(0, 3, 1, 2, 4)
     kpos_t = k_pos.reshape(nkb, bs)[None, None, :, None, :, None]  # [.., kv, q]
     s = jnp.einsum("bhnkd,bhnlqd->bhnlkq", kt, qt) * sm_scale
-    causal = kpos_t <= qpos_t[..., None, :]
-    ok = used[..., None, None] & (~masked[..., None, None] | causal)
+    keep = (kpos_t <= qpos_t[..., None, :]) & (slot_t[..., :, None] >= thr_t)
+    ok = used[..., None, None] & (~masked[..., None, None] | keep)
     lse_safe = jnp.where(jnp.isfinite(lse_t), lse_t, 0.0)[..., None, :]
     p = jnp.where(ok, jnp.exp(s - lse_safe), 0.0)
     dv = jnp.einsum("bhnlkq,bhnlqd->bhnkd", p, dot)

@@ -394,25 +394,25 @@ def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv
     return add_column_grads(dk, dv, dkc, dvc, cidx, index.col_count)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("dq_kernel", "dkv_kernel"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("dq_kernel", "dkv_kernels"))
 def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, *,
-               dq_kernel=None, dkv_kernel=None, **options):
+               dq_kernel=None, dkv_kernels=None, **options):
     """Backward kernels (module docstring: three passes, dK/dV first, dQ last); returns f32
     ``(dq, dk, dv)``, added to ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)``
     when given (ring steps). ``dkv_acc`` is added after the block pass, in the column scatter's
     operand: in a ring it arrives from the neighbour, and making the step's first dK/dV kernel wait
     for it exposed the transfer (measured: ``benchmarks/sparse_ring_results.md``, v7).
     ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`.
-    ``dq_kernel`` / ``dkv_kernel``: another dQ pass / dK/dV block pass with :func:`dq_pass`'s /
-    :func:`dkv_block_pass`'s contract (the Mosaic GPU ones), or None."""
+    ``dq_kernel``: another dQ pass with :func:`dq_pass`'s contract; ``dkv_kernels``: another
+    ``(block pass, column pass)`` pair with :func:`dkv_block_pass`'s / :func:`dkv_col_pass`'s
+    contracts (they must split the pairs between them the same way); the Mosaic GPU ones, or None."""
     args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
-    if dkv_kernel is None:
-        dk, dv = dkv_block_pass(*args, **options)
-    else:
-        dk, dv = dkv_kernel(*args, sm_scale=options["sm_scale"], block_size=options["block_size"])
+    block_pass, col_pass = (dkv_block_pass, dkv_col_pass) if dkv_kernels is None else dkv_kernels
+    kw = options if dkv_kernels is None else dict(sm_scale=options["sm_scale"], block_size=options["block_size"])
+    dk, dv = block_pass(*args, **kw)
     if dkv_acc is not None:
         dk, dv = dk + dkv_acc[0], dv + dkv_acc[1]
-    dk, dv = dkv_col_pass(*args, dk, dv, **options)
+    dk, dv = col_pass(*args, dk, dv, **kw)
     # dQ last: in a ring, dK/dV leave for the neighbour (or home) while the dQ kernel runs, instead
     # of waiting behind it (the barrier makes the order a data dependence XLA keeps).
     dk, dv, q = lax.optimization_barrier((dk, dv, q))

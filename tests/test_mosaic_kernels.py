@@ -76,8 +76,9 @@ def test_free_tiles_hold_no_listed_prefix_column():
 ])
 def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permuted, mb):
     """The dK/dV block pass's schedule: every (query head, query block) tile that lists a KV
-    block exactly once, free tiles first; its walk gives the dense gradients restricted to the
-    active blocks' causal pairs (given the full attention's ``lse`` and ``delta``)."""
+    block exactly once, free tiles first (free: causal-free and no listed column of the row's
+    prefix inside); its walk gives the dense gradients of the active blocks' causal pairs minus
+    the prefix columns (those are the column pass's), given the full attention's lse / delta."""
     rng = np.random.default_rng(7 * S + Sk + H)
     q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, mb, 20)
     scale = 64**-0.5
@@ -85,39 +86,39 @@ def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permute
     out, lse = dense_attention(q, k, v, qp, kp, allowed, sm_scale=scale)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     delta = jnp.einsum("bshd,bshd->bhs", do, out)
-    sched, counts = mosaic_index.kv_schedule(idx, Sk, Hkv, BS)
+    sched, counts = (np.asarray(x) for x in mosaic_index.kv_schedule(idx, Sk, Hkv, BS))
     g, nqb, nkb = H // Hkv, S // BS, Sk // BS
-    # exactly the listing tiles, free first
-    bidx, bcnt, bcau = (np.asarray(x) for x in (idx.block_idx, idx.block_count, idx.block_causal))
-    sched, counts = np.asarray(sched), np.asarray(counts)
+    bidx, bcnt, bcau, ccnt = (np.asarray(x) for x in (idx.block_idx, idx.block_count, idx.block_causal,
+                                                      idx.col_count))
+    slot = np.asarray(mosaic_index.column_slots(idx, Sk)).reshape(B, H, nkb, BS).min(-1)
     for b in range(B):
         for hk in range(Hkv):
             for kb in range(nkb):
-                want_free, want_masked = set(), set()
+                listing, free = set(), set()
                 for j in range(g):
+                    h = hk * g + j
                     for i in range(nqb):
-                        for t in range(bcnt[b, hk * g + j, i]):
-                            if bidx[b, hk * g + j, i, t] == kb:
-                                (want_masked if bcau[b, hk * g + j, i, t] else want_free).add(j * nqb + i)
+                        for t in range(bcnt[b, h, i]):
+                            if bidx[b, h, i, t] == kb:
+                                listing.add(j * nqb + i)
+                                if not bcau[b, h, i, t] and slot[b, h, kb] >= ccnt[b, h, i]:
+                                    free.add(j * nqb + i)
                 nf, na = counts[b, hk, kb]
-                assert set(sched[b, hk, kb, :nf]) == want_free and nf == len(want_free)
-                assert set(sched[b, hk, kb, nf:na]) == want_masked and na - nf == len(want_masked)
-    dk, dv = mosaic_index.emulate_dkv_blocks(q, k, v, qp, kp, jnp.asarray(sched), jnp.asarray(counts), do, lse,
-                                             delta, sm_scale=scale, block_size=BS)
-    # dense: P on the active blocks' causal pairs only, with the full attention's lse / delta
+                assert set(sched[b, hk, kb, :nf]) == free and nf == len(free)
+                assert set(sched[b, hk, kb, :na]) == listing and na == len(listing)
+    dk, dv = mosaic_index.emulate_dkv_blocks(q, k, v, qp, kp, idx, do, lse, delta, sm_scale=scale, block_size=BS)
     blocks = step_index_to_mask(idx._replace(col_count=jnp.zeros_like(idx.col_count)), S, Sk, BS)
+    cols = step_index_to_mask(idx._replace(block_count=jnp.zeros_like(idx.block_count)), S, Sk, BS)
     causal = np.asarray(kp)[None, :] <= np.asarray(qp)[:, None]
     kh = np.arange(H) // g
     s = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), np.asarray(k, np.float64)[:, :, kh]) * scale
     lse64 = np.where(np.isfinite(np.asarray(lse)), np.asarray(lse), 0.0)
-    p = np.where(np.asarray(blocks) & causal, np.exp(s - lse64[..., None]), 0.0)
+    p = np.where(np.asarray(blocks) & ~np.asarray(cols) & causal, np.exp(s - lse64[..., None]), 0.0)
     do64 = np.asarray(do, np.float64)
     dp = np.einsum("bqhd,bkhd->bhqk", do64, np.asarray(v, np.float64)[:, :, kh])
     ds = p * (dp - np.asarray(delta, np.float64)[..., None])
-    dv_h = np.einsum("bhqk,bqhd->bkhd", p, do64)
-    dk_h = np.einsum("bhqk,bqhd->bkhd", ds, np.asarray(q, np.float64)) * scale
-    dv_ref = dv_h.reshape(B, Sk, Hkv, g, 64).sum(3)
-    dk_ref = dk_h.reshape(B, Sk, Hkv, g, 64).sum(3)
+    dv_ref = np.einsum("bhqk,bqhd->bkhd", p, do64).reshape(B, Sk, Hkv, g, 64).sum(3)
+    dk_ref = (np.einsum("bhqk,bqhd->bkhd", ds, np.asarray(q, np.float64)) * scale).reshape(B, Sk, Hkv, g, 64).sum(3)
     np.testing.assert_allclose(np.asarray(dv), dv_ref, atol=2e-4)
     np.testing.assert_allclose(np.asarray(dk), dk_ref, atol=2e-4)
 
@@ -149,5 +150,12 @@ def test_mosaic_kernels_lower_for_cuda(merge):
 
         f = jax.jit(lambda q, k, v, idx, do, lse, delta: mosaic_dkv_blocks(q, k, v, pos, pos, idx, do, lse, delta,
                                                                           sm_scale=0.1))
+        text = f.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        from pallas_kernels.mosaic_bwd import mosaic_dkv_cols
+
+        z = jnp.zeros(k.shape, jnp.float32)
+        f = jax.jit(lambda q, k, v, idx, do, lse, delta: mosaic_dkv_cols(q, k, v, pos, pos, idx, do, lse, delta, z, z,
+                                                                        sm_scale=0.1, range_blocks=2))
         text = f.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
