@@ -92,18 +92,18 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
 
             s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32)) * qk_scale
             plgpu.barrier_wait(i_bar.at[slot])
-            if masked:
-                pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
-                aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
-                s = jnp.where((pos <= qpos_b) & (aux >= thr), s, _NEG_INF)
-            p = jnp.exp2(s - lse2_b)
             plgpu.barrier_wait(v_bar.at[slot])
 
-            def dov(acc_ref):
+            def dov(acc_ref):  # P is computed while the dP wgmma runs
                 plgpu.wgmma(acc_ref, do_smem.at[w], _transposed(v_smem.at[slot]))
-                return acc_ref[...]
+                sm = s
+                if masked:
+                    pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
+                    aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+                    sm = jnp.where((pos <= qpos_b) & (aux >= thr), sm, _NEG_INF)
+                return acc_ref[...], jnp.exp2(sm - lse2_b)
 
-            dp = pl.run_scoped(dov, plgpu.ACC((bs, bs), jnp.float32))
+            dp, p = pl.run_scoped(dov, plgpu.ACC((bs, bs), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             ds = (p * (dp - delta_b)).astype(dtype)
 
@@ -202,34 +202,30 @@ def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, 
         plgpu.barrier_wait(qi_bar.at[slot])
         if kaux_b is None:
             plgpu.barrier_wait(ka_bar.at[slot])
-        if masked:
-            qpos = lax.broadcast_in_dim(_load(qi_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
-            thr = lax.broadcast_in_dim(_load(qi_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
-            aux = kaux_b if kaux_b is not None else lax.broadcast_in_dim(
-                _load(ka_smem.at[slot], _row_layout()), (bs, bs), [0])
-            st = jnp.where((kpos_b <= qpos) & (aux >= thr), st, _NEG_INF)
-        lse2 = lax.broadcast_in_dim(_load(r_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
-        pt = jnp.exp2(st - lse2)
         plgpu.barrier_wait(do_bar.at[slot])
 
-        def vdo(acc_ref):
+        def vdo(acc_ref):  # P^T is computed while the dP^T wgmma runs
             plgpu.wgmma(acc_ref, vres.at[w], _transposed(do_smem.at[slot]))
-            return acc_ref[...]
+            sm = st
+            if masked:
+                qpos = lax.broadcast_in_dim(_load(qi_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
+                thr = lax.broadcast_in_dim(_load(qi_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+                aux = kaux_b if kaux_b is not None else lax.broadcast_in_dim(
+                    _load(ka_smem.at[slot], _row_layout()), (bs, bs), [0])
+                sm = jnp.where((kpos_b <= qpos) & (aux >= thr), sm, _NEG_INF)
+            lse2 = lax.broadcast_in_dim(_load(r_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
+            return acc_ref[...], jnp.exp2(sm - lse2)
 
-        dpt = pl.run_scoped(vdo, plgpu.ACC((bs, bs), jnp.float32))
+        dpt, pt = pl.run_scoped(vdo, plgpu.ACC((bs, bs), jnp.float32))
 
-        def pdo(acc_ref):
-            plgpu.wgmma(acc_ref, pt.astype(dtype), do_smem.at[slot])
+        def dvdk(refs):  # dS^T is computed while the dV wgmma runs
+            dv_ref, dk_ref = refs
+            plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
+            delta = lax.broadcast_in_dim(_load(r_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+            plgpu.wgmma(dk_ref, (pt * (dpt - delta)).astype(dtype), q_smem.at[slot])
 
-        dv = pl.run_state(pdo)(plgpu.ACC.init(dv))
+        dv, dk = pl.run_state(dvdk)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
         plgpu.barrier_arrive(do_free.at[slot])
-        delta = lax.broadcast_in_dim(_load(r_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
-        dst = (pt * (dpt - delta)).astype(dtype)
-
-        def dsq(acc_ref):
-            plgpu.wgmma(acc_ref, dst, q_smem.at[slot])
-
-        dk = pl.run_state(dsq)(plgpu.ACC.init(dk))
         plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv
 

@@ -12,7 +12,9 @@ Structure (FlashAttention-3 style, one CTA = 3 warpgroups):
 * warpgroups 0 and 1 are consumers, one 64-row query block each, with its own tile walk:
   free block tiles (no mask), masked block tiles, then column tiles; ``S = q K^T`` by ``wgmma``
   from shared memory, online softmax in float32 (``exp2``, log2-domain running max), ``P V`` by
-  ``wgmma`` with ``P`` from registers;
+  ``wgmma`` with ``P`` from registers; the two take turns on the tensor cores (a shared
+  "schedule" barrier, FlashAttention-3's ping-pong): one's softmax runs under the other's
+  ``wgmma``, and the one whose walk ends first keeps taking turns until the other's ends;
 * warpgroup 2 is the producer: it TMA-loads each consumer's K, V and ``info`` tiles, at offsets
   read from the index at run time, into a ``stages``-deep ring of shared-memory slots per consumer,
   and waits on the consumer's "slot free" barriers before reusing a slot.
@@ -112,7 +114,7 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
     *ins, out_ref, lse_ref, smems, bars = refs
     oprev_ref, lprev_ref = ins if merge else (None, None)
     q_smem, k_smem, v_smem, info_smem, row_smem, lse_smem = smems
-    q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free = bars
+    q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free, sched_bar = bars
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     pair = npairs - 1 - lax.axis_index("p")
@@ -143,6 +145,10 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
         m = plgpu.layout_cast(jnp.full((bs,), _NEG_INF, jnp.float32), _row_layout())
         l = plgpu.layout_cast(jnp.full((bs,), 0.0, jnp.float32), _row_layout())
 
+        def schedule():  # both consumers' turn-taking (FlashAttention-3 "ping-pong")
+            plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(sched_bar)
+
         def tile(t, carry, masked: bool, thr):
             acc, m, l = carry
             slot = w * stages + lax.rem(t, jnp.int32(stages))
@@ -150,6 +156,7 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem.at[w], _transposed(k_smem.at[slot]))
+                schedule()  # the other consumer's softmax runs under this wgmma
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32)) * qk_scale
@@ -162,7 +169,9 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
             p, alpha, m, l = _online_softmax((m, l), s, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
+            plgpu.barrier_arrive(sched_bar)  # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -172,9 +181,17 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
             return acc, m, l
 
         carry = (acc, m, l)
+        pl.when(w == 1)(schedule)  # consumer 0 goes first
         carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False, thr=None), carry)
         carry = lax.fori_loop(n_free, n_blk, functools.partial(tile, masked=True, thr=ncol), carry)
         carry = lax.fori_loop(n_blk, ntiles, functools.partial(tile, masked=True, thr=1 - ncol), carry)
+
+        @pl.loop(ntiles, jnp.maximum(ntiles, row_counts(1 - w)[4]))
+        def _(t):  # keep the turn-taking in step while the other consumer's walk is longer
+            schedule()
+            schedule()
+
+        pl.when(w == 0)(schedule)
         acc, m, l = carry
         prev = None
         if merge:
@@ -267,7 +284,8 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
         (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4),
          plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=2 * stages),
-         plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages)),
+         plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
+         plgpu.Barrier(num_arrivals=2)),
     ]
     args = [ops.counts, ops.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc, ops.k_info, ops.c_info]
     if merge:
