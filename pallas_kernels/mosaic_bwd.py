@@ -58,13 +58,13 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
     def row_counts(w):
         i = 2 * pair + w
         n_free, n_blk, ncol = cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], cnt_ref[b, h, i, 2]
-        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs))
+        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs)), cnt_ref[b, h, i, 3]
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        i, n_free, n_blk, ncol, ntiles = row_counts(w)
+        i, n_free, n_blk, ncol, ntiles, n_cfree = row_counts(w)
         rows = pl.ds(i * bs, bs)
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[w], q_bar.at[w])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[w], q_bar.at[2 + w])
@@ -116,7 +116,8 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
 
         dq = lax.fori_loop(0, n_free, functools.partial(tile, masked=False, thr=None), dq)
         dq = lax.fori_loop(n_free, n_blk, functools.partial(tile, masked=True, thr=ncol), dq)
-        dq = lax.fori_loop(n_blk, ntiles, functools.partial(tile, masked=True, thr=1 - ncol), dq)
+        dq = lax.fori_loop(n_blk, n_blk + n_cfree, functools.partial(tile, masked=False, thr=None), dq)
+        dq = lax.fori_loop(n_blk + n_cfree, ntiles, functools.partial(tile, masked=True, thr=1 - ncol), dq)
         dq = dq * scale
         if accumulate:
             dq = dq + _load(dqacc_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False)
@@ -141,7 +142,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops = prepare(index, k, v, k_pos, bs)
+    ops = prepare(index, k, v, k_pos, bs, q_pos)
     accumulate = dq_acc is not None
     kernel = functools.partial(_kernel, accumulate=accumulate, stages=stages, g=H // k.shape[2], bs=bs,
                                qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2)

@@ -10,7 +10,8 @@ Structure (FlashAttention-3 style, one CTA = 3 warpgroups):
 * CTA ``(p, h, b)`` owns query blocks ``2p`` and ``2p + 1`` of head ``h`` (pairs walked from the
   last: causal rows get heavier with position, so the heavy ones start first);
 * warpgroups 0 and 1 are consumers, one 64-row query block each, with its own tile walk:
-  free block tiles (no mask), masked block tiles, then column tiles; ``S = q K^T`` by ``wgmma``
+  free block tiles (no mask), masked block tiles, free column tiles (whole tile in the row's prefix
+  and causal), then masked column tiles; ``S = q K^T`` by ``wgmma``
   from shared memory, online softmax in float32 (``exp2``, log2-domain running max), ``P V`` by
   ``wgmma`` with ``P`` from registers; the two take turns on the tensor cores (a shared
   "schedule" barrier, FlashAttention-3's ping-pong): one's softmax runs under the other's
@@ -124,13 +125,13 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
     def row_counts(w):
         i = 2 * pair + w
         n_free, n_blk, ncol = cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], cnt_ref[b, h, i, 2]
-        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs))
+        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs)), cnt_ref[b, h, i, 3]
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        i, n_free, n_blk, ncol, ntiles = row_counts(w)
+        i, n_free, n_blk, ncol, ntiles, n_cfree = row_counts(w)
         rows = pl.ds(i * bs, bs)
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[w], q_bar.at[w])
         plgpu.copy_gmem_to_smem(qpos_ref.at[rows], row_smem.at[w], row_bar.at[w])
@@ -184,7 +185,8 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
         pl.when(w == 1)(schedule)  # consumer 0 goes first
         carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False, thr=None), carry)
         carry = lax.fori_loop(n_free, n_blk, functools.partial(tile, masked=True, thr=ncol), carry)
-        carry = lax.fori_loop(n_blk, ntiles, functools.partial(tile, masked=True, thr=1 - ncol), carry)
+        carry = lax.fori_loop(n_blk, n_blk + n_cfree, functools.partial(tile, masked=False, thr=None), carry)
+        carry = lax.fori_loop(n_blk + n_cfree, ntiles, functools.partial(tile, masked=True, thr=1 - ncol), carry)
 
         @pl.loop(ntiles, jnp.maximum(ntiles, row_counts(1 - w)[4]))
         def _(t):  # keep the turn-taking in step while the other consumer's walk is longer
@@ -216,7 +218,7 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
 def _producer_loop(walks, b, h, hk, bs, stages, bidx_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
                    k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free):
     """The producer warpgroup's loop, shared by the forward and the dQ pass: for tile ``t`` of each
-    consumer ``w`` (``walks[w] = (query block, n_free, n_blocks, col_count, n_tiles)``), wait until the
+    consumer ``w`` (``walks[w] = (query block, n_free, n_blocks, col_count, n_tiles, n_free_col_tiles)``), wait until the
     consumer has freed slot ``w * stages + t % stages`` (from ``t >= stages`` on), then TMA-load the
     tile's K (+ its ``info``) and V: block ``bidx[t]`` of ``k/v`` for ``t < n_blocks``, else column tile
     ``t - n_blocks`` of ``kc/vc``."""
@@ -239,7 +241,7 @@ def _producer_loop(walks, b, h, hk, bs, stages, bidx_ref, k_ref, v_ref, kc_ref, 
     @pl.loop(0, jnp.maximum(walks[0][4], walks[1][4]))
     def _(t):
         for w in range(2):
-            i, _, n_blk, _, ntiles = walks[w]
+            i, _, n_blk, _, ntiles, _ = walks[w]
 
             @pl.when(t < ntiles)
             def _():
@@ -269,7 +271,7 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops: MosaicOperands = prepare(index, k, v, k_pos, bs)
+    ops: MosaicOperands = prepare(index, k, v, k_pos, bs, q_pos)
     merge = acc is not None
     kernel = functools.partial(_kernel, merge=merge, stages=stages, g=H // k.shape[2], bs=bs,
                                qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2)

@@ -52,7 +52,7 @@ POS_PAD = jnp.iinfo(jnp.int32).max  # position of a padding column: never causal
 class MosaicOperands(NamedTuple):
     """Operands of the Mosaic forward/backward kernels (see module docstring)."""
 
-    counts: jax.Array  # int32 [B, H, nQB, 3]: (n_free, n_blocks, col_count) per row
+    counts: jax.Array  # int32 [B, H, nQB, 4]: (n_free, n_blocks, col_count, n_free_col_tiles) per row
     block_idx: jax.Array  # int32 [B, H, nQB, MB]: active KV blocks, free ones first, padding in range
     k_info: jax.Array  # int32 [B, H, nKB, 2, bs]: (k_pos, column slot) per key of each KV block
     kc: jax.Array  # [B, H, MCp, D]: K rows of the head's column list (zeros in padding)
@@ -82,8 +82,11 @@ def column_slots(index: StepIndex, sk: int):
     return jnp.full((B, H, sk), UNLISTED, jnp.int32).at[b, h, ids].min(slots)
 
 
-def prepare(index: StepIndex, k, v, k_pos, block_size: int) -> MosaicOperands:
-    """Build :class:`MosaicOperands` for ``k, v [B, Sk, Hkv, D]`` and query heads ``H`` of ``index``."""
+def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None) -> MosaicOperands:
+    """Build :class:`MosaicOperands` for ``k, v [B, Sk, Hkv, D]`` and query heads ``H`` of ``index``.
+    With ``q_pos [Sq]``, each row's leading column tiles that need no mask (every column inside the
+    row's prefix and causal for every query of the block) are counted (``counts[..., 3]``) so the
+    kernels skip their mask; without, that count is 0."""
     bs = block_size
     B, H, nqb, mb = index.block_idx.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -117,6 +120,15 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int) -> MosaicOperands:
     cpos = jnp.where(real, k_pos.astype(jnp.int32)[cidx], POS_PAD)
     c_info = jnp.stack([cpos.reshape(B, H, mcp // bs, bs),
                         jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))], axis=3)
+    n_cfree = jnp.zeros_like(n_free)
+    if q_pos is not None:
+        nct = mcp // bs
+        tile_max = cpos.reshape(B, H, nct, bs).max(-1)  # padding columns: POS_PAD, never free
+        q_min = q_pos.astype(jnp.int32).reshape(nqb, bs).min(-1)
+        whole = (jnp.arange(1, nct + 1, dtype=jnp.int32) * bs) <= index.col_count[..., None]  # [B,H,nQB,nCT]
+        free_c = whole & (tile_max[:, :, None, :] <= q_min[None, None, :, None])
+        n_cfree = jnp.cumprod(free_c.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
+    counts = jnp.concatenate([counts, n_cfree[..., None]], axis=-1)
     return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info.astype(jnp.int32))
 
 

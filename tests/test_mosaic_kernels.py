@@ -40,19 +40,47 @@ def _case(rng, B, S, Sk, H, Hkv, D, permuted, mb, mc):
     (1, 256, 256, 2, 2, False, 3, 70),    # a column list longer than one tile, ragged tail
     (2, 256, 384, 4, 1, True, 4, 12),     # GQA 4, ring-like positions, Sq != Sk
     (1, 128, 256, 8, 1, True, 2, 130),    # GQA 8, three column tiles
+    (1, 512, 512, 2, 1, False, 2, 200),   # causal columns: later rows get free column tiles
 ])
 def test_prepared_tile_walk_equals_masked_reference(B, S, Sk, H, Hkv, permuted, mb, mc):
     rng = np.random.default_rng(S + Sk + H)
     q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, mb, mc)
-    ops = mosaic_index.prepare(idx, k, v, kp, BS)
+    ops = mosaic_index.prepare(idx, k, v, kp, BS, qp)
     n_free, n_blk = np.asarray(ops.counts[..., 0]), np.asarray(ops.counts[..., 1])
     assert np.all(n_free <= n_blk) and np.array_equal(n_blk, np.asarray(idx.block_count))
+    # free column tiles: whole tile inside the row's prefix and causal for every query of the block
+    ncol, n_cfree = np.asarray(ops.counts[..., 2]), np.asarray(ops.counts[..., 3])
+    cpos = np.asarray(ops.c_info[..., 0, :])  # [B, H, nCT, bs]
+    qmin = np.asarray(qp).reshape(-1, BS).min(-1)
+    for b, h, i in np.ndindex(*ncol.shape):
+        assert (n_cfree[b, h, i] + 1) * BS > ncol[b, h, i] or cpos[b, h, n_cfree[b, h, i]].max() > qmin[i]
+        for c in range(n_cfree[b, h, i]):
+            assert (c + 1) * BS <= ncol[b, h, i] and cpos[b, h, c].max() <= qmin[i]
     out, lse = mosaic_index.emulate_fwd(q, ops, k, v, qp, sm_scale=64**-0.5, block_size=BS)
     ref_out, ref_lse = dense_attention(q, k, v, qp, kp, step_index_to_mask(idx, S, Sk, BS))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
     fin = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=2e-5)
+
+
+def test_position_ordered_columns_get_free_column_tiles():
+    """Column lists in position order (as the index builds them): every row's leading column tiles
+    are mask-free, and the walk with them equals the masked reference."""
+    from pallas_kernels.testing import vertical_slash_index
+
+    rng = np.random.default_rng(5)
+    S, H = 1024, 2
+    idx = vertical_slash_index(rng, 1, H, S, 0.8, block_size=BS, far_slashes=1, max_cols=300)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    q = jnp.asarray(rng.standard_normal((1, S, H, 64)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, S, 1, 64)), jnp.float32)
+    ops = mosaic_index.prepare(idx, k, k, pos, BS, pos)
+    n_cfree = np.asarray(ops.counts[..., 3])
+    assert n_cfree.max() >= 3 and n_cfree.sum() > 0.5 * (np.asarray(idx.col_count) // BS).sum()
+    out, _ = mosaic_index.emulate_fwd(q, ops, k, k, pos, sm_scale=0.125, block_size=BS)
+    ref, _ = dense_attention(q, k, k, pos, pos, step_index_to_mask(idx, S, S, BS), sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
 
 
 def test_free_tiles_hold_no_listed_prefix_column():
