@@ -228,6 +228,36 @@ def passes_table(rows):
     return "\n".join(out)
 
 
+def plot_passes(rows, path):
+    """Bar chart of :func:`passes` rows: ms per pass, Triton vs Mosaic, one panel per index."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    indices = list(dict.fromkeys(r["index"] for r in rows))
+    order = list(dict.fromkeys(r["pass_"] for r in rows))
+    fig, axes = plt.subplots(1, len(indices), figsize=(5.5 * len(indices), 4), squeeze=False)
+    for ax, name in zip(axes[0], indices):
+        for j, impl in enumerate(("triton", "mosaic")):
+            got = {r["pass_"]: r for r in rows if r["index"] == name and r["impl"] == impl}
+            xs = [i + (j - 0.5) * 0.4 for i, p in enumerate(order) if p in got]
+            ms = [got[p]["ms"] for p in order if p in got]
+            err = [[got[p]["ms"] - got[p]["spread_ms"][0] for p in order if p in got],
+                   [got[p]["spread_ms"][1] - got[p]["ms"] for p in order if p in got]]
+            bars = ax.bar(xs, ms, 0.4, yerr=err, capsize=2, label=impl, color="C0" if impl == "triton" else "C1")
+            for b, p in zip(bars, [p for p in order if p in got]):
+                ax.annotate(f"{got[p]['tflops']:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(order)), order)
+        ax.set_ylabel("ms (label: active TFLOP/s)")
+        ax.set_title(f"{rows[0]['seq'] // 1024}K tokens, index {name}")
+        ax.legend(fontsize=8)
+    fig.suptitle("kernel passes alone, min-max bars")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
     """The column dK/dV pass alone over its row ranges per column chunk (``col_splits``) on a 95 %
     vertical-slash index with ``max_cols`` columns per head (``S = 131072, max_cols = 1024`` is one
@@ -344,7 +374,11 @@ def main():
                     "alone per backend (families from --families, plus 'full')")
     a = ap.parse_args()
     if a.plot_from:
-        rows = [r for f in a.plot_from.split(",") for r in json.load(open(f))["rows"]]
+        data = [json.load(open(f)) for f in a.plot_from.split(",")]
+        if isinstance(data[0], list):  # --passes rows
+            plot_passes([r for d in data for r in d if "pass_" in r], a.plot or "kernel_passes.png")
+            return
+        rows = [r for d in data for r in d["rows"]]
         plot(rows, a.plot or "kernels.png")
         return
     sweeps = []
