@@ -65,16 +65,17 @@ def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int):
     return paths, int(n)
 
 
-def eval_spec(smoke: bool, seq_len: int):
+def eval_spec(smoke: bool, seq_len: int, recall_ps=(0.9, 0.5)):
     from mtraining_jax.eval.api import EvalSpec
 
+    recall_ps = tuple(recall_ps)
     if smoke:
         return EvalSpec(lengths=(seq_len,), depths=(0.0, 1.0), samples=1, ruler_tasks=("multikey",),
-                        ruler_samples=1, ppl_windows=2, ppl_buckets=4, recall_ps=(0.9, 0.5), recall_rows=16)
+                        ruler_samples=1, ppl_windows=2, ppl_buckets=4, recall_ps=recall_ps, recall_rows=16)
     lengths = tuple(n for n in (4096, 8192, 16384, 32768) if n <= seq_len)
     return EvalSpec(lengths=lengths, depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=4,
                     ruler_tasks=("multikey", "multivalue", "vartrack"), ruler_samples=4, ppl_windows=8,
-                    ppl_buckets=16, recall_ps=(0.9, 0.5), recall_rows=512)
+                    ppl_buckets=16, recall_ps=recall_ps, recall_rows=512)
 
 
 def run_variant(name: str, args, corpus) -> dict:
@@ -96,8 +97,11 @@ def run_variant(name: str, args, corpus) -> dict:
         over += SMOKE + SMOKE_BACKENDS[name]
     if args.steps:
         over.append(f"steps={args.steps}")
+    if args.seed is not None:
+        over.append(f"seed={args.seed}")
     cfg = load_config(os.path.join(QUALITY, f"{name}.yaml"), over)
-    rec = {"variant": name, "steps": cfg.steps, "seq_len": cfg.data.seq_len, "retrieval_mix": args.retrieval_mix}
+    rec = {"variant": name, "steps": cfg.steps, "seq_len": cfg.data.seq_len, "retrieval_mix": args.retrieval_mix,
+           "seed": cfg.seed}
     t0 = time.time()
     result = run(cfg)
     rec["train_seconds"] = time.time() - t0
@@ -114,7 +118,7 @@ def run_variant(name: str, args, corpus) -> dict:
     _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     mesh, tok = build_mesh(cfg.mesh), load_tokenizer(cfg.data.tokenizer)
     held = np.asarray(token_file_stream(corpus[1]))
-    spec = eval_spec(args.smoke, cfg.data.seq_len)
+    spec = eval_spec(args.smoke, cfg.data.seq_len, args.recall_ps)
     t0 = time.time()
     try:
         rec["eval"] = evaluate_params(model_cfg, result.params, tok, spec, mesh=mesh, heldout=held, label=name)
@@ -185,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="override the configs' steps")
     p.add_argument("--retrieval-mix", type=float, default=0.5, help="fraction of training windows with a task")
     p.add_argument("--smoke", action="store_true", help="CPU toy sizes (2 virtual devices)")
+    p.add_argument("--seed", type=int, help="model initialisation seed of both variants (default: the configs')")
+    p.add_argument("--recall-ps", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.9, 0.5],
+                   help="top-p budgets of the index recall (comma-separated; a budget sweep)")
     args = p.parse_args(argv)
     if args.smoke:
         from mtraining_jax.train.cli import _setup_platform
