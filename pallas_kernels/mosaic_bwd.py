@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_fwd import (LOG2E, _NEG_INF, _col_layout, _load, _producer_loop, _row_layout,
-                                       _tile_transforms, _transposed)
+from pallas_kernels.mosaic_fwd import (LOG2E, _NEG_INF, _col_layout, _load, _producer_loop, _query_pair_ids,
+                                       _row_layout, _row_walk, _tile_transforms, _transposed)
 from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
 
 
@@ -49,16 +49,9 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
     dqacc_ref = ins[0] if accumulate else None
     q_smem, do_smem, k_smem, v_smem, info_smem, qpos_smem, lse_smem, delta_smem = smems
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free = bars
-    b = lax.axis_index("b")
-    h = lax.axis_index("h")
-    pair = npairs - 1 - lax.axis_index("p")
-    wg = lax.axis_index("wg")
+    b, h, pair, wg = _query_pair_ids(npairs)
     dtype = q_ref.dtype
-
-    def row_counts(w):
-        i = 2 * pair + w
-        n_free, n_blk, ncol = cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], cnt_ref[b, h, i, 2]
-        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs)), cnt_ref[b, h, i, 3]
+    row_counts = _row_walk(cnt_ref, b, h, pair, bs)
 
     @pl.when(wg < 2)
     def _consumer():
@@ -272,6 +265,15 @@ def _dkv_producer(walks, b, stages: int, bs: int, q_ref, do_ref, rinfo_ref, qinf
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_bar.at[slot])
 
 
+def _resident(w, copies, bars):
+    """Consumer ``w``'s resident operands of a dK/dV pass: TMA-copy each ``(gmem, smem)`` pair ``x``
+    on barrier ``2 * x + w``, then wait for all of them."""
+    for x, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[2 * x + w])
+    for x in range(len(copies)):
+        plgpu.barrier_wait(bars.at[2 * x + w])
+
+
 def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, k_ref, v_ref,
                        dk_ref, dv_ref, smems, bars, *, stages: int, g: int, bs: int, nqb: int, qk_scale: float,
                        scale: float):
@@ -292,11 +294,8 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
         w = wg
         j, n_free, n_all = walk(w)
         rows = pl.ds(j * bs, bs)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], kres.at[w], kv_bar.at[w])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], vres.at[w], kv_bar.at[2 + w])
-        plgpu.copy_gmem_to_smem(kpos_ref.at[rows], kp_smem.at[w], kv_bar.at[4 + w])
-        for x in range(3):
-            plgpu.barrier_wait(kv_bar.at[2 * x + w])
+        _resident(w, [(k_ref.at[b, rows, hk], kres.at[w]), (v_ref.at[b, rows, hk], vres.at[w]),
+                      (kpos_ref.at[rows], kp_smem.at[w])], kv_bar)
         kpos_b = lax.broadcast_in_dim(_load(kp_smem.at[w], _row_layout()), (bs, bs), [0])
         dk, dv = _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, None, tile_smems, tile_bars, stages=stages,
                                bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype)
@@ -342,11 +341,8 @@ def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, 
         w = wg
         c, _, n = walk(w)
         rows = pl.ds(c * bs, bs)
-        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, rows], kres.at[w], kv_bar.at[w])
-        plgpu.copy_gmem_to_smem(vc_ref.at[b, h, rows], vres.at[w], kv_bar.at[2 + w])
-        plgpu.copy_gmem_to_smem(cinfo_ref.at[b, h, c], ci_smem.at[w], kv_bar.at[4 + w])
-        for x in range(3):
-            plgpu.barrier_wait(kv_bar.at[2 * x + w])
+        _resident(w, [(kc_ref.at[b, h, rows], kres.at[w]), (vc_ref.at[b, h, rows], vres.at[w]),
+                      (cinfo_ref.at[b, h, c], ci_smem.at[w])], kv_bar)
         kpos_b = lax.broadcast_in_dim(_load(ci_smem.at[w, 0], _row_layout()), (bs, bs), [0])
         kaux_b = lax.broadcast_in_dim(_load(ci_smem.at[w, 1], _row_layout()), (bs, bs), [0])
         dk, dv = _dkv_consumer(w, jnp.int32(0), n, kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,

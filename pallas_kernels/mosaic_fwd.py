@@ -110,22 +110,33 @@ def _finish(acc, m, l, merge_prev):
     return out, lse
 
 
+def _query_pair_ids(npairs: int):
+    """``(b, h, pair, wg)`` of a query-side kernel's CTA (forward, dQ): pairs of query blocks are
+    walked from the last, since causal rows get heavier with position (heavy CTAs start first)."""
+    return lax.axis_index("b"), lax.axis_index("h"), npairs - 1 - lax.axis_index("p"), lax.axis_index("wg")
+
+
+def _row_walk(cnt_ref, b, h, pair, bs: int):
+    """``walk(w)``: consumer ``w``'s query block ``i`` and its walk ``(i, n_free, n_blocks, col_count,
+    n_tiles, n_free_col_tiles)`` from :class:`~pallas_kernels.mosaic_index.MosaicOperands` ``counts``."""
+
+    def walk(w):
+        i = 2 * pair + w
+        n_free, n_blk, ncol = cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], cnt_ref[b, h, i, 2]
+        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs)), cnt_ref[b, h, i, 3]
+
+    return walk
+
+
 def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref, *refs,
             merge: bool, stages: int, g: int, bs: int, qk_scale: float, npairs: int):
     *ins, out_ref, lse_ref, smems, bars = refs
     oprev_ref, lprev_ref = ins if merge else (None, None)
     q_smem, k_smem, v_smem, info_smem, row_smem, lse_smem = smems
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free, sched_bar = bars
-    b = lax.axis_index("b")
-    h = lax.axis_index("h")
-    pair = npairs - 1 - lax.axis_index("p")
-    wg = lax.axis_index("wg")
+    b, h, pair, wg = _query_pair_ids(npairs)
     dtype = q_ref.dtype
-
-    def row_counts(w):
-        i = 2 * pair + w
-        n_free, n_blk, ncol = cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], cnt_ref[b, h, i, 2]
-        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs)), cnt_ref[b, h, i, 3]
+    row_counts = _row_walk(cnt_ref, b, h, pair, bs)
 
     @pl.when(wg < 2)
     def _consumer():
