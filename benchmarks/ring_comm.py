@@ -1,6 +1,6 @@
-"""What the ring sends, derived from its schedule (:mod:`mtraining_jax.ring_schedule`).
+"""What the ring sends, derived from its schedule (:mod:`mtraining_jax.ring.schedule`).
 
-The ring (``mtraining_jax/attention/ring.py``) holds at step ``s`` the K/V chunk of
+The ring (``mtraining_jax/ring/attention.py``) holds at step ``s`` the K/V chunk of
 ``source_table(N, L, order)[rank, s]``; every change of that chunk between consecutive steps is
 one collective-permute of the stacked K/V buffer ``[2, B, S/P, Hkv, D]`` along the ring axis it
 came over. :func:`ring_hops` reads those changes off the table:
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mtraining_jax.ring_schedule import source_table, validate_ring_order
+from mtraining_jax.ring.schedule import source_table, validate_ring_order
 
 __all__ = ["Hop", "ring_hops", "hop_bytes", "hop_pairs", "ring_bytes", "transfer_units"]
 

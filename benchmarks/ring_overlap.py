@@ -5,7 +5,7 @@ Run on a multi-GPU host (not in CI), e.g. 2 GPUs as one node or as two nodes::
     XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true" \\
         python -m benchmarks.ring_overlap --mesh 1x2 --order hierarchical --seq 65536 --out /tmp/ring_overlap
 
-It compiles forward+backward of :func:`mtraining_jax.attention.ring.ring_attention` under ``jit``,
+It compiles forward+backward of :func:`mtraining_jax.ring.attention.ring_attention` under ``jit``,
 writes the optimised HLO (``ring.hlo.txt``), and reports, for every asynchronous collective-permute
 (``collective-permute-start`` ... ``-done``), how many fusions / custom calls (the attention kernels)
 XLA scheduled between the start and its done (:func:`benchmarks.hlo.overlap_report`): a transfer
@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 
 from benchmarks.hlo import overlap_report
+from mtraining_jax.ring.schedule import RING_ORDERS
 
 
 def _parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mesh", default="1x2", help="NODExLOCAL, e.g. 1x2, 2x4")
-    p.add_argument("--order", default="hierarchical", choices=("flat", "hierarchical"))
+    p.add_argument("--order", default="hierarchical", choices=RING_ORDERS)
     p.add_argument("--layout", default="block_striped")
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--heads", type=int, default=16)
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from mtraining_jax.attention.ring import ring_attention
+    from mtraining_jax.ring.attention import ring_attention
     from mtraining_jax.layouts import Layout
     from mtraining_jax.mesh import make_mesh, sequence_sharding
 

@@ -58,8 +58,9 @@ from benchmarks.hlo import op_counts, schedule_outline  # noqa: E402
 from benchmarks.ring_comm import transfer_units  # noqa: E402
 from benchmarks.trace_summary import summarize_dir  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
-from mtraining_jax.attention.reference import dense_attention  # noqa: E402
-from mtraining_jax.attention.ring import ring_attention  # noqa: E402
+from pallas_kernels.reference import dense_attention  # noqa: E402
+from mtraining_jax.ring.attention import ring_attention  # noqa: E402
+from mtraining_jax.ring.schedule import RING_ORDERS  # noqa: E402
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh, sequence_sharding  # noqa: E402
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index_shard  # noqa: E402
 from mtraining_jax.sparsity.index import active_diagonals, vertical_flags  # noqa: E402
@@ -493,7 +494,7 @@ def main(argv=None):
     ap.add_argument("--per-gpu-length", type=int, default=0, help="also run S = this x P per mesh (weak scaling)")
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="meshes 1xP (ignored with --meshes)")
     ap.add_argument("--meshes", nargs="+", help="NODExLOCAL meshes, e.g. 1x1 1x2 1x4 1x8 2x4")
-    ap.add_argument("--ring-orders", nargs="+", default=["hierarchical"], choices=["hierarchical", "flat"])
+    ap.add_argument("--ring-orders", nargs="+", default=["hierarchical"], choices=list(RING_ORDERS))
     ap.add_argument("--fuse", nargs="+", default=["both"], choices=list(FUSE),
                     help="which passes run their first two chunks in one kernel call (MTrainingConfig.fuse_*)")
     ap.add_argument("--repeat", type=int, default=5)

@@ -17,9 +17,8 @@ overrides (the benchmark's own keys win):
   - ``cudnn``: ``model.dense_backend=cudnn`` (the config's dense layers too, so every layer is
     cuDNN flash attention); ``check_run_config`` accepts cuDNN on one CP rank, where every layout
     is the identity permutation (its causal mask is by index);
-  - ``mtraining``: ``data.layout=model.layout`` (block_striped) and ``data.stripe`` = the sparse
-    block size (``model.sparsity.block_size``, 64), as ``check_run_config`` demands; the config's
-    dense layers run on cuDNN (``model.dense_backend=cudnn``), the fastest dense attention on one
+  - ``mtraining``: the loader's layout is the model's (block_striped, stripe = the sparse block
+    size: ``loop.run_layout``); the config's dense layers run on cuDNN (``model.dense_backend=cudnn``), the fastest dense attention on one
     GPU, so the two rows differ only in the sparse layers;
   - ``ring`` / ``reference``: ``model.dense_backend=BACKEND``; layout as configured.
 
@@ -69,12 +68,12 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from mtraining_jax.attention.backends import BACKENDS
 from mtraining_jax.train.config import TrainConfig, load_config  # (no JAX backend start)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "qwen2.5-0.5b-128k.yaml")
-BACKENDS = ("reference", "cudnn", "ring", "mtraining")
 BASELINE = "cudnn"
 GIB = 2.0**30
 #: keys of a successful row (error rows: seq_len, backend, batch, error, + what the child knew)
@@ -95,8 +94,7 @@ def backend_overrides(backend: str, model_cfg) -> list[str]:
     if backend == "cudnn":
         return ["model.dense_backend=cudnn"]
     if backend == "mtraining":
-        mcfg = model_cfg.mtraining_config()
-        return [f"data.layout={model_cfg.layout}", f"data.stripe={mcfg.block_size}", "model.dense_backend=cudnn"]
+        return ["model.dense_backend=cudnn"]  # the loader's layout derives from the model's
     return [f"model.dense_backend={backend}"]
 
 

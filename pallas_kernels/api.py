@@ -20,7 +20,7 @@ query then attends only keys of its own segment (the index is first narrowed by
 Triton on other GPUs, the XLA twin elsewhere, per direction, falling through on what a backend
 does not support), ``"mosaic"``, ``"triton"`` (alias ``"pallas"``) or ``"xla"``; see
 :mod:`pallas_kernels.registry` for what each backend supports.
-Ground truth for both: ``mtraining_jax.attention.reference.dense_attention`` with
+Ground truth for both: ``pallas_kernels.reference.dense_attention`` with
 ``index_format.step_index_to_mask``.
 """
 
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import registry
+from pallas_kernels.inputs import check_qkv
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, check_step_index, full_step_index
 from pallas_kernels.registry import IMPLS
 
@@ -76,13 +77,8 @@ def check_sm_scale(sm_scale) -> None:
 
 
 def _check(q, k, v, q_pos, k_pos, index, block_size):
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [B,Sq,Hq,D], k=v [B,Sk,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
+    check_qkv(q, k, v, same_seq=False)
     B, Sq, Hq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
-    if Hq % k.shape[2]:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k.shape[2]})")
     if q_pos.shape != (Sq,) or k_pos.shape != (k.shape[1],):
         raise ValueError(f"q_pos {q_pos.shape} / k_pos {k_pos.shape} must be [Sq]={Sq} / [Sk]={k.shape[1]}")
     if not isinstance(block_size, int) or isinstance(block_size, bool):

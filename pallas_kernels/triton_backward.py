@@ -123,8 +123,7 @@ def col_row_splits(nqb: int, range_blocks: int = COL_RANGE_BLOCKS) -> int:
     """Query-block ranges of the column pass: ``ceil(nQB / range_blocks)``. A column chunk's
     program walks at most ``range_blocks`` query blocks, so the chunks that every row reaches (the
     attention sink's, ~``nQB`` tiles) do not become one long serial tail of the kernel while the
-    rest of the GPU idles (measured: on a ring step of 2048 query blocks one range per chunk made
-    the pass ~2x slower than its tile count; ``benchmarks/KERNEL_NOTES.md``). A step of at most
+    rest of the GPU idles (``benchmarks/KERNEL_NOTES.md``). A step of at most
     ``range_blocks`` query blocks is one range and needs no atomics."""
     return max(1, -(-nqb // max(1, range_blocks)))
 
@@ -273,8 +272,7 @@ def add_column_grads(dk, dv, dkc, dvc, col_idx, col_count):
 
     Unused slots (list padding: on a ring step, the verticals the visiting chunk does not hold)
     are dropped, not added as zeros: padding points at key 0, and thousands of zero adds into one
-    row serialise the scatter's atomics (0.17 ms instead of 0.03 per call at 256K on 2 GPUs,
-    ``benchmarks/sparse_ring_results.md``, v9)."""
+    row serialise the scatter's atomics (``benchmarks/sparse_ring_results.md``, v9)."""
     B, H, mcp = col_idx.shape
     g = H // dk.shape[2]
     used = jnp.arange(mcp, dtype=jnp.int32) < jnp.max(col_count, axis=-1, initial=0)[..., None]
@@ -401,7 +399,7 @@ def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=N
     ``(dq, dk, dv)``, added to ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)``
     when given (ring steps). ``dkv_acc`` is added after the block pass, in the column scatter's
     operand: in a ring it arrives from the neighbour, and making the step's first dK/dV kernel wait
-    for it exposed the transfer (measured: ``benchmarks/sparse_ring_results.md``, v7).
+    for it exposed the transfer (``benchmarks/sparse_ring_results.md``, v7).
     ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`.
     ``dq_kernel``: another dQ pass with :func:`dq_pass`'s contract; ``dkv_kernels``: another
     ``(block pass, column pass)`` pair with :func:`dkv_block_pass`'s / :func:`dkv_col_pass`'s

@@ -22,8 +22,8 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from mtraining_jax.attention.reference import dense_attention
-    from mtraining_jax.attention.ring import ring_attention
+    from pallas_kernels.reference import dense_attention
+    from mtraining_jax.ring.attention import ring_attention
     from mtraining_jax.layouts import Layout
     from mtraining_jax.mesh import make_mesh, sequence_sharding
 

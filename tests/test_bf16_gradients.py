@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
-from mtraining_jax.attention.reference import dense_attention
-from mtraining_jax.attention.ring import ring_attention
+from pallas_kernels.reference import dense_attention
+from mtraining_jax.ring.attention import ring_attention
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.sparsity import SparsityConfig, estimate_index, index_to_mask

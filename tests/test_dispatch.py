@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mtraining_jax.attention.dispatch import attention
-from mtraining_jax.attention.reference import dense_attention
+from pallas_kernels.reference import dense_attention
 from mtraining_jax.layouts import Layout
 
 

@@ -5,7 +5,7 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
-from mtraining_jax.attention.reference import dense_attention
+from pallas_kernels.reference import dense_attention
 from pallas_kernels.merge import merge_partials
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtraining_jax.attention.reference import dense_attention
+from pallas_kernels.reference import dense_attention
 from pallas_kernels import mosaic_index
 from pallas_kernels.index_format import step_index_to_mask
 from pallas_kernels.testing import random_step_index

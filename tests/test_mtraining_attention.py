@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtraining_jax.attention.mtraining import MTrainingConfig, full_index, mtraining_attention
-from mtraining_jax.attention.reference import dense_attention
-from mtraining_jax.attention.ring import ring_attention
+from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
+from mtraining_jax.sparsity.index import full_index
+from pallas_kernels.reference import dense_attention
+from mtraining_jax.ring.attention import ring_attention
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index, masked_reference
 from mtraining_jax.sparsity.metrics import density, work_matrix

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtraining_jax.attention.reference import check_gqa, dense_attention
+from pallas_kernels.reference import check_gqa, dense_attention
 
 
 def _numpy_attention(q, k, v, q_pos, k_pos, mask, sm_scale):
@@ -100,5 +100,5 @@ def test_bad_heads_and_shapes():
         check_gqa(4, 0)
     assert check_gqa(8, 2) == 4
     q = np.zeros((1, 4, 4, 8))
-    with pytest.raises(ValueError, match="k and v shapes differ"):
+    with pytest.raises(ValueError, match=r"and k = v \[B,Sk,Hkv,D\]"):
         dense_attention(q, np.zeros((1, 4, 2, 8)), np.zeros((1, 4, 1, 8)))

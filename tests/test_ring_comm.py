@@ -1,4 +1,4 @@
-"""The ring's communication accounting (benchmarks/ring_comm.py, derived from ring_schedule) against
+"""The ring's communication accounting (benchmarks/ring_comm.py, derived from ring.schedule) against
 the collective-permutes in the compiled HLO of a forward + backward ring on 8 virtual devices."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import hlo, ring_comm
-from mtraining_jax.attention.ring import ring_attention
+from mtraining_jax.ring.attention import ring_attention
 from mtraining_jax.mesh import make_mesh
 
 

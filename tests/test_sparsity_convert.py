@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as Ps
 
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, make_mesh
-from mtraining_jax.ring_schedule import source_table
+from mtraining_jax.ring.schedule import source_table
 from mtraining_jax.sparsity import RankStepIndex, convert_index, convert_step, index_to_mask
 from mtraining_jax.sparsity.index import random_index
 from pallas_kernels.index_format import causal_flags, chunk_work, step_work

@@ -11,7 +11,7 @@ import pytest
 
 from mtraining_jax.attention.mtraining import stats_scalars
 from mtraining_jax.layouts import Layout
-from mtraining_jax.ring_schedule import source_table
+from mtraining_jax.ring.schedule import source_table
 from mtraining_jax.sparsity import SparsityConfig, convert_index, convert_step, estimate_index, index_to_mask
 from mtraining_jax.sparsity import masked_reference, metrics
 from mtraining_jax.sparsity.index import random_index

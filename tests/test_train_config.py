@@ -20,7 +20,9 @@ def test_shipped_configs_load_and_resolve_their_model(name):
     assert mcfg.vocab_size >= 259
     if cfg.mesh.shape is not None:
         n, l = cfg.mesh.shape
-        assert cfg.data.seq_len % (cfg.data.stripe * n * l) == 0
+        from mtraining_jax.train.loop import run_layout
+
+        assert cfg.data.seq_len % (run_layout(cfg, mcfg, n * l).stripe * n * l) == 0
     assert mcfg.max_position_embeddings >= cfg.data.seq_len
 
 
@@ -106,3 +108,19 @@ def test_continue_recipe_starts_from_a_pretrained_checkpoint_with_yarn():
     assert m.rope_scaling["rope_type"] == "yarn" and m.rope_scaling["factor"] == 4.0
     assert m.rope_scaling["original_max_position_embeddings"] * 4 == cfg.data.seq_len == m.max_position_embeddings
     assert cfg.data.source == "tokens" and cfg.data.token_dtype == "uint32"
+
+
+def test_loader_layout_derives_from_the_model_config():
+    """``data.layout`` / ``data.stripe`` default to the model's layout and sparse block size; given
+    and contradicting the MTraining attention, they are rejected naming both."""
+    from mtraining_jax.train.loop import run_layout
+
+    base = ["model.attention_backend=mtraining", "data.seq_len=4096"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), base + ["model.layout=zigzag"])
+    _, mcfg = build_model_config(cfg.model, cfg.config_dir)
+    assert cfg.data.layout is None and cfg.data.stripe is None
+    lay = run_layout(cfg, mcfg, 8)
+    assert (lay.name, lay.stripe, lay.seq_len, lay.num_ranks) == ("zigzag", 64, 4096, 8)
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), base + ["data.stripe=128"])
+    _, mcfg = build_model_config(cfg.model, cfg.config_dir)
+    assert run_layout(cfg, mcfg, 8).stripe == 128  # explicit wins (checked against the model in the loop)

@@ -12,13 +12,13 @@ import pytest
 import torch
 import transformers
 
-from mtraining_jax.layouts import Layout
 from mtraining_jax.model.checkpoint import load_model_checkpoint
 from mtraining_jax.model.convert_cli import main as convert_main
 from mtraining_jax.train import cli
 from mtraining_jax.train import data as data_lib
 from mtraining_jax.train.config import load_config
-from mtraining_jax.train.loop import run
+from mtraining_jax.train.loop import run, run_layout
+from mtraining_jax.train.state import build_model_config
 from mtraining_jax.train.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")
@@ -75,7 +75,8 @@ def _first_batch(cfg):
     """The first training batch of ``cfg`` (natural order: one rank, the layout is the identity)."""
     tok = load_tokenizer(cfg.data.tokenizer)
     stream, _ = data_lib.build_streams(cfg.data, tok)
-    loader = data_lib.build_train_loader(cfg.data, tok, Layout(cfg.data.layout, SEQ, 1, cfg.data.stripe), stream, accum=1)
+    _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    loader = data_lib.build_train_loader(cfg.data, tok, run_layout(cfg, model_cfg, 1), stream, accum=1)
     b = next(loader)
     return np.asarray(b.tokens[0]), np.asarray(b.labels[0])
 

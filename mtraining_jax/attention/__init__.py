@@ -1,5 +1,6 @@
-"""Attention paths: dense reference, ring (flat / hierarchical), and the MTraining sparse ring."""
+"""Attention paths: the backends a layer dispatches to and the MTraining sparse ring (the dense ring
+is :mod:`mtraining_jax.ring`)."""
 
-from mtraining_jax.attention.reference import dense_attention
+from pallas_kernels.reference import dense_attention
 
 __all__ = ["dense_attention"]

@@ -12,14 +12,14 @@ and its dense ``mask`` would materialise ``[B, S, S]``).
 
 Backends:
 
-* ``reference`` — :func:`mtraining_jax.attention.reference.dense_attention` (float32 math, one
+* ``reference`` — :func:`pallas_kernels.reference.dense_attention` (float32 math, one
   device, materialises ``[B, Hq, S, S]``); the ground truth.
 * ``cudnn``     — ``jax.nn.dot_product_attention(is_causal=True)``: cuDNN flash attention on GPU,
   XLA elsewhere. Its causal mask is by array index, so ``positions`` must be ``arange(S)``
   (natural order). Concrete positions are checked (``ValueError``); traced positions cannot be
   checked at trace time, so the result is NaN-poisoned when they are not ``arange(S)`` — a wrong
   layout fails loudly instead of training on a wrong mask.
-* ``ring``      — :func:`mtraining_jax.attention.ring.ring_attention` (dense ring over the
+* ``ring``      — :func:`mtraining_jax.ring.attention.ring_attention` (dense ring over the
   ``(node, local)`` mesh, flat or hierarchical order); needs ``mesh``.
 * ``mtraining`` — :func:`mtraining_jax.attention.mtraining.mtraining_attention`: the sparse
   vertical-slash ring (online index + block-sparse kernel per ring step); needs ``mesh`` and an
@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtraining_jax.attention.reference import check_gqa, dense_attention
-
-BACKENDS: tuple[str, ...] = ("reference", "cudnn", "ring", "mtraining")
+from mtraining_jax.attention.backends import BACKENDS  # the one list (re-exported)
+from pallas_kernels.inputs import check_qkv
+from pallas_kernels.reference import dense_attention
 
 
 def _check_segments(segment_ids, q):
@@ -51,16 +51,18 @@ def _check_segments(segment_ids, q):
 
 
 def _check_inputs(q, k, v, positions):
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [B,S,Hq,D] and k = v [B,S,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
-    B, S, Hq, D = q.shape
-    if k.shape[0] != B or k.shape[1] != S or k.shape[3] != D:
-        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, sequence or head_dim")
-    check_gqa(Hq, k.shape[2])
+    check_qkv(q, k, v)
+    S = q.shape[1]
     if tuple(positions.shape) != (S,):
         raise ValueError(f"positions must have shape [S] = [{S}], got {tuple(positions.shape)}")
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+    if not isinstance(positions, jax.core.Tracer):
+        pos = np.asarray(positions)
+        if not np.array_equal(np.sort(pos), np.arange(S)):
+            bad = np.setdiff1d(np.arange(S), pos)
+            raise ValueError(f"positions must be a permutation of 0..{S - 1} (each token's place in the "
+                             f"sequence); position {int(bad[0])} is missing")
 
 
 def _cudnn_attention(q, k, v, positions, sm_scale):
@@ -173,7 +175,7 @@ def _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl
     if backend == "ring":
         if mesh is None:
             raise ValueError("the ring attention backend needs a mesh (got mesh=None)")
-        from mtraining_jax.attention.ring import ring_attention  # lazy: optional heavy import
+        from mtraining_jax.ring.attention import ring_attention  # lazy: optional heavy import
 
         out = ring_attention(q, k, v, positions, mesh, ring_order=ring_order, sm_scale=sm_scale, impl=impl,
                              segment_ids=segment_ids)

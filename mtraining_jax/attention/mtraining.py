@@ -30,16 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from mtraining_jax.attention.ring import ring_attention_shard
+from mtraining_jax.ring.attention import ring_attention_shard
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
-from mtraining_jax.ring_schedule import validate_ring_order
+from mtraining_jax.ring.schedule import validate_ring_order
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.estimate import estimate_index_shard
-from mtraining_jax.sparsity.index import VerticalSlashIndex
+from mtraining_jax.sparsity.index import VerticalSlashIndex, full_index
 from mtraining_jax.sparsity.metrics import imbalance, step_imbalance, worker_imbalance
 from pallas_kernels.api import SUPPORTED_HEAD_DIMS
+from pallas_kernels.inputs import check_qkv
 from pallas_kernels.registry import validate_impl
 
 SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
@@ -60,7 +61,7 @@ class MTrainingConfig:
       fuse_forward, fuse_backward: one kernel call for the first two chunks of the forward ring
         (own chunk + the first one received, whose hop overlaps the index estimate) / of the
         backward ring (the chunk saved from the forward's last step + own chunk);
-        :class:`~mtraining_jax.attention.ring.RingConfig`.
+        :class:`~mtraining_jax.ring.attention.RingConfig`.
     """
 
     sparsity: SparsityConfig = SparsityConfig()
@@ -128,25 +129,8 @@ def stats_scalars(work, batch: int, heads: int, seq_len: int, block_size: int) -
     }
 
 
-def full_index(batch: int, heads: int, seq_len: int, block_size: int) -> VerticalSlashIndex:
-    """Every block diagonal active, no verticals: the index whose mask is the full causal mask."""
-    nb = seq_len // block_size
-    s_idx = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (batch, heads, nb))
-    return VerticalSlashIndex(
-        v_idx=jnp.full((batch, heads, 1), seq_len, jnp.int32),
-        v_count=jnp.zeros((batch, heads), jnp.int32),
-        s_idx=s_idx,
-        s_count=jnp.full((batch, heads), nb, jnp.int32),
-    )
-
-
 def _check_inputs(q, k, v, mesh, cfg: MTrainingConfig):
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q [B,S,Hq,D] and k = v [B,S,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, sequence or head_dim")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+    check_qkv(q, k, v)
     if q.shape[3] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {q.shape[3]} is not supported by the kernels; expected one of {SUPPORTED_HEAD_DIMS}")
     num_nodes, num_local = check_cp_mesh(mesh)

@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Sequence
 
+from pallas_kernels.registry import IMPLS as KERNEL_IMPLS
+
 
 def _ints(s: str) -> list[int]:
     try:
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", help="attention backend of every layer (reference, cudnn, ring, mtraining)")
     p.add_argument("--dense-layers", type=_ints, help="layers on the dense backend (with --backend mtraining)")
     p.add_argument("--dtype", help="compute dtype (float32, bfloat16)")
-    p.add_argument("--impl", choices=["auto", "pallas", "xla"], help="ring kernel implementation")
+    p.add_argument("--impl", choices=KERNEL_IMPLS, help="kernel implementation (pallas_kernels.registry)")
     p.add_argument("--mesh", type=_mesh, help="NODExLOCAL context-parallel mesh (default: the run's, else 1x1)")
     p.add_argument("--cpu-devices", type=int, help="run on CPU with this many virtual devices")
     p.add_argument("--batch-size", type=int, default=1)

@@ -20,10 +20,10 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from mtraining_jax.attention.backends import BACKENDS
+from mtraining_jax.ring.schedule import RING_ORDERS
 from pallas_kernels.registry import IMPLS as KERNEL_IMPLS
 
-BACKENDS: tuple[str, ...] = ("reference", "cudnn", "ring", "mtraining")
-RING_ORDERS: tuple[str, ...] = ("flat", "hierarchical")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_attn")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HF_MODEL_TYPES: tuple[str, ...] = ("qwen2",)

@@ -31,12 +31,9 @@ graph); ``False`` unrolls a Python loop over slices. Both are wrapped per layer 
   attention core separately, leaving the core outside: its own residuals (q, k, v, out, lse, the
   sparse index) are kept, so the backward pass recomputes everything but the attention forward.
 
-Scan vs loop, measured on CPU (JAX 0.10.2, hidden 256, 8/2 heads, B=1, S=512, float32,
-jit(value_and_grad); full table in benchmarks/model_scan_vs_loop.md): compile time is flat in depth
-with the scan (8-10 s for 2-16 layers) and linear with the loop (5 s -> 28 s); with ``remat=full``
-the scan's temporary memory stays flat (37 -> 44 MiB) while the loop's grows (67 -> 452 MiB, the
-per-slice parameter-gradient pad-and-add); without remat the loop uses ~25% less temp memory. Step
-times are equal within noise. Hence ``scan_layers=True`` is the default.
+``scan_layers=True`` (the default) scans the layers: compile time and, with ``remat=full``,
+temporary memory stay flat in depth (``benchmarks/model_scan_vs_loop.md``); a Python loop over the
+layers is the alternative.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ blocks). ``MC = cfg.max_cols or min(MV, S/P)``; ``None`` is exact, a smaller ``M
 ``MC`` held columns (lowest positions, so attention sinks survive) and drops the rest. One step's
 index takes ``4 * B * H * (nQB * (2*MB + 1) + MC)`` bytes (``nQB = S / (P * bs)``) and costs
 ``O(B * H * (nQB * MS + MV))`` to build: per rank and ring pass that is ``O(S / bs * MS + P * MV)``,
-so it shrinks with ``P`` (a per-row column list, ``O(nQB * MC)`` per step, did not: it was 40 % of
-the 4-GPU step at 512K; ``sparse_ring_results.md``). :func:`convert_index` materialises all ``P``
+so it shrinks with ``P`` (a per-row column list, ``O(nQB * MC)`` per step, would not;
+``benchmarks/sparse_ring_results.md``). :func:`convert_index` materialises all ``P``
 steps; :class:`RankStepIndex` converts one step at a time, inside the ring's forward and again in its
 backward: only the compact global index (``[B, H, MV + MS]``) is kept between them.
 """
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtraining_jax.layouts import Layout
-from mtraining_jax.ring_schedule import source_rank, validate_ring_order
+from mtraining_jax.ring.schedule import source_rank, validate_ring_order
 from mtraining_jax.sparsity.index import VerticalSlashIndex, compact_in_order, compact_sorted
 from pallas_kernels.index_format import StepIndex, causal_flags
 
@@ -140,7 +140,7 @@ def convert_index(index: VerticalSlashIndex, rank, layout, *, num_nodes: int, nu
       rank: this rank, node-major (``jax.lax.axis_index(("node", "local"))`` inside shard_map, or an int).
       layout: a :class:`~mtraining_jax.layouts.Layout` or its ``positions`` array ``[P, S/P]``.
       num_nodes, num_local: the ``(node, local)`` mesh shape; ``P = num_nodes * num_local``.
-      ring_order: ``"flat"`` or ``"hierarchical"`` (:func:`~mtraining_jax.ring_schedule.source_rank`).
+      ring_order: ``"flat"`` or ``"hierarchical"`` (:func:`~mtraining_jax.ring.schedule.source_rank`).
 
     Entry ``s`` is this rank's queries vs the chunk of ``source_rank(rank, s)``.
     """

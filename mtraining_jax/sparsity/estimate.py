@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtraining_jax.attention.reference import check_gqa
+from pallas_kernels.inputs import check_qkv
 from mtraining_jax.sparsity.budgets import top_p_select
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.index import VerticalSlashIndex
@@ -65,13 +65,9 @@ _E_DIGITS = (7, 8, 8, 8, 8, 8)  # digit widths of exp(z - m) in (0, 1] for the s
 def _check_inputs(q, k, positions, cfg, num_ranks):
     if not isinstance(cfg, SparsityConfig):
         raise ValueError(f"cfg must be a SparsityConfig, got {type(cfg).__name__}")
-    if q.ndim != 4 or k.ndim != 4:
-        raise ValueError(f"expected q [B,S,Hq,D] and k [B,S,Hkv,D], got {q.shape} and {k.shape}")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {q.shape} and k {k.shape} must agree on batch, sequence and head_dim")
+    check_qkv(q, k, k)
     if positions.shape != (q.shape[1],):
         raise ValueError(f"positions has shape {positions.shape}, expected [S_local] = ({q.shape[1]},)")
-    check_gqa(q.shape[2], k.shape[2])
     cfg.check(q.shape[1] * num_ranks, q.shape[2], num_ranks)
 
 

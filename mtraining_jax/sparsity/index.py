@@ -115,3 +115,15 @@ def random_index(seed: int, batch: int, heads: int, seq_len: int, block_size: in
             v_idx[b, h, : len(v)] = v
             s_idx[b, h, : len(s)] = s
     return VerticalSlashIndex(jnp.asarray(v_idx), jnp.asarray(v_count), jnp.asarray(s_idx), jnp.asarray(s_count))
+
+
+def full_index(batch: int, heads: int, seq_len: int, block_size: int) -> VerticalSlashIndex:
+    """Every block diagonal active, no verticals: the index whose mask is the full causal mask."""
+    nb = seq_len // block_size
+    s_idx = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (batch, heads, nb))
+    return VerticalSlashIndex(
+        v_idx=jnp.full((batch, heads, 1), seq_len, jnp.int32),
+        v_count=jnp.zeros((batch, heads), jnp.int32),
+        s_idx=s_idx,
+        s_count=jnp.full((batch, heads), nb, jnp.int32),
+    )

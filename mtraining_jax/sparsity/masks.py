@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from mtraining_jax.attention.reference import dense_attention
+from pallas_kernels.reference import dense_attention
 from mtraining_jax.sparsity.index import VerticalSlashIndex, active_diagonals, vertical_flags
 
 
@@ -26,7 +26,7 @@ def masked_reference(q, k, v, index: VerticalSlashIndex, *, block_size: int = 64
     """Dense reference attention restricted to the index's mask (natural order).
 
     ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` -> ``(out [B, S, Hq, D], lse [B, Hq, S])`` float32
-    (float64 for float64 inputs), via :func:`mtraining_jax.attention.reference.dense_attention`.
+    (float64 for float64 inputs), via :func:`pallas_kernels.reference.dense_attention`.
     """
     mask = index_to_mask(index, q.shape[1], block_size)
     return dense_attention(q, k, v, mask=mask, sm_scale=sm_scale)

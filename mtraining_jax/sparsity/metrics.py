@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtraining_jax.attention.reference import attention_logits
+from pallas_kernels.reference import attention_logits
 from mtraining_jax.layouts import Layout
-from mtraining_jax.ring_schedule import source_table
+from mtraining_jax.ring.schedule import source_table
 from mtraining_jax.sparsity.convert import check_block_aligned
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from mtraining_jax.sparsity.masks import index_to_mask

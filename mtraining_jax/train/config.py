@@ -85,9 +85,10 @@ class DataConfig:
         through ``tokenizer``), or ``passkey`` (synthetic passkey-retrieval sequences).
       seq_len: tokens per sequence ``S`` (the model sees ``S`` inputs, labels are the next tokens).
       batch_size: sequences per micro-batch (global, over all processes).
-      layout: sequence layout (``mtraining_jax.layouts``) applied in the loader.
+      layout: sequence layout (``mtraining_jax.layouts``) applied in the loader; default (``None``):
+        the model's (``model.layout``), which the MTraining attention requires anyway.
       stripe: stripe width of the ``block_striped`` layout; sequence length must divide into
-        ``stripe x ranks``.
+        ``stripe x ranks``; default (``None``): the sparse block size (``model.sparsity.block_size``).
       tokenizer: ``byte`` (256 byte tokens + specials, no download) or a ``tokenizers`` JSON file.
       heldout_percent: share (percent) of files/documents held out for evaluation.
       eval_path: optional separate held-out file (tokens/text sources).
@@ -106,8 +107,8 @@ class DataConfig:
     text_key: str = "text"
     seq_len: int = 8192
     batch_size: int = 1
-    layout: str = "block_striped"
-    stripe: int = 64
+    layout: Optional[str] = None
+    stripe: Optional[int] = None
     heldout_percent: float = 5.0
     seed: int = 0
     pack: str = "stream"
@@ -129,7 +130,8 @@ class DataConfig:
             raise ValueError(f"data.token_dtype must be one of {TOKEN_DTYPES}, got {self.token_dtype!r}")
         _positive("data.seq_len", self.seq_len)
         _positive("data.batch_size", self.batch_size)
-        _positive("data.stripe", self.stripe)
+        if self.stripe is not None:
+            _positive("data.stripe", self.stripe)
         if not 0 < self.heldout_percent < 100:
             raise ValueError(f"data.heldout_percent must be in (0, 100), got {self.heldout_percent}")
 

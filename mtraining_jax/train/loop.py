@@ -132,25 +132,36 @@ def build_mesh(mcfg):
     return make_mesh(tuple(mcfg.shape) if mcfg.shape else None, devices, data=mcfg.data)
 
 
+def run_layout(cfg: TrainConfig, model_cfg, num_ranks: int) -> Layout:
+    """The loader's sequence layout: ``data.layout`` / ``data.stripe`` when given, else the model's
+    (``model.layout``, stripe = the sparse block size), validated against the sequence and ranks."""
+    d = cfg.data
+    name = d.layout if d.layout is not None else model_cfg.layout
+    stripe = d.stripe if d.stripe is not None else model_cfg.mtraining_config().block_size
+    validate_layout(name, d.seq_len, num_ranks, stripe)
+    return Layout(name, d.seq_len, num_ranks, stripe)
+
+
 def check_run_config(cfg: TrainConfig, model_cfg, mesh, tokenizer) -> Layout:
-    """Validate the cross-section constraints up front (``ValueError`` naming the values)."""
+    """Validate the cross-section constraints up front (``ValueError`` naming the values); returns
+    the loader's layout (:func:`run_layout`)."""
     P_ = num_cp_ranks(mesh)
     d = cfg.data
-    validate_layout(d.layout, d.seq_len, P_, d.stripe)
+    layout = run_layout(cfg, model_cfg, P_)
     data_ax = int(mesh.shape.get("data", 1))
     if d.batch_size % data_ax:
         raise ValueError(f"data.batch_size={d.batch_size} is not divisible by mesh.data={data_ax}")
     backends = set(model_cfg.layer_backends)
     if "cudnn" in backends and P_ > 1:  # on one rank every layout is the identity permutation
         raise ValueError(f"attention backend 'cudnn' runs on one device (natural token order); the mesh "
-                         f"has {P_} CP ranks and data.layout={d.layout!r}")
+                         f"has {P_} CP ranks and the {layout.name!r} layout")
     if "mtraining" in backends:
         mcfg = model_cfg.mtraining_config()
-        if model_cfg.layout != d.layout:
+        if model_cfg.layout != layout.name:
             raise ValueError(f"the mtraining attention expects tokens in the {model_cfg.layout!r} layout "
-                             f"(model.layout) but data.layout is {d.layout!r}")
-        if d.layout == "block_striped" and d.stripe != mcfg.block_size:
-            raise ValueError(f"data.stripe={d.stripe} must equal the sparse block size "
+                             f"(model.layout) but data.layout is {layout.name!r}")
+        if layout.name == "block_striped" and layout.stripe != mcfg.block_size:
+            raise ValueError(f"data.stripe={layout.stripe} must equal the sparse block size "
                              f"model.sparsity.block_size={mcfg.block_size} for the mtraining attention")
         mcfg.make_layout(d.seq_len, P_)  # sequence vs block size x ranks, naming the values
         mcfg.sparsity.check(d.seq_len, model_cfg.num_heads, P_)
@@ -164,7 +175,7 @@ def check_run_config(cfg: TrainConfig, model_cfg, mesh, tokenizer) -> Layout:
             if p is not None and not os.path.isfile(p):
                 what = "is a directory, not a file" if os.path.isdir(p) else "does not exist"
                 raise ValueError(f"{key} {p!r} {what}")
-    return Layout(d.layout, d.seq_len, P_, d.stripe)
+    return layout
 
 
 def evaluate(eval_step, params, batches, shardings) -> tuple[float, float, float]:

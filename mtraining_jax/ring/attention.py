@@ -10,14 +10,13 @@ block computation is ONE function, :func:`pallas_kernels.api.block_sparse_attent
 the accumulators (``acc``; ``dq_acc``, ``dkv_acc``) and, on the Pallas path, updates them in place
 inside its kernels, so no ring step makes an extra pass over the float32 ``[Sl, Hq, D]`` state.
 
-Which chunk a rank holds at step ``s`` is :func:`mtraining_jax.ring_schedule.source_rank`; the
+Which chunk a rank holds at step ``s`` is :func:`mtraining_jax.ring.schedule.source_rank`; the
 communication below realises exactly that table (the tests check it against the index plumbing).
 
 Only the KV heads travel (GQA). Everything that travels together is stacked into one buffer (K and
 V as ``[2, B, Sl, Hkv, D]``, the float32 dK/dV accumulators likewise), so each ring hop is ONE
 collective-permute: with XLA's default of one asynchronous collective in flight, a second permute
-posted beside the first is made synchronous and waited for (measured on 2 H200s: 0.25 ms exposed
-per hop for K and V sent separately, none stacked; ``benchmarks/sparse_ring_results.md``, v9).
+posted beside the first is made synchronous and waited for (``benchmarks/sparse_ring_results.md``, v9).
 Positions are not sent per step: one ``all_gather`` of the tiny
 ``k_pos [Sl]`` at the start gives every chunk's positions, indexed by ``source_rank``.
 
@@ -49,7 +48,7 @@ AND the chunk of step 1 (K/V concatenated, the index of both chunks converted at
 index estimate in ``mtraining_attention``), and the hop of step 2 overlaps the fused call. On 2 ranks
 the whole forward is then one kernel call over this rank's queries, as on one GPU: each call re-reads
 the queries and reads and rewrites the float32 accumulators, per-row work that a ring otherwise pays
-once per step (measured: ``benchmarks/sparse_ring_results.md``, v11).
+once per step (``benchmarks/sparse_ring_results.md``, v11).
 
 Backward (custom VJP, FlashAttention-2 style, reusing the forward's final ``lse`` and
 ``delta = rowsum(dO * O)``; nothing of the forward ring is recomputed beyond the per-step
@@ -96,9 +95,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from mtraining_jax.attention.reference import check_gqa
+from pallas_kernels.inputs import check_qkv
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
-from mtraining_jax.ring_schedule import source_rank, validate_ring_order
+from mtraining_jax.ring.schedule import source_rank, validate_ring_order
 from pallas_kernels.api import attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd, split_output
 from pallas_kernels.registry import validate_impl
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, chunk_work
@@ -369,16 +368,6 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 # ----------------------------------------------------------------------------- validation
 
-def _check_qkv(q, k, v) -> None:
-    if q.ndim != 4 or k.ndim != 4:
-        raise ValueError(f"q and k must be [batch, seq, heads, head_dim]; got q {q.shape}, k {k.shape}")
-    if v.shape != k.shape:
-        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {q.shape} and k {k.shape} must agree on batch, seq and head_dim")
-    check_gqa(q.shape[2], k.shape[2])
-
-
 def _dense_block(sl: int) -> int:
     """Largest power of two ``<= DEFAULT_BLOCK`` dividing ``sl`` (tile size of the dense ring)."""
     b = DEFAULT_BLOCK
@@ -433,7 +422,7 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
         ``num_steps == P``: :class:`mtraining_jax.sparsity.RankStepIndex`,
         which keeps one step's index alive at a time and only the compact index for the backward).
         Entry ``s`` describes this rank's queries against the chunk it holds at step ``s`` (source
-        ``ring_schedule.source_rank(rank, s, ...)``), with blocks of ``block_size`` tokens. Never
+        ``schedule.source_rank(rank, s, ...)``), with blocks of ``block_size`` tokens. Never
         differentiated.
       sm_scale: softmax scale (default ``D ** -0.5``).
       impl: a kernel impl of :data:`pallas_kernels.registry.IMPLS` for the per-step kernels.
@@ -452,7 +441,7 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
       ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
       VJP ring).
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     sl = q.shape[1]
     if block_size is None:
         block_size = DEFAULT_BLOCK if step_index is not None else _dense_block(sl)
@@ -493,7 +482,7 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
     num_nodes, num_local = check_cp_mesh(mesh)
     validate_ring_order(ring_order)
     validate_impl(impl)
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     B, S = q.shape[:2]
     positions = jnp.asarray(positions)
     if positions.shape != (S,):

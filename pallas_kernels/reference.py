@@ -16,14 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
-    """Return the group size ``Hq // Hkv``; ``ValueError`` if it is not an integer."""
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"query heads ({num_q_heads}) must be a positive multiple of KV heads ({num_kv_heads})"
-        )
-    return num_q_heads // num_kv_heads
+from pallas_kernels.inputs import check_gqa, check_qkv
 
 
 def attention_logits(q, k, sm_scale=None):
@@ -60,10 +53,9 @@ def segment_mask(q_seg, k_seg):
 def dense_attention(q, k, v, q_pos=None, k_pos=None, mask=None, *, causal: bool = True, sm_scale=None,
                     q_seg=None, k_seg=None):
     """Dense attention in float32. See module docstring for shapes and masking."""
+    check_qkv(q, k, v, same_seq=False)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    if v.shape != k.shape:
-        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
     q_pos = jnp.arange(Sq) if q_pos is None else jnp.asarray(q_pos)
     k_pos = jnp.arange(Sk) if k_pos is None else jnp.asarray(k_pos)
     s = attention_logits(q, k, sm_scale)

@@ -1,0 +1,302 @@
+"""Cost model and schedule simulator of the dense and sparse rings (issue 22, item 1).
+
+Given a mesh ``(N nodes, L GPUs per node)``, a ring order, link bandwidths / latencies, the
+kernels' throughput on active work and an index density, :func:`simulate` walks the ring's
+schedule step by step and predicts, per rank (the block-striped layout balances the work):
+
+* compute per (rank, step): ``3.5 * 4 * D * Hq * pairs / P^2`` FLOP (``pairs`` = the active
+  (query, key) pairs of the whole causal sequence, ``density * S (S + 1) / 2``), 1/3.5 of it in the
+  forward and 2.5/3.5 in the backward, at ``rate`` TFLOP/s, plus a fixed ``step_overhead`` per
+  kernel call in each;
+* every collective-permute of one forward + backward, read off the schedule
+  (:func:`benchmarks.ring_comm.ring_hops`, the same accounting the compiled HLO is checked
+  against): bytes (:func:`benchmarks.ring_comm.hop_bytes`) over the inner (``intra``, NVLink) or
+  outer (``inter`` when ``N > 1`` with the hierarchical order, else ``intra``) link;
+* overlap as the ring runs it: an inner hop is posted at the start of the step before the one it
+  feeds and overlaps that step's compute; an outer hop overlaps the whole inner loop before it
+  (hierarchical order); a step starts when its compute is due AND its chunk has arrived, so the
+  exposed communication is the waiting time;
+* the index estimate once per step (``index_s``, measured, scaled linearly with ``S / P``).
+
+Calibration (:func:`calibrate`) fits ``rate`` per measured family and length on its one-GPU
+record and predicts that family's multi-GPU records of the same length; the error is reported in
+``benchmarks/comm_model_results.md`` with the predictions for one node of 8 GPUs and 4 nodes x 8
+with a 400 Gb/s-class inter-node link (``python -m benchmarks.comm_model --out DIR``).
+
+:func:`backward_bytes` compares the two backward circulations per hop: the K/V side (K, V in the
+input dtype + float32 dK, dV travel; this code base) and the query side of BurstEngine (Q, dO in
+the input dtype + float32 dQ, lse, delta travel): ``(2 Hkv D it + 2 Hkv D 4)`` vs
+``(2 Hq D it + Hq D 4 + 2 Hq 4)`` bytes per token — the query side wins only for (near-)MHA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import Iterable, Sequence
+
+from benchmarks.ring_comm import hop_bytes, ring_hops
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One direction of a link: ``bandwidth`` bytes/s, ``latency`` s per message."""
+
+    bandwidth: float
+    latency: float = 10e-6
+
+    def time(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
+
+
+#: effective collective-permute bandwidth between two H200s of one node, measured
+#: (``sparse_ring_results.jsonl`` ``kv_ppermute_s``: 134 MB K/V chunk in 0.97 ms at 256K / 2 GPUs)
+NVLINK_H200 = Link(bandwidth=138 * GB, latency=15e-6)
+#: a 400 Gb/s-class inter-node link (InfiniBand NDR / 400 GbE), at 80 % of line rate
+IB_400G = Link(bandwidth=0.8 * 400e9 / 8, latency=20e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Attention shape of one layer: ``S`` tokens, ``batch``, heads, head_dim, input itemsize and
+    the index ``density`` (active fraction of the causal pairs; 1.0 = the dense ring)."""
+
+    S: int
+    density: float
+    batch: int = 1
+    heads: int = 16
+    kv_heads: int = 2
+    head_dim: int = 128
+    itemsize: int = 2
+
+    @property
+    def flops(self) -> float:
+        """Forward + backward FLOP of the whole sequence (3.5 x the forward's ``4 D`` per pair)."""
+        pairs = self.density * self.S * (self.S + 1) / 2
+        return 3.5 * 4 * self.head_dim * self.heads * self.batch * pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Throughput of the ring's kernels on active work (forward + backward), a fixed cost per
+    kernel call (launch, index conversion of the step) and the index estimate's time per rank for
+    ``index_ref_len`` local tokens (scaled linearly)."""
+
+    rate: float = 360e12
+    step_overhead: float = 0.3e-3
+    index_s: float = 6.9e-3
+    index_ref_len: int = 262144
+
+
+@dataclasses.dataclass
+class Prediction:
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bytes_inner: int
+    bytes_outer: int
+    steps: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _links(num_nodes: int, ring_order: str, intra: Link, inter: Link):
+    """``{"inner": link, "outer": link}``: the flat ring's one ring crosses nodes when ``N > 1``
+    (its slowest hop sets the pace: every hop of a ring step is taken by all ranks at once)."""
+    if ring_order == "flat":
+        return {"inner": inter if num_nodes > 1 else intra, "outer": inter}
+    return {"inner": intra, "outer": inter}
+
+
+def simulate(w: Workload, num_nodes: int, num_local: int, ring_order: str = "hierarchical", *,
+             kernels: Kernels = Kernels(), intra: Link = NVLINK_H200, inter: Link = IB_400G) -> Prediction:
+    """Predicted forward + backward time of one attention layer on the ring (module docstring)."""
+    if w.S % (num_nodes * num_local):
+        raise ValueError(f"S={w.S} does not divide over {num_nodes} x {num_local} ranks")
+    if not 0 < w.density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {w.density!r}")
+    P = num_nodes * num_local
+    shape = dict(batch=w.batch, chunk_len=w.S // P, kv_heads=w.kv_heads, head_dim=w.head_dim, itemsize=w.itemsize)
+    links = _links(num_nodes, ring_order, intra, inter)
+    n_inner = P if ring_order == "flat" else num_local
+    per_step = w.flops / P / P / kernels.rate  # forward + backward of one (rank, step) pair
+    step_c = {"forward": per_step / 3.5 + kernels.step_overhead, "backward": per_step * 2.5 / 3.5 + kernels.step_overhead}
+    index = kernels.index_s * (w.S / P) / kernels.index_ref_len
+    hops = ring_hops(num_nodes, num_local, ring_order)
+    sent = {"inner": 0, "outer": 0}
+    arrive = {}  # (phase, step) -> transfer time of what that step needs, and when it was posted
+    for h in hops:
+        b = hop_bytes(h, **shape)
+        sent[h.axis] += b
+        key = (h.phase, h.step)
+        t, axis = arrive.get(key, (0.0, h.axis))
+        arrive[key] = (t + links[h.axis].time(b), h.axis)
+
+    def run(phase: str, order: Sequence[int], t0: float) -> tuple[float, float]:
+        """Walk one phase: each step waits for its chunk; inner hops are posted one step ahead,
+        outer hops one inner loop ahead. Returns ``(end time, exposed waiting)``."""
+        t, exposed, posted = t0, 0.0, {}
+        for i, s in enumerate(order):
+            # post the hops this step overlaps: the next step's inner hop, the next outer hop
+            for j in range(i + 1, len(order)):
+                nxt = order[j]
+                if (phase, nxt) in arrive and nxt not in posted:
+                    dt, axis = arrive[(phase, nxt)]
+                    if axis == "inner" and j == i + 1 or axis == "outer" and j <= i + n_inner:
+                        posted[nxt] = t + dt
+            ready = posted.get(s, t)
+            exposed += max(0.0, ready - t)
+            t = max(t, ready) + step_c[phase]
+        return t, exposed
+
+    fwd_end, e1 = run("forward", list(range(P)), index)
+    bwd_end, e2 = run("backward", list(reversed(range(P))), fwd_end)
+    return Prediction(step_s=bwd_end, compute_s=P * (step_c["forward"] + step_c["backward"]) + index,
+                      exposed_comm_s=e1 + e2,
+                      bytes_inner=sent["inner"], bytes_outer=sent["outer"], steps=P)
+
+
+def backward_bytes(w: Workload, side: str) -> int:
+    """Bytes one rank sends per backward hop of a chunk of ``S / P`` tokens with ``P = 1`` scaled
+    out (i.e. per token of the chunk): ``side`` ``"kv"`` (this ring) or ``"query"`` (BurstEngine)."""
+    it, D = w.itemsize, w.head_dim
+    if side == "kv":
+        return w.batch * (2 * w.kv_heads * D * it + 2 * w.kv_heads * D * 4)
+    if side == "query":
+        return w.batch * (2 * w.heads * D * it + w.heads * D * 4 + 2 * w.heads * 4)
+    raise ValueError(f"side must be 'kv' or 'query', got {side!r}")
+
+
+# ------------------------------------------------------------------ calibration on measurements
+
+
+def _records(paths: Iterable[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def _mesh(r: dict) -> tuple[int, int]:
+    if "mesh" in r and r["mesh"]:
+        n, l = (int(x) for x in str(r["mesh"]).split("x"))
+        return n, l
+    return 1, int(r.get("gpus", 1))
+
+
+def _fit(one_gpu: dict, index_s: float, step_overhead: float = Kernels().step_overhead) -> Kernels:
+    """The kernels' ``rate`` from a one-GPU record (its time minus the index estimate and the two
+    kernel calls' fixed overhead); the overhead itself is not fitted (one point per length)."""
+    t = one_gpu["sparse_fwdbwd_s"] - index_s * one_gpu["S"] / Kernels().index_ref_len - 2 * step_overhead
+    return Kernels(rate=Workload(one_gpu["S"], one_gpu["density"]).flops / t, step_overhead=step_overhead,
+                   index_s=index_s)
+
+
+def calibrate(records: list[dict]) -> list[dict]:
+    """Per family (``run`` tag: same code, same machine kind) and length with a one-GPU sparse
+    record: fit the rate on it and predict the family's multi-GPU records of that length. Returns
+    rows with the relative error (the one-GPU rows are the fits: 0 by construction)."""
+    rows = []
+    fams = {}
+    for r in records:
+        if r.get("sparse_fwdbwd_s") and r.get("density") and r.get("mode", "total") == "total":
+            fams.setdefault(r.get("run") or "v?", []).append(r)
+    for run, rs in sorted(fams.items()):
+        seen = set()
+        for r in rs:
+            one = next((o for o in rs if _mesh(o) == (1, 1) and o["S"] == r["S"]), None)
+            n, l = _mesh(r)
+            key = (r["S"], n, l, r.get("ring_order", "hierarchical"))
+            if one is None or key in seen:
+                continue
+            seen.add(key)
+            idx = one["index_s"] * Kernels().index_ref_len / one["S"] if one.get("index_s") else Kernels().index_s
+            k = _fit(one, idx)
+            p = simulate(Workload(r["S"], r["density"]), n, l, key[3], kernels=k)
+            rows.append(dict(run=run, S=r["S"], mesh=f"{n}x{l}", ring_order=key[3], measured_s=r["sparse_fwdbwd_s"],
+                             predicted_s=p.step_s, rel_err=p.step_s / r["sparse_fwdbwd_s"] - 1,
+                             fitted_rate_tflops=k.rate / 1e12, exposed_s=p.exposed_comm_s, fitted_on_1gpu=n * l == 1))
+    return rows
+
+
+def predictions(kernels: Kernels, dense_rate: float, lengths=(262144, 524288, 1048576),
+                meshes=((1, 1), (1, 8), (4, 8)), densities=None) -> list[dict]:
+    """Dense and sparse ring at each length and mesh (hierarchical; 4 x 8 over :data:`IB_400G`)."""
+    densities = densities or {262144: 0.0277, 524288: 0.0144, 1048576: 0.0075}
+    rows = []
+    for S in lengths:
+        for n, l in meshes:
+            for name, dens, k in (("sparse", densities[S], kernels),
+                                  ("dense", 1.0, dataclasses.replace(kernels, rate=dense_rate, index_s=0.0))):
+                p = simulate(Workload(S, dens), n, l, "hierarchical", kernels=k)
+                rows.append(dict(S=S, mesh=f"{n}x{l}", gpus=n * l, ring=name, density=dens, **p.as_dict()))
+    return rows
+
+
+def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    multi = [r for r in calib if not r["fitted_on_1gpu"]]
+    a.scatter([r["measured_s"] * 1e3 for r in multi], [r["predicted_s"] * 1e3 for r in multi], c="C1", label="multi-GPU")
+    one = [r for r in calib if r["fitted_on_1gpu"]]
+    a.scatter([r["measured_s"] * 1e3 for r in one], [r["predicted_s"] * 1e3 for r in one], c="C0", marker="x",
+              label="1 GPU (fitted)")
+    hi = max(max(r["measured_s"], r["predicted_s"]) for r in calib) * 1e3 * 1.1
+    a.plot([0, hi], [0, hi], "k--", lw=1)
+    a.set_xlabel("measured fwd+bwd ms")
+    a.set_ylabel("predicted ms")
+    a.set_title("sparse ring: model vs measurement")
+    a.legend(fontsize=8)
+    for ring, style in (("sparse", "-o"), ("dense", "--s")):
+        for S in sorted({r["S"] for r in preds}):
+            rs = sorted((r for r in preds if r["ring"] == ring and r["S"] == S), key=lambda r: r["gpus"])
+            b.plot([r["gpus"] for r in rs], [r["step_s"] * 1e3 for r in rs], style, label=f"{ring} {S // 1024}K")
+    b.set_xscale("log", base=2)
+    b.set_yscale("log")
+    b.set_xlabel("GPUs (1, one node of 8, 4 nodes x 8 over 400 Gb/s)")
+    b.set_ylabel("predicted fwd+bwd ms per layer")
+    b.set_title("predictions (hierarchical ring)")
+    b.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--records", nargs="+", default=[os.path.join(here, "sparse_ring_results.jsonl"),
+                                                     os.path.join(here, "scaling_results.jsonl")])
+    p.add_argument("--rate", type=float, default=360.0, help="sparse kernels' fwd+bwd TFLOP/s for the predictions")
+    p.add_argument("--dense-rate", type=float, default=430.0, help="dense ring kernels' fwd+bwd TFLOP/s")
+    p.add_argument("--out", help="folder for comm_model.json and comm_model.png")
+    a = p.parse_args(argv)
+    calib = calibrate(_records(a.records))
+    preds = predictions(Kernels(rate=a.rate * 1e12), a.dense_rate * 1e12)
+    for r in calib:
+        print(f"{r['run']:>12} {r['S'] // 1024:>5}K {r['mesh']:>4} {r['ring_order']:>12}  measured {r['measured_s'] * 1e3:8.1f} ms"
+              f"  predicted {r['predicted_s'] * 1e3:8.1f} ms  ({r['rel_err']:+.0%})")
+    for r in preds:
+        print(f"{r['ring']:>6} {r['S'] // 1024:>5}K {r['mesh']:>4}: {r['step_s'] * 1e3:9.1f} ms"
+              f"  (exposed comm {r['exposed_comm_s'] * 1e3:.2f} ms)")
+    w = Workload(262144, 0.0277)
+    print("backward bytes per token, GQA 16/2: kv", backward_bytes(w, "kv"), "query", backward_bytes(w, "query"))
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "comm_model.json"), "w") as f:
+            json.dump(dict(calibration=calib, predictions=preds), f, indent=1)
+        _plot(calib, preds, os.path.join(a.out, "comm_model.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""The ring cost model (benchmarks/comm_model.py): bytes from the schedule, overlap, calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.comm_model import Kernels, Link, Workload, backward_bytes, calibrate, simulate
+from benchmarks.ring_comm import ring_bytes
+
+W = Workload(S=65536, density=0.05)
+K = Kernels(rate=300e12, step_overhead=0.2e-3, index_s=2e-3, index_ref_len=65536)
+
+
+@pytest.mark.parametrize("n, l, order", [(1, 2, "hierarchical"), (1, 8, "flat"), (2, 4, "hierarchical"),
+                                         (2, 4, "flat"), (4, 2, "hierarchical")])
+def test_bytes_equal_the_schedule_accounting(n, l, order):
+    p = simulate(W, n, l, order, kernels=K)
+    want = ring_bytes(n, l, order, batch=1, chunk_len=W.S // (n * l), kv_heads=2, head_dim=128, itemsize=2)
+    assert (p.bytes_inner, p.bytes_outer) == (want["inner"], want["outer"])
+
+
+def test_one_rank_has_no_communication():
+    p = simulate(W, 1, 1, kernels=K)
+    assert p.bytes_inner == p.bytes_outer == 0 and p.exposed_comm_s == 0
+    assert p.step_s == pytest.approx(K.index_s + W.flops / K.rate + 2 * K.step_overhead)
+
+
+@pytest.mark.parametrize("n, l", [(1, 4), (2, 4), (4, 8)])
+def test_more_bandwidth_is_never_slower(n, l):
+    times = [simulate(W, n, l, kernels=K, intra=Link(bw, 5e-6), inter=Link(bw / 8, 10e-6)).step_s
+             for bw in (1e9, 1e10, 1e11, 1e12)]
+    assert all(a >= b for a, b in zip(times, times[1:])) and times[0] > times[-1]
+
+
+def test_two_ranks_by_hand():
+    """P = 2: forward waits for the K/V hop of step 1 (posted at the start of step 0), backward
+    for the float32 dK/dV hop into step 0 (posted at the start of step 1)."""
+    link = Link(bandwidth=1e9, latency=0.0)
+    w = Workload(S=4096, density=1.0)
+    k = dataclasses.replace(K, index_s=1e-3, index_ref_len=2048)
+    p = simulate(w, 1, 2, kernels=k, intra=link)
+    per = w.flops / 4 / k.rate
+    cf, cb = per / 3.5 + k.step_overhead, per * 2.5 / 3.5 + k.step_overhead
+    kv = 2 * 2048 * 2 * 128 * 2 / 1e9  # one K/V chunk, bf16
+    dkv = 2 * 2048 * 2 * 128 * 4 / 1e9  # its float32 dK/dV
+    t = 1e-3 + max(cf, kv) + cf  # forward: step 1 starts when compute and the hop are done
+    exposed = max(0.0, kv - cf) + max(0.0, dkv - cb)
+    t = t + max(cb, dkv) + cb
+    assert p.step_s == pytest.approx(t) and p.exposed_comm_s == pytest.approx(exposed)
+    assert exposed > 0  # this slow link exposes both hops
+
+
+def test_query_side_backward_bytes_only_win_for_mha():
+    gqa, mha = Workload(S=1, density=1.0), Workload(S=1, density=1.0, heads=16, kv_heads=16)
+    assert backward_bytes(gqa, "kv") < backward_bytes(gqa, "query")
+    assert backward_bytes(mha, "query") < backward_bytes(mha, "kv")
+    with pytest.raises(ValueError, match="side must be"):
+        backward_bytes(gqa, "both")
+
+
+def test_calibration_fits_one_gpu_and_predicts_two():
+    recs = [dict(run="x", S=65536, gpus=1, mesh="1x1", density=0.05, sparse_fwdbwd_s=0.02, index_s=0.002),
+            dict(run="x", S=65536, gpus=2, mesh="1x2", density=0.05, sparse_fwdbwd_s=0.011)]
+    rows = calibrate(recs)
+    one, two = sorted(rows, key=lambda r: r["mesh"])
+    assert one["rel_err"] == pytest.approx(0.0, abs=1e-9) and one["fitted_on_1gpu"]
+    assert not two["fitted_on_1gpu"] and 0.005 < two["predicted_s"] < 0.02
