@@ -81,7 +81,7 @@ ROW_KEYS = (
     "seq_len", "backend", "batch", "tokens_per_step", "step_ms", "step_ms_all", "tokens_per_s",
     "compile_s", "peak_bytes", "peak_gib", "memory_analysis", "losses", "loss_finite", "metrics",
     "work_fraction", "num_params", "model", "layer_backends", "layout", "remat", "dtype",
-    "loss_chunk_size", "overrides", "device_kind", "platform", "jax_version", "error",
+    "loss_chunk_size", "overrides", "device_kind", "platform", "jax_version", "profile", "error",
 )
 
 
