@@ -132,9 +132,65 @@ def run_variant(name: str, args, corpus) -> dict:
     except Exception as e:
         traceback.print_exc()
         rec["recall_untrained_error"] = f"{type(e).__name__}: {e}"
+    if args.recall_budgets:
+        try:
+            rec["recall_budgets"] = budget_sweep(model_cfg, result.params, held[None, :spec.perplexity_len], mesh,
+                                                 args.recall_budgets, spec.recall_rows)
+        except Exception as e:
+            traceback.print_exc()
+            rec["recall_budgets_error"] = f"{type(e).__name__}: {e}"
     rec["eval_seconds"] = time.time() - t0
     print(f"[{name}] evaluated in {rec['eval_seconds']:.0f}s", flush=True)
     return rec
+
+
+def parse_budgets(text: str) -> list:
+    """``"vertical_max=8192,slash_max=128;last_q=256"`` -> ``[{"vertical_max": 8192, ...}, {...}]``
+    (``;`` between budgets, ``,`` between fields; an empty budget is the model's own)."""
+    out = []
+    for part in text.split(";"):
+        b = {}
+        for kv in filter(None, (t.strip() for t in part.split(","))):
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise argparse.ArgumentTypeError(f"budget field {kv!r} is not NAME=VALUE")
+            try:
+                b[k.strip()] = float(v) if "." in v else int(v)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"budget field {kv!r}: {v!r} is not a number") from None
+        out.append(b)
+    return out
+
+
+def budget_sweep(model_cfg, params, window, mesh, budgets, rows: int, p: float = 0.9) -> list:
+    """Index recall / density at top-p ``p`` under each budget (SparsityConfig overrides) on the
+    trained model's q/k of one held-out ``window [1, S]`` (q/k captured once)."""
+    from mtraining_jax.eval.recall import index_recall, layer_qk
+
+    qs, ks, _ = layer_qk(model_cfg, params, window, mesh)
+    out = []
+    for b in budgets:
+        r = index_recall(model_cfg, None, None, (p,), num_rows=rows, qk=(qs, ks), budgets=b)
+        key = f"{p:g}"
+        out.append({"budget": b, "p": p, "mean_recall": r["mean_recall"][key], "min_recall": r["min_recall"][key],
+                    "mean_density": r["mean_density"][key],
+                    "layer_recall": [float(sum(h) / len(h)) for h in r["recall"][key]],
+                    "layer_density": [float(sum(h) / len(h)) for h in r["density"][key]]})
+        print(f"  recall p={p:g} {b or 'model budgets'}: mean {out[-1]['mean_recall']:.3f} "
+              f"min {out[-1]['min_recall']:.3f} density {out[-1]['mean_density']:.3f}", flush=True)
+    return out
+
+
+def budget_table(recs) -> str:
+    """Markdown: the recall budget sweep of each variant."""
+    lines = ["| variant | budget (SparsityConfig overrides) | p | mean recall | min head | mean density |",
+             "|---|---|---|---|---|---|"]
+    for r in recs:
+        for b in r.get("recall_budgets", []):
+            name = ", ".join(f"{k}={v}" for k, v in b["budget"].items()) or "model's own"
+            lines.append(f"| {r['variant']} | {name} | {b['p']:g} | {b['mean_recall']:.3f} | {b['min_recall']:.3f} "
+                         f"| {b['mean_density']:.3f} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
 def training_table(recs) -> str:
@@ -178,7 +234,7 @@ def write_report(recs, out: str) -> None:
     if runs:
         compare_results(runs, out, prefix="quality", sections=("niah", "perplexity", "recall"))
     with open(os.path.join(out, "quality.md"), "a" if runs else "w") as f:
-        f.write("\n" + training_table(recs))
+        f.write("\n" + training_table(recs) + "\n" + budget_table(recs))
 
 
 def main(argv=None) -> int:
@@ -192,6 +248,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, help="model initialisation seed of both variants (default: the configs')")
     p.add_argument("--recall-ps", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.9, 0.5],
                    help="top-p budgets of the index recall (comma-separated; a budget sweep)")
+    p.add_argument("--recall-budgets", type=parse_budgets, default=[],
+                   help="index budgets of a recall sweep at p = 0.9 on the trained model, ';'-separated, each "
+                        "','-separated SparsityConfig fields, e.g. ';vertical_max=16384,slash_max=256;last_q=256' "
+                        "(an empty entry: the model's own budgets)")
     args = p.parse_args(argv)
     if args.smoke:
         from mtraining_jax.train.cli import _setup_platform

@@ -9,7 +9,8 @@ from benchmarks import quality_study
 
 def test_quality_study_smoke(tmp_path):
     out = str(tmp_path / "out")
-    rc = quality_study.main(["--out", out, "--work", str(tmp_path / "work"), "--smoke", "--variant", "mtraining"])
+    rc = quality_study.main(["--out", out, "--work", str(tmp_path / "work"), "--smoke", "--variant", "mtraining",
+                             "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128"])
     assert rc == 0
     (rec,) = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
     assert rec["variant"] == "mtraining" and rec["steps"] == 2 and len(rec["train_loss"]) == 2
@@ -18,6 +19,13 @@ def test_quality_study_smoke(tmp_path):
     held = rec["eval"]["perplexity"]
     assert abs(rec["heldout_loss"][-1][1] - sum(held["window_loss"][:1])) < 1e-3
     assert set(rec["recall_untrained"]["mean_recall"]) == {"0.9", "0.5"}
+    # the budget sweep: the model's own budgets equal the evaluation's p = 0.9 recall; a budget that
+    # keeps every column (vertical_min = vertical_max = S) recalls everything
+    own, wide, full = rec["recall_budgets"]
+    assert own["budget"] == {} and abs(own["mean_recall"] - rec["eval"]["recall"]["mean_recall"]["0.9"]) < 1e-6
+    assert wide["budget"] == {"vertical_max": 512, "slash_max": 8}
+    assert wide["mean_recall"] >= own["mean_recall"] - 1e-6 and wide["mean_density"] >= own["mean_density"] - 1e-6
+    assert full["mean_recall"] > 0.999 and full["mean_density"] > 0.999 and len(full["layer_recall"]) == 2
     rec2 = dict(rec, variant="dense")
     quality_study.write_report([rec2, rec], out)
     files = sorted(os.listdir(out))
@@ -25,3 +33,4 @@ def test_quality_study_smoke(tmp_path):
                      "quality_position_loss.png", "quality_recall.png"]
     md = open(os.path.join(out, "quality.md")).read()
     assert "| metric | dense | mtraining | mtraining - dense |" in md and "| mtraining | 2 |" in md
+    assert "| mtraining | vertical_min=512, last_q=128 | 0.9 |" in md

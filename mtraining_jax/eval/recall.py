@@ -82,23 +82,30 @@ def sparsity_for(cfg: ModelConfig, p: float) -> SparsityConfig:
 
 
 def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0.5), mesh=None,
-                 num_rows: int = 512, qk=None) -> dict:
+                 num_rows: int = 512, qk=None, budgets: dict | None = None) -> dict:
     """Recall and density per layer and head at each ``p`` (see module docstring).
 
     Returns JSON: ``{"p": [...], "seq_len", "rows", "backends": [per layer], "recall": {p: [L][H]},
     "density": {p: [L][H]}, "mean_recall": {p}, "min_recall": {p}, "mean_density": {p}}`` (``p`` keys
     formatted ``"%g"``; values averaged over the batch). ``qk``: ``(qs, ks)`` of :func:`layer_qk`
-    already computed (then ``params``, ``tokens`` and ``mesh`` are not used).
+    already computed (then ``params``, ``tokens`` and ``mesh`` are not used). ``budgets``: other
+    :class:`~mtraining_jax.sparsity.config.SparsityConfig` fields replaced in every estimate (e.g.
+    ``{"vertical_max": 16384, "slash_max": 256, "last_q": 256}``: a budget sweep), recorded as
+    ``"budgets"``; ``ValueError`` naming a field SparsityConfig does not have or a bad value.
     """
+    budgets = dict(budgets or {})
+    unknown = sorted(set(budgets) - {f.name for f in dataclasses.fields(SparsityConfig)})
+    if unknown:
+        raise ValueError(f"unknown sparsity budget field(s) {unknown}")
     qs, ks = qk if qk is not None else layer_qk(cfg, params, tokens, mesh)[:2]
     S = qs[0].shape[1]
     rows = np.unique(np.linspace(0, S - 1, min(num_rows, S)).astype(np.int64))
     pos = jnp.arange(S, dtype=jnp.int32)
     out = {"p": [float(p) for p in ps], "seq_len": int(S), "rows": int(len(rows)),
            "backends": list(cfg.layer_backends), "recall": {}, "density": {}, "mean_recall": {},
-           "min_recall": {}, "mean_density": {}}
+           "min_recall": {}, "mean_density": {}, "budgets": budgets}
     for p in ps:
-        sp = sparsity_for(cfg, p)
+        sp = dataclasses.replace(sparsity_for(cfg, p), **budgets)
         rec, den = [], []
         for q, k in zip(qs, ks):
             q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
