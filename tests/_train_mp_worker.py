@@ -13,12 +13,12 @@ import sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = ""
 
-from mtraining_jax.train import cli  # noqa: E402
+from mtraining_jax.apps.train import main  # noqa: E402  (the mtraining-train command)
 
 if __name__ == "__main__":
     port, pid, nproc, ndev, run_dir, *overrides = sys.argv[1:]
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "tiny_cpu.yaml")
-    sys.exit(cli.main([
+    sys.exit(main([
         "--config", config, *overrides, f"run_dir={run_dir}", f"mesh.cpu_devices={int(nproc) * int(ndev)}", f"mesh.shape=[{nproc},{ndev}]",
         "--coordinator-address", f"localhost:{port}", "--num-processes", nproc, "--process-id", pid,
     ]))

@@ -1,5 +1,7 @@
 """``eval.long_context``: the trainer (a 1-layer dense model on a 1x2 mesh) runs the evaluation package's NIAH / RULER-style scoring
-every N steps and logs it (metrics.jsonl, the run result); bad settings fail before the run starts."""
+every N steps and logs it (metrics.jsonl, the run result); bad settings fail before the run starts.
+The hook is wired in from above both layers (``mtraining_jax.apps.train``, the ``mtraining-train``
+command); the trainer alone refuses the section rather than silently skipping it."""
 
 import json
 import os
@@ -9,7 +11,8 @@ import pytest
 from mtraining_jax.eval.api import evaluate_params
 from mtraining_jax.eval.hook import LongContextHook
 from mtraining_jax.train.config import load_config
-from mtraining_jax.train.loop import run
+from mtraining_jax.apps.train import HOOK_FACTORIES, run
+from mtraining_jax.train import loop
 from mtraining_jax.train.tokenizer import load_tokenizer
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_cpu.yaml")
@@ -61,3 +64,20 @@ def test_bad_settings_fail_before_the_run(tmp_path, override, message):
         run(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "r")
+
+
+def test_trainer_without_the_hook_refuses_the_section(tmp_path):
+    cfg = load_config(CONFIG, SMALL + [f"run_dir={tmp_path / 'r'}"])
+    with pytest.raises(ValueError, match=r"eval.long_context is switched on but this entry point has no hook"):
+        loop.run(cfg)
+    with pytest.raises(ValueError, match=r"unknown config section\(s\) \['eval.nope'\]"):
+        loop.run(cfg, hook_factories={**HOOK_FACTORIES, "eval.nope": lambda *a: []})
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_console_script_is_the_wired_trainer():
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts["mtraining-train"] == "mtraining_jax.apps.train:main"

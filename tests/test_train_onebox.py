@@ -37,7 +37,7 @@ def test_readme_two_process_recipe_runs_as_printed(tmp_path):
     (tmp_path / "configs").symlink_to(REPO / "configs")
     port = free_port()
     body = script.replace("localhost:12355", f"localhost:{port}")
-    prelude = f'mtraining-train() {{ "{sys.executable}" -m mtraining_jax.train "$@"; }}\nset -e\n'
+    prelude = f'mtraining-train() {{ "{sys.executable}" -m mtraining_jax.apps.train "$@"; }}\nset -e\n'
     t0 = time.time()
     p = subprocess.run(["bash", "-c", prelude + body], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                        timeout=400)

@@ -1,4 +1,5 @@
-"""``mtraining-train --config configs/<name>.yaml [key=value ...]`` (also ``python -m mtraining_jax.train``).
+"""The trainer's command line, ``mtraining-train --config configs/<name>.yaml [key=value ...]``
+(the console script is :mod:`mtraining_jax.apps.train`, which adds the evaluation package's hooks).
 
 Examples::
 
@@ -104,7 +105,9 @@ def _plan(cfg, device_memory: int | None) -> int:
     return 0
 
 
-def main(argv: typing.Sequence[str] | None = None) -> int:
+def main(argv: typing.Sequence[str] | None = None, hook_factories: typing.Mapping | None = None) -> int:
+    """The command line; ``hook_factories``: the config hooks the layers above provide
+    (:func:`mtraining_jax.train.loop.config_hooks`; ``mtraining-train`` passes the evaluation's)."""
     args = build_parser().parse_intermixed_args(argv)  # overrides before and after flags
     from mtraining_jax.train.config import load_config
 
@@ -144,7 +147,7 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
         maybe_initialize(cfg.distributed)
         if args.plan:
             return _plan(cfg, device_memory)
-        result = run(cfg, overwrite=args.overwrite)
+        result = run(cfg, overwrite=args.overwrite, hook_factories=hook_factories or {})
     except NonFiniteLossError as e:
         return _fail(str(e), 1)
     except Interrupted as e:

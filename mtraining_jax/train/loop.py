@@ -18,8 +18,11 @@ Checkpoints hold the state and the loader state, so ``--resume`` continues exact
 
 A hook is ``hook(run: Run, step: int, metrics: dict) -> None``, called after every good step
 (``run.state`` is the state after it), in this order: :func:`eval_hook` (held-out loss, passkey),
-the config's own (:func:`config_hooks`: ``eval.long_context``, the evaluation package's NIAH /
-RULER-style accuracy), then the caller's.
+the config's own, then the caller's. The config's own come from ``hook_factories``, a mapping from a
+config section to a :data:`HookFactory` that builds (and checks) its hooks before the run starts;
+the layers above the trainer provide them (``eval.long_context``: the evaluation package's NIAH /
+RULER-style accuracy, wired in by :mod:`mtraining_jax.apps.train`, the ``mtraining-train`` command).
+A config that switches on a section no factory serves is refused up front.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -206,15 +210,32 @@ def eval_hook(run: Run, step: int, metrics: dict) -> None:
         run.bar.write(f"eval step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in rec.items()))
 
 
-def config_hooks(cfg: TrainConfig, model_cfg, mesh, tokenizer) -> list:
-    """The hooks the config switches on, built (and their settings checked against the model and
-    mesh) before the run starts: ``eval.long_context`` -> the evaluation package's
-    :class:`~mtraining_jax.eval.hook.LongContextHook` (NIAH / RULER-style accuracy)."""
-    if not cfg.eval.long_context.every:
-        return []
-    from mtraining_jax.eval.hook import LongContextHook  # the one call from the trainer up into eval
+#: ``factory(cfg, model_cfg, mesh, tokenizer) -> [Hook, ...]``: the hooks of one config section
+#: (an empty list when the section is off), built before the run starts; ``ValueError`` for bad settings
+HookFactory = Callable[..., Sequence[Hook]]
 
-    return [LongContextHook(cfg, model_cfg, mesh, tokenizer)]
+#: config sections served by hooks from the layers above the trainer: (key, switched on in cfg?)
+HOOKED_SECTIONS = (("eval.long_context", lambda cfg: bool(cfg.eval.long_context.every)),)
+
+
+def config_hooks(cfg: TrainConfig, model_cfg, mesh, tokenizer,
+                 hook_factories: Mapping[str, HookFactory] = MappingProxyType({})) -> list:
+    """The hooks the config switches on, built by ``hook_factories`` (module docstring) before the
+    run starts; ``ValueError`` naming the section when it is on and no factory serves it."""
+    unknown = sorted(set(hook_factories) - {k for k, _ in HOOKED_SECTIONS})
+    if unknown:
+        raise ValueError(f"hook factories for unknown config section(s) {unknown}; "
+                         f"known: {[k for k, _ in HOOKED_SECTIONS]}")
+    hooks = []
+    for key, on in HOOKED_SECTIONS:
+        if not on(cfg):
+            continue
+        if key not in hook_factories:
+            raise ValueError(f"{key} is switched on but this entry point has no hook for it: run the "
+                             f"`mtraining-train` command (mtraining_jax.apps.train), or pass "
+                             f"hook_factories=mtraining_jax.apps.train.HOOK_FACTORIES to train.loop.run")
+        hooks.extend(hook_factories[key](cfg, model_cfg, mesh, tokenizer))
+    return hooks
 
 
 def _is_main() -> bool:
@@ -255,15 +276,17 @@ def build_training(cfg: TrainConfig, mesh, model_cls, model_cfg) -> Training:
     return Training(optimizer, schedule, parts, fsdp, state_fn, abstract, train_step, eval_step)
 
 
-def setup(cfg: TrainConfig, *, overwrite: bool = False) -> Run:
-    """Check the inputs, prepare ``run_dir``, build data, steps and the state (module docstring)."""
+def setup(cfg: TrainConfig, *, overwrite: bool = False,
+          hook_factories: Mapping[str, HookFactory] = MappingProxyType({})) -> Run:
+    """Check the inputs, prepare ``run_dir``, build data, steps, the config's hooks (from
+    ``hook_factories``) and the state (module docstring)."""
     t_setup = time.time()
     resume = cfg.checkpoint.resume
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     layout = check_run_config(cfg, model_cfg, mesh, tokenizer)
-    extra_hooks = config_hooks(cfg, model_cfg, mesh, tokenizer)
+    extra_hooks = config_hooks(cfg, model_cfg, mesh, tokenizer, hook_factories)
     prepare_run_dir(cfg.run_dir, cfg.checkpoint_dir, resume=resume, overwrite=overwrite,
                     checkpoint_key="checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints",
                     is_main=_is_main())
@@ -453,10 +476,11 @@ def _result(run: Run) -> RunResult:
                      run.skipped_updates)
 
 
-def run(cfg: TrainConfig, hooks: Sequence[Hook] = (), *, overwrite: bool = False) -> RunResult:
+def run(cfg: TrainConfig, hooks: Sequence[Hook] = (), *, overwrite: bool = False,
+        hook_factories: Mapping[str, HookFactory] = MappingProxyType({})) -> RunResult:
     """Train according to ``cfg`` (see module docstring); ``overwrite``: delete an earlier run's
-    artefacts in ``run_dir`` first (``--overwrite``)."""
-    r = setup(cfg, overwrite=overwrite)
+    artefacts in ``run_dir`` first (``--overwrite``); ``hook_factories``: see :func:`config_hooks`."""
+    r = setup(cfg, overwrite=overwrite, hook_factories=hook_factories)
     try:
         result = train(r, hooks)
     finally:
