@@ -29,14 +29,14 @@ S, B, HQ, HKV, D = 1024, 1, 4, 2, 32
 SPARSE = SparsityConfig(vertical_p=0.6, slash_p=0.6, vertical_min=4, vertical_max=24, slash_min=1, slash_max=4)
 
 
-def _inputs(seed, dtype=jnp.float32):
+def _inputs(seed, dtype=jnp.float32, d=D):
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(ks[0], (B, S, HQ, D), dtype)
-    k = jax.random.normal(ks[1], (B, S, HKV, D), dtype)
+    q = jax.random.normal(ks[0], (B, S, HQ, d), dtype)
+    k = jax.random.normal(ks[1], (B, S, HKV, d), dtype)
     # outlier keys -> verticals, a positional drift -> slashes: a structured, not uniform, index
     k = k.at[:, 3].mul(4.0).at[:, 200].mul(3.0)
-    v = jax.random.normal(ks[2], (B, S, HKV, D), dtype)
-    cot = jax.random.normal(ks[3], (B, S, HQ, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, S, HKV, d), dtype)
+    cot = jax.random.normal(ks[3], (B, S, HQ, d), jnp.float32)
     return q, k, v, cot
 
 
@@ -188,6 +188,8 @@ class _SparseRingSuite:
 
     impl = "xla"
     tol = 1e-5
+    dtype = jnp.float32  # of q/k/v (the reference runs in float32 on the same values)
+    head_dim = D
     CASES = [c + ((True, True),) for c in CASES] + FUSED_CASES  # (mesh, layout, order, fuse)
 
     def test_impl_is_a_registry_backend(self):
@@ -195,7 +197,7 @@ class _SparseRingSuite:
 
     def test_sparse_ring_matches_masked_reference(self, ring_case):
         mesh_shape, layout, order, fuse = ring_case
-        q, k, v, cot = _inputs(hash((mesh_shape, layout, order)) % 1000)
+        q, k, v, cot = _inputs(hash((mesh_shape, layout, order)) % 1000, self.dtype, self.head_dim)
         mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
         cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl=self.impl,
                               fuse_forward=fuse[0], fuse_backward=fuse[1])
@@ -213,11 +215,11 @@ class _SparseRingSuite:
         # the index is genuinely sparse, so a dense answer would fail this test
         assert float(np.mean(density(index, S))) < 0.7
         with jax.default_matmul_precision("highest"):
-            ref_out, ref_grads = _reference(index, q, k, v, cot)
+            ref_out, ref_grads = _reference(index, *(x.astype(jnp.float32) for x in (q, k, v)), cot)
         assert _rel(out, ref_out) <= self.tol
         for name, g, r in zip("qkv", grads, ref_grads):
             assert _rel(g, r) <= self.tol, f"d{name}: {_rel(g, r)}"
-        dense_out, _ = dense_attention(q, k, v)
+        dense_out, _ = dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
         assert _rel(out, dense_out) > 1e-3  # sparsity really changed the answer
 
 
@@ -239,3 +241,14 @@ class TestTritonGPU(_SparseRingSuite):
     impl = "triton"
     tol = 2e-3
     CASES = [((1, 1), "block_striped", "hierarchical", (True, True)), ((1, 1), "zigzag", "flat", (False, False))]
+
+
+@pytest.mark.gpu
+class TestMosaicGPU(_SparseRingSuite):
+    """Compiled Mosaic GPU kernels (Hopper) on one GPU; bf16 q/k/v (what the kernels take)."""
+
+    impl = "mosaic"
+    tol = 2e-2
+    dtype = jnp.bfloat16
+    head_dim = 64  # the kernels take 64 or 128
+    CASES = TestTritonGPU.CASES

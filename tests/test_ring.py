@@ -159,6 +159,7 @@ class _RingSuite:
     # (mesh, order, layout) of the random sparse StepIndex test; the full-index test runs the first
     STEP_CASES = [((2, 4), "hierarchical", "block_striped"), ((4, 2), "flat", "zigzag")]
     STEP_SHAPES = dict(B=1, S=256, Hq=4, Hkv=1, D=64, bs=16)  # the shapes of the float32 layout tests
+    STEP_DTYPE = "float32"  # q/k/v of the step-index tests (the Mosaic kernels take bf16 / f16 only)
 
     def test_impl_is_a_registry_backend(self):
         assert self.impl in registry.BACKENDS
@@ -173,29 +174,30 @@ class _RingSuite:
         mesh_shape, order, layout_name = step_case
         make = functools.partial(_random_step_index, max_cols=5, empty_rows=True)
         lay, (q, k, v, cot), mask, out, grads = _run_step_index(mesh_shape, order, layout_name, make, 4, self.impl,
-                                                                **self.STEP_SHAPES)
+                                                                dtype=self.STEP_DTYPE, **self.STEP_SHAPES)
         assert 0 < mask.mean() < 1  # the mask is really sparse
         # rows with no allowed key at any step: exactly zero output and dq (merge of all -inf partials)
         bs = self.STEP_SHAPES["bs"]
         np.testing.assert_array_equal(np.asarray(out)[0, :bs, 0], 0.0)
         np.testing.assert_array_equal(np.asarray(grads[0])[0, :bs, 0], 0.0)
         ref_out, ref_grads = _reference(q, k, v, cot, mask)
-        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, self.tol["float32"],
+        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, self.tol[self.STEP_DTYPE],
                                  f"random StepIndex {order} impl={self.impl}")
 
     def test_step_index_full_equals_dense_ring(self):
         """full_step_index for each step's (q_pos, visiting k_pos) reproduces the dense ring exactly."""
         mesh_shape, order, _ = self.STEP_CASES[0]
         make = lambda rng, *a: _full_step_index(*a, max_cols=5)  # noqa: E731
+        dt = self.STEP_DTYPE
         lay, (q, k, v, cot), mask, out, grads = _run_step_index(mesh_shape, order, "token_striped", make, 5,
-                                                                self.impl, **self.STEP_SHAPES)
+                                                                self.impl, dtype=dt, **self.STEP_SHAPES)
         (_, dense_out), dense_grads = _ring_vg(mesh_shape, order, (True, True), self.impl)(
-            *[jnp.asarray(lay.permute(x), jnp.float32) for x in (q, k, v)], jnp.asarray(lay.perm),
+            *[jnp.asarray(lay.permute(x), dt) for x in (q, k, v)], jnp.asarray(lay.perm),
             jnp.asarray(lay.permute(cot), jnp.float32))
         for a, b in zip((out, *grads), (dense_out, *dense_grads)):
-            assert _rel(a, b) <= self.tol["float32"] / 10, _rel(a, b)
+            assert _rel(a, b) <= self.tol[dt] / 10, _rel(a, b)
         ref_out, ref_grads = _reference(q, k, v, cot)
-        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, self.tol["float32"],
+        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, self.tol[dt],
                                  f"full index impl={self.impl}")
 
 
@@ -225,6 +227,16 @@ class TestTritonGPU(_RingSuite):
                   ("float32", "bfloat16")]
     STEP_CASES = [((1, 1), "hierarchical", "block_striped")]
     STEP_SHAPES = dict(B=1, S=1024, Hq=4, Hkv=1, D=64, bs=64)
+
+
+@pytest.mark.gpu
+class TestMosaicGPU(TestTritonGPU):
+    """Compiled Mosaic GPU kernels (Hopper) on one GPU: bf16 only (what the kernels take), the
+    step-index tests at 64-token blocks on a 1024-token chunk (Sq a multiple of 128)."""
+
+    impl = "mosaic"
+    RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype="bfloat16"))]
+    STEP_DTYPE = "bfloat16"
 
 
 def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
@@ -316,12 +328,13 @@ def _sparse_ring_vg(mesh_shape, order, bs, impl):
 
     def loss(q, k, v, pos, idx, cot):
         out = ring(q, k, v, pos, idx)
-        return jnp.sum(out * cot), out
+        return jnp.sum(out.astype(jnp.float32) * cot), out
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
-def _run_step_index(mesh_shape, order, layout_name, make_index, seed, impl, *, B, S, Hq, Hkv, D, bs):
+def _run_step_index(mesh_shape, order, layout_name, make_index, seed, impl, *, B, S, Hq, Hkv, D, bs,
+                    dtype=jnp.float32):
     nodes, local = mesh_shape
     P = nodes * local
     sl = S // P
@@ -332,7 +345,7 @@ def _run_step_index(mesh_shape, order, layout_name, make_index, seed, impl, *, B
     mask_nat = _laid_mask(index, sl, bs, src)[:, :, lay.inverse][:, :, :, lay.inverse]
     q, k, v, cot = _inputs(seed, B, S, Hq, Hkv, D, jnp.float32)
     fn = _sparse_ring_vg(mesh_shape, order, bs, impl)
-    args = [jnp.asarray(lay.permute(x), jnp.float32) for x in (q, k, v)]
+    args = [jnp.asarray(lay.permute(x), dtype) for x in (q, k, v)]
     (_, out), grads = fn(*args, jnp.asarray(lay.perm), index, jnp.asarray(lay.permute(cot), jnp.float32))
     return lay, (q, k, v, cot), mask_nat, out, grads
 

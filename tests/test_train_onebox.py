@@ -56,7 +56,7 @@ def test_peer_that_never_arrives_is_a_one_line_error_naming_the_coordinator(tmp_
     port = free_port()
     t0 = time.time()
     p = subprocess.run(
-        [sys.executable, "-m", "mtraining_jax.train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
+        [sys.executable, "-m", "mtraining_jax.apps.train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
          f"run_dir={tmp_path}", "distributed.timeout_s=3", "--coordinator-address", f"localhost:{port}",
          "--num-processes", "2", "--process-id", "0"],
         env=_env(), capture_output=True, text=True, timeout=120,
