@@ -132,6 +132,12 @@ def run_variant(name: str, args, corpus) -> dict:
     except Exception as e:
         traceback.print_exc()
         rec["recall_untrained_error"] = f"{type(e).__name__}: {e}"
+    if args.cross_eval and set(model_cfg.layer_backends) != {args.cross_eval}:
+        try:
+            rec["cross_eval"] = cross_eval(model_cfg, result.params, tok, spec, mesh, held, args.cross_eval)
+        except Exception as e:
+            traceback.print_exc()
+            rec["cross_eval_error"] = f"{type(e).__name__}: {e}"
     if args.recall_budgets:
         try:
             rec["recall_budgets"] = budget_sweep(model_cfg, result.params, held[None, :spec.perplexity_len], mesh,
@@ -162,6 +168,24 @@ def parse_budgets(text: str) -> list:
     return out
 
 
+def cross_eval(model_cfg, params, tok, spec, mesh, held, backend: str) -> dict:
+    """The trained parameters evaluated with ``backend`` attention in EVERY layer (e.g. a model
+    trained with sparse attention, read with dense attention): held-out loss by position and the
+    NIAH / RULER-style sections of ``spec``. Shows whether what the model learned holds without the
+    sparse pattern (whose index is estimated from the window's last queries)."""
+    import dataclasses
+
+    from mtraining_jax.eval.api import evaluate_params
+
+    cfg = dataclasses.replace(model_cfg, attention_backends=(backend,) * model_cfg.num_layers)
+    spec = dataclasses.replace(spec, recall_ps=())
+    res = evaluate_params(cfg, params, tok, spec, mesh=mesh, heldout=held, label=f"as {backend}", progress=False)
+    out = {"backend": backend, "eval": res}
+    print(f"  read with {backend} attention in every layer: held-out loss "
+          f"{res['perplexity']['mean_loss']:.4f}", flush=True)
+    return out
+
+
 def budget_sweep(model_cfg, params, window, mesh, budgets, rows: int, p: float = 0.9) -> list:
     """Index recall / density at top-p ``p`` under each budget (SparsityConfig overrides) on the
     trained model's q/k of one held-out ``window [1, S]`` (q/k captured once)."""
@@ -179,6 +203,20 @@ def budget_sweep(model_cfg, params, window, mesh, budgets, rows: int, p: float =
         print(f"  recall p={p:g} {b or 'model budgets'}: mean {out[-1]['mean_recall']:.3f} "
               f"min {out[-1]['min_recall']:.3f} density {out[-1]['mean_density']:.3f}", flush=True)
     return out
+
+
+def cross_table(recs) -> str:
+    """Markdown: each variant's held-out loss with its own attention and read with another."""
+    rows = [r for r in recs if "cross_eval" in r and "eval" in r]
+    if not rows:
+        return ""
+    lines = ["| variant | own attention: held-out loss | read with | held-out loss | difference |", "|---|---|---|---|---|"]
+    for r in rows:
+        own = r["eval"]["perplexity"]["mean_loss"]
+        other = r["cross_eval"]["eval"]["perplexity"]["mean_loss"]
+        lines.append(f"| {r['variant']} | {own:.4f} | {r['cross_eval']['backend']} (every layer) | {other:.4f} "
+                     f"| {other - own:+.4f} |")
+    return "\n".join(lines) + "\n"
 
 
 def budget_table(recs) -> str:
@@ -234,7 +272,7 @@ def write_report(recs, out: str) -> None:
     if runs:
         compare_results(runs, out, prefix="quality", sections=("niah", "perplexity", "recall"))
     with open(os.path.join(out, "quality.md"), "a" if runs else "w") as f:
-        f.write("\n" + training_table(recs) + "\n" + budget_table(recs))
+        f.write("\n" + training_table(recs) + "\n" + cross_table(recs) + "\n" + budget_table(recs))
 
 
 def main(argv=None) -> int:
@@ -248,6 +286,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, help="model initialisation seed of both variants (default: the configs')")
     p.add_argument("--recall-ps", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.9, 0.5],
                    help="top-p budgets of the index recall (comma-separated; a budget sweep)")
+    p.add_argument("--cross-eval", metavar="BACKEND",
+                   help="also evaluate each trained model with this attention backend in every layer "
+                        "(e.g. cudnn: the sparse-trained model read with dense attention)")
     p.add_argument("--recall-budgets", type=parse_budgets, default=[],
                    help="index budgets of a recall sweep at p = 0.9 on the trained model, ';'-separated, each "
                         "','-separated SparsityConfig fields, e.g. ';vertical_max=16384,slash_max=256;last_q=256' "

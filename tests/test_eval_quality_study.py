@@ -4,13 +4,16 @@ CPU and writes its small result files (the GPU study is the same code at configs
 import json
 import os
 
+import numpy as np
+
 from benchmarks import quality_study
 
 
 def test_quality_study_smoke(tmp_path):
     out = str(tmp_path / "out")
     rc = quality_study.main(["--out", out, "--work", str(tmp_path / "work"), "--smoke", "--variant", "mtraining",
-                             "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128"])
+                             "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128",
+                             "--cross-eval", "reference"])
     assert rc == 0
     (rec,) = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
     assert rec["variant"] == "mtraining" and rec["steps"] == 2 and len(rec["train_loss"]) == 2
@@ -26,6 +29,11 @@ def test_quality_study_smoke(tmp_path):
     assert wide["budget"] == {"vertical_max": 512, "slash_max": 8}
     assert wide["mean_recall"] >= own["mean_recall"] - 1e-6 and wide["mean_density"] >= own["mean_density"] - 1e-6
     assert full["mean_recall"] > 0.999 and full["mean_density"] > 0.999 and len(full["layer_recall"]) == 2
+    # read with dense attention in every layer: a genuine second evaluation of the same parameters
+    cross = rec["cross_eval"]
+    assert cross["backend"] == "reference" and cross["eval"]["model"]["backends"] == ["reference", "reference"]
+    own_loss, dense_loss = held["mean_loss"], cross["eval"]["perplexity"]["mean_loss"]
+    assert np.isfinite(dense_loss) and abs(dense_loss - own_loss) < 0.5 and dense_loss != own_loss
     rec2 = dict(rec, variant="dense")
     quality_study.write_report([rec2, rec], out)
     files = sorted(os.listdir(out))
@@ -34,3 +42,4 @@ def test_quality_study_smoke(tmp_path):
     md = open(os.path.join(out, "quality.md")).read()
     assert "| metric | dense | mtraining | mtraining - dense |" in md and "| mtraining | 2 |" in md
     assert "| mtraining | vertical_min=512, last_q=128 | 0.9 |" in md
+    assert "| mtraining | " in md and "| reference (every layer) |" in md
