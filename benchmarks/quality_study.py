@@ -134,7 +134,8 @@ def run_variant(name: str, args, corpus) -> dict:
         rec["recall_untrained_error"] = f"{type(e).__name__}: {e}"
     if args.cross_eval and set(model_cfg.layer_backends) != {args.cross_eval}:
         try:
-            rec["cross_eval"] = cross_eval(model_cfg, result.params, tok, spec, mesh, held, args.cross_eval)
+            rec["cross_eval"] = cross_eval(model_cfg, result.params, tok, spec, mesh, held, args.cross_eval,
+                                           retrieval=not args.cross_eval_loss_only)
         except Exception as e:
             traceback.print_exc()
             rec["cross_eval_error"] = f"{type(e).__name__}: {e}"
@@ -168,17 +169,18 @@ def parse_budgets(text: str) -> list:
     return out
 
 
-def cross_eval(model_cfg, params, tok, spec, mesh, held, backend: str) -> dict:
+def cross_eval(model_cfg, params, tok, spec, mesh, held, backend: str, retrieval: bool = True) -> dict:
     """The trained parameters evaluated with ``backend`` attention in EVERY layer (e.g. a model
     trained with sparse attention, read with dense attention): held-out loss by position and the
-    NIAH / RULER-style sections of ``spec``. Shows whether what the model learned holds without the
-    sparse pattern (whose index is estimated from the window's last queries)."""
+    retrieval sections of ``spec`` unless ``retrieval=False``. Shows whether what the model learned
+    holds without the sparse pattern (whose index is estimated from the window's last queries)."""
     import dataclasses
 
     from mtraining_jax.eval.api import evaluate_params
 
     cfg = dataclasses.replace(model_cfg, attention_backends=(backend,) * model_cfg.num_layers)
-    spec = dataclasses.replace(spec, recall_ps=())
+    spec = dataclasses.replace(spec, recall_ps=(), ppl_len=spec.perplexity_len,
+                               **({} if retrieval else {"lengths": ()}))
     res = evaluate_params(cfg, params, tok, spec, mesh=mesh, heldout=held, label=f"as {backend}", progress=False)
     out = {"backend": backend, "eval": res}
     print(f"  read with {backend} attention in every layer: held-out loss "
@@ -289,6 +291,7 @@ def main(argv=None) -> int:
     p.add_argument("--cross-eval", metavar="BACKEND",
                    help="also evaluate each trained model with this attention backend in every layer "
                         "(e.g. cudnn: the sparse-trained model read with dense attention)")
+    p.add_argument("--cross-eval-loss-only", action="store_true", help="--cross-eval: held-out loss only")
     p.add_argument("--recall-budgets", type=parse_budgets, default=[],
                    help="index budgets of a recall sweep at p = 0.9 on the trained model, ';'-separated, each "
                         "','-separated SparsityConfig fields, e.g. ';vertical_max=16384,slash_max=256;last_q=256' "

@@ -13,7 +13,7 @@ def test_quality_study_smoke(tmp_path):
     out = str(tmp_path / "out")
     rc = quality_study.main(["--out", out, "--work", str(tmp_path / "work"), "--smoke", "--variant", "mtraining",
                              "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128",
-                             "--cross-eval", "reference"])
+                             "--cross-eval", "reference", "--cross-eval-loss-only"])
     assert rc == 0
     (rec,) = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
     assert rec["variant"] == "mtraining" and rec["steps"] == 2 and len(rec["train_loss"]) == 2
