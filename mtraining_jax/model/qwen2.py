@@ -30,6 +30,18 @@ graph); ``False`` unrolls a Python loop over slices. Both are wrapped per layer 
 * ``save_attn`` checkpoint the projections/norms before and the output projection/MLP after the
   attention core separately, leaving the core outside: its own residuals (q, k, v, out, lse, the
   sparse index) are kept, so the backward pass recomputes everything but the attention forward.
+* ``selective`` (BurstEngine §3.2 in spirit, by layer): ``save_attn`` for
+  ``cfg.remat_saved_layers`` (``remat_save_layers``, or a ``remat_save_fraction`` of the layers,
+  dense-attention layers first: the most expensive attention forwards to recompute), ``full`` for
+  the others. Memory and recomputation lie between ``full`` and ``save_attn`` in proportion.
+
+  Why by layer and not by sequence position as in BurstEngine (keep the attention residuals of
+  the later tokens, recompute the cheap early ones): the attention core is one ``custom_vjp``
+  over the whole local sequence whose backward needs q, k, v, out and lse of every token, and a
+  ``jax.checkpoint`` policy saves or recomputes whole values, never a slice of one; splitting the
+  core by query segment would need a second ring pass per layer and, for ``mtraining``, a
+  separate sparse-index estimate per segment — another sparsity pattern, so the gradients would
+  no longer equal ``remat: none``. Per layer, every choice keeps the exact gradients.
 
 ``scan_layers=True`` (the default) scans the layers: compile time and, with ``remat=full``,
 temporary memory stay flat in depth (``benchmarks/model_scan_vs_loop.md``); a Python loop over the
@@ -209,8 +221,9 @@ def _rope_tables(head_dim: int, theta: float, scaling_items: tuple | None):
     return rope_parameters(head_dim, theta, None if scaling_items is None else dict(scaling_items))
 
 
-def backend_segments(backends: tuple[str, ...]) -> list[tuple[int, int, str]]:
-    """Maximal runs ``(start, stop, backend)`` of consecutive layers sharing a backend."""
+def backend_segments(backends: tuple) -> list[tuple[int, int, object]]:
+    """Maximal runs ``(start, stop, backend)`` of consecutive layers sharing a backend (any
+    comparable per-layer key, e.g. ``(backend, remat policy)`` pairs)."""
     out, start = [], 0
     for b, grp in itertools.groupby(backends):
         n = len(list(grp))
@@ -290,15 +303,15 @@ class Qwen2ForCausalLM(nnx.Module):
         cos, sin = self.rope(positions if rope_positions is None else rope_positions)
         graphdef, stacked = nnx.split(self.layers)
 
-        def run_layer(backend):
+        def run_layer(backend, policy):
             attn_kwargs = dict(backend=backend, mesh=mesh, ring_order=cfg.ring_order, impl=cfg.attention_impl,
                                mtraining=cfg.mtraining_config() if backend == "mtraining" else None,
                                segment_ids=segment_ids)
-            return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, cfg.remat, prevent_cse=not cfg.scan_layers)
+            return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse=not cfg.scan_layers)
 
-        per_segment = []
-        for start, stop, backend in backend_segments(cfg.layer_backends):
-            f = run_layer(backend)
+        per_segment = []  # one scan per run of consecutive layers sharing (backend, remat policy)
+        for start, stop, (backend, policy) in backend_segments(tuple(zip(cfg.layer_backends, cfg.layer_remats))):
+            f = run_layer(backend, policy)
             if cfg.scan_layers:
                 seg = stacked if (start, stop) == (0, cfg.num_layers) else jax.tree.map(lambda t: t[start:stop], stacked)
                 x, st = jax.lax.scan(f, x, seg)
