@@ -26,15 +26,18 @@ def _cfg(**kw):
 
 
 def test_saved_layers_rule_and_validation():
-    assert _cfg(remat="selective").layer_remats == ("save_attn", "save_attn", "full", "full")  # default 0.5
+    assert _cfg(remat="selective").layer_remats == ("save_attn", "save_attn", "full", "full")  # 0.5; all dense
+    sparse = dict(remat="selective", attention_backend="mtraining", layout="contiguous")
+    assert _cfg(**sparse).layer_remats == ("full", "save_attn", "full", "save_attn")  # sparse layers: spread
     assert _cfg(remat="selective", remat_save_fraction=0.0).layer_remats == ("full",) * 4
     assert _cfg(remat="selective", remat_save_fraction=1.0).layer_remats == ("save_attn",) * 4
     # dense-attention layers first (the costliest attention forward to recompute), then by index
     mixed = _cfg(remat="selective", remat_save_fraction=0.5, attention_backends=("mtraining", "ring", "mtraining", "ring"),
                  layout="contiguous")
     assert mixed.remat_saved_layers == (1, 3)
+    assert _cfg(**sparse, remat_save_fraction=0.25, num_layers=8).remat_saved_layers == (3, 7)
     assert _cfg(remat="selective", remat_save_fraction=0.75, dense_layers=(2,), attention_backend="mtraining",
-                layout="contiguous").remat_saved_layers == (0, 1, 2)
+                layout="contiguous").remat_saved_layers == (1, 2, 3)  # dense 2, then 2 of 3 sparse spread
     explicit = _cfg(remat="selective", remat_save_layers=[3, 1])
     assert explicit.remat_saved_layers == (1, 3) and explicit.layer_remat(0) == "full"
     assert ModelConfig.from_dict(explicit.to_dict()) == explicit and explicit.to_dict()["remat_save_layers"] == [3, 1]
@@ -69,13 +72,14 @@ def _with_config(model, **changes):
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_selective_gradients_equal_no_remat(scan_layers):
     base = Qwen2ForCausalLM(_cfg(dtype="float64", param_dtype="float64", scan_layers=scan_layers), rngs=nnx.Rngs(0))
-    t = jnp.asarray(np.random.RandomState(0).randint(0, 96, (2, 32)), jnp.int32)
+    t = jnp.asarray(np.random.RandomState(0).randint(0, 96, (1, 32)), jnp.int32)
     pos = jnp.arange(32, dtype=jnp.int32)
     loss0, g0 = _loss_and_grads(base, t, pos)
-    for change in (dict(remat="selective"), dict(remat="selective", remat_save_layers=(0, 3))):
-        loss, g = _loss_and_grads(_with_config(base, **change), t, pos)
-        np.testing.assert_allclose(loss, loss0, rtol=1e-12)
-        chex.assert_trees_all_close(nnx.state(g), nnx.state(g0), atol=1e-12, rtol=1e-12)
+    # scan: layers (1, 3) saved -> period 2, a scan over 2 groups of 2; loop: any pattern
+    change = dict(remat="selective", remat_save_layers=(1, 3) if scan_layers else (0, 3))
+    loss, g = _loss_and_grads(_with_config(base, **change), t, pos)
+    np.testing.assert_allclose(loss, loss0, rtol=1e-12)
+    chex.assert_trees_all_close(nnx.state(g), nnx.state(g0), atol=1e-12, rtol=1e-12)
 
 
 def _grad_temp_bytes(cfg, S=256):
@@ -95,3 +99,12 @@ def test_grad_temp_bytes_ordering():
     assert temp["none"] > temp["save_attn"] > temp["selective"] > temp["full"], temp
     assert _grad_temp_bytes(_cfg(remat="selective", remat_save_fraction=0.0)) == temp["full"]
     assert _grad_temp_bytes(_cfg(remat="selective", remat_save_fraction=1.0)) == temp["save_attn"]
+
+
+def test_remat_period():
+    from mtraining_jax.model.qwen2 import remat_period
+
+    assert remat_period(("full",) * 4) == 1
+    assert remat_period(("full", "save_attn") * 3) == 2
+    assert remat_period(("full", "save_attn", "full", "full")) == 4
+    assert remat_period(("full", "full", "save_attn") * 2) == 3
