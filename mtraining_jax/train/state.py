@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtraining_jax.train.config import ModelSection
+from mtraining_jax.train.offload import with_offload
 from mtraining_jax.train.sharding import state_shardings
 
 
@@ -132,32 +133,36 @@ def _fresh_state(params, optimizer, seed: int) -> dict:
     }
 
 
-def train_state_fn(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False):
+def train_state_fn(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False, offload: tuple = ()):
     """A jitted ``() -> {"step", "params", "opt_state", "rng"}`` building the state directly into
-    its shardings (replicated, or FSDP-sharded when ``fsdp``; every process computes the same
-    values). ``jax.eval_shape`` of it gives the restore target without allocating anything."""
+    its shardings (replicated, or FSDP-sharded when ``fsdp``; the ``offload`` keys in
+    ``pinned_host`` memory; every process computes the same values). ``jax.eval_shape`` of it
+    gives the restore target without allocating anything."""
     fn = lambda: _fresh_state(init_fn(), optimizer, seed)  # noqa: E731
-    return jax.jit(fn, out_shardings=state_shardings(jax.eval_shape(fn), mesh, fsdp))
+    return jax.jit(fn, out_shardings=with_offload(state_shardings(jax.eval_shape(fn), mesh, fsdp), offload))
 
 
-def train_state_from_params(params, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False) -> dict:
+def train_state_from_params(params, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False,
+                            offload: tuple = ()) -> dict:
     """Step-0 training state around given (pretrained) parameters: fresh optimizer state."""
     fn = lambda p: _fresh_state(p, optimizer, seed)  # noqa: E731
-    return jax.jit(fn, out_shardings=state_shardings(jax.eval_shape(fn, params), mesh, fsdp))(params)
+    sh = with_offload(state_shardings(jax.eval_shape(fn, params), mesh, fsdp), offload)
+    return jax.jit(fn, out_shardings=sh)(params)
 
 
-def abstract_train_state(state_fn, mesh: Mesh | None, fsdp: bool = False):
-    """``ShapeDtypeStruct`` pytree of ``state_fn()`` with its shardings (replicated, or FSDP)."""
+def abstract_train_state(state_fn, mesh: Mesh | None, fsdp: bool = False, offload: tuple = ()):
+    """``ShapeDtypeStruct`` pytree of ``state_fn()`` with its shardings (replicated, or FSDP;
+    the ``offload`` keys in ``pinned_host`` memory)."""
     shapes = jax.eval_shape(state_fn)
-    sh = state_shardings(shapes, mesh, fsdp)
+    sh = with_offload(state_shardings(shapes, mesh, fsdp), offload)
     if sh is None:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sh)
 
 
-def init_train_state(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False):
+def init_train_state(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False, offload: tuple = ()):
     """Initialised training state (see :func:`train_state_fn`)."""
-    return train_state_fn(init_fn, optimizer, mesh, seed, fsdp)()
+    return train_state_fn(init_fn, optimizer, mesh, seed, fsdp, offload)()
 
 
 def num_params(params) -> int:
