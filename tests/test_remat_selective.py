@@ -82,7 +82,7 @@ def test_selective_gradients_equal_no_remat(scan_layers):
     chex.assert_trees_all_close(nnx.state(g), nnx.state(g0), atol=1e-12, rtol=1e-12)
 
 
-def _grad_temp_bytes(cfg, S=256):
+def _grad_temp_bytes(cfg, S=64):
     model = Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     t = jnp.zeros((1, S), jnp.int32)
@@ -91,14 +91,32 @@ def _grad_temp_bytes(cfg, S=256):
     return grad.lower(state).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_grad_temp_bytes_ordering():
-    """``jit(grad)`` of the model: XLA's temporaries (what the backward keeps) shrink from
-    ``none`` to ``save_attn`` to ``selective`` (half the layers save_attn) to ``full``, and
-    ``selective`` saving 0 / all layers compiles to exactly ``full`` / ``save_attn``."""
-    temp = {p: _grad_temp_bytes(_cfg(remat=p)) for p in ("none", "save_attn", "selective", "full")}
+def test_selective_extremes_compile_to_full_and_save_attn():
+    """Saving no layer / every layer is exactly ``full`` / ``save_attn`` (one scan, same program)."""
+    two = dict(num_layers=2)
+    assert (_grad_temp_bytes(_cfg(remat="selective", remat_save_fraction=0.0, **two))
+            == _grad_temp_bytes(_cfg(remat="full", **two)))
+    assert (_grad_temp_bytes(_cfg(remat="selective", remat_save_fraction=1.0, **two))
+            == _grad_temp_bytes(_cfg(remat="save_attn", **two)))
+
+
+def test_train_step_temp_bytes_ordering():
+    """The compiled training step (``--plan``'s memory analysis, one device, 4 layers, 512
+    tokens): XLA's temporaries shrink from ``none`` to ``save_attn`` to ``selective`` (2 of 4
+    layers save_attn) to ``full``."""
+    S = 512
+    base = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=4", "model.num_heads=4",
+            "model.num_kv_heads=2", "model.attention_backend=reference", "model.dense_layers=[]",
+            "model.layout=contiguous", f"model.max_position_embeddings={S}", f"data.seq_len={S}",
+            "data.layout=contiguous", "mesh.shape=[1,1]", "eval.every=0", "eval.passkey_samples=0"]
+    plans = {r: memory_plan(load_config(CONFIG, base + [f"model.remat={r}"]))
+             for r in ("none", "save_attn", "selective", "full")}
+    temp = {r: p.temp for r, p in plans.items()}
     assert temp["none"] > temp["save_attn"] > temp["selective"] > temp["full"], temp
-    assert _grad_temp_bytes(_cfg(remat="selective", remat_save_fraction=0.0)) == temp["full"]
-    assert _grad_temp_bytes(_cfg(remat="selective", remat_save_fraction=1.0)) == temp["save_attn"]
+    # selective sits between full and save_attn roughly in proportion to the saved layers (2 of 4)
+    mid = (temp["save_attn"] + temp["full"]) / 2
+    assert abs(temp["selective"] - mid) < 0.25 * (temp["save_attn"] - temp["full"]), temp
+    assert plans["selective"].saved_layers == 2 and "remat=selective (2/4 layers save_attn)" in plans["selective"].table()
 
 
 def test_remat_period():
