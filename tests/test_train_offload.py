@@ -23,12 +23,12 @@ from mtraining_jax.train.tokenizer import load_tokenizer
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_cpu.yaml")
 SEQ = 128
-TINY = [  # 2 layers, 64 wide, dense ring attention over 8 CP ranks, contiguous layout
+TINY = [  # 2 layers, 64 wide, dense ring attention over 4 CP ranks (FSDP over them), contiguous layout
     "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
     "model.num_kv_heads=1", "model.attention_backend=ring", "model.dense_layers=[]", "model.layout=contiguous",
     f"model.max_position_embeddings={SEQ}", f"data.seq_len={SEQ}", "data.layout=contiguous",
     "data.source=tokens", "data.heldout_percent=10", "optim.warmup_steps=1", "optim.lr=1e-2",
-    "optim.clip_norm=0.5", "eval.every=0", "eval.passkey_samples=0", "logging.progress=false",
+    "optim.clip_norm=0.5", "mesh.shape=[1,4]", "eval.every=0", "eval.passkey_samples=0", "logging.progress=false",
     "logging.tensorboard=false", "logging.plot=false", "checkpoint.async_save=false",
 ]
 
@@ -61,9 +61,15 @@ def _run(cfg, n):
     return np.array(losses), state, t.abstract
 
 
-def test_offloaded_state_lives_in_host_memory_and_trains_the_same(tokens):
-    ref, ref_state, ref_abs = _run(_cfg(tokens), 4)
-    off, off_state, off_abs = _run(_cfg(tokens, "optim.offload=opt_state"), 4)
+@pytest.fixture(scope="module")
+def reference(tokens):
+    return _run(_cfg(tokens), 4)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_offloaded_state_lives_in_host_memory_and_trains_the_same(tokens, reference, stream):
+    ref, ref_state, _ = reference
+    off, off_state, off_abs = _run(_cfg(tokens, "optim.offload=opt_state", f"optim.offload_stream={str(stream).lower()}"), 4)
     assert ref[-1] < ref[0] - 0.1  # it trains (and the clip is active: lr 1e-2, clip 0.5)
     np.testing.assert_allclose(off, ref, rtol=0, atol=1e-6)
     for a, b in zip(jax.tree.leaves(off_state), jax.tree.leaves(ref_state), strict=True):  # float32 rounding of

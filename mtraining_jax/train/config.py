@@ -148,7 +148,8 @@ class OptimConfig:
 
     ``offload``: ``none`` or ``opt_state`` — keep the AdamW moments in the device's
     ``pinned_host`` memory and stream them through the update one layer at a time
-    (:mod:`mtraining_jax.train.offload`; same numbers as ``none``).
+    (:mod:`mtraining_jax.train.offload`; same numbers as ``none``); ``offload_stream: false``
+    moves the whole state to the device for the update instead of one layer at a time.
     """
 
     lr: float = 3e-4
@@ -162,6 +163,7 @@ class OptimConfig:
     grad_accum: int = 1
     max_bad_steps: int = 1
     offload: str = "none"
+    offload_stream: bool = True
 
     def __post_init__(self):
         _positive("optim.lr", self.lr)

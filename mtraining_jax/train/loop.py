@@ -42,7 +42,7 @@ from mtraining_jax.train import data as data_lib
 from mtraining_jax.train.checkpoint import Checkpointer
 from mtraining_jax.train.config import TrainConfig
 from mtraining_jax.train.metrics import MetricsWriter, Progress, plot_losses
-from mtraining_jax.train.offload import check_host_memory, offloaded_keys, streamed_update
+from mtraining_jax.train.offload import check_host_memory, offloaded_keys, streamed_update, whole_update
 from mtraining_jax.train.optim import build_adamw, build_optimizer
 from mtraining_jax.train.rundir import prepare_run_dir, truncate_metrics
 from mtraining_jax.train.sharding import resolve_fsdp
@@ -254,8 +254,9 @@ def build_training(cfg: TrainConfig, mesh, model_cls, model_cfg) -> Training:
     state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed, fsdp, offload)
     abstract = abstract_train_state(state_fn, mesh, fsdp, offload)
     state_sh = jax.tree.map(lambda x: x.sharding, abstract)
-    offload_update = None if not offload else functools.partial(
-        streamed_update, build_adamw(cfg.optim, schedule), cfg.optim.clip_norm)
+    offload_update = None if not offload else (
+        functools.partial(streamed_update, build_adamw(cfg.optim, schedule), cfg.optim.clip_norm)
+        if cfg.optim.offload_stream else functools.partial(whole_update, optimizer))
     train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh, offload_update)
     eval_step = make_eval_step(parts, mesh, cfg.loss_chunk_size)
     return Training(optimizer, schedule, parts, fsdp, state_fn, abstract, train_step, eval_step)

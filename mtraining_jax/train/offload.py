@@ -11,6 +11,10 @@ moments host -> device, applies AdamW (the same optax transformation, so the sam
 without offload), and writes the new moments back to host memory. The device holds the moments of
 ONE layer at a time; the parameters and the gradient accumulator stay on the device.
 
+``optim.offload_stream: false`` moves the whole state to the device for the update instead
+(:func:`whole_update`): the pattern XLA's host offloading handles everywhere, at the cost of the
+full moments on the device during the update (not during the forward / backward passes).
+
 The platform must offer ``pinned_host`` memory (GPUs and the CPU backend do; ``ValueError``
 otherwise, from :func:`check_host_memory`). Offloading the master weights as well would need the
 layer scan of the model to stream each layer's parameters in, which it does not: not offered.
@@ -68,6 +72,19 @@ def _to(tree, space):
 def _param_tree_test(keys):
     keys = set(keys)
     return lambda x: isinstance(x, dict) and set(x) == keys
+
+
+def whole_update(optimizer, grads, opt_state, params, ok):
+    """``optim.offload_stream: false``: the whole optimizer state host -> device after the
+    gradients are complete (an ``optimization_barrier`` orders the copy after them), one
+    ``optimizer.update``, the new state device -> host. Simpler for XLA than
+    :func:`streamed_update`, but the update holds all moments on the device at once.
+    Same contract as :func:`streamed_update` (``optimizer``: the full chain)."""
+    grads, opt_state = jax.lax.optimization_barrier((grads, opt_state))
+    dev = _to(opt_state, jax.memory.Space.Device)
+    updates, new = optimizer.update(grads, dev, params)
+    keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
+    return keep(optax.apply_updates(params, updates), params), _to(keep(new, dev), jax.memory.Space.Host)
 
 
 def streamed_update(adamw, clip_norm: float, grads, opt_state, params, ok):
