@@ -123,13 +123,15 @@ class MemoryPlan:
         state = self.params + self.grads + self.opt_state
         if not self.fsdp and self.num_devices > 1:
             out.append(f"mesh.fsdp=true (state {fmt_bytes(state)} -> ~{fmt_bytes(state / self.num_devices)} per device)")
-        if self.offload == "none":
-            out.append(f"optim.offload=opt_state (the optimizer state, {fmt_bytes(self.opt_state)}, to host memory)")
+        remat = []
         if self.remat in ("none", "save_attn"):
-            out.append(f"model.remat=selective (now {self.remat}; keeps the attention residuals of "
-                       "model.remat_save_fraction of the layers, default half)")
+            remat.append(f"model.remat=selective (now {self.remat}; keeps the attention residuals of "
+                         "model.remat_save_fraction of the layers, default half)")
         if self.remat != "full":
-            out.append(f"model.remat=full (now {self.remat}; keeps only each layer's input)")
+            remat.append(f"model.remat=full (now {self.remat}; keeps only each layer's input)")
+        offload = ([f"optim.offload=opt_state (the optimizer state, {fmt_bytes(self.opt_state)}, to host memory)"]
+                   if self.offload == "none" else [])
+        out += remat + offload if self.activations >= self.opt_state else offload + remat  # the larger part first
         if cfg.data.batch_size > 1:
             out.append(f"a smaller data.batch_size (now {cfg.data.batch_size}) with a larger optim.grad_accum")
         out.append(f"a shorter data.seq_len (now {cfg.data.seq_len}) or more devices (mesh.shape / mesh.data)")
