@@ -44,7 +44,7 @@ def _cfg(tokens, *extra):
     return load_config(CONFIG, TINY + [f"data.path={tokens}", *extra])
 
 
-def _run(cfg, n):
+def _run(cfg, n, fresh=None):
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     tok = load_tokenizer(cfg.data.tokenizer)
@@ -54,6 +54,8 @@ def _run(cfg, n):
     loader = data_lib.build_train_loader(cfg.data, tok, layout, stream, accum=1)
     sh = batch_shardings(mesh, True)
     state = t.state_fn()
+    if fresh is not None:
+        fresh.append(jax.device_get(state))
     losses = []
     for _ in range(n):
         state, m = t.train_step(state, jax.tree.map(to_global, next(loader), sh))
@@ -63,13 +65,19 @@ def _run(cfg, n):
 
 @pytest.fixture(scope="module")
 def reference(tokens):
-    return _run(_cfg(tokens), 4)
+    fresh = []
+    return (*_run(_cfg(tokens), 4, fresh), fresh[0])
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_offloaded_state_lives_in_host_memory_and_trains_the_same(tokens, reference, stream):
-    ref, ref_state, _ = reference
-    off, off_state, off_abs = _run(_cfg(tokens, "optim.offload=opt_state", f"optim.offload_stream={str(stream).lower()}"), 4)
+    ref, ref_state, _, ref_fresh = reference
+    fresh = []
+    off, off_state, off_abs = _run(_cfg(tokens, "optim.offload=opt_state", f"optim.offload_stream={str(stream).lower()}"),
+                                   4, fresh)
+    # the host-built fresh optimizer state (zeros straight into pinned_host) is optimizer.init's
+    for a, b in zip(jax.tree.leaves(fresh[0]), jax.tree.leaves(ref_fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
     assert ref[-1] < ref[0] - 0.1  # it trains (and the clip is active: lr 1e-2, clip 0.5)
     np.testing.assert_allclose(off, ref, rtol=0, atol=1e-6)
     for a, b in zip(jax.tree.leaves(off_state), jax.tree.leaves(ref_state), strict=True):  # float32 rounding of

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -133,27 +134,57 @@ def _fresh_state(params, optimizer, seed: int) -> dict:
     }
 
 
+def host_zeros(abstract, shardings):
+    """Zero arrays built straight into their (host-memory) ``shardings``, shard by shard from
+    numpy: no device buffer on the way (a jitted ``zeros`` would be computed on the device and
+    copied out, briefly holding the whole optimizer state there)."""
+    def one(x, s):
+        shard = np.zeros(s.shard_shape(x.shape), x.dtype)
+        return jax.make_array_from_callback(x.shape, s, lambda _: shard)
+
+    return jax.tree.map(one, abstract, shardings)
+
+
+def _state_builder(fn, shapes, sh, offload: tuple):
+    """``fn(*args) -> state`` jitted into the shardings ``sh``. With the optimizer state offloaded,
+    its fresh value (AdamW: counts and moments all zero, as ``optimizer.init`` gives; tested) is
+    made by :func:`host_zeros` instead and the jitted part builds the rest."""
+    if "opt_state" not in offload:
+        return jax.jit(fn, out_shardings=sh)
+    rest_sh = {k: v for k, v in sh.items() if k != "opt_state"}
+    rest = jax.jit(lambda *a: {k: v for k, v in fn(*a).items() if k != "opt_state"}, out_shardings=rest_sh)
+
+    def build(*args):
+        st = rest(*args)
+        st["opt_state"] = host_zeros(shapes["opt_state"], sh["opt_state"])
+        return {k: st[k] for k in shapes}
+
+    build.shapes = shapes
+    return build
+
+
 def train_state_fn(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False, offload: tuple = ()):
     """A jitted ``() -> {"step", "params", "opt_state", "rng"}`` building the state directly into
     its shardings (replicated, or FSDP-sharded when ``fsdp``; the ``offload`` keys in
     ``pinned_host`` memory; every process computes the same values). ``jax.eval_shape`` of it
-    gives the restore target without allocating anything."""
+    (or its ``shapes``) gives the restore target without allocating anything."""
     fn = lambda: _fresh_state(init_fn(), optimizer, seed)  # noqa: E731
-    return jax.jit(fn, out_shardings=with_offload(state_shardings(jax.eval_shape(fn), mesh, fsdp), offload))
+    shapes = jax.eval_shape(fn)
+    return _state_builder(fn, shapes, with_offload(state_shardings(shapes, mesh, fsdp), offload), offload)
 
 
 def train_state_from_params(params, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False,
                             offload: tuple = ()) -> dict:
     """Step-0 training state around given (pretrained) parameters: fresh optimizer state."""
     fn = lambda p: _fresh_state(p, optimizer, seed)  # noqa: E731
-    sh = with_offload(state_shardings(jax.eval_shape(fn, params), mesh, fsdp), offload)
-    return jax.jit(fn, out_shardings=sh)(params)
+    shapes = jax.eval_shape(fn, params)
+    return _state_builder(fn, shapes, with_offload(state_shardings(shapes, mesh, fsdp), offload), offload)(params)
 
 
 def abstract_train_state(state_fn, mesh: Mesh | None, fsdp: bool = False, offload: tuple = ()):
     """``ShapeDtypeStruct`` pytree of ``state_fn()`` with its shardings (replicated, or FSDP;
     the ``offload`` keys in ``pinned_host`` memory)."""
-    shapes = jax.eval_shape(state_fn)
+    shapes = getattr(state_fn, "shapes", None) or jax.eval_shape(state_fn)
     sh = with_offload(state_shardings(shapes, mesh, fsdp), offload)
     if sh is None:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
