@@ -10,8 +10,10 @@ be reset; an OOM kills nothing but that child), with these overrides on top of t
   ``model.max_position_embeddings=131072``, ``model.dense_layers=[0,1]`` (cuDNN, as in the config;
   every other layer MTraining sparse attention), bfloat16 compute, float32 master weights and
   AdamW moments, batch 1, ``grad_accum=1``, one device;
-* the variant ``REMAT[+offload]``: ``model.remat=REMAT`` (``none``, ``save_attn``, ``selective``
-  — half the layers save_attn, ``full``) and ``optim.offload=opt_state`` with ``+offload``.
+* the variant ``REMAT[+offload|+offload_whole]``: ``model.remat=REMAT`` (``none``, ``save_attn``,
+  ``selective`` — the two dense layers and every other sparse layer save_attn, just over half,
+  ``full``) and ``optim.offload=opt_state`` with
+  ``+offload`` (streamed per layer) or ``+offload_whole`` (``optim.offload_stream=false``).
 
 Each row records whether it fits (a child that fails with an out-of-memory error is a
 "does not fit" row), tokens/s (median of ``--steps`` timed steps after ``--warmup``), the measured
@@ -43,15 +45,21 @@ from benchmarks.train_throughput import DEFAULT_CONFIG, GIB, REPO, error_row, ru
 
 SIZES = ("0.5b", "1.5b", "3b", "7b", "tiny")  # tiny: configs/model/tiny.yaml, a CPU smoke test
 REMATS = ("none", "save_attn", "selective", "full")
+NUM_LAYERS = {"0.5b": 24, "1.5b": 28, "3b": 36, "7b": 28}
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
 
 
-def parse_variant(text: str) -> tuple[str, bool]:
-    """``"selective+offload"`` -> ``("selective", True)``; ``ValueError`` naming a bad one."""
+OFFLOADS = {"": "none", "offload": "opt_state", "offload_whole": "opt_state (whole)"}
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """``"selective+offload"`` -> ``("selective", "offload")``; ``""`` without offload;
+    ``ValueError`` naming a bad one."""
     remat, plus, rest = text.partition("+")
-    if remat not in REMATS or (plus and rest != "offload"):
-        raise ValueError(f"variant must be REMAT or REMAT+offload with REMAT in {REMATS}, got {text!r}")
-    return remat, bool(plus)
+    if remat not in REMATS or (plus and rest not in ("offload", "offload_whole")):
+        raise ValueError(f"variant must be REMAT, REMAT+offload or REMAT+offload_whole with REMAT in {REMATS}, "
+                         f"got {text!r}")
+    return remat, rest
 
 
 def case_overrides(size: str, variant: str) -> list[str]:
@@ -59,10 +67,17 @@ def case_overrides(size: str, variant: str) -> list[str]:
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     remat, offload = parse_variant(variant)
+    if remat == "selective":  # the 2 dense layers and every other sparse one: a layer scan of period 2
+        n = 2 if size == "tiny" else NUM_LAYERS[size]
+        remat_saved = [0] if size == "tiny" else [0, 1] + list(range(3, n, 2))
+        extra = [f"model.remat_save_layers=[{','.join(map(str, remat_saved))}]"]
+    else:
+        extra = []
     model = ["model.path=model/tiny.yaml", "model.vocab_size=512", "model.dense_layers=[0]", "model.dtype=float32",
              "loss_chunk_size=512"] if size == "tiny" else [f"model.path=model/qwen2.5-{size}.yaml", "model.dense_layers=[0,1]"]
-    return model + ["model.max_position_embeddings=131072", "model.rope_scaling=null", f"model.remat={remat}",
-            f"optim.offload={'opt_state' if offload else 'none'}", "eval.every=0", "eval.passkey_samples=0"]
+    return model + extra + ["model.max_position_embeddings=131072", "model.rope_scaling=null", f"model.remat={remat}",
+            f"optim.offload={'opt_state' if offload else 'none'}", f"optim.offload_stream={str(offload != 'offload_whole').lower()}",
+            "eval.every=0", "eval.passkey_samples=0"]
 
 
 def _host_bytes(config: str, sets: Sequence[str], seq_len: int) -> int:
@@ -140,8 +155,8 @@ def format_table(rows: Sequence[dict]) -> str:
              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
     order = lambda r: (SIZES.index(r["size"]) if r.get("size") in SIZES else 9, r["seq_len"], r.get("variant", ""))  # noqa: E731
     for r in sorted(rows, key=order):
-        remat, off = parse_variant(r["variant"]) if r.get("variant") else ("?", False)
-        head = f"| {r.get('size')} | {r['seq_len']} | {remat} | {'opt_state' if off else 'none'} "
+        remat, off = parse_variant(r["variant"]) if r.get("variant") else ("?", "")
+        head = f"| {r.get('size')} | {r['seq_len']} | {remat} | {OFFLOADS[off]} "
         if r.get("error"):
             fits = {False: "**no** (OOM)", None: "error"}[r.get("fits")]
             msg = " ".join(str(r["error"]).split())[:120].replace("|", "/")

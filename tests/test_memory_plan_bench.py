@@ -17,11 +17,14 @@ def test_case_overrides_build_the_qwen_shapes(size):
     assert abs(m.num_params() / 1e9 - want) < 0.002, m.num_params()
     assert m.remat == "selective" and cfg.optim.offload == "opt_state" and cfg.data.seq_len == 131072
     assert m.layer_backends[:3] == ("cudnn", "cudnn", "mtraining") and m.dtype == "bfloat16"
+    assert m.layer_remats[:5] == ("save_attn", "save_attn", "full", "save_attn", "full")
+    assert len(m.remat_saved_layers) == 2 + (m.num_layers - 2) // 2
 
 
 def test_variants_failures_and_table():
-    assert mp.parse_variant("full") == ("full", False) and mp.parse_variant("save_attn+offload") == ("save_attn", True)
-    with pytest.raises(ValueError, match="variant must be REMAT or REMAT\\+offload"):
+    assert mp.parse_variant("full") == ("full", "") and mp.parse_variant("save_attn+offload") == ("save_attn", "offload")
+    assert "optim.offload_stream=false" in mp.case_overrides("7b", "full+offload_whole")
+    with pytest.raises(ValueError, match="variant must be REMAT, REMAT\\+offload or"):
         mp.parse_variant("full+params")
     oom = mp.failure_row("7b", 65536, "save_attn", "XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating")
     assert oom["fits"] is False and oom["error"]
