@@ -139,7 +139,8 @@ def _memory_analysis(compiled) -> Optional[dict]:
     if ma is None:
         return None
     keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-            "temp_size_in_bytes", "generated_code_size_in_bytes")
+            "temp_size_in_bytes", "generated_code_size_in_bytes", "host_argument_size_in_bytes",
+            "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes")
     return {k: int(getattr(ma, k)) for k in keys if hasattr(ma, k)}
 
 

@@ -137,8 +137,11 @@ def test_plan_reports_sharded_state_and_says_what_to_change(tokens, capsys):
     assert plan.activations > 0
     with pytest.raises(DoesNotFit, match=r"needs .* per device but the device has 2.0 MiB; change: mesh.fsdp=true"):
         check_fits(dataclasses.replace(plan, device_memory=parse_bytes("2MiB")), cfg)
-    advice = dataclasses.replace(plan, fsdp=True, remat="save_attn").advice(cfg)
-    assert advice[0].startswith("model.remat=full (now save_attn") and not any("fsdp" in a for a in advice)
+    advice = dataclasses.replace(plan, fsdp=True, remat="save_attn", activations=10 * plan.opt_state).advice(cfg)
+    assert advice[0].startswith("model.remat=selective (now save_attn") and not any("fsdp" in a for a in advice)
+    assert advice[1].startswith("model.remat=full (now save_attn") and advice[2].startswith("optim.offload=opt_state")
+    advice = dataclasses.replace(plan, fsdp=True, remat="full", activations=0).advice(cfg)
+    assert advice[0].startswith("optim.offload=opt_state (the optimizer state, 1.1 MiB") and "remat" not in advice[1]
     # the CLI (same program: from the compilation cache): the table on stdout and status 0 when it
     # fits; status 2 and what to change when it does not
     args = ["--config", CONFIG, *TINY, f"data.path={tokens}", "mesh.fsdp=false", "--plan"]

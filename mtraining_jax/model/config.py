@@ -24,7 +24,7 @@ from mtraining_jax.attention.backends import BACKENDS
 from mtraining_jax.ring.schedule import RING_ORDERS
 from pallas_kernels.registry import IMPLS as KERNEL_IMPLS
 
-REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_attn")
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_attn", "selective")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HF_MODEL_TYPES: tuple[str, ...] = ("qwen2",)
 HF_ARCHITECTURES: tuple[str, ...] = ("Qwen2ForCausalLM",)
@@ -73,6 +73,10 @@ class ModelConfig:
     sparsity: Mapping[str, Any] | None = None
     layout: str = "block_striped"
     remat: str = "none"
+    # remat "selective": these layers run as "save_attn", the others as "full" (None: the
+    # remat_save_fraction share of the layers, see ModelConfig.remat_saved_layers).
+    remat_save_layers: tuple[int, ...] | None = None
+    remat_save_fraction: float = 0.5
     scan_layers: bool = True
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -106,6 +110,7 @@ class ModelConfig:
                 raise ValueError(f"{f} must be one of {DTYPES}, got {getattr(self, f)!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        self._check_selective_remat()
         if self.ring_order not in RING_ORDERS:
             raise ValueError(f"ring_order must be one of {RING_ORDERS}, got {self.ring_order!r}")
         if self.attention_impl not in KERNEL_IMPLS:
@@ -159,6 +164,56 @@ class ModelConfig:
     def layer_backends(self) -> tuple[str, ...]:
         return tuple(self.layer_backend(i) for i in range(self.num_layers))
 
+    @property
+    def remat_saved_layers(self) -> tuple[int, ...]:
+        """Layers whose attention residuals are kept under ``remat: selective`` (sorted).
+
+        ``remat_save_layers`` when given; else ``n = round(remat_save_fraction * num_layers)``
+        layers, those most expensive to recompute first: the dense-attention layers (a dense ring
+        forward costs the whole causal square, a sparse one only its executed fraction), then the
+        rest spread evenly over the ``mtraining`` layers (sparse layer ``j`` of ``m`` is saved when
+        ``floor((j + 1) r / m) > floor(j r / m)`` for the ``r`` left), so the pattern repeats with a
+        short period and the layer scan runs over groups of that period (``qwen2.py``). Empty for
+        the other policies.
+        """
+        if self.remat != "selective":
+            return ()
+        if self.remat_save_layers is not None:
+            return tuple(sorted(set(self.remat_save_layers)))
+        n = int(round(self.remat_save_fraction * self.num_layers))
+        dense = [i for i in range(self.num_layers) if self.layer_backend(i) != "mtraining"]
+        sparse = [i for i in range(self.num_layers) if self.layer_backend(i) == "mtraining"]
+        r, m = max(n - len(dense), 0), len(sparse)
+        chosen = dense[:n] + [i for j, i in enumerate(sparse) if (j + 1) * r // m > j * r // m]
+        return tuple(sorted(chosen))
+
+    def layer_remat(self, layer: int) -> str:
+        """The remat policy decoder layer ``layer`` runs under: ``cfg.remat``, except under
+        ``selective``: ``save_attn`` for :attr:`remat_saved_layers`, ``full`` for the rest."""
+        if self.remat != "selective":
+            return self.remat
+        return "save_attn" if layer in self.remat_saved_layers else "full"
+
+    @property
+    def layer_remats(self) -> tuple[str, ...]:
+        return tuple(self.layer_remat(i) for i in range(self.num_layers))
+
+    def _check_selective_remat(self):
+        if self.remat_save_layers is not None:
+            layers = tuple(self.remat_save_layers)
+            if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+                raise ValueError(f"remat_save_layers must be a list of layer indices, got {list(layers)!r}")
+            object.__setattr__(self, "remat_save_layers", layers)
+            bad = [i for i in layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"remat_save_layers {bad} out of range for num_layers={self.num_layers}")
+            if self.remat != "selective":
+                raise ValueError(f"remat_save_layers is set ({list(layers)}) but remat is {self.remat!r}; "
+                                 "it applies to remat: selective only")
+        f = self.remat_save_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"remat_save_fraction must be a number in [0, 1], got {f!r}")
+
     def mtraining_config(self):
         """The :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` of the ``mtraining`` layers."""
         from mtraining_jax.attention.mtraining import MTrainingConfig
@@ -193,7 +248,7 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig keys {unknown}; known keys: {sorted(names)}")
         d = dict(d)
-        for k in ("dense_layers", "attention_backends"):
+        for k in ("dense_layers", "attention_backends", "remat_save_layers"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         if "rope_theta" in d:
@@ -204,7 +259,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for k in ("dense_layers", "attention_backends"):
+        for k in ("dense_layers", "attention_backends", "remat_save_layers"):
             if d[k] is not None:
                 d[k] = list(d[k])
         if d["rope_scaling"] is not None:

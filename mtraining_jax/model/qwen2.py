@@ -30,6 +30,20 @@ graph); ``False`` unrolls a Python loop over slices. Both are wrapped per layer 
 * ``save_attn`` checkpoint the projections/norms before and the output projection/MLP after the
   attention core separately, leaving the core outside: its own residuals (q, k, v, out, lse, the
   sparse index) are kept, so the backward pass recomputes everything but the attention forward.
+* ``selective`` (BurstEngine §3.2 in spirit, by layer): ``save_attn`` for
+  ``cfg.remat_saved_layers`` (``remat_save_layers``, or a ``remat_save_fraction`` of the layers,
+  dense-attention layers first: the most expensive attention forwards to recompute, the rest
+  spread evenly), ``full`` for the others. Memory and recomputation lie between ``full`` and
+  ``save_attn`` in proportion. The scan runs over groups of layers, one period of the policy
+  pattern per step (:func:`_scan_layers`), so no parameter slice is copied per policy.
+
+  Why by layer and not by sequence position as in BurstEngine (keep the attention residuals of
+  the later tokens, recompute the cheap early ones): the attention core is one ``custom_vjp``
+  over the whole local sequence whose backward needs q, k, v, out and lse of every token, and a
+  ``jax.checkpoint`` policy saves or recomputes whole values, never a slice of one; splitting the
+  core by query segment would need a second ring pass per layer and, for ``mtraining``, a
+  separate sparse-index estimate per segment — another sparsity pattern, so the gradients would
+  no longer equal ``remat: none``. Per layer, every choice keeps the exact gradients.
 
 ``scan_layers=True`` (the default) scans the layers: compile time and, with ``remat=full``,
 temporary memory stay flat in depth (``benchmarks/model_scan_vs_loop.md``); a Python loop over the
@@ -204,6 +218,34 @@ def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, pre
     return split
 
 
+def remat_period(policies: tuple[str, ...]) -> int:
+    """Smallest ``G`` dividing ``len(policies)`` with ``policies[i] == policies[i % G]``."""
+    n = len(policies)
+    return next(g for g in range(1, n + 1) if n % g == 0 and all(policies[i] == policies[i % g] for i in range(n)))
+
+
+def _scan_layers(x, seg, fns):
+    """Scan the stacked layers ``seg`` (leading axis ``n``) in groups of ``G = len(fns)``:
+    ``[n, ...]`` is reshaped (free) to ``[n / G, G, ...]`` and the body runs layer ``j`` of each
+    group with ``fns[j]``. One scan keeps every remat pattern of period ``G`` (``selective``)
+    without slicing, i.e. copying, the stacked parameters per policy and without padding their
+    gradients back to the full stack. Returns ``(x, stats [n, ...])``."""
+    if len(fns) == 1:
+        return jax.lax.scan(fns[0], x, seg)
+    G = len(fns)
+    grouped = jax.tree.map(lambda t: t.reshape(t.shape[0] // G, G, *t.shape[1:]), seg)
+
+    def body(h, group):
+        outs = []
+        for j, f in enumerate(fns):
+            h, s = f(h, jax.tree.map(lambda t: t[j], group))
+            outs.append(s)
+        return h, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+    x, st = jax.lax.scan(body, x, grouped)
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), st)
+
+
 @functools.lru_cache(maxsize=32)
 def _rope_tables(head_dim: int, theta: float, scaling_items: tuple | None):
     return rope_parameters(head_dim, theta, None if scaling_items is None else dict(scaling_items))
@@ -290,22 +332,22 @@ class Qwen2ForCausalLM(nnx.Module):
         cos, sin = self.rope(positions if rope_positions is None else rope_positions)
         graphdef, stacked = nnx.split(self.layers)
 
-        def run_layer(backend):
+        def run_layer(backend, policy):
             attn_kwargs = dict(backend=backend, mesh=mesh, ring_order=cfg.ring_order, impl=cfg.attention_impl,
                                mtraining=cfg.mtraining_config() if backend == "mtraining" else None,
                                segment_ids=segment_ids)
-            return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, cfg.remat, prevent_cse=not cfg.scan_layers)
+            return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse=not cfg.scan_layers)
 
         per_segment = []
         for start, stop, backend in backend_segments(cfg.layer_backends):
-            f = run_layer(backend)
+            policies = cfg.layer_remats[start:stop]
             if cfg.scan_layers:
                 seg = stacked if (start, stop) == (0, cfg.num_layers) else jax.tree.map(lambda t: t[start:stop], stacked)
-                x, st = jax.lax.scan(f, x, seg)
+                x, st = _scan_layers(x, seg, [run_layer(backend, p) for p in policies[:remat_period(policies)]])
             else:
                 outs = []
                 for i in range(start, stop):
-                    x, s_i = f(x, jax.tree.map(lambda t: t[i], stacked))
+                    x, s_i = run_layer(backend, cfg.layer_remat(i))(x, jax.tree.map(lambda t: t[i], stacked))
                     outs.append(s_i)
                 st = jax.tree.map(lambda *a: jnp.stack(a), *outs)
             if st:

@@ -30,6 +30,7 @@ DATA_POSITIONS = ("global", "per_document")
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
 DEFAULT_MODEL_CLASS = "mtraining_jax.model.qwen2:Qwen2ForCausalLM"
 INIT_FROM_KINDS = ("hf", "ckpt")
+OPTIM_OFFLOAD = ("none", "opt_state")  # mtraining_jax.train.offload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,11 @@ class OptimConfig:
     ``max_bad_steps``: a step whose loss or gradient is not finite is skipped (parameters and
     optimizer state unchanged, a warning); this many such steps in a row stop the run (exit 1,
     nothing saved after the last good step). 1: stop at the first.
+
+    ``offload``: ``none`` or ``opt_state`` — keep the AdamW moments in the device's
+    ``pinned_host`` memory and stream them through the update one layer at a time
+    (:mod:`mtraining_jax.train.offload`; same numbers as ``none``); ``offload_stream: false``
+    moves the whole state to the device for the update instead of one layer at a time.
     """
 
     lr: float = 3e-4
@@ -156,6 +162,8 @@ class OptimConfig:
     clip_norm: float = 1.0
     grad_accum: int = 1
     max_bad_steps: int = 1
+    offload: str = "none"
+    offload_stream: bool = True
 
     def __post_init__(self):
         _positive("optim.lr", self.lr)
@@ -173,6 +181,8 @@ class OptimConfig:
         if self.clip_norm < 0:
             raise ValueError(f"optim.clip_norm must be >= 0 (0 disables), got {self.clip_norm}")
         _positive("optim.grad_accum", self.grad_accum)
+        if self.offload not in OPTIM_OFFLOAD:
+            raise ValueError(f"optim.offload must be one of {OPTIM_OFFLOAD}, got {self.offload!r}")
 
 
 @dataclasses.dataclass(frozen=True)

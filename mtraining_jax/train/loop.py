@@ -28,6 +28,7 @@ A config that switches on a section no factory serves is refused up front.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -45,7 +46,8 @@ from mtraining_jax.train import data as data_lib
 from mtraining_jax.train.checkpoint import Checkpointer
 from mtraining_jax.train.config import TrainConfig
 from mtraining_jax.train.metrics import MetricsWriter, Progress, plot_losses
-from mtraining_jax.train.optim import build_optimizer
+from mtraining_jax.train.offload import check_host_memory, offloaded_keys, streamed_update, whole_update
+from mtraining_jax.train.optim import build_adamw, build_optimizer
 from mtraining_jax.train.rundir import prepare_run_dir, truncate_metrics
 from mtraining_jax.train.sharding import resolve_fsdp
 from mtraining_jax.train.state import (abstract_train_state, build_model_config, load_init_params, num_params,
@@ -268,10 +270,15 @@ def build_training(cfg: TrainConfig, mesh, model_cls, model_cfg) -> Training:
     optimizer, schedule = build_optimizer(cfg.optim, cfg.steps)
     parts, init_fn = split_model(model_cls, model_cfg, cfg.seed)
     fsdp = resolve_fsdp(cfg.mesh.fsdp, mesh)
-    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed, fsdp)
-    abstract = abstract_train_state(state_fn, mesh, fsdp)
+    check_host_memory(cfg.optim.offload, mesh)
+    offload = offloaded_keys(cfg.optim.offload)
+    state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed, fsdp, offload)
+    abstract = abstract_train_state(state_fn, mesh, fsdp, offload)
     state_sh = jax.tree.map(lambda x: x.sharding, abstract)
-    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
+    offload_update = None if not offload else (
+        functools.partial(streamed_update, build_adamw(cfg.optim, schedule), cfg.optim.clip_norm)
+        if cfg.optim.offload_stream else functools.partial(whole_update, optimizer))
+    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh, offload_update)
     eval_step = make_eval_step(parts, mesh, cfg.loss_chunk_size)
     return Training(optimizer, schedule, parts, fsdp, state_fn, abstract, train_step, eval_step)
 
@@ -323,7 +330,7 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False,
             msgs.append(f"no checkpoint in {where}; starting from scratch")
     if state is None and cfg.model.init_from:
         params = load_init_params(cfg.model, model_cfg, abstract["params"], to_global)
-        state = train_state_from_params(params, optimizer, mesh, cfg.seed, t.fsdp)
+        state = train_state_from_params(params, optimizer, mesh, cfg.seed, t.fsdp, offloaded_keys(cfg.optim.offload))
         msgs.append(f"initialised from {cfg.model.init_from} (fresh optimizer, step 0)")
     if state is None:
         state = state_fn()

@@ -46,14 +46,17 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(is_decayed, params)
 
 
+def build_adamw(cfg, schedule):
+    """The AdamW part of the optimizer (no clipping) for an :class:`OptimConfig`."""
+    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+
+
 def build_optimizer(cfg, total_steps: int):
-    """``(optax.GradientTransformation, schedule)`` for an :class:`OptimConfig`."""
+    """``(optax.GradientTransformation, schedule)`` for an :class:`OptimConfig`:
+    ``chain(clip_by_global_norm, adamw)`` (no clip when ``clip_norm == 0``)."""
     schedule = lr_schedule(cfg.lr, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    parts.append(
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    mask=decay_mask)
-    )
+    parts.append(build_adamw(cfg, schedule))
     return optax.chain(*parts), schedule

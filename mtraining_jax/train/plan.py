@@ -6,13 +6,19 @@ lowers and compiles the step for abstract inputs (nothing is allocated, no data 
 the compiled step's ``memory_analysis`` — the partitioned, per-device program. Per device:
 
 * ``params``, ``opt_state``: the shard bytes of the state (FSDP: ~1/devices of the replicated);
+  with ``optim.offload: opt_state`` the optimizer state is in host memory (``host``), not counted
+  in the device peak (one layer's moments pass through the device in the update: in ``temp``);
 * ``grads``: the gradient accumulator, the parameters' shard bytes (part of XLA's temporaries);
 * ``batch``: the step's token / label / mask / position shards;
 * ``activations``: XLA's temporary bytes minus the gradient accumulator — layer activations kept
-  for the backward pass (per ``model.remat``), attention residuals and the sparse index, and
-  workspace; ``/ layer`` divides it by the number of layers;
-* ``peak``: ``argument + output - alias + temp`` of the compiled step (the donated state aliases
-  its output).
+  for the backward pass (per ``model.remat``; ``selective``: ``save_attn`` layers keep their
+  attention residuals, ``full`` layers only their input), attention residuals and the sparse
+  index, and workspace; ``/ layer`` divides it by the number of layers;
+* ``peak``: ``argument + output - alias + temp`` of the compiled step in device memory (the
+  donated state aliases its output). Backends that report host memory separately
+  (``host_argument_size_in_bytes``, GPUs) leave the offloaded state out of these; where the
+  analysis lumps all memories together (CPU) the offloaded bytes are subtracted
+  (:func:`device_peak`).
 
 The device's memory is ``memory_stats()["bytes_limit"]`` of the mesh's first device where the
 backend reports it (GPUs), else the ``--device-memory`` value; when neither is known the plan
@@ -73,9 +79,13 @@ class MemoryPlan:
     fsdp: bool
     num_devices: int
     remat: str
+    host: int = 0  # per-device bytes of the state kept in pinned_host memory (optim.offload)
+    offload: str = "none"
+    saved_layers: int | None = None  # remat selective: layers keeping their attention residuals
 
     @property
     def peak(self) -> int:
+        """Device bytes of the compiled step (``argument``, ``output``, ``alias`` are device-only)."""
         return self.argument + self.output - self.alias + self.temp
 
     @property
@@ -87,12 +97,15 @@ class MemoryPlan:
         rows = [
             ("parameters", self.params),
             ("gradients", self.grads),
-            ("optimizer state", self.opt_state),
+            ("optimizer state" + (" (in host memory)" if self.host else ""), self.opt_state),
             ("batch", self.batch),
             ("activations+attention residuals+index+workspace", self.activations),
         ]
+        remat = self.remat + (f" ({self.saved_layers}/{self.num_layers} layers save_attn)"
+                              if self.saved_layers is not None else "")
         head = (f"memory plan per device ({self.num_devices} device(s), "
-                f"{'FSDP-sharded' if self.fsdp else 'replicated'} state, remat={self.remat}):")
+                f"{'FSDP-sharded' if self.fsdp else 'replicated'} state, remat={remat}, "
+                f"optim.offload={self.offload}):")
         lines = [head] + [f"  {k:<50}{g(v)}" for k, v in rows]
         lines.append(f"  {'  of which per layer':<50}{g(self.activations / max(self.num_layers, 1))}")
         lines.append(f"  {'peak (compiled step: argument+output-alias+temp)':<50}{g(self.peak)}")
@@ -110,8 +123,15 @@ class MemoryPlan:
         state = self.params + self.grads + self.opt_state
         if not self.fsdp and self.num_devices > 1:
             out.append(f"mesh.fsdp=true (state {fmt_bytes(state)} -> ~{fmt_bytes(state / self.num_devices)} per device)")
+        remat = []
+        if self.remat in ("none", "save_attn"):
+            remat.append(f"model.remat=selective (now {self.remat}; keeps the attention residuals of "
+                         "model.remat_save_fraction of the layers, default half)")
         if self.remat != "full":
-            out.append(f"model.remat=full (now {self.remat}; keeps only each layer's input)")
+            remat.append(f"model.remat=full (now {self.remat}; keeps only each layer's input)")
+        offload = ([f"optim.offload=opt_state (the optimizer state, {fmt_bytes(self.opt_state)}, to host memory)"]
+                   if self.offload == "none" else [])
+        out += remat + offload if self.activations >= self.opt_state else offload + remat  # the larger part first
         if cfg.data.batch_size > 1:
             out.append(f"a smaller data.batch_size (now {cfg.data.batch_size}) with a larger optim.grad_accum")
         out.append(f"a shorter data.seq_len (now {cfg.data.seq_len}) or more devices (mesh.shape / mesh.data)")
@@ -152,15 +172,42 @@ def memory_plan(cfg: TrainConfig, device_memory: int | None = None) -> MemoryPla
     if ma is None:
         raise ValueError("this JAX backend gives no memory analysis of the compiled step; --plan cannot run here")
     params = shard_bytes(t.abstract["params"])
-    temp = int(ma.temp_size_in_bytes)
+    host = host_state_bytes(t.abstract)
+    argument, output, alias, temp = device_sizes(ma, host)
     limit = device_memory_limit(mesh.devices.flat[0])
     return MemoryPlan(
         params=params, grads=params, opt_state=shard_bytes(t.abstract["opt_state"]), batch=shard_bytes(batch),
         activations=max(temp - params, 0), num_layers=model_cfg.num_layers,
-        argument=int(ma.argument_size_in_bytes), output=int(ma.output_size_in_bytes),
-        alias=int(ma.alias_size_in_bytes), temp=temp,
+        argument=argument, output=output, alias=alias, temp=temp,
         device_memory=limit if limit is not None else device_memory, fsdp=t.fsdp,
-        num_devices=int(mesh.size), remat=model_cfg.remat)
+        num_devices=int(mesh.size), remat=model_cfg.remat, host=host, offload=cfg.optim.offload,
+        saved_layers=len(model_cfg.remat_saved_layers) if model_cfg.remat == "selective" else None)
+
+
+def host_state_bytes(abstract_state) -> int:
+    """Per-device bytes of the state's leaves whose sharding is in ``pinned_host`` memory."""
+    return shard_bytes([x for x in jax.tree.leaves(abstract_state)
+                        if getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"])
+
+
+def device_sizes(ma, host: int) -> tuple[int, int, int, int]:
+    """``(argument, output, alias, temp)`` device bytes of a compiled step's memory analysis
+    ``ma`` (an object or a dict of its fields) whose state holds ``host`` bytes in host memory.
+    Where the backend counts host buffers separately (``host_argument_size_in_bytes > 0``) the
+    device fields are taken as they are; where it lumps them in (CPU: one memory) the offloaded
+    state — an argument, an output and donated, so also aliased — is taken out of all three."""
+    get = (lambda k: int(ma.get(k, 0) or 0)) if isinstance(ma, dict) else (lambda k: int(getattr(ma, k, 0) or 0))
+    a, o, al, t = (get(k) for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                                    "temp_size_in_bytes"))
+    if host and not get("host_argument_size_in_bytes"):
+        a, o, al = a - host, o - host, max(al - host, 0)
+    return a, o, al, t
+
+
+def predicted_peak(ma, host: int = 0) -> int:
+    """The plan's device peak ``argument + output - alias + temp`` from a memory analysis."""
+    a, o, al, t = device_sizes(ma, host)
+    return a + o - al + t
 
 
 def check_fits(plan: MemoryPlan, cfg: TrainConfig) -> None:

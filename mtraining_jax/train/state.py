@@ -17,10 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtraining_jax.train.config import ModelSection
+from mtraining_jax.train.offload import with_offload
 from mtraining_jax.train.sharding import state_shardings
 
 
@@ -132,32 +134,66 @@ def _fresh_state(params, optimizer, seed: int) -> dict:
     }
 
 
-def train_state_fn(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False):
+def host_zeros(abstract, shardings):
+    """Zero arrays built straight into their (host-memory) ``shardings``, shard by shard from
+    numpy: no device buffer on the way (a jitted ``zeros`` would be computed on the device and
+    copied out, briefly holding the whole optimizer state there)."""
+    def one(x, s):
+        shard = np.zeros(s.shard_shape(x.shape), x.dtype)
+        return jax.make_array_from_callback(x.shape, s, lambda _: shard)
+
+    return jax.tree.map(one, abstract, shardings)
+
+
+def _state_builder(fn, shapes, sh, offload: tuple):
+    """``fn(*args) -> state`` jitted into the shardings ``sh``. With the optimizer state offloaded,
+    its fresh value (AdamW: counts and moments all zero, as ``optimizer.init`` gives; tested) is
+    made by :func:`host_zeros` instead and the jitted part builds the rest."""
+    if "opt_state" not in offload:
+        return jax.jit(fn, out_shardings=sh)
+    rest_sh = {k: v for k, v in sh.items() if k != "opt_state"}
+    rest = jax.jit(lambda *a: {k: v for k, v in fn(*a).items() if k != "opt_state"}, out_shardings=rest_sh)
+
+    def build(*args):
+        st = rest(*args)
+        st["opt_state"] = host_zeros(shapes["opt_state"], sh["opt_state"])
+        return {k: st[k] for k in shapes}
+
+    build.shapes = shapes
+    return build
+
+
+def train_state_fn(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False, offload: tuple = ()):
     """A jitted ``() -> {"step", "params", "opt_state", "rng"}`` building the state directly into
-    its shardings (replicated, or FSDP-sharded when ``fsdp``; every process computes the same
-    values). ``jax.eval_shape`` of it gives the restore target without allocating anything."""
+    its shardings (replicated, or FSDP-sharded when ``fsdp``; the ``offload`` keys in
+    ``pinned_host`` memory; every process computes the same values). ``jax.eval_shape`` of it
+    (or its ``shapes``) gives the restore target without allocating anything."""
     fn = lambda: _fresh_state(init_fn(), optimizer, seed)  # noqa: E731
-    return jax.jit(fn, out_shardings=state_shardings(jax.eval_shape(fn), mesh, fsdp))
+    shapes = jax.eval_shape(fn)
+    return _state_builder(fn, shapes, with_offload(state_shardings(shapes, mesh, fsdp), offload), offload)
 
 
-def train_state_from_params(params, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False) -> dict:
+def train_state_from_params(params, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False,
+                            offload: tuple = ()) -> dict:
     """Step-0 training state around given (pretrained) parameters: fresh optimizer state."""
     fn = lambda p: _fresh_state(p, optimizer, seed)  # noqa: E731
-    return jax.jit(fn, out_shardings=state_shardings(jax.eval_shape(fn, params), mesh, fsdp))(params)
+    shapes = jax.eval_shape(fn, params)
+    return _state_builder(fn, shapes, with_offload(state_shardings(shapes, mesh, fsdp), offload), offload)(params)
 
 
-def abstract_train_state(state_fn, mesh: Mesh | None, fsdp: bool = False):
-    """``ShapeDtypeStruct`` pytree of ``state_fn()`` with its shardings (replicated, or FSDP)."""
-    shapes = jax.eval_shape(state_fn)
-    sh = state_shardings(shapes, mesh, fsdp)
+def abstract_train_state(state_fn, mesh: Mesh | None, fsdp: bool = False, offload: tuple = ()):
+    """``ShapeDtypeStruct`` pytree of ``state_fn()`` with its shardings (replicated, or FSDP;
+    the ``offload`` keys in ``pinned_host`` memory)."""
+    shapes = getattr(state_fn, "shapes", None) or jax.eval_shape(state_fn)
+    sh = with_offload(state_shardings(shapes, mesh, fsdp), offload)
     if sh is None:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sh)
 
 
-def init_train_state(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False):
+def init_train_state(init_fn, optimizer, mesh: Mesh | None, seed: int, fsdp: bool = False, offload: tuple = ()):
     """Initialised training state (see :func:`train_state_fn`)."""
-    return train_state_fn(init_fn, optimizer, mesh, seed, fsdp)()
+    return train_state_fn(init_fn, optimizer, mesh, seed, fsdp, offload)()
 
 
 def num_params(params) -> int:

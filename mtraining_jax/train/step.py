@@ -66,9 +66,13 @@ def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int):
     return loss_fn
 
 
-def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, chunk_size: int, state_sharding=None):
+def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, chunk_size: int, state_sharding=None,
+                    offload_update=None):
     """Jitted ``train_step(state, batch[A, B, S]) -> (state, metrics)``; ``state`` is donated.
-    ``state_sharding``: the state's pytree of shardings (its ``params`` also shard the gradients)."""
+    ``state_sharding``: the state's pytree of shardings (its ``params`` also shard the gradients).
+    ``offload_update``: ``None`` (``optimizer.update`` on the device) or
+    ``f(grads, opt_state, params, ok) -> (params, opt_state)`` for an optimizer state in host memory
+    (:func:`mtraining_jax.train.offload.streamed_update`)."""
     loss_fn = make_loss_fn(parts, mesh, chunk_size)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     param_sh = state_sharding["params"] if isinstance(state_sharding, dict) else None
@@ -91,15 +95,17 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
         )
         denom = jnp.maximum(cnt, 1.0)
         grads = jax.tree.map(lambda x: x / denom.astype(x.dtype), g)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
         # A non-finite loss or gradient leaves parameters and optimizer state untouched (a skipped
         # update; the loop counts them and stops after optim.max_bad_steps in a row): the state in
         # memory never holds NaNs.
         ok = jnp.isfinite(loss) & jnp.isfinite(_global_norm(grads))
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
-                     "opt_state": keep(opt_state, state["opt_state"]), "rng": state["rng"]}
+        if offload_update is not None:
+            new_params, opt_state = offload_update(grads, state["opt_state"], params, ok)
+        else:
+            updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+            new_params, opt_state = keep(optax.apply_updates(params, updates), params), keep(opt_state, state["opt_state"])
+        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": state["rng"]}
         metrics = {
             "loss": loss / denom,
             "accuracy": corr / denom,

@@ -1,0 +1,265 @@
+"""Which Qwen2.5 shape trains on one GPU at 64K / 128K tokens with MTraining attention, with and
+without optimizer-state offload and selective checkpointing, and how close ``--plan`` is (issue 20).
+
+For every (model size, sequence length, variant) the real training step of
+``mtraining-train --config configs/qwen2.5-0.5b-128k.yaml`` is built, compiled and timed by
+:func:`benchmarks.train_throughput.run_one` in a fresh subprocess (its peak-memory counter cannot
+be reset; an OOM kills nothing but that child), with these overrides on top of the config:
+
+* ``model.path=model/qwen2.5-<size>.yaml`` (0.5b, 1.5b, 3b, 7b: the Hugging Face shapes),
+  ``model.max_position_embeddings=131072``, ``model.dense_layers=[0,1]`` (cuDNN, as in the config;
+  every other layer MTraining sparse attention), bfloat16 compute, float32 master weights and
+  AdamW moments, batch 1, ``grad_accum=1``, one device;
+* the variant ``REMAT[+offload|+offload_whole]``: ``model.remat=REMAT`` (``none``, ``save_attn``,
+  ``selective`` — the two dense layers and every other sparse layer save_attn, just over half,
+  ``full``) and ``optim.offload=opt_state`` with
+  ``+offload`` (streamed per layer) or ``+offload_whole`` (``optim.offload_stream=false``).
+
+Each row records whether it fits (a child that fails with an out-of-memory error is a
+"does not fit" row), tokens/s (median of ``--steps`` timed steps after ``--warmup``), the measured
+peak (``memory_stats()["peak_bytes_in_use"]``) and ``--plan``'s prediction for the same compiled
+step (:func:`mtraining_jax.train.plan.predicted_peak` of its memory analysis: the plan compiles
+exactly this program) with the relative error ``plan / measured - 1``. The table goes to
+``OUT/memory_plan.md``, the rows to ``OUT/memory_plan.jsonl``.
+
+    # one H200; each call within 8 minutes (--time-budget cuts the rest off as 'skipped' rows)
+    python -m benchmarks.memory_plan --sizes 7b --seq-lens 65536 \\
+        --variants full+offload,selective+offload,save_attn+offload --time-budget 450 --out $OUT
+    python -m benchmarks.memory_plan --report OUT/memory_plan.jsonl   # re-print the table
+    python -m benchmarks.memory_plan --one --size 3b --seq-len 65536 --variant selective  # one row here
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from benchmarks.train_throughput import DEFAULT_CONFIG, GIB, REPO, error_row, run_one
+
+SIZES = ("0.5b", "1.5b", "3b", "7b", "tiny")  # tiny: configs/model/tiny.yaml, a CPU smoke test
+REMATS = ("none", "save_attn", "selective", "full")
+NUM_LAYERS = {"0.5b": 24, "1.5b": 28, "3b": 36, "7b": 28}
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
+
+
+OFFLOADS = {"": "none", "offload": "opt_state", "offload_whole": "opt_state (whole)"}
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """``"selective+offload"`` -> ``("selective", "offload")``; ``""`` without offload;
+    ``ValueError`` naming a bad one."""
+    remat, plus, rest = text.partition("+")
+    if remat not in REMATS or (plus and rest not in ("offload", "offload_whole")):
+        raise ValueError(f"variant must be REMAT, REMAT+offload or REMAT+offload_whole with REMAT in {REMATS}, "
+                         f"got {text!r}")
+    return remat, rest
+
+
+def case_overrides(size: str, variant: str) -> list[str]:
+    """The ``key=value`` overrides of one case (module docstring)."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    remat, offload = parse_variant(variant)
+    if remat == "selective":  # the 2 dense layers and every other sparse one: a layer scan of period 2
+        n = 2 if size == "tiny" else NUM_LAYERS[size]
+        remat_saved = [0] if size == "tiny" else [0, 1] + list(range(3, n, 2))
+        extra = [f"model.remat_save_layers=[{','.join(map(str, remat_saved))}]"]
+    else:
+        extra = []
+    model = ["model.path=model/tiny.yaml", "model.vocab_size=512", "model.dense_layers=[0]", "model.dtype=float32",
+             "loss_chunk_size=512"] if size == "tiny" else [f"model.path=model/qwen2.5-{size}.yaml", "model.dense_layers=[0,1]"]
+    return model + extra + ["model.max_position_embeddings=131072", "model.rope_scaling=null", f"model.remat={remat}",
+            f"optim.offload={'opt_state' if offload else 'none'}", f"optim.offload_stream={str(offload != 'offload_whole').lower()}",
+            "eval.every=0", "eval.passkey_samples=0"]
+
+
+def _host_bytes(config: str, sets: Sequence[str], seq_len: int) -> int:
+    """Per-device bytes of the state in host memory (the offloaded optimizer state)."""
+    from benchmarks.train_throughput import bench_config
+    from mtraining_jax.train.loop import build_mesh, build_training
+    from mtraining_jax.train.plan import host_state_bytes
+    from mtraining_jax.train.state import build_model_config
+
+    cfg, _ = bench_config(config, sets, seq_len, "mtraining")
+    model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    return host_state_bytes(build_training(cfg, build_mesh(cfg.mesh), model_cls, model_cfg).abstract)
+
+
+def one_case(config: str, size: str, seq_len: int, variant: str, warmup: int, steps: int) -> dict:
+    """One row, in this process (raises on error)."""
+    from mtraining_jax.train.plan import predicted_peak
+
+    sets = case_overrides(size, variant)
+    row = run_one(config, sets, seq_len, "mtraining", warmup=warmup, steps=steps)
+    host = _host_bytes(config, sets, seq_len)
+    ma = row.get("memory_analysis")
+    plan = predicted_peak(ma, host) if ma else None
+    peak = row.get("peak_bytes")
+    row.update(size=size, variant=variant, fits=True, host_state_bytes=host, plan_peak_bytes=plan,
+               plan_peak_gib=None if plan is None else plan / GIB,
+               plan_error=None if plan is None or not peak else plan / peak - 1.0)
+    return row
+
+
+def _one_main(args) -> int:
+    try:
+        row = one_case(args.config, args.size, args.seq_len, args.variant, args.warmup, args.steps)
+    except Exception as e:  # noqa: BLE001  (OOM, compile errors: all become rows)
+        row = failure_row(args.size, args.seq_len, args.variant, f"{type(e).__name__}: {e}")
+    sys.stdout.flush()
+    print(json.dumps(row), flush=True)
+    return 0
+
+
+def failure_row(size: str, seq_len: int, variant: str, message: str) -> dict:
+    """An error row; ``fits`` is False when the message is an out-of-memory error, else None."""
+    row = error_row(seq_len, "mtraining", 1, message)
+    row.update(size=size, variant=variant, fits=False if any(m in message for m in OOM_MARKERS) else None)
+    return row
+
+
+def run_child(args, size: str, seq_len: int, variant: str, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.memory_plan", "--one", "--config", args.config, "--size", size,
+           "--seq-len", str(seq_len), "--variant", variant, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return failure_row(size, seq_len, variant, f"timeout: no result within {timeout:.0f} s")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                break
+    tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+    return failure_row(size, seq_len, variant, f"child exited with status {proc.returncode}: {tail}")
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Markdown table, one line per case."""
+    lines = ["| model | seq | remat | offload | fits | tokens/s | step s | peak GiB | plan GiB | plan error | compile s |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    order = lambda r: (SIZES.index(r["size"]) if r.get("size") in SIZES else 9, r["seq_len"], r.get("variant", ""))  # noqa: E731
+    for r in sorted(rows, key=order):
+        remat, off = parse_variant(r["variant"]) if r.get("variant") else ("?", "")
+        head = f"| {r.get('size')} | {r['seq_len']} | {remat} | {OFFLOADS[off]} "
+        if r.get("error"):
+            fits = {False: "**no** (OOM)", None: "error"}[r.get("fits")]
+            msg = " ".join(str(r["error"]).split())[:120].replace("|", "/")
+            lines.append(head + f"| {fits} | | | | | {msg} | |")
+            continue
+        err = r.get("plan_error")
+        lines.append(head + f"| yes | {_f(r.get('tokens_per_s'), ',.0f')} | {_f(r.get('step_ms') and r['step_ms'] / 1e3, '.2f')} "
+                     f"| {_f(r.get('peak_gib'), '.2f')} | {_f(r.get('plan_peak_gib'), '.2f')} "
+                     f"| {'-' if err is None else f'{100 * err:+.1f}%'} | {_f(r.get('compile_s'), '.0f')} |")
+    dev = sorted({r.get("device_kind") for r in rows if r.get("device_kind")})
+    if dev:
+        lines += ["", f"device: {', '.join(dev)}"]
+    return "\n".join(lines)
+
+
+def _list(kind, allowed=None):
+    def parse(text):
+        vals = [kind(t.strip()) for t in text.split(",") if t.strip()]
+        if not vals or (allowed and any(v not in allowed for v in vals)):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list from {allowed}, got {text!r}")
+        return vals
+    return parse
+
+
+def _variants(text):
+    vals = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        for v in vals:
+            parse_variant(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.add_argument("--sizes", type=_list(str, SIZES), default=list(SIZES))
+    p.add_argument("--seq-lens", type=_list(int), default=[65536, 131072])
+    p.add_argument("--variants", type=_variants,
+                   default=["save_attn", "selective", "full", "save_attn+offload", "selective+offload", "full+offload"])
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=450.0, help="seconds per case")
+    p.add_argument("--time-budget", type=float, help="seconds for all cases (the rest become 'skipped' rows)")
+    p.add_argument("--out", help="folder for memory_plan.jsonl / .md")
+    p.add_argument("--report", nargs="+", metavar="JSONL", help="only print the table of saved rows")
+    p.add_argument("--one", action="store_true", help="run one case here and print its JSON row")
+    p.add_argument("--size", choices=SIZES)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--variant")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.report:
+        rows = []
+        for path in args.report:
+            with open(path) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        print(format_table(rows))
+        return 0
+    if args.one:
+        if args.size is None or args.seq_len is None or args.variant is None:
+            raise SystemExit("--one needs --size, --seq-len and --variant")
+        return _one_main(args)
+    command = " ".join(shlex.quote(a) for a in ["python -m benchmarks.memory_plan"] +
+                       list(sys.argv[1:] if argv is None else argv))
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    log = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        log = open(os.path.join(args.out, "memory_plan.jsonl"), "w")
+    rows, deadline = [], None if args.time_budget is None else time.time() + args.time_budget
+    try:
+        for size in args.sizes:
+            for S in args.seq_lens:
+                for v in args.variants:
+                    t0 = time.time()
+                    timeout = args.timeout if deadline is None else min(args.timeout, deadline - t0)
+                    if timeout <= 5:
+                        row = failure_row(size, S, v, f"skipped: --time-budget {args.time_budget:g} s spent")
+                    else:
+                        row = run_child(args, size, S, v, timeout)
+                    row.update(date=date, command=command)
+                    rows.append(row)
+                    status = row.get("error") or (f"{row['tokens_per_s']:,.0f} tokens/s, peak {_f(row.get('peak_gib'), '.2f')} "
+                                                  f"GiB, plan {_f(row.get('plan_peak_gib'), '.2f')} GiB")
+                    print(f"[{time.time() - t0:6.1f}s] {size} S={S} {v}: {str(status)[:300]}", file=sys.stderr, flush=True)
+                    if log is not None:
+                        log.write(json.dumps(row) + "\n")
+                        log.flush()
+    finally:
+        if log is not None:
+            log.close()
+    table = format_table(rows)
+    print(table)
+    if args.out:
+        with open(os.path.join(args.out, "memory_plan.md"), "w") as f:
+            f.write(f"`{command}` ({date})\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

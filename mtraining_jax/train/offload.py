@@ -1,0 +1,151 @@
+"""Host offload of the optimizer state (``optim.offload: opt_state``) through JAX memory kinds.
+
+The AdamW moments (``mu``, ``nu``: 8 bytes per float32 parameter, twice the master weights) live in
+the device's ``pinned_host`` memory between steps (their shardings carry
+``memory_kind="pinned_host"``; FSDP shards them as before), so the forward and backward passes run
+without them on the device. The update streams them layer by layer
+(:func:`streamed_update`): the global-norm clip runs once over all gradients, the non-layer
+parameters (embedding, final norm, untied LM head) are updated in one piece, then a
+``lax.scan`` over the ``[num_layers]`` axis of the stacked decoder parameters copies one layer's
+moments host -> device, applies AdamW (the same optax transformation, so the same numbers as
+without offload), and writes the new moments back to host memory. The device holds the moments of
+ONE layer at a time; the parameters and the gradient accumulator stay on the device.
+
+``optim.offload_stream: false`` moves the whole state to the device for the update instead
+(:func:`whole_update`): the pattern XLA's host offloading handles everywhere, at the cost of the
+full moments on the device during the update (not during the forward / backward passes).
+
+The platform must offer ``pinned_host`` memory (GPUs and the CPU backend do; ``ValueError``
+otherwise, from :func:`check_host_memory`). Offloading the master weights as well would need the
+layer scan of the model to stream each layer's parameters in, which it does not: not offered.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mtraining_jax.train.sharding import STACKED_KEY
+
+HOST = "pinned_host"
+# what each optim.offload mode puts in host memory (keys of the training state)
+OFFLOADED_KEYS = {"none": (), "opt_state": ("opt_state",)}
+
+
+def offloaded_keys(mode: str) -> tuple[str, ...]:
+    """State keys ``mode`` keeps in host memory; ``ValueError`` naming an unknown mode."""
+    if mode not in OFFLOADED_KEYS:
+        raise ValueError(f"optim.offload must be one of {tuple(OFFLOADED_KEYS)}, got {mode!r}")
+    return OFFLOADED_KEYS[mode]
+
+
+def check_host_memory(mode: str, mesh) -> None:
+    """``ValueError`` when ``mode`` offloads something but the mesh's devices have no
+    ``pinned_host`` memory (naming the platform and the memories it has)."""
+    if not offloaded_keys(mode):
+        return
+    if mesh is None:
+        raise ValueError(f"optim.offload={mode!r} needs a device mesh")
+    dev = mesh.devices.flat[0]
+    try:
+        kinds = sorted({m.kind for m in dev.addressable_memories()})
+    except Exception:  # noqa: BLE001  (backends without memory spaces)
+        kinds = []
+    if HOST not in kinds:
+        raise ValueError(f"optim.offload={mode!r} needs '{HOST}' memory, but the {dev.platform} device {dev} "
+                         f"has only {kinds or 'its default memory'}; set optim.offload=none")
+
+
+def with_offload(shardings: dict, keys: tuple[str, ...]) -> dict:
+    """The state's shardings with the subtrees ``keys`` moved to ``pinned_host`` memory."""
+    if not keys or shardings is None:
+        return shardings
+    return {k: (jax.tree.map(lambda s: s.with_memory_kind(HOST), v) if k in keys else v)
+            for k, v in shardings.items()}
+
+
+def _to(tree, space):
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def _param_tree_test(keys):
+    keys = set(keys)
+    return lambda x: isinstance(x, dict) and set(x) == keys
+
+
+def whole_update(optimizer, grads, opt_state, params, ok):
+    """``optim.offload_stream: false``: the whole optimizer state host -> device after the
+    gradients are complete (an ``optimization_barrier`` orders the copy after them), one
+    ``optimizer.update``, the new state device -> host. Simpler for XLA than
+    :func:`streamed_update`, but the update holds all moments on the device at once.
+    Same contract as :func:`streamed_update` (``optimizer``: the full chain)."""
+    grads, opt_state = jax.lax.optimization_barrier((grads, opt_state))
+    dev = _to(opt_state, jax.memory.Space.Device)
+    updates, new = optimizer.update(grads, dev, params)
+    keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
+    return keep(optax.apply_updates(params, updates), params), _to(keep(new, dev), jax.memory.Space.Host)
+
+
+def streamed_update(adamw, clip_norm: float, grads, opt_state, params, ok):
+    """One AdamW step with the optimizer state in host memory (module docstring), inside ``jit``.
+
+    Args:
+      adamw: the optax AdamW transformation (without clipping).
+      clip_norm: global-norm clip (0: none), applied once to all of ``grads`` as
+        ``optax.clip_by_global_norm`` does.
+      grads, params: parameter dicts on the device.
+      opt_state: the state of ``chain(clip, adamw)`` (or of ``adamw`` when ``clip_norm == 0``) in
+        host memory.
+      ok: bool scalar; where false, parameters and state are returned unchanged (a skipped step).
+
+    Returns:
+      ``(new_params on the device, new opt_state in host memory)``.
+    """
+    if clip_norm > 0:
+        grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
+        clip_state, inner = opt_state
+    else:
+        clip_state, inner = None, opt_state
+    is_pt = _param_tree_test(params)
+    is_rest, is_layer = _param_tree_test(set(params) - {STACKED_KEY}), _param_tree_test({STACKED_KEY})
+    leaves, treedef = jax.tree.flatten(inner, is_leaf=is_pt)
+    pt_idx = [i for i, x in enumerate(leaves) if is_pt(x)]  # mu, nu (parameter-shaped dicts)
+
+    def build(pts, others):
+        it_p, it_o = iter(pts), iter(others)
+        return jax.tree.unflatten(treedef, [next(it_p) if i in pt_idx else next(it_o) for i in range(len(leaves))])
+
+    others = _to([x for i, x in enumerate(leaves) if i not in pt_idx], jax.memory.Space.Device)  # counts
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    rest = lambda d: {k: v for k, v in d.items() if k != STACKED_KEY}  # noqa: E731
+
+    # the parameters outside the layer stack, in one piece
+    pts_rest = _to([rest(leaves[i]) for i in pt_idx], jax.memory.Space.Device)
+    st_rest = build(pts_rest, others)
+    upd, new_st_rest = adamw.update(rest(grads), st_rest, rest(params))
+    new_params = keep(optax.apply_updates(rest(params), upd), rest(params))
+    new_st_rest = keep(new_st_rest, st_rest)
+    new_leaves = jax.tree.flatten(new_st_rest, is_leaf=is_rest)[0]
+    new_pts = [new_leaves[i] for i in pt_idx]
+    new_others = [x for i, x in enumerate(new_leaves) if i not in pt_idx]
+
+    if STACKED_KEY in params:  # the decoder layers, one at a time
+        def layer(_, xs):
+            g_i, p_i, pts_i = xs
+            pts_i = _to(pts_i, jax.memory.Space.Device)  # one layer's moments host -> device
+            st_i = build([{STACKED_KEY: t} for t in pts_i], others)
+            u_i, new_st_i = adamw.update({STACKED_KEY: g_i}, st_i, {STACKED_KEY: p_i})
+            new_p_i = keep(optax.apply_updates({STACKED_KEY: p_i}, u_i), {STACKED_KEY: p_i})[STACKED_KEY]
+            nl = jax.tree.flatten(keep(new_st_i, st_i), is_leaf=is_layer)[0]
+            return None, (new_p_i, _to([nl[i][STACKED_KEY] for i in pt_idx], jax.memory.Space.Host))
+
+        xs = (grads[STACKED_KEY], params[STACKED_KEY], [leaves[i][STACKED_KEY] for i in pt_idx])
+        _, (new_layers, new_pts_layers) = jax.lax.scan(layer, None, xs)
+        new_params[STACKED_KEY] = new_layers
+        new_pts = [{**p, STACKED_KEY: lp} for p, lp in zip(new_pts, new_pts_layers)]
+    new_pts = [{**_to(rest(p), jax.memory.Space.Host), **({STACKED_KEY: p[STACKED_KEY]} if STACKED_KEY in p else {})}
+               for p in new_pts]
+    new_inner = build(new_pts, _to(new_others, jax.memory.Space.Host))
+    new_params = {k: new_params[k] for k in params}  # the parameters' key order
+    return new_params, (new_inner if clip_state is None else (clip_state, new_inner))
