@@ -234,3 +234,23 @@ def test_model_packed_documents_equal_separate_runs():
     first = model(tokens[:, :20], jnp.arange(20))
     second = model(tokens[:, 20:], jnp.arange(28))
     np.testing.assert_allclose(packed, jnp.concatenate([first, second], axis=1), rtol=2e-5, atol=2e-5)
+
+
+def test_recall_with_documents_matches_dense_document_mask():
+    """``metrics.recall(..., segment_ids=)``: mean over rows of the causal document-masked softmax
+    mass kept by the index, against the dense computation; documents change it."""
+    from pallas_kernels.reference import attention_logits
+    from mtraining_jax.sparsity import metrics
+
+    S, bs = 256, 32
+    q, k, _, _ = _qkv(7, S)
+    seg = _segments([[5, 60, 100], [200]], S)
+    index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SparsityConfig(
+        block_size=bs, vertical_min=1, vertical_max=16, slash_max=3), segment_ids=seg)
+    t = jnp.arange(S)
+    ok = (t[None, :] <= t[:, None])[None, None] & (seg[:, :, None] == seg[:, None, :])[:, None]
+    p = jax.nn.softmax(jnp.where(ok, attention_logits(q, k), -jnp.inf), axis=-1)
+    want = np.asarray(jnp.where(index_to_mask(index, S, bs) & ok, p, 0.0).sum(-1).mean(-1), np.float64)
+    got = metrics.recall(q, k, index, block_size=bs, chunk=128, segment_ids=seg)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert np.all(np.abs(got - metrics.recall(q, k, index, block_size=bs, chunk=128)) > 1e-3)
