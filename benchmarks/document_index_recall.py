@@ -44,22 +44,14 @@ from packed_documents import length_mix  # noqa: E402
 from mtraining_jax.sparsity import SparsityConfig, estimate_index  # noqa: E402
 from mtraining_jax.sparsity.index import VerticalSlashIndex  # noqa: E402
 from mtraining_jax.sparsity.metrics import recall  # noqa: E402
-from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk  # noqa: E402
+from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk  # noqa: E402
 from pallas_kernels.reference import attention_logits  # noqa: E402
 
 
 def packed_qk(lens, heads: int, kv_heads: int, head_dim: int, seed: int, sharpness: float):
     """``(q [1, S, H, D], k [1, S, Hkv, D], seg int32 [1, S])``: one synthetic document per length."""
-    qs, ks = [], []
-    for d, n in enumerate(lens):
-        cfg = SyntheticAttention(seq_len=int(n), num_q_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                 num_outliers=int(max(1, min(32, n // 64))) if n > 2 else 0, sharpness=sharpness,
-                                 seed=seed * 100003 + d)
-        q, k = synthetic_qk(cfg)
-        qs.append(q)
-        ks.append(k)
-    seg = np.repeat(np.arange(len(lens)), lens)[None].astype(np.int32)
-    return jnp.concatenate(qs, axis=1), jnp.concatenate(ks, axis=1), jnp.asarray(seg)
+    base = SyntheticAttention(num_q_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, sharpness=sharpness)
+    return packed_documents_qk(lens, base, seed)
 
 
 def window_rows(variant: str, seg: np.ndarray, last_q: int) -> np.ndarray:
