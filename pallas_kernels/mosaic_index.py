@@ -131,7 +131,8 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
     kc = jnp.where(real[None, None, :, None], k[b_ix, cidx, hk_ix], 0).astype(k.dtype)
     vc = jnp.where(real[None, None, :, None], v[b_ix, cidx, hk_ix], 0).astype(v.dtype)
     cpos = jnp.where(real, k_pos.astype(jnp.int32)[cidx], POS_PAD)
-    c_rows = [cpos.reshape(B, H, mcp // bs, bs), jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))]
+    c_rows = [cpos.reshape(B, H, mcp // bs, bs),
+              jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))]
     if segs is not None:
         cseg = jnp.where(real, kseg[b_ix, cidx], -1)  # [B, H, MCp]
         c_rows.append(cseg.reshape(B, H, mcp // bs, bs))

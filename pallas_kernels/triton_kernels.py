@@ -13,8 +13,9 @@ Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
   (:func:`_outside_blocks`). Packed documents (``segs``): the index has been narrowed by
   :func:`~pallas_kernels.index_format.apply_segments`, so a free tile lies inside ONE document and
   stays mask-free; the masked tiles (the causal ones and those straddling a boundary) and the
-  columns add the token-level ``k_seg == q_seg`` check to their mask (:func:`_pair_ok`). Online softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled
-  scale (FlashAttention-2, Dao 2023, Alg. 1). Writes ``out`` (f32) and the natural-log ``lse``;
+  columns add the token-level ``k_seg == q_seg`` check to their mask (:func:`_pair_ok`). Online
+  softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled scale (FlashAttention-2, Dao 2023,
+  Alg. 1). Writes ``out`` (f32) and the natural-log ``lse``;
   rows with no allowed key get out 0, lse -inf. Given the ``(out, lse)`` of earlier ring steps
   (``acc``), the kernel merges into them in place (:func:`_merge_rows`; MTraining Algorithm 2's
   ``merge_out_and_lse`` without a separate pass over the float32 output).
