@@ -9,15 +9,20 @@ keys) the index then misses. Compared here, on the same q/k and the same budgets
   :func:`mtraining_jax.sparsity.estimate_index` does with ``segment_ids``; the library's index is
   used, and the NumPy estimator below is checked against it);
 * ``per_document``: every document's own last ``min(last_q, length)`` queries;
-* ``windows:W``: the last ``last_q`` queries of every ``W``-token window (fixed positions).
+* ``windows:W``: the last ``last_q`` queries of every ``W``-token window (fixed positions);
+* ``library:WINDOW:N``: the library's :func:`~mtraining_jax.sparsity.estimate_index` with
+  ``SparsityConfig(window=WINDOW, window_blocks=N)`` (``per_document`` capped at ``N`` query blocks).
 
 Each window's rows are an exact softmax under the causal document mask; vertical (column) and slash
 (64-block diagonal) scores are summed over the rows and selected by top-p over the rows' total
 mass with the config's caps (the library's rule). Reported per variant: recall (mean over ALL query
 rows of the causal document-masked softmax mass the index keeps, the project's recall metric
 with segment ids, :func:`mtraining_jax.sparsity.metrics.recall`), the same over the rows of the
-last document and of the others, the density (kept pairs / causal same-document pairs) and the
-number of window rows (the estimate's cost is ``rows x S`` logits).
+last document and of the others, the density (kept pairs / causal same-document pairs), the
+kernel work fraction (:func:`kernel_work_fraction`: what the kernels execute on one device,
+tiles across a boundary dropped, over dense causal work; columns are computed by every later
+query block, masked outside their document) and the number of window rows (the estimate's cost
+is ``rows x S`` logits).
 
 q/k: :func:`mtraining_jax.sparsity.synthetic.synthetic_qk` per document (its own sink, heavy keys and
 RoPE slash structure; seeds per document), concatenated; document lengths from the seeded length
@@ -29,6 +34,7 @@ mix of ``benchmarks/packed_documents.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -42,6 +48,8 @@ import numpy as np  # noqa: E402
 from packed_documents import length_mix  # noqa: E402
 
 from mtraining_jax.sparsity import SparsityConfig, estimate_index  # noqa: E402
+from mtraining_jax.sparsity.convert import convert_step  # noqa: E402
+from pallas_kernels.index_format import apply_segments, step_work  # noqa: E402
 from mtraining_jax.sparsity.index import VerticalSlashIndex  # noqa: E402
 from mtraining_jax.sparsity.metrics import recall  # noqa: E402
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk  # noqa: E402
@@ -114,6 +122,17 @@ def estimate_from_rows(q, k, seg, rows, cfg: SparsityConfig) -> VerticalSlashInd
     return VerticalSlashIndex(*(jnp.asarray(x)[None] for x in (v_idx, v_cnt, s_idx, s_cnt)))
 
 
+def kernel_work_fraction(index: VerticalSlashIndex, seg, bs: int) -> float:
+    """Kernel slots of the single-device step index narrowed by ``apply_segments``
+    (``index_format.step_work``) over those of the full causal block index."""
+    S = seg.shape[-1]
+    pos = jnp.arange(S, dtype=jnp.int32)
+    step = apply_segments(convert_step(index, pos, pos, seq_len=S, block_size=bs), seg, seg, bs)
+    nb = S // bs
+    H = index.v_count.shape[1]
+    return float(step_work(step, bs)) / (H * nb * (nb + 1) / 2 * bs**2)
+
+
 def density(index: VerticalSlashIndex, seg, bs: int) -> float:
     """Kept (q, k) pairs / causal same-document pairs, over all heads (host)."""
     S = seg.shape[-1]
@@ -161,8 +180,15 @@ def main(argv=None):
         others = np.nonzero(s_np != s_np[-1])[0]
         lib = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), cfg, segment_ids=seg)
         for variant in a.variants:
-            rows = window_rows(variant, s_np[None], cfg.last_q)
-            idx = estimate_from_rows(q, k, seg, rows, cfg)
+            if variant.startswith("library:"):
+                _, window, nblk = variant.split(":")
+                lcfg = dataclasses.replace(cfg, window=window, window_blocks=int(nblk))
+                idx = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), lcfg, segment_ids=seg)
+                rows = window_rows(window, s_np[None], cfg.last_q)
+                rows = rows[rows >= np.sort(np.unique(rows // cfg.block_size))[-int(nblk):][0] * cfg.block_size]
+            else:
+                rows = window_rows(variant, s_np[None], cfg.last_q)
+                idx = estimate_from_rows(q, k, seg, rows, cfg)
             if variant == "sequence":  # the NumPy estimator reproduces the library's index
                 same = [np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(idx[1::2], lib[1::2])]
                 print("sequence estimator equals estimate_index counts:", same, flush=True)
@@ -174,6 +200,7 @@ def main(argv=None):
                    "recall_last_doc": float(recall(q, k, idx, rows=last, segment_ids=seg).mean()),
                    "recall_other_docs": float(recall(q, k, idx, rows=others, segment_ids=seg).mean()),
                    "density": density(idx, seg, cfg.block_size),
+                   "kernel_work_fraction": kernel_work_fraction(idx, seg, cfg.block_size),
                    "verticals_mean": float(np.asarray(idx.v_count).mean()),
                    "slashes_mean": float(np.asarray(idx.s_count).mean()), "p": p, "sharpness": a.sharpness}
             print(json.dumps(rec), flush=True)

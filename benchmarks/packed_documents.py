@@ -4,7 +4,9 @@ The same random bf16 q/k/v are run through
 :func:`mtraining_jax.attention.mtraining.mtraining_attention` on a 1x1 mesh, per kernel impl
 (``--impls``, e.g. ``mosaic triton``): as one stream (no ``segment_ids``) and packed as documents
 from a realistic length mix (many short documents plus a few long ones, lengths drawn from a
-seeded log-uniform mix). Reports per (impl, mode) the executed work fraction (``stats_scalars``),
+seeded log-uniform mix), with the index estimated from the sequence's last queries (mode
+``documents``) and from every document's own last queries (``documents_per_doc``,
+``SparsityConfig(window="per_document")``). Reports per (impl, mode) the executed work fraction (``stats_scalars``),
 forward and forward+backward time, the block-level density of the document mask itself, and the
 relative difference of the output and gradients from the first impl's (a cross-check of the
 kernels at full size); one JSON line each to ``--out``.
@@ -61,6 +63,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--impls", nargs="+", default=["auto"], help="kernel impls to time (registry names)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--modes", nargs="+", default=["stream", "documents", "documents_per_doc"])
+    ap.add_argument("--window-blocks", type=int, default=64, help="per-document window: query blocks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -83,10 +87,14 @@ def main(argv=None):
     records, first = [], {}
     for impl in a.impls:
         icfg = dataclasses.replace(cfg, impl=impl)
-        for mode, sg in (("stream", None), ("documents", seg)):
-            fwd = jax.jit(lambda q, k, v, sg=sg, c=icfg: mtraining_attention(q, k, v, mesh, c, segment_ids=sg,
+        pdcfg = dataclasses.replace(icfg, sparsity=dataclasses.replace(icfg.sparsity, window="per_document",
+                                                                       window_blocks=a.window_blocks))
+        for mode, sg, mcfg in (("stream", None, icfg), ("documents", seg, icfg), ("documents_per_doc", seg, pdcfg)):
+            if mode not in a.modes:
+                continue
+            fwd = jax.jit(lambda q, k, v, sg=sg, c=mcfg: mtraining_attention(q, k, v, mesh, c, segment_ids=sg,
                                                                              return_stats=True))
-            grad = jax.jit(jax.grad(lambda q, k, v, sg=sg, c=icfg: jnp.sum(
+            grad = jax.jit(jax.grad(lambda q, k, v, sg=sg, c=mcfg: jnp.sum(
                 mtraining_attention(q, k, v, mesh, c, segment_ids=sg).astype(jnp.float32) * cot), argnums=(0, 1, 2)))
             out, st = fwd(q, k, v)
             grads = grad(q, k, v)

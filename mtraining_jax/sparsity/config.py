@@ -25,9 +25,10 @@ the number of query heads at call entry, :meth:`SparsityConfig.check`).
 * ``window = "sequence"``: Algorithm 1's observation window, the last ``last_q`` queries of the
   sequence. ``"per_document"`` (packed documents; the same as ``"sequence"`` without segment ids):
   every document's own last ``last_q`` queries, in at most ``window_blocks`` query blocks (the
-  last ones holding such queries; 16 blocks = 1024 rows by default) — on packed data the last
-  queries of the sequence see only the last document, so the others' verticals (their sinks and
-  heavy keys) are missed; measured in ``benchmarks/packed_documents_results.md``.
+  last ones holding such queries; 64 blocks = 4096 rows by default, ``rows x S`` logits) — on
+  packed data the last queries of the sequence see only the last document, so the others'
+  verticals (their sinks and heavy keys) are missed; measured in
+  ``benchmarks/packed_documents_results.md``.
 * ``max_cols``: static vertical-column slots per (query block, ring step) of the converted index
   (``None`` = the exact bound ``min(MV, tokens per chunk)``; smaller values trade exactness for
   memory, see :mod:`mtraining_jax.sparsity.convert`).
@@ -90,7 +91,7 @@ class SparsityConfig:
     max_cols: int | None = None
     sm_scale: float | None = None
     window: str = "sequence"
-    window_blocks: int = 16
+    window_blocks: int = 64
 
     def __post_init__(self):
         for name in PER_HEAD_FIELDS:

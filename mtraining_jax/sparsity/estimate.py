@@ -163,32 +163,15 @@ def _window_queries(q, k_pos, blocks, seq_len: int, bs: int, reduce_sum):
     return reduce_sum(buf.at[b_ix, slot].add(q.astype(jnp.float32), mode="drop"))
 
 
-def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg=None):
-    """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``,
-    in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`); ``seg [B, S_local]``
-    restricts the window to same-document pairs (and with ``cfg.window = "per_document"`` makes
-    it the documents' own last queries)."""
-    bs, lq = cfg.block_size, cfg.last_q
-    nb = seq_len // bs
+def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, padded: bool = False):
+    """Fixed-point digits ``(hi, lo) int32 [B, Hq, R, S_local]`` of the window rows' exact softmax
+    probabilities (:func:`fixed_point_bits`) under ``causal`` (``[R, Sk]`` or ``[B, 1, R, Sk]``);
+    ``padded``: some rows may see no key at all (they get zeros)."""
     F, G = fixed_point_bits(cfg)
-    per_doc = seg is not None and cfg.window == "per_document"
-    if per_doc:
-        blocks, row_ok, row_seg = _document_window(seg, k_pos, seq_len, cfg, reduce_sum)
-        q_last = _window_queries(q, k_pos, blocks, seq_len, bs, reduce_sum)
-        row_pos = (jnp.clip(blocks, 0)[:, :, None] * bs + jnp.arange(bs)).reshape(row_ok.shape)  # [B, R]
-        causal = (k_pos[None, None, :] <= row_pos[:, :, None]) & row_ok[:, :, None]
-        causal = (causal & (row_seg[:, :, None] == seg[:, None, :]))[:, None]  # [B, 1, R, Sk]
-    else:
-        q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
-        qp = np.arange(seq_len - lq, seq_len)
-        causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
-        if seg is not None:  # [B, 1, Lq, Sk]: and the same document
-            causal = causal & (_last_segments(seg, k_pos, seq_len, lq, reduce_sum)[:, :, None] == seg[:, None, :])
-            causal = causal[:, None]
-    z = _window_logits(q_last, k, cfg.sm_scale)  # [B, Hq, Lq, Sk]
+    z = _window_logits(q_rows, k, cfg.sm_scale)  # [B, Hq, R, Sk]
     z = jnp.where(causal, z, -jnp.inf)
     m = reduce_max(z.max(axis=-1))  # exact in any order
-    if per_doc:  # padding rows see no key: keep them finite (they add nothing)
+    if padded:  # a padding row sees no key: keep it finite (it adds nothing)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.where(causal, jnp.exp(z - m[..., None]), 0.0)  # (0, 1]; the row max contributes exactly 1
     # softmax denominator: e truncated to 2^-47 in six digits, each summed over S <= 2^23 keys
@@ -198,23 +181,32 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     for w, part in zip(_E_DIGITS, sums):  # fixed order, integers first: the same bits on every rank
         shift += w
         denom = denom + part.astype(jnp.float32) * np.float32(2.0**-shift)
-    if per_doc:
+    if padded:
         denom = jnp.where(denom > 0, denom, 1.0)
     a = e / denom[..., None]  # <= 1 (denom >= the row max's exact 1)
-    hi, lo = _digits(a, (F, G))  # a = (hi + lo 2^-G) 2^-F + (< 2^-(F+G))
+    return _digits(a, (F, G))  # a = (hi + lo 2^-G) 2^-F + (< 2^-(F+G))
+
+
+def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg=None):
+    """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``,
+    in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`); ``seg [B, S_local]``
+    restricts the window to same-document pairs (and with ``cfg.window = "per_document"`` makes
+    it the documents' own last queries, :func:`_document_scores`)."""
+    if seg is not None and cfg.window == "per_document":
+        return _document_scores(q, k, k_pos, seq_len, cfg, reduce_sum, reduce_max, seg)
+    bs, lq = cfg.block_size, cfg.last_q
+    nb = seq_len // bs
+    _, G = fixed_point_bits(cfg)
+    q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
+    qp = np.arange(seq_len - lq, seq_len)
+    causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
+    if seg is not None:  # [B, 1, Lq, Sk]: and the same document
+        causal = causal & (_last_segments(seg, k_pos, seq_len, lq, reduce_sum)[:, :, None] == seg[:, None, :])
+        causal = causal[:, None]
+    hi, lo = _row_digits(q_last, k, causal, cfg, reduce_sum, reduce_max)
     vert = hi.sum(axis=2, dtype=jnp.int32) + (lo.sum(axis=2, dtype=jnp.int32) >> G)  # [B, Hq, Sk]
     kblk = k_pos // bs
     slash = jnp.zeros((2,) + vert.shape[:2] + (nb + 1,), jnp.int32)
-    if per_doc:  # one window block at a time (its query block is data-dependent)
-        B, H = vert.shape[:2]
-        b_ix, h_ix = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-        for j in range(blocks.shape[1]):
-            colsum = jnp.stack([x[:, :, j * bs:(j + 1) * bs].sum(axis=2, dtype=jnp.int32) for x in (hi, lo)])
-            d = blocks[:, j:j + 1] - kblk[None, :]  # [B, Sk]
-            d = jnp.where((d >= 0) & (blocks[:, j:j + 1] >= 0), d, nb)
-            slash = slash.at[:, b_ix, h_ix, d[:, None, :]].add(colsum)
-        slash = reduce_sum(slash[..., :nb])
-        return vert, slash[0] + (slash[1] >> G)
     for g in range(int(qp[0]) // bs, int(qp[-1]) // bs + 1):  # the (static) query blocks of the window
         rows = np.nonzero(qp // bs == g)[0]
         colsum = jnp.stack([x[:, :, rows[0]: rows[-1] + 1].sum(axis=2, dtype=jnp.int32) for x in (hi, lo)])
@@ -223,6 +215,42 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
         slash = slash.at[:, :, :, d].add(colsum)
     slash = reduce_sum(slash[..., :nb])
     return vert, slash[0] + (slash[1] >> G)
+
+
+def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg):
+    """:func:`_local_scores` over the per-document window (:func:`_document_window`), one window
+    block of ``bs`` rows at a time (a ``lax.scan``: the live logits stay ``[B, Hq, bs, S_local]``
+    whatever ``window_blocks``); the digit sums are accumulated as integers, so the result does not
+    depend on the chunking."""
+    bs = cfg.block_size
+    nb = seq_len // bs
+    _, G = fixed_point_bits(cfg)
+    blocks, row_ok, row_seg = _document_window(seg, k_pos, seq_len, cfg, reduce_sum)
+    B, W = blocks.shape
+    H = q.shape[2]
+    q_win = _window_queries(q, k_pos, blocks, seq_len, bs, reduce_sum)  # [B, W * bs, Hq, D]
+    per_block = lambda x: jnp.moveaxis(x.reshape((B, W, bs) + x.shape[2:]), 1, 0)  # noqa: E731
+    kblk = k_pos // bs
+    b_ix, h_ix = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+
+    def block(carry, xs):
+        v_hi, v_lo, slash = carry
+        qb, ok, rs, blk = xs  # [B, bs, Hq, D], [B, bs], [B, bs], [B]
+        pos = jnp.maximum(blk, 0)[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [B, bs]
+        causal = (k_pos[None, None, :] <= pos[:, :, None]) & ok[:, :, None] & (rs[:, :, None] == seg[:, None, :])
+        hi, lo = _row_digits(qb, k, causal[:, None], cfg, reduce_sum, reduce_max, padded=True)
+        colsum = jnp.stack([hi.sum(axis=2, dtype=jnp.int32), lo.sum(axis=2, dtype=jnp.int32)])  # [2, B, Hq, Sk]
+        d = blk[:, None] - kblk[None, :]  # [B, Sk]
+        d = jnp.where((d >= 0) & (blk[:, None] >= 0), d, nb)
+        slash = slash.at[:, b_ix, h_ix, d[:, None, :]].add(colsum)
+        return (v_hi + colsum[0], v_lo + colsum[1], slash), None
+
+    zeros = jnp.zeros((B, H, k.shape[1]), jnp.int32)
+    init = (zeros, zeros, jnp.zeros((2, B, H, nb + 1), jnp.int32))
+    (v_hi, v_lo, slash), _ = jax.lax.scan(block, init, (per_block(q_win), per_block(row_ok), per_block(row_seg),
+                                                        jnp.moveaxis(blocks, 1, 0)))
+    slash = reduce_sum(slash[..., :nb])
+    return v_hi + (v_lo >> G), slash[0] + (slash[1] >> G)
 
 
 def _window_logits(q_last, k, sm_scale):
