@@ -1,18 +1,23 @@
 """Packed documents vs one stream: work fraction and time of the sparse attention at 128K on one GPU.
 
 The same random bf16 q/k/v are run through
-:func:`mtraining_jax.attention.mtraining.mtraining_attention` twice on a 1x1
-mesh: as one stream (no ``segment_ids``) and packed as documents from a realistic length mix (many
-short documents plus a few long ones, lengths drawn from a seeded log-uniform mix). Reports per
-mode the executed work fraction (``stats_scalars``), forward and forward+backward time, and the
-block-level density of the document mask itself; one JSON line per mode to ``--out``.
+:func:`mtraining_jax.attention.mtraining.mtraining_attention` on a 1x1 mesh, per kernel impl
+(``--impls``, e.g. ``mosaic triton``): as one stream (no ``segment_ids``) and packed as documents
+from a realistic length mix (many short documents plus a few long ones, lengths drawn from a
+seeded log-uniform mix), with the index estimated from the sequence's last queries (mode
+``documents``) and from every document's own last queries (``documents_per_doc``,
+``SparsityConfig(window="per_document")``). Reports per (impl, mode) the executed work fraction (``stats_scalars``),
+forward and forward+backward time, the block-level density of the document mask itself, and the
+relative difference of the output and gradients from the first impl's (a cross-check of the
+kernels at full size); one JSON line each to ``--out``.
 
-    python benchmarks/packed_documents.py --seq 131072 --out benchmarks/packed_documents_results.jsonl
+    python benchmarks/packed_documents.py --seq 131072 --impls mosaic triton --out $OUT/packed_documents.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,6 +31,13 @@ from _timing import timeit  # noqa: E402
 
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars  # noqa: E402
 from mtraining_jax.mesh import make_mesh  # noqa: E402
+from pallas_kernels import registry  # noqa: E402
+
+
+def _rel(a, b) -> float:
+    """Relative Frobenius difference of two arrays (float32 on the device)."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def length_mix(seq: int, seed: int = 0, short=(256, 4096), long_docs: int = 2, long_share: float = 0.5):
@@ -49,7 +61,10 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--impls", nargs="+", default=["auto"], help="kernel impls to time (registry names)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--modes", nargs="+", default=["stream", "documents", "documents_per_doc"])
+    ap.add_argument("--window-blocks", type=int, default=64, help="per-document window: query blocks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -59,7 +74,7 @@ def main(argv=None):
     k = jax.random.normal(ks[1], (1, S, HK, D), jnp.bfloat16)
     v = jax.random.normal(ks[2], (1, S, HK, D), jnp.bfloat16)
     mesh = make_mesh((1, 1), jax.devices()[:1])
-    cfg = MTrainingConfig(impl=a.impl)
+    cfg = MTrainingConfig()
     lay = cfg.make_layout(S, 1)
     lens = length_mix(S, a.seed)
     seg = jnp.asarray(np.repeat(np.arange(len(lens)), lens)[None].astype(np.int32))
@@ -68,22 +83,39 @@ def main(argv=None):
     nb = S // bs
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]]) // bs
     mask_blocks = sum((e - s + 1) * (e - s + 2) / 2 for s, e in zip(starts, (np.cumsum(lens) - 1) // bs))
-    records = []
-    for mode, sg in (("stream", None), ("documents", seg)):
-        fwd = jax.jit(lambda q, k, v, sg=sg: mtraining_attention(q, k, v, mesh, cfg, segment_ids=sg,
-                                                                 return_stats=True))
-        loss = jax.jit(jax.grad(lambda q, k, v, sg=sg: mtraining_attention(q, k, v, mesh, cfg, segment_ids=sg)
-                                .astype(jnp.float32).sum(), argnums=(0, 1, 2)))
-        _, st = fwd(q, k, v)
-        t_fwd, _ = timeit(lambda: fwd(q, k, v))
-        t_bwd, _ = timeit(lambda: loss(q, k, v))
-        rec = {"mode": mode, "seq": S, "heads": H, "documents": int(len(lens)) if sg is not None else 1,
-               "work_fraction": float(stats_scalars(st.work, 1, H, S, bs)["work_fraction"]),
-               "doc_mask_block_fraction": float(mask_blocks / (nb * (nb + 1) / 2)) if sg is not None else 1.0,
-               "fwd_ms": t_fwd * 1e3, "fwd_bwd_ms": t_bwd * 1e3, "device": jax.devices()[0].device_kind,
-               "jax": jax.__version__}
-        print(json.dumps(rec))
-        records.append(rec)
+    cot = jax.random.normal(ks[3], (1, S, H, D), jnp.float32)
+    records, first = [], {}
+    for impl in a.impls:
+        icfg = dataclasses.replace(cfg, impl=impl)
+        pdcfg = dataclasses.replace(icfg, sparsity=dataclasses.replace(icfg.sparsity, window="per_document",
+                                                                       window_blocks=a.window_blocks))
+        for mode, sg, mcfg in (("stream", None, icfg), ("documents", seg, icfg), ("documents_per_doc", seg, pdcfg)):
+            if mode not in a.modes:
+                continue
+            fwd = jax.jit(lambda q, k, v, sg=sg, c=mcfg: mtraining_attention(q, k, v, mesh, c, segment_ids=sg,
+                                                                             return_stats=True))
+            grad = jax.jit(jax.grad(lambda q, k, v, sg=sg, c=mcfg: jnp.sum(
+                mtraining_attention(q, k, v, mesh, c, segment_ids=sg).astype(jnp.float32) * cot), argnums=(0, 1, 2)))
+            out, st = fwd(q, k, v)
+            grads = grad(q, k, v)
+            t_fwd, _ = timeit(lambda: fwd(q, k, v), repeat=a.repeat)
+            t_bwd, _ = timeit(lambda: grad(q, k, v), repeat=a.repeat)
+            res = (out,) + tuple(grads)
+            if mode not in first:
+                first[mode] = res
+            diff = {f"rel_diff_{n}": _rel(x, y) for n, x, y in zip(("out", "dq", "dk", "dv"), res, first[mode])}
+            rec = {"impl": impl, "mode": mode, "seq": S, "heads": H, "kv_heads": HK, "head_dim": D,
+                   "documents": int(len(lens)) if sg is not None else 1,
+                   "doc_len_min_median_max": [int(lens.min()), int(np.median(lens)), int(lens.max())]
+                   if sg is not None else [S, S, S],
+                   "work_fraction": float(stats_scalars(st.work, 1, H, S, bs)["work_fraction"]),
+                   "doc_mask_block_fraction": float(mask_blocks / (nb * (nb + 1) / 2)) if sg is not None else 1.0,
+                   "fwd_ms": t_fwd * 1e3, "fwd_bwd_ms": t_bwd * 1e3, **diff,
+                   "kernel_fwd": registry.resolve(impl, "fwd", q, bs, S, sg is not None),
+                   "kernel_bwd": registry.resolve(impl, "bwd", q, bs, S, sg is not None),
+                   "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
     if a.out:
         with open(a.out, "a") as f:
             for r in records:

@@ -1,8 +1,9 @@
 """``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (:mod:`pallas_kernels.mosaic_fwd`).
 
 Supports: compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128; block size 64;
-``Sq`` a multiple of 128 (two query blocks per CTA); no packed documents (segment ids: ``auto``
-falls through). Forward: :mod:`pallas_kernels.mosaic_fwd`.
+``Sq`` a multiple of 128 (two query blocks per CTA); packed documents (segment ids: a third
+``info`` row, checked only on masked tiles, :mod:`pallas_kernels.mosaic_index`).
+Forward: :mod:`pallas_kernels.mosaic_fwd`.
 Backward (:func:`pallas_kernels.triton_backward.pallas_bwd`'s three passes): all Mosaic
 (:mod:`pallas_kernels.mosaic_bwd`); when ``Sk`` is not a multiple of 128 (two KV blocks per CTA) the
 two dK/dV passes are Triton's. Mosaic GPU's CPU interpret mode (JAX 0.10)
@@ -23,8 +24,6 @@ def supports(problem) -> None:
     if problem.platform != "gpu" or cc is None or not str(cc).startswith("9"):
         raise NotImplementedError(f"needs a Hopper GPU (compute capability 9.x), got platform "
                                   f"{problem.platform!r} capability {cc!r}")
-    if problem.segments:
-        raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     if problem.dtype not in DTYPES:
         raise NotImplementedError(f"dtype {problem.dtype} (supported: {DTYPES})")
     if problem.head_dim not in HEAD_DIMS:
@@ -36,20 +35,16 @@ def supports(problem) -> None:
 
 
 def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None):
-    if segs is not None:
-        raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     from pallas_kernels.mosaic_fwd import mosaic_fwd  # imports Mosaic GPU only when used
 
-    return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size)
+    return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size, segs=segs)
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None):
-    if segs is not None:
-        raise NotImplementedError("packed documents (segment ids) are not built into the Mosaic kernels yet")
     from pallas_kernels import triton_backward
     from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dkv_cols, mosaic_dq
 
     dkv = (mosaic_dkv_blocks, mosaic_dkv_cols) if k.shape[1] % 128 == 0 else None
     return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
                                       dq_kernel=mosaic_dq, dkv_kernels=dkv, sm_scale=sm_scale,
-                                      block_size=block_size)
+                                      block_size=block_size, segs=segs)

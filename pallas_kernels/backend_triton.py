@@ -1,7 +1,7 @@
 """``triton`` backend: Pallas Triton kernels (:mod:`pallas_kernels.triton_kernels`,
 :mod:`pallas_kernels.triton_backward`). Any CUDA GPU; elsewhere they run in interpret mode (slow:
-tests only). Supports head_dim 32/64/128/256, block sizes 16/32/64/128, any float dtype; no packed
-documents yet (segment ids: ``auto`` falls through to ``xla``)."""
+tests only). Supports head_dim 32/64/128/256, block sizes 16/32/64/128, any float dtype and packed
+documents (segment ids: the token-level check only on tiles that straddle a boundary)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ NEEDS_INDEX = True
 def supports(problem) -> None:
     if problem.platform not in ("gpu", "cpu"):
         raise NotImplementedError(f"Pallas Triton runs on CUDA GPUs (or interpreted on CPU), not {problem.platform}")
-    if problem.segments:
-        raise NotImplementedError("packed documents (segment ids) are not built into the Triton kernels yet")
 
 
 def _interpret() -> bool:
@@ -25,12 +23,10 @@ def _interpret() -> bool:
 
 
 def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None):
-    assert segs is None, "supports() refuses segment ids"
     return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size,
-                                     interpret=_interpret())
+                                     interpret=_interpret(), segs=segs)
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None):
-    assert segs is None, "supports() refuses segment ids"
     return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
-                                      sm_scale=sm_scale, block_size=block_size, interpret=_interpret())
+                                      sm_scale=sm_scale, block_size=block_size, interpret=_interpret(), segs=segs)

@@ -24,6 +24,11 @@ of :func:`pallas_kernels.mosaic_index.prepare`: CTA ``(p, h, (b, r))`` owns colu
 (:func:`pallas_kernels.mosaic_index.column_ranges`); each range writes its own per-slot buffer, and
 XLA sums the ranges and scatters the slots into the KV heads — deterministic, no atomics. The two
 dK/dV passes split the pairs as the forward does (a listed prefix column is the column pass's).
+
+Packed documents (``segs = (q_seg, k_seg)``, index narrowed by ``apply_segments``): as in the
+forward, masked tiles add ``k_seg == q_seg`` (the keys' segment row of ``info`` / the KV rows'
+resident segment ids, the query rows' ids loaded per consumer or with the tile's ``qinfo``); free
+tiles lie inside one document and stay mask-free.
 """
 
 from __future__ import annotations
@@ -38,14 +43,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_fwd import (LOG2E, _NEG_INF, _col_layout, _load, _producer_loop, _query_pair_ids,
-                                       _row_layout, _row_walk, _tile_transforms, _transposed)
+                                       _row_layout, _row_walk, _segment_ok, _tile_transforms, _transposed)
 from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
 
 
 def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
             kinfo_ref, cinfo_ref, *refs, accumulate: bool, stages: int, g: int, bs: int, qk_scale: float,
-            scale: float, npairs: int):
+            scale: float, npairs: int, segs: bool = False):
     *ins, dq_ref, smems, bars = refs
+    qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     dqacc_ref = ins[0] if accumulate else None
     q_smem, do_smem, k_smem, v_smem, info_smem, qpos_smem, lse_smem, delta_smem = smems
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free = bars
@@ -64,7 +70,9 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
         plgpu.copy_gmem_to_smem(qpos_ref.at[rows], qpos_smem.at[w], row_bar.at[w])
         plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[w], row_bar.at[2 + w])
         plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[w], row_bar.at[4 + w])
-        for j in range(3):
+        if segs:
+            plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qpos_smem.at[2 + w], row_bar.at[6 + w])
+        for j in range(3 + segs):
             plgpu.barrier_wait(row_bar.at[2 * j + w])
         plgpu.barrier_wait(q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[2 + w])
@@ -93,7 +101,10 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
                 if masked:
                     pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
                     aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
-                    sm = jnp.where((pos <= qpos_b) & (aux >= thr), sm, _NEG_INF)
+                    ok = (pos <= qpos_b) & (aux >= thr)
+                    if segs:
+                        ok = ok & _segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs)
+                    sm = jnp.where(ok, sm, _NEG_INF)
                 return acc_ref[...], jnp.exp2(sm - lse2_b)
 
             dp, p = pl.run_scoped(dov, plgpu.ACC((bs, bs), jnp.float32))
@@ -129,33 +140,37 @@ _STATIC = ("sm_scale", "block_size", "stages")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
-              block_size: int = 64, stages: int = 2):
+              block_size: int = 64, stages: int = 2, segs=None):
     """``dq f32 [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given.
-    ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``."""
+    ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed
+    documents (module docstring)."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops = prepare(index, k, v, k_pos, bs, q_pos)
+    ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
     accumulate = dq_acc is not None
+    sg = segs is not None
     kernel = functools.partial(_kernel, accumulate=accumulate, stages=stages, g=H // k.shape[2], bs=bs,
-                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2)
+                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2, segs=sg)
     tr = _tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
          plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
          plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
          plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2 * stages, 2, bs), jnp.int32),
-         plgpu.SMEM((2, bs), jnp.int32),
+         plgpu.SMEM((2 * stages, 2 + sg, bs), jnp.int32),
+         plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
          plgpu.SMEM((2, bs), jnp.float32),
          plgpu.SMEM((2, bs), jnp.float32)),
-        (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6),
+        (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg),
          plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages)),
     ]
     args = [ops.counts, ops.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype), lse.astype(jnp.float32),
             delta.astype(jnp.float32), k, v, ops.kc, ops.vc, ops.k_info, ops.c_info]
+    if sg:
+        args.append(segs[0].astype(jnp.int32))
     if accumulate:
         args.append(dq_acc.astype(jnp.float32))
     return plgpu.kernel(
@@ -173,12 +188,14 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
 
 
 def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
-                  qk_scale: float, scale: float, dtype):
+                  qk_scale: float, scale: float, dtype, kseg_smem=None):
     """One consumer warpgroup's KV-stationary walk (both dK/dV passes): K, V of its 64 rows
     resident in ``kres/vres[w]``; tile ``t`` in slot ``w * stages + t % stages``; tiles before
     ``n_free`` unmasked, the rest masked by ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]`` with the
-    KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``). Returns the
-    float32 ``(dk * scale, dv)`` of the rows in the wgmma layout."""
+    KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``). Packed
+    documents: ``kseg_smem [bs]`` holds the KV rows' segment ids, the tile's ``qinfo`` row 2 the
+    queries'; masked pairs must match. Returns the float32 ``(dk * scale, dv)`` of the rows in the
+    wgmma layout."""
     q_smem, do_smem, r_smem, qi_smem, ka_smem = smems
     q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
 
@@ -206,7 +223,11 @@ def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, 
                 thr = lax.broadcast_in_dim(_load(qi_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
                 aux = kaux_b if kaux_b is not None else lax.broadcast_in_dim(
                     _load(ka_smem.at[slot], _row_layout()), (bs, bs), [0])
-                sm = jnp.where((kpos_b <= qpos) & (aux >= thr), sm, _NEG_INF)
+                ok = (kpos_b <= qpos) & (aux >= thr)
+                if kseg_smem is not None:
+                    qseg = lax.broadcast_in_dim(_load(qi_smem.at[slot, 2], _col_layout()), (bs, bs), [1])
+                    ok = ok & (lax.broadcast_in_dim(_load(kseg_smem, _row_layout()), (bs, bs), [0]) == qseg)
+                sm = jnp.where(ok, sm, _NEG_INF)
             lse2 = lax.broadcast_in_dim(_load(r_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
             return acc_ref[...], jnp.exp2(sm - lse2)
 
@@ -275,8 +296,9 @@ def _resident(w, copies, bars):
 
 
 def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, k_ref, v_ref,
-                       dk_ref, dv_ref, smems, bars, *, stages: int, g: int, bs: int, nqb: int, qk_scale: float,
-                       scale: float):
+                       *refs, stages: int, g: int, bs: int, nqb: int, qk_scale: float, scale: float,
+                       segs: bool = False):
+    kseg_ref, (dk_ref, dv_ref, smems, bars) = (refs[0], refs[1:]) if segs else (None, refs)
     kres, vres, kp_smem, *tile_smems = smems
     kv_bar, *tile_bars = bars
     b = lax.axis_index("b")
@@ -294,11 +316,15 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
         w = wg
         j, n_free, n_all = walk(w)
         rows = pl.ds(j * bs, bs)
-        _resident(w, [(k_ref.at[b, rows, hk], kres.at[w]), (v_ref.at[b, rows, hk], vres.at[w]),
-                      (kpos_ref.at[rows], kp_smem.at[w])], kv_bar)
+        copies = [(k_ref.at[b, rows, hk], kres.at[w]), (v_ref.at[b, rows, hk], vres.at[w]),
+                  (kpos_ref.at[rows], kp_smem.at[w])]
+        if segs:
+            copies.append((kseg_ref.at[b, rows], kp_smem.at[2 + w]))
+        _resident(w, copies, kv_bar)
         kpos_b = lax.broadcast_in_dim(_load(kp_smem.at[w], _row_layout()), (bs, bs), [0])
         dk, dv = _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, None, tile_smems, tile_bars, stages=stages,
-                               bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype)
+                               bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
+                               kseg_smem=kp_smem.at[2 + w] if segs else None)
         dk_ref[b, rows, hk] = dk
         dv_ref[b, rows, hk] = dv
 
@@ -319,7 +345,7 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
 
 def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref,
                      smems, bars, *, stages: int, bs: int, nqb: int, nranges: int, range_blocks: int,
-                     qk_scale: float, scale: float):
+                     qk_scale: float, scale: float, segs: bool = False):
     kres, vres, ci_smem, *tile_smems = smems
     kv_bar, *tile_bars = bars
     br = lax.axis_index("br")
@@ -346,7 +372,8 @@ def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, 
         kpos_b = lax.broadcast_in_dim(_load(ci_smem.at[w, 0], _row_layout()), (bs, bs), [0])
         kaux_b = lax.broadcast_in_dim(_load(ci_smem.at[w, 1], _row_layout()), (bs, bs), [0])
         dk, dv = _dkv_consumer(w, jnp.int32(0), n, kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,
-                               stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype)
+                               stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
+                               kseg_smem=ci_smem.at[w, 2] if segs else None)
         dk_ref[r, b, h, rows] = dk
         dv_ref[r, b, h, rows] = dv
 
@@ -361,10 +388,11 @@ def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, 
         _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, None, tile_smems, tile_bars)
 
 
-def _row_infos(q_pos, lse, delta, thr, bs: int):
+def _row_infos(q_pos, lse, delta, thr, bs: int, q_seg=None):
     """Per (batch, query head, query block) tile operands of the dK/dV passes: ``rinfo f32
     [B, H, nQB, 2, bs]`` = (log2-domain lse, 0 where the row is empty; delta) and ``qinfo int32
-    [B, H, nQB, 2, bs]`` = (query positions; the tile's threshold ``thr [B, H, nQB]``)."""
+    [B, H, nQB, 2, bs]`` = (query positions; the tile's threshold ``thr [B, H, nQB]``), with the
+    queries' segment ids ``q_seg [B, Sq]`` as a third row when given (``[B, H, nQB, 3, bs]``)."""
     B, H, sq = lse.shape
     nqb = sq // bs
     lse = lse.astype(jnp.float32)
@@ -372,18 +400,23 @@ def _row_infos(q_pos, lse, delta, thr, bs: int):
     rinfo = jnp.stack([lse2.reshape(B, H, nqb, bs), delta.astype(jnp.float32).reshape(B, H, nqb, bs)], axis=3)
     qpos = jnp.broadcast_to(q_pos.astype(jnp.int32).reshape(1, 1, nqb, bs), (B, H, nqb, bs))
     thr = jnp.broadcast_to(thr.astype(jnp.int32)[..., None], (B, H, nqb, bs))
-    return rinfo, jnp.stack([qpos, thr], axis=3)
+    rows = [qpos, thr]
+    if q_seg is not None:
+        rows.append(jnp.broadcast_to(q_seg.astype(jnp.int32).reshape(B, 1, nqb, bs), (B, H, nqb, bs)))
+    return rinfo, jnp.stack(rows, axis=3)
 
 
-def _dkv_scratch(dtype, bs: int, d: int, stages: int, kv_info):
+def _dkv_scratch(dtype, bs: int, d: int, stages: int, kv_info, segs: bool = False, resident: int = 3):
     """Shared memory of both dK/dV passes: resident K/V of the two consumers, their KV rows' info
-    ``kv_info``, and ``stages`` slots per consumer of the per-tile operands; barriers likewise."""
+    ``kv_info``, and ``stages`` slots per consumer of the per-tile operands (``qinfo`` with the
+    segment row when ``segs``); barriers likewise (two per ``resident`` copy, :func:`_resident`)."""
     tr = _tile_transforms(dtype)
     nb = 2 * stages
     smem = (plgpu.SMEM((2, bs, d), dtype, transforms=tr), plgpu.SMEM((2, bs, d), dtype, transforms=tr), kv_info,
             plgpu.SMEM((nb, bs, d), dtype, transforms=tr), plgpu.SMEM((nb, bs, d), dtype, transforms=tr),
-            plgpu.SMEM((nb, 2, bs), jnp.float32), plgpu.SMEM((nb, 2, bs), jnp.int32), plgpu.SMEM((nb, bs), jnp.int32))
-    bars = (plgpu.Barrier(num_barriers=6),) + tuple(plgpu.Barrier(num_barriers=nb) for _ in range(7))
+            plgpu.SMEM((nb, 2, bs), jnp.float32), plgpu.SMEM((nb, 2 + segs, bs), jnp.int32),
+            plgpu.SMEM((nb, bs), jnp.int32))
+    bars = (plgpu.Barrier(num_barriers=2 * resident),) + tuple(plgpu.Barrier(num_barriers=nb) for _ in range(7))
     return [smem, bars]
 
 
@@ -395,28 +428,30 @@ def _launch(kernel, out_type, scratch, grid, grid_names, *args):
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
-                      block_size: int = 64, stages: int = 2):
+                      block_size: int = 64, stages: int = 2, segs=None):
     """Backward block pass: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks' pairs (causal,
     minus the listed columns of each row's prefix: :func:`mosaic_dkv_cols` has those), summed over
     each KV head's group of query heads. ``Sk`` a multiple of 128; ``do`` in q's dtype (cast here),
-    ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``."""
+    ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed documents (module docstring)."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
+    sg = segs is not None
     sched, counts = kv_schedule(index, sk, hkv, bs)
-    rinfo, qinfo = _row_infos(q_pos, lse, delta, index.col_count, bs)
+    rinfo, qinfo = _row_infos(q_pos, lse, delta, index.col_count, bs, segs[0] if sg else None)
     kernel = functools.partial(_dkv_blocks_kernel, stages=stages, g=H // hkv, bs=bs, nqb=sq // bs,
-                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale))
+                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), segs=sg)
     out = jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)
-    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, bs), jnp.int32))
-    return tuple(_launch(kernel, [out, out], scratch, (sk // bs // 2, hkv, B), ("p", "h", "b"),
-                         counts, sched, k_pos.astype(jnp.int32), column_slots(index, sk), q, do.astype(q.dtype),
-                         rinfo, qinfo, k, v))
+    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2 + 2 * sg, bs), jnp.int32), sg, resident=3 + sg)
+    args = [counts, sched, k_pos.astype(jnp.int32), column_slots(index, sk), q, do.astype(q.dtype), rinfo, qinfo, k, v]
+    if sg:
+        args.append(segs[1].astype(jnp.int32))
+    return tuple(_launch(kernel, [out, out], scratch, (sk // bs // 2, hkv, B), ("p", "h", "b"), *args))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks",))
 def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
-                    block_size: int = 64, stages: int = 2, range_blocks: int = 512):
+                    block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None):
     """Backward column pass: adds the listed columns' dK/dV (every row's prefix columns, causal)
     into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
     chunk, summed in XLA, then one scatter-add by list slot
@@ -426,15 +461,17 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     B, sq, H, d = q.shape
     sk = k.shape[1]
     bs = block_size
-    ops = prepare(index, k, v, k_pos, bs)
+    sg = segs is not None
+    ops = prepare(index, k, v, k_pos, bs, segs=segs)
     mcp = ops.kc.shape[2]
     nch = mcp // bs
     first, nranges = column_ranges(index.col_count, nch, bs, range_blocks)
-    rinfo, qinfo = _row_infos(q_pos, lse, delta, 1 - index.col_count, bs)
+    rinfo, qinfo = _row_infos(q_pos, lse, delta, 1 - index.col_count, bs, segs[0] if sg else None)
     kernel = functools.partial(_dkv_cols_kernel, stages=stages, bs=bs, nqb=sq // bs, nranges=nranges,
-                               range_blocks=range_blocks, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale))
+                               range_blocks=range_blocks, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale),
+                               segs=sg)
     out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
-    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2, bs), jnp.int32))
+    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg)
     dkc, dvc = _launch(kernel, [out, out], scratch, (nch // 2, H, B * nranges), ("p", "h", "br"),
                        first, ops.c_info, q, do.astype(q.dtype), rinfo, qinfo, ops.kc, ops.vc)
     cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - index.max_cols)])

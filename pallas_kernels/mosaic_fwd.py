@@ -20,6 +20,10 @@ Structure (FlashAttention-3 style, one CTA = 3 warpgroups):
   read from the index at run time, into a ``stages``-deep ring of shared-memory slots per consumer,
   and waits on the consumer's "slot free" barriers before reusing a slot.
 
+Packed documents (``segs``, index narrowed by ``apply_segments``): ``info`` tiles carry the keys'
+segment ids as a third row and each consumer TMA-loads its 64 queries' segment ids; masked tiles
+add ``seg == q_seg`` to their mask, free tiles (inside one document) stay mask-free.
+
 ``out`` (float32) is written from registers straight to global memory (each quad of threads
 stores 32 contiguous bytes), ``lse`` through shared memory and TMA.
 Supported: bf16 / f16 inputs, head_dim 64 or 128, block size 64, ``Sq`` a multiple of 128,
@@ -128,9 +132,18 @@ def _row_walk(cnt_ref, b, h, pair, bs: int):
     return walk
 
 
+def _segment_ok(info_smem, slot, qseg_smem, bs: int):
+    """``bool [64, bs]`` of a masked tile with packed documents: the tile's keys (segment row 2 of
+    its ``info``) lie in the document of the consumer's query rows (``qseg_smem [bs]``)."""
+    kseg = lax.broadcast_in_dim(_load(info_smem.at[slot, 2], _col_layout()), (bs, bs), [1])
+    qseg = lax.broadcast_in_dim(_load(qseg_smem, _row_layout()), (bs, bs), [0])
+    return kseg == qseg
+
+
 def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref, *refs,
-            merge: bool, stages: int, g: int, bs: int, qk_scale: float, npairs: int):
+            merge: bool, stages: int, g: int, bs: int, qk_scale: float, npairs: int, segs: bool = False):
     *ins, out_ref, lse_ref, smems, bars = refs
+    qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     oprev_ref, lprev_ref = ins if merge else (None, None)
     q_smem, k_smem, v_smem, info_smem, row_smem, lse_smem = smems
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free, sched_bar = bars
@@ -148,8 +161,12 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
         plgpu.copy_gmem_to_smem(qpos_ref.at[rows], row_smem.at[w], row_bar.at[w])
         if merge:
             plgpu.copy_gmem_to_smem(lprev_ref.at[b, h, rows], lse_smem.at[w], row_bar.at[2 + w])
+        if segs:
+            plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], row_smem.at[2 + w], row_bar.at[4 + w])
         plgpu.barrier_wait(q_bar.at[w])
         plgpu.barrier_wait(row_bar.at[w])
+        if segs:
+            plgpu.barrier_wait(row_bar.at[4 + w])
         qpos = _load(row_smem.at[w], _row_layout())
         qpos_b = lax.broadcast_in_dim(qpos, (bs, bs), [0])
         d = q_smem.shape[-1]
@@ -176,7 +193,10 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
             if masked:
                 pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
                 aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
-                s = jnp.where((pos <= qpos_b) & (aux >= thr), s, _NEG_INF)
+                ok = (pos <= qpos_b) & (aux >= thr)
+                if segs:
+                    ok = ok & _segment_ok(info_smem, slot, row_smem.at[2 + w], bs)
+                s = jnp.where(ok, s, _NEG_INF)
             plgpu.barrier_arrive(k_free.at[slot])
             p, alpha, m, l = _online_softmax((m, l), s, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -276,31 +296,35 @@ _STATIC = ("sm_scale", "block_size", "stages")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
-               stages: int = 2):
+               stages: int = 2, segs=None):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
-    lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given."""
+    lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given. ``segs = (q_seg
+    [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops: MosaicOperands = prepare(index, k, v, k_pos, bs, q_pos)
+    ops: MosaicOperands = prepare(index, k, v, k_pos, bs, q_pos, segs)
     merge = acc is not None
+    sg = segs is not None
     kernel = functools.partial(_kernel, merge=merge, stages=stages, g=H // k.shape[2], bs=bs,
-                               qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2)
+                               qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg)
     tr = _tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
          plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
          plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2 * stages, 2, bs), jnp.int32),
-         plgpu.SMEM((2, bs), jnp.int32),
+         plgpu.SMEM((2 * stages, 2 + sg, bs), jnp.int32),
+         plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
          plgpu.SMEM((2, bs), jnp.float32)),
-        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4),
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4 + 2 * sg),
          plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
          plgpu.Barrier(num_arrivals=2)),
     ]
     args = [ops.counts, ops.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc, ops.k_info, ops.c_info]
+    if sg:
+        args.append(segs[0].astype(jnp.int32))
     if merge:
         args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
     out, lse = plgpu.kernel(

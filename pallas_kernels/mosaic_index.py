@@ -31,6 +31,12 @@ The dK/dV passes split the pairs the same way (a listed prefix column is the col
   query blocks of a range whose prefix can reach it, with the column tiles' rule; its per-slot
   dK/dV (one buffer per range: no atomics) are summed and scattered into the KV heads.
 
+Packed documents (``segs = (q_seg [B, Sq], k_seg [B, Sk])``, the index narrowed by
+:func:`~pallas_kernels.index_format.apply_segments`): ``info`` gets a third row, the keys' segment
+ids, and the masked-tile rule adds ``seg[t] == q_seg[row]``. Free tiles need no change: a block
+tile is free only inside one document (``apply_segments`` flags the others), and a column tile is
+counted free only when its columns and the query block are all in one document.
+
 Costs per ring step: one ``[B, H, Sk]`` scatter-min (the slots), the column gathers
 ``2 * B * H * MCp * D`` elements and ``info`` arrays of ``8 * B * H * (Sk + MCp)`` bytes — linear in
 the chunk, never ``nQB x MC``.
@@ -54,10 +60,10 @@ class MosaicOperands(NamedTuple):
 
     counts: jax.Array  # int32 [B, H, nQB, 4]: (n_free, n_blocks, col_count, n_free_col_tiles) per row
     block_idx: jax.Array  # int32 [B, H, nQB, MB]: active KV blocks, free ones first, padding in range
-    k_info: jax.Array  # int32 [B, H, nKB, 2, bs]: (k_pos, column slot) per key of each KV block
+    k_info: jax.Array  # int32 [B, H, nKB, 2, bs]: (k_pos, column slot) per key of each KV block (+ k_seg)
     kc: jax.Array  # [B, H, MCp, D]: K rows of the head's column list (zeros in padding)
     vc: jax.Array  # [B, H, MCp, D]: V rows likewise
-    c_info: jax.Array  # int32 [B, H, MCp // bs, 2, bs]: (column position, -slot) per column tile
+    c_info: jax.Array  # int32 [B, H, MCp // bs, 2, bs]: (column position, -slot) per column tile (+ k_seg)
 
 
 def _partition(first, second):
@@ -82,11 +88,14 @@ def column_slots(index: StepIndex, sk: int):
     return jnp.full((B, H, sk), UNLISTED, jnp.int32).at[b, h, ids].min(slots)
 
 
-def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None) -> MosaicOperands:
+def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=None) -> MosaicOperands:
     """Build :class:`MosaicOperands` for ``k, v [B, Sk, Hkv, D]`` and query heads ``H`` of ``index``.
     With ``q_pos [Sq]``, each row's leading column tiles that need no mask (every column inside the
     row's prefix and causal for every query of the block) are counted (``counts[..., 3]``) so the
-    kernels skip their mask; without, that count is 0."""
+    kernels skip their mask; without, that count is 0. With ``segs = (q_seg [B, Sq], k_seg
+    [B, Sk])`` (packed documents, ``index`` narrowed by ``apply_segments``), ``k_info`` and
+    ``c_info`` are ``[..., 3, bs]`` with the keys' segment ids as third row (-1 on padding columns)
+    and a free column tile must also lie, with the query block, inside one document."""
     bs = block_size
     B, H, nqb, mb = index.block_idx.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -107,7 +116,11 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None) -> Mosai
     counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1)
 
     kpos_t = jnp.broadcast_to(k_pos.astype(jnp.int32).reshape(1, 1, nkb, bs), (B, H, nkb, bs))
-    k_info = jnp.stack([kpos_t, slot.reshape(B, H, nkb, bs)], axis=3)
+    info_rows = [kpos_t, slot.reshape(B, H, nkb, bs)]
+    if segs is not None:
+        kseg = segs[1].astype(jnp.int32)
+        info_rows.append(jnp.broadcast_to(kseg.reshape(B, 1, nkb, bs), (B, H, nkb, bs)))
+    k_info = jnp.stack(info_rows, axis=3)
 
     mcp = -(-max(mc, 1) // (2 * bs)) * 2 * bs  # pairs of column tiles (the column dK/dV pass's CTAs)
     cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - mc)])
@@ -118,8 +131,12 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None) -> Mosai
     kc = jnp.where(real[None, None, :, None], k[b_ix, cidx, hk_ix], 0).astype(k.dtype)
     vc = jnp.where(real[None, None, :, None], v[b_ix, cidx, hk_ix], 0).astype(v.dtype)
     cpos = jnp.where(real, k_pos.astype(jnp.int32)[cidx], POS_PAD)
-    c_info = jnp.stack([cpos.reshape(B, H, mcp // bs, bs),
-                        jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))], axis=3)
+    c_rows = [cpos.reshape(B, H, mcp // bs, bs),
+              jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))]
+    if segs is not None:
+        cseg = jnp.where(real, kseg[b_ix, cidx], -1)  # [B, H, MCp]
+        c_rows.append(cseg.reshape(B, H, mcp // bs, bs))
+    c_info = jnp.stack(c_rows, axis=3)
     n_cfree = jnp.zeros_like(n_free)
     if q_pos is not None:
         nct = mcp // bs
@@ -127,6 +144,11 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None) -> Mosai
         q_min = q_pos.astype(jnp.int32).reshape(nqb, bs).min(-1)
         whole = (jnp.arange(1, nct + 1, dtype=jnp.int32) * bs) <= index.col_count[..., None]  # [B,H,nQB,nCT]
         free_c = whole & (tile_max[:, :, None, :] <= q_min[None, None, :, None])
+        if segs is not None:  # and one document: the tile's columns and the query block
+            ct = cseg.reshape(B, H, nct, bs)
+            qs = segs[0].astype(jnp.int32).reshape(B, nqb, bs)
+            one = (qs.min(-1) == qs.max(-1))[:, None, :, None] & (ct.min(-1) == ct.max(-1))[:, :, None, :]
+            free_c = free_c & one & (ct.min(-1)[:, :, None, :] == qs.min(-1)[:, None, :, None])
         n_cfree = jnp.cumprod(free_c.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
     counts = jnp.concatenate([counts, n_cfree[..., None]], axis=-1)
     return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info.astype(jnp.int32))
@@ -175,11 +197,13 @@ def column_ranges(col_count, nchunks: int, bs: int, range_blocks: int):
 
 
 def emulate_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
-                       block_size: int):
+                       block_size: int, segs=None):
     """The dK/dV block pass's walk over :func:`kv_schedule` in plain ``jax.numpy`` (float32): for
     every listed tile, ``dV += P^T dO`` and ``dK += scale * dS^T Q``; masked tiles keep the causal
     pairs whose key is not a listed column of the row's prefix. Returns ``(dk, dv) f32
-    [B, Sk, Hkv, D]`` (for testing the schedule on any machine)."""
+    [B, Sk, Hkv, D]`` (for testing the schedule on any machine). ``segs = (q_seg, k_seg)``: packed
+    documents (``index`` narrowed by ``apply_segments``), masked tiles also keep same-document pairs
+    only."""
     bs = block_size
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -205,6 +229,10 @@ def emulate_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, 
     kpos_t = k_pos.reshape(nkb, bs)[None, None, :, None, :, None]  # [.., kv, q]
     s = jnp.einsum("bhnkd,bhnlqd->bhnlkq", kt, qt) * sm_scale
     keep = (kpos_t <= qpos_t[..., None, :]) & (slot_t[..., :, None] >= thr_t)
+    if segs is not None:
+        qseg_t = segs[0].astype(jnp.int32).reshape(B, nqb, bs)[b_ix, qb]  # [B, Hkv, nKB, L, bs]
+        kseg_t = segs[1].astype(jnp.int32).reshape(B, 1, nkb, 1, bs)
+        keep = keep & (kseg_t[..., :, None] == qseg_t[..., None, :])
     ok = used[..., None, None] & (~masked[..., None, None] | keep)
     lse_safe = jnp.where(jnp.isfinite(lse_t), lse_t, 0.0)[..., None, :]
     p = jnp.where(ok, jnp.exp(s - lse_safe), 0.0)
@@ -216,10 +244,11 @@ def emulate_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, 
     return back(dk), back(dv)
 
 
-def emulate_fwd(q, ops: MosaicOperands, k, v, q_pos, *, sm_scale: float, block_size: int):
+def emulate_fwd(q, ops: MosaicOperands, k, v, q_pos, *, sm_scale: float, block_size: int, q_seg=None):
     """The Mosaic forward's tile walk in plain ``jax.numpy`` (float32, exact softmax): what the
     kernel computes from :class:`MosaicOperands`, for testing :func:`prepare` on any machine.
-    Returns ``(out f32 [B, Sq, H, D], lse f32 [B, H, Sq])``."""
+    ``q_seg [B, Sq]``: packed documents (operands prepared with ``segs``; masked tiles also check
+    the keys' segment row of ``info``). Returns ``(out f32 [B, Sq, H, D], lse f32 [B, H, Sq])``."""
     bs = block_size
     B, sq, H, d = q.shape
     g = H // k.shape[2]
@@ -241,6 +270,9 @@ def emulate_fwd(q, ops: MosaicOperands, k, v, q_pos, *, sm_scale: float, block_s
     causal_b = info_b[:, :, :, None, :, 0, :] <= qpos  # [B,H,nQB,bs,MB,bs]
     aux_ok_b = info_b[:, :, :, None, :, 1, :] >= ncol[..., None, None, None]
     masked_b = (j >= n_free[..., None])[:, :, :, None, :, None]
+    if q_seg is not None:  # [B, 1, nQB, bs, 1, 1] vs the keys' segment row
+        qs = q_seg.astype(jnp.int32).reshape(B, 1, nqb, bs, 1, 1)
+        aux_ok_b = aux_ok_b & (info_b[:, :, :, None, :, 2, :] == qs)
     ok_b = (j < n_blk[..., None])[:, :, :, None, :, None] & (~masked_b | (causal_b & aux_ok_b))
     s_b = jnp.einsum("bnqhd,bhnjkd->bhnqjk", qb, kt) * sm_scale
     s_b = jnp.where(ok_b, s_b, -jnp.inf).reshape(B, H, nqb, bs, mb * bs)
@@ -252,7 +284,11 @@ def emulate_fwd(q, ops: MosaicOperands, k, v, q_pos, *, sm_scale: float, block_s
     in_walk = (c < ntile[..., None])[:, :, :, None, :, None]  # [B,H,nQB,1,nCT,1]
     cpos = ops.c_info[:, :, None, None, :, 0, :]  # [B,H,1,1,nCT,bs]
     caux = ops.c_info[:, :, None, None, :, 1, :]
-    ok_c = in_walk & (cpos <= qpos[..., 0, :][..., None]) & (caux >= (1 - ncol)[..., None, None, None])
+    ok_c = (cpos <= qpos[..., 0, :][..., None]) & (caux >= (1 - ncol)[..., None, None, None])
+    if q_seg is not None:
+        ok_c = ok_c & (ops.c_info[:, :, None, None, :, 2, :] == qs[..., 0, :][..., None])
+    free_c = (c >= 0) & (c < ops.counts[..., 3][..., None])  # the walk's mask-free column tiles
+    ok_c = in_walk & (free_c[:, :, :, None, :, None] | ok_c)
     s_c = jnp.einsum("bnqhd,bhckd->bhnqck", qb, kct) * sm_scale
     s_c = jnp.where(ok_c, s_c, -jnp.inf).reshape(B, H, nqb, bs, nct * bs)
     s = jnp.concatenate([s_b, s_c], axis=-1)

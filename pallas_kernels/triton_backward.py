@@ -17,6 +17,11 @@ blocks whose prefix reaches the chunk and writes the chunk's dK/dV into a compac
 ``[B, Hq, MC, D]`` buffer indexed by list slot (atomic adds only between the ranges of a chunk),
 which one XLA scatter-add then adds into the KV heads' dK/dV (:func:`add_column_grads`).
 
+Packed documents (``segs = (q_seg [B, Sq], k_seg [B, Sk])``, the index narrowed by
+:func:`~pallas_kernels.index_format.apply_segments`): free tiles lie inside one document and stay
+mask-free in every pass; masked tiles (causal or straddling a boundary) and column tiles add the
+token-level ``k_seg == q_seg`` check, as in the forward.
+
 The same source runs on the GPU and in interpret mode on CPU (tests); only the atomic add has an
 interpret-mode twin (:func:`_add_slots`).
 """
@@ -35,21 +40,26 @@ from pallas_kernels.index_format import StepIndex
 from pallas_kernels.triton_kernels import (
     _STATIC,
     LOG2E,
+    _add_seg_operands,
     _col_rows,
     _for_blocks,
     _outside_blocks,
+    _pair_ok,
     _pow2,
     _query_specs,
+    _split_seg_refs,
     prepare_index,
 )
 
 
 def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-               delta_ref, *refs, qk_scale, scale, bs, cc, accumulate: bool):
+               delta_ref, *refs, qk_scale, scale, bs, cc, accumulate: bool, segs: bool = False):
+    seg_refs, refs = _split_seg_refs(refs, segs)
     dq_prev_ref, dq_ref = refs if accumulate else (None, refs[0])  # aliased: read before writing
     q = q_ref[...]
     do = do_ref[...]
     qp = qpos_ref[...]
+    seg = None if seg_refs is None else (seg_refs[1], seg_refs[0][...])
     lse = lse_ref[...]
     lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
     delta = delta_ref[...]
@@ -64,7 +74,7 @@ def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_
         return dq + dot(ds.astype(k.dtype), k)
 
     def masked(rows, dq, valid=None):
-        ok = kpos_ref[rows][None, :] <= qp[:, None]
+        ok = _pair_ok(kpos_ref, rows, qp, seg)
         return tile(rows, dq, ok if valid is None else ok & valid[None, :])
 
     n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
@@ -154,13 +164,14 @@ def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
 
 
 def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref, ncol_ref, q_ref, k_ref, v_ref,
-                    do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, nqb, splits, interpret):
+                    do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, nqb, splits, interpret, segs=False):
     """One program per (query head and batch, chunk ``c`` of ``bs`` slots of the head's column
     list, range ``r`` of at most ``ceil(nQB / splits)`` query blocks): gather the chunk's K/V rows
     once, walk the range's query blocks whose prefix reaches the chunk (from ``first_ref[c]`` on)
     from the LAST one down, and store (one range) or atomically add (several) the chunk's dK/dV
     into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
     query rows at the same time (they share them in L2); ranges go heaviest (last) first."""
+    seg_refs, refs = _split_seg_refs(refs, segs)
     dk_ref, dv_ref = refs[-2:]  # with several ranges, refs[:2] are the zero buffers aliased to them
     c = pl.program_id(1)
     rows_per = -(-nqb // splits)
@@ -169,6 +180,7 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref,
     lane = jnp.arange(bs, dtype=jnp.int32)
     ids = cidx_ref[pl.ds(off, bs)]
     k, v, kp = k_ref[ids, :], v_ref[ids, :], kpos_ref[ids]
+    ks = None if seg_refs is None else seg_refs[1][ids]
     lo = jnp.maximum(first_ref[c], r * rows_per)
     hi = jnp.minimum(nqb, (r + 1) * rows_per)
     mbp = bidx_ref.shape[0] // nqb
@@ -183,6 +195,8 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref,
             rows = pl.ds(pl.multiple_of(i * bs, bs), bs)
             q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
             ok = keep[:, None] & (kp[:, None] <= qp[None, :])
+            if ks is not None:
+                ok = ok & (ks[:, None] == seg_refs[0][rows][None, :])
             return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
 
         return lax.cond(off < n_col, tile, lambda carry: carry, carry)
@@ -223,7 +237,8 @@ def column_first_rows(col_count, nchunks: int, bs: int):
     return jnp.where(reach.any(-1), jnp.argmax(reach, axis=-1), nqb).astype(jnp.int32)
 
 
-def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, params, interpret, col_splits=None):
+def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, params, interpret, col_splits=None,
+             segs=None):
     """Pass 3 kernel: the vertical columns' ``(dk, dv) f32 [B, Hq, MCp, D]`` by slot of the head's
     column list, and that list ``col_idx int32 [B, Hq, MCp]`` (local key ids, padding -> 0 with
     exactly zero gradient)."""
@@ -245,18 +260,21 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
     in_specs = [pl.BlockSpec((sq,), lambda i, c, r: (0,)), pl.BlockSpec((sk,), lambda i, c, r: (0,)),
                 per_head(mcp), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb),
                 full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq)]
+    _add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda i, c, r: (i // H, 0)),
+                                                 kseg=pl.BlockSpec((None, sk), lambda i, c, r: (i // H, 0))))
+    n_in = len(args)
     if splits > 1:  # ranges add into zero-initialised slots
         zeros = jnp.zeros((B, H, mcp, d), jnp.float32)
         args += [zeros, zeros]
         in_specs += [slots, slots]
     dkc, dvc = pl.pallas_call(
         functools.partial(_dkv_col_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, nqb=nqb,
-                          splits=splits, interpret=interpret),
+                          splits=splits, interpret=interpret, segs=segs is not None),
         grid=(B * H, nch, splits),
         in_specs=in_specs,
         out_specs=[slots, slots],
         out_shape=[jax.ShapeDtypeStruct((B, H, mcp, d), jnp.float32)] * 2,
-        input_output_aliases={13: 0, 14: 1} if splits > 1 else {},
+        input_output_aliases={n_in: 0, n_in + 1: 1} if splits > 1 else {},
         compiler_params=params,
         interpret=interpret,
         name="block_sparse_bwd_dkv_cols",
@@ -283,17 +301,21 @@ def add_column_grads(dk, dv, dkc, dvc, col_idx, col_count):
 
 
 def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, qk_scale, scale, bs, g):
+                *refs, qk_scale, scale, bs, g, segs=False):
     """One program per (KV block, KV head, batch): the ``g`` query heads of the group in turn,
     each over the query blocks that list this KV block (free tiles, then masked ones)."""
+    seg_refs, (dk_ref, dv_ref) = _split_seg_refs(refs, segs)
     k = k_ref[...]
     v = v_ref[...]
     kp = kpos_ref[...]
+    ks = None if seg_refs is None else seg_refs[1][...]
 
     def head(t, carry):
         def tile(rows, carry, masked=False):
             q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref, head=t)
             ok = (kp[:, None] <= qp[None, :]) if masked else None
+            if masked and ks is not None:
+                ok = ok & (ks[:, None] == seg_refs[0][rows][None, :])
             return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
 
         block_at = lambda j: tidx_ref[t, j]  # noqa: E731
@@ -314,9 +336,11 @@ def _bwd_inputs(q, q_pos, k_pos, do, lse, delta):
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
-            block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+            block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+            segs=None):
     """Backward pass 1: ``dq f32 [B, Sq, Hq, D]``, query-stationary over the forward's schedule;
-    added to ``dq_acc`` (same shape, aliased: in place) when one is given."""
+    added to ``dq_acc`` (same shape, aliased: in place) when one is given. ``segs``: packed
+    documents (module docstring)."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
@@ -327,17 +351,19 @@ def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None
     args = [q_pos, k_pos, bidx, cnt, cidx, q, k, v, do, lse, delta]
     in_specs = [sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"],
                 sp["q"], sp["kv"], sp["kv"], sp["q"], sp["row"], sp["row"]]
+    _add_seg_operands(args, in_specs, segs, sp)
+    n_in = len(args)
     if accumulate:
         args.append(dq_acc.astype(jnp.float32))
         in_specs.append(sp["q"])
     return pl.pallas_call(
         functools.partial(_dq_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, cc=col_chunk,
-                          accumulate=accumulate),
+                          accumulate=accumulate, segs=segs is not None),
         grid=(sq // bs, H, B),
         in_specs=in_specs,
         out_specs=sp["q"],
         out_shape=jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
-        input_output_aliases={11: 0} if accumulate else {},
+        input_output_aliases={n_in: 0} if accumulate else {},
         compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_bwd_dq",
@@ -347,7 +373,7 @@ def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
                    block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
-                   interpret: bool = False):
+                   interpret: bool = False, segs=None):
     """Backward pass 2: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks, summed over each
     KV head's group of query heads in the kernel; one program per (KV block, KV head, batch) over
     :func:`transpose_block_index`."""
@@ -361,25 +387,29 @@ def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, s
     kv_blk = pl.BlockSpec((None, bs, None, d), lambda j, hk, b: (b, j, hk, 0))
     group_q = pl.BlockSpec((None, sq, g, d), lambda j, hk, b: (b, 0, hk, 0))
     group_row = pl.BlockSpec((None, g, sq), lambda j, hk, b: (b, hk, 0))
+    args = [q_pos, k_pos, tidx, tcnt, q, k, v, do, lse, delta]
+    in_specs = [pl.BlockSpec((sq,), lambda j, hk, b: (0,)), pl.BlockSpec((bs,), lambda j, hk, b: (j,)),
+                pl.BlockSpec((None, g, None, mtp), lambda j, hk, b: (b, hk, j, 0)),
+                pl.BlockSpec((None, g, None, 2), lambda j, hk, b: (b, hk, j, 0)),
+                group_q, kv_blk, kv_blk, group_q, group_row, group_row]
+    _add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda j, hk, b: (b, 0)),
+                                                 kseg=pl.BlockSpec((None, bs), lambda j, hk, b: (b, j))))
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, g=g),
+        functools.partial(_dkv_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, g=g, segs=segs is not None),
         grid=(sk // bs, hkv, B),
-        in_specs=[pl.BlockSpec((sq,), lambda j, hk, b: (0,)), pl.BlockSpec((bs,), lambda j, hk, b: (j,)),
-                  pl.BlockSpec((None, g, None, mtp), lambda j, hk, b: (b, hk, j, 0)),
-                  pl.BlockSpec((None, g, None, 2), lambda j, hk, b: (b, hk, j, 0)),
-                  group_q, kv_blk, kv_blk, group_q, group_row, group_row],
+        in_specs=in_specs,
         out_specs=[kv_blk, kv_blk],
         out_shape=[jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)] * 2,
         compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_bwd_dkv",
-    )(q_pos, k_pos, tidx, tcnt, q, k, v, do, lse, delta)
+    )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("col_splits",))
 def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
                  block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 interpret: bool = False, col_splits: int | None = None):
+                 interpret: bool = False, col_splits: int | None = None, segs=None):
     """Backward pass 3: adds the vertical columns' dK/dV into ``dk, dv f32 [B, Sk, Hkv, D]``
     (kernel per list slot, then :func:`add_column_grads`). ``col_splits``: query-block ranges per
     column chunk (default :func:`col_row_splits`; a tuning knob, ``benchmarks/kernels.py
@@ -388,13 +418,13 @@ def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv
     q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
     dkc, dvc, cidx = _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale, bs=block_size,
                               params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
-                              interpret=interpret, col_splits=col_splits)
+                              interpret=interpret, col_splits=col_splits, segs=segs)
     return add_column_grads(dk, dv, dkc, dvc, cidx, index.col_count)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("dq_kernel", "dkv_kernels"))
 def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, *,
-               dq_kernel=None, dkv_kernels=None, **options):
+               dq_kernel=None, dkv_kernels=None, segs=None, **options):
     """Backward kernels (module docstring: three passes, dK/dV first, dQ last); returns f32
     ``(dq, dk, dv)``, added to ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)``
     when given (ring steps). ``dkv_acc`` is added after the block pass, in the column scatter's
@@ -403,10 +433,14 @@ def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=N
     ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`.
     ``dq_kernel``: another dQ pass with :func:`dq_pass`'s contract; ``dkv_kernels``: another
     ``(block pass, column pass)`` pair with :func:`dkv_block_pass`'s / :func:`dkv_col_pass`'s
-    contracts (they must split the pairs between them the same way); the Mosaic GPU ones, or None."""
+    contracts (they must split the pairs between them the same way); the Mosaic GPU ones, or None.
+    ``segs = (q_seg, k_seg)``: packed documents (module docstring), passed to every pass (custom
+    ones too, as keyword ``segs``, only when given)."""
     args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
     block_pass, col_pass = (dkv_block_pass, dkv_col_pass) if dkv_kernels is None else dkv_kernels
+    seg_kw = {} if segs is None else {"segs": segs}
     kw = options if dkv_kernels is None else dict(sm_scale=options["sm_scale"], block_size=options["block_size"])
+    kw = {**kw, **seg_kw}
     dk, dv = block_pass(*args, **kw)
     if dkv_acc is not None:
         dk, dv = dk + dkv_acc[0], dv + dkv_acc[1]
@@ -415,7 +449,7 @@ def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=N
     # of waiting behind it (the barrier makes the order a data dependence XLA keeps).
     dk, dv, q = lax.optimization_barrier((dk, dv, q))
     if dq_kernel is None:
-        dq = dq_pass(q, *args[1:], dq_acc, **options)
+        dq = dq_pass(q, *args[1:], dq_acc, **options, **seg_kw)
     else:
-        dq = dq_kernel(q, *args[1:], dq_acc, sm_scale=options["sm_scale"], block_size=options["block_size"])
+        dq = dq_kernel(q, *args[1:], dq_acc, sm_scale=options["sm_scale"], block_size=options["block_size"], **seg_kw)
     return dq, dk, dv

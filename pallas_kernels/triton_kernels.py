@@ -10,8 +10,12 @@ Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
   then the few tiles that need the token-level causal mask by global position; then the row's
   prefix of the head's column list in chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``),
   masked by count, by position and where a column lies in one of the row's active blocks
-  (:func:`_outside_blocks`). Online softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled
-  scale (FlashAttention-2, Dao 2023, Alg. 1). Writes ``out`` (f32) and the natural-log ``lse``;
+  (:func:`_outside_blocks`). Packed documents (``segs``): the index has been narrowed by
+  :func:`~pallas_kernels.index_format.apply_segments`, so a free tile lies inside ONE document and
+  stays mask-free; the masked tiles (the causal ones and those straddling a boundary) and the
+  columns add the token-level ``k_seg == q_seg`` check to their mask (:func:`_pair_ok`). Online
+  softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled scale (FlashAttention-2, Dao 2023,
+  Alg. 1). Writes ``out`` (f32) and the natural-log ``lse``;
   rows with no allowed key get out 0, lse -inf. Given the ``(out, lse)`` of earlier ring steps
   (``acc``), the kernel merges into them in place (:func:`_merge_rows`; MTraining Algorithm 2's
   ``merge_out_and_lse`` without a separate pass over the float32 output).
@@ -110,6 +114,23 @@ def _outside_blocks(ids, blocks, n_blk, bs: int):
     return jnp.max(hit.astype(jnp.int32), axis=1) == 0
 
 
+def _pair_ok(kpos_ref, rows, qp, seg=None):
+    """``bool [bq, n]``: the pairs of the query rows (positions ``qp [bq]``) and the key ``rows``
+    that are causal by global position and, given ``seg = (kseg_ref, q_seg [bq])`` (packed
+    documents), in the same document."""
+    ok = kpos_ref[rows][None, :] <= qp[:, None]
+    if seg is not None:
+        kseg_ref, qs = seg
+        ok = ok & (kseg_ref[rows][None, :] == qs[:, None])
+    return ok
+
+
+def _split_seg_refs(refs, segs: bool):
+    """``(seg refs (q_seg, k_seg) or None, the other refs)`` of a kernel whose operands after the
+    fixed ones start with the two segment-id refs when ``segs``."""
+    return (refs[:2], refs[2:]) if segs else (None, refs)
+
+
 def _softmax_update(carry, s, v, masked: bool):
     """Online-softmax step with log2-domain scores ``s [bq, n]`` (``-inf`` = masked)."""
     acc, m, l = carry
@@ -143,13 +164,15 @@ def _merge_rows(acc, m, l, out_prev, lse_prev):
 
 
 def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, *refs, qk_scale, bs, cc,
-                merge: bool):
+                merge: bool, segs: bool = False):
+    seg_refs, refs = _split_seg_refs(refs, segs)
     if merge:  # out_prev / lse_prev are aliased to o_ref / lse_ref: read before writing
         oprev_ref, lprev_ref, o_ref, lse_ref = refs
     else:
         o_ref, lse_ref = refs
     q = q_ref[...]
     qp = qpos_ref[...]
+    seg = None if seg_refs is None else (seg_refs[1], seg_refs[0][...])
     carry = (jnp.zeros((bs, q.shape[-1]), jnp.float32), jnp.full((bs,), -jnp.inf, jnp.float32),
              jnp.zeros((bs,), jnp.float32))
 
@@ -158,7 +181,7 @@ def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v
         return _softmax_update(carry, s, v_ref[rows, :], masked=False)
 
     def masked(rows, carry, valid=None):
-        ok = kpos_ref[rows][None, :] <= qp[:, None]
+        ok = _pair_ok(kpos_ref, rows, qp, seg)
         ok = ok if valid is None else ok & valid[None, :]
         s = jnp.where(ok, dot(q, k_ref[rows, :], trans_b=True) * qk_scale, -jnp.inf)
         return _softmax_update(carry, s, v_ref[rows, :], masked=True)
@@ -198,7 +221,17 @@ def _query_specs(H, g, sq, sk, d, bs, mbp, mcp):
         q=pl.BlockSpec((None, bs, None, d), lambda i, h, b: (b, r(i), h, 0)),
         kv=pl.BlockSpec((None, sk, None, d), lambda i, h, b: (b, 0, h // g, 0)),
         row=pl.BlockSpec((None, None, bs), lambda i, h, b: (b, h, r(i))),
+        qseg=pl.BlockSpec((None, bs), lambda i, h, b: (b, r(i))),
+        kseg=pl.BlockSpec((None, sk), lambda i, h, b: (b, 0)),
     )
+
+
+def _add_seg_operands(args, in_specs, segs, specs):
+    """Append the segment ids ``segs = (q_seg, k_seg)`` (or nothing for ``None``) to a kernel's
+    operands with the ``qseg`` / ``kseg`` BlockSpecs of ``specs``."""
+    if segs is not None:
+        args += [segs[0].astype(jnp.int32), segs[1].astype(jnp.int32)]
+        in_specs += [specs["qseg"], specs["kseg"]]
 
 
 _STATIC = ("sm_scale", "block_size", "col_chunk", "num_warps", "num_stages", "interpret")
@@ -206,19 +239,25 @@ _STATIC = ("sm_scale", "block_size", "col_chunk", "num_warps", "num_stages", "in
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int,
-               col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+               col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False, segs=None):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32, lse f32)``;
     with ``acc = (out_prev f32 [B, Sq, Hq, D], lse_prev f32 [B, Hq, Sq])`` (earlier ring steps,
-    disjoint keys) the result is merged into them, in place (their buffers are aliased)."""
+    disjoint keys) the result is merged into them, in place (their buffers are aliased).
+    ``segs = (q_seg int32 [B, Sq], k_seg int32 [B, Sk])``: packed documents, ``index`` already
+    narrowed by :func:`~pallas_kernels.index_format.apply_segments` (its free tiles lie inside one
+    document)."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
     bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
     sp = _query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
     merge = acc is not None
-    kernel = functools.partial(_fwd_kernel, qk_scale=sm_scale * LOG2E, bs=bs, cc=col_chunk, merge=merge)
+    kernel = functools.partial(_fwd_kernel, qk_scale=sm_scale * LOG2E, bs=bs, cc=col_chunk, merge=merge,
+                               segs=segs is not None)
     args = [q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), bidx, cnt, cidx, q, k, v]
     in_specs = [sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"], sp["q"], sp["kv"], sp["kv"]]
+    _add_seg_operands(args, in_specs, segs, sp)
+    n_in = len(args)
     if merge:
         args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
         in_specs += [sp["q"], sp["row"]]
@@ -229,7 +268,7 @@ def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
         out_specs=[sp["q"], sp["row"]],
         out_shape=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
                    jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
-        input_output_aliases={8: 0, 9: 1} if merge else {},
+        input_output_aliases={n_in: 0, n_in + 1: 1} if merge else {},
         compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_fwd",

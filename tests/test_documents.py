@@ -1,6 +1,8 @@
 """Packed documents (issue 21): segment ids from the data to the kernels; every path equals the
 float32 dense reference with the block-diagonal causal document mask."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,8 +150,6 @@ def test_segment_errors_are_clear():
         attention(q, k, v, jnp.arange(64), backend="cudnn", segment_ids=seg)
     with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, S\]"):
         attention(q, k, v, jnp.arange(64), backend="reference", segment_ids=seg[0])
-    with pytest.raises(NotImplementedError, match="Triton kernels"):
-        block_sparse_attention(q, k, v, block_size=16, impl="triton", q_seg=seg, k_seg=seg)
 
 
 # ----------------------------------------------------------------------------------- rings
@@ -236,3 +236,104 @@ def test_model_packed_documents_equal_separate_runs():
     first = model(tokens[:, :20], jnp.arange(20))
     second = model(tokens[:, 20:], jnp.arange(28))
     np.testing.assert_allclose(packed, jnp.concatenate([first, second], axis=1), rtol=2e-5, atol=2e-5)
+
+
+def test_recall_with_documents_matches_dense_document_mask():
+    """``metrics.recall(..., segment_ids=)``: mean over rows of the causal document-masked softmax
+    mass kept by the index, against the dense computation; documents change it."""
+    from pallas_kernels.reference import attention_logits
+    from mtraining_jax.sparsity import metrics
+
+    S, bs = 256, 32
+    q, k, _, _ = _qkv(7, S)
+    seg = _segments([[5, 60, 100], [200]], S)
+    index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SparsityConfig(
+        block_size=bs, vertical_min=1, vertical_max=16, slash_max=3), segment_ids=seg)
+    t = jnp.arange(S)
+    ok = (t[None, :] <= t[:, None])[None, None] & (seg[:, :, None] == seg[:, None, :])[:, None]
+    p = jax.nn.softmax(jnp.where(ok, attention_logits(q, k), -jnp.inf), axis=-1)
+    want = np.asarray(jnp.where(index_to_mask(index, S, bs) & ok, p, 0.0).sum(-1).mean(-1), np.float64)
+    got = metrics.recall(q, k, index, block_size=bs, chunk=128, segment_ids=seg)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert np.all(np.abs(got - metrics.recall(q, k, index, block_size=bs, chunk=128)) > 1e-3)
+
+
+# ----------------------------------------------------------------------------------- per-document window
+
+
+def test_document_window_rows():
+    """The per-document observation window: each document's own last ``last_q`` tokens, in the
+    last ``window_blocks`` query blocks that hold any (the rows of those blocks outside a window
+    masked), padding blocks -1."""
+    from mtraining_jax.sparsity.estimate import _document_window
+
+    S, bs, lq = 256, 16, 8
+    seg = _segments([[5, 30, 100, 121], [256]], S)
+    ident = lambda x: x  # noqa: E731
+    for wb in (3, 16):
+        cfg = SparsityConfig(block_size=bs, last_q=lq, window="per_document", window_blocks=wb)
+        blocks, rows, row_seg = (np.asarray(x) for x in _document_window(seg, jnp.arange(S), S, cfg, ident))
+        for b in range(2):
+            s = np.asarray(seg[b])
+            ends = np.r_[np.nonzero(np.diff(s))[0] + 1, S]
+            win = np.nonzero(np.arange(S) >= ends[s] - lq)[0]
+            want = sorted(set(win // bs), reverse=True)[:wb]
+            got = blocks[b][blocks[b] >= 0]
+            assert got.tolist() == want
+            tok = (np.maximum(blocks[b], 0)[:, None] * bs + np.arange(bs)).ravel()
+            np.testing.assert_array_equal(rows[b], (np.repeat(blocks[b], bs) >= 0) & np.isin(tok, win))
+            np.testing.assert_array_equal(row_seg[b], s[tok])
+    with pytest.raises(ValueError, match="window='docs'"):
+        SparsityConfig(window="docs")
+    with pytest.raises(ValueError, match="window_blocks"):
+        SparsityConfig(window_blocks=0)
+
+
+PER_DOC = SparsityConfig(vertical_p=0.8, slash_p=0.8, vertical_min=4, vertical_max=48, slash_max=6,
+                         window="per_document", window_blocks=6)
+
+
+@pytest.mark.parametrize("layout_name", ["block_striped"])
+def test_per_document_estimate_sharded_equals_single_device(layout_name):
+    """Bit-identical index on every rank of a 2x2 mesh, in any layout, and different from the
+    sequence window's (the earlier documents' verticals are found)."""
+    from jax.sharding import PartitionSpec as Ps
+
+    from mtraining_jax.mesh import CP_AXES
+    from mtraining_jax.sparsity import estimate_index_shard
+
+    S = 512
+    q, k, _, _ = _qkv(3, S)
+    seg = _segments([[5, 9, 50, 64, 64, 300], [100, 412]], S)
+    ref = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), PER_DOC, segment_ids=seg)
+    mesh = make_mesh((2, 2), jax.devices()[:4])
+    seq = Ps(None, CP_AXES)
+    f = jax.jit(jax.shard_map(
+        lambda ql, kl, pos, sl: jax.tree.map(lambda x: x[None], estimate_index_shard(
+            ql, kl, pos, PER_DOC, CP_AXES, segment_ids=sl)),
+        mesh=mesh, in_specs=(seq, seq, Ps(CP_AXES), seq), out_specs=Ps(CP_AXES)))
+    lay = Layout(layout_name, S, 4, stripe=16)
+    out = f(lay.permute(q), lay.permute(k), jnp.asarray(lay.perm), lay.permute(seg, axis=-1))
+    for a, b in zip(out, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(np.asarray(b)[None], a.shape))
+    seq_idx = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32),
+                             dataclasses.replace(PER_DOC, window="sequence"), segment_ids=seg)
+    assert not np.array_equal(np.asarray(seq_idx.v_idx), np.asarray(ref.v_idx))
+
+
+def test_per_document_window_raises_recall_on_packed_documents():
+    """Packed synthetic documents (each with its own sink and heavy keys): the per-document window
+    keeps more of the document-masked attention than the sequence's last queries, which only see
+    the last document (benchmarks/document_index_recall.py measures it at 16K)."""
+    from mtraining_jax.sparsity import metrics
+    from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk
+
+    S = 1024
+    lens = np.asarray([250, 64, 300, 410])
+    q, k, seg = packed_documents_qk(lens, SyntheticAttention(num_q_heads=2, num_kv_heads=1, head_dim=32))
+    rec = {}
+    for window in ("sequence", "per_document"):
+        cfg = SparsityConfig(vertical_p=0.9, slash_p=0.9, window=window, window_blocks=16)
+        idx = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), cfg, segment_ids=seg)
+        rec[window] = float(metrics.recall(q, k, idx, segment_ids=seg, chunk=512).mean())
+    assert rec["per_document"] > rec["sequence"] + 0.05 and rec["per_document"] > 0.9, rec

@@ -17,7 +17,7 @@ import pytest
 
 from pallas_kernels.reference import dense_attention
 from pallas_kernels import mosaic_index
-from pallas_kernels.index_format import step_index_to_mask
+from pallas_kernels.index_format import apply_segments, step_index_to_mask
 from pallas_kernels.testing import random_step_index
 
 BS = 64
@@ -97,21 +97,83 @@ def test_free_tiles_hold_no_listed_prefix_column():
                 assert slot[0, h, bidx[0, h, i, j]] >= cnt[0, h, i, 2]
 
 
-@pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb", [
-    (1, 256, 256, 2, 2, False, 3),   # MHA, causal diagonal
-    (2, 256, 384, 4, 1, True, 4),    # GQA 4, ring-like positions, Sq != Sk
-    (1, 128, 256, 8, 2, True, 2),    # GQA 4 with two KV heads
+def _doc_segments(B, qp, kp, ends=(5, 64, 150, 200, 330, 520)):
+    """Packed documents over global positions (document ``i`` ends before ``ends[i]``; a short one,
+    one ending on a block boundary, longer ones); row ``b`` shifts the boundaries by ``37 * b``."""
+    seg = lambda p, b: np.searchsorted(np.asarray(ends) + 37 * b, np.asarray(p), side="right")  # noqa: E731
+    return tuple(jnp.asarray(np.stack([seg(p, b) for b in range(B)]).astype(np.int32)) for p in (qp, kp))
+
+
+@pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mc", [
+    (1, 256, 256, 2, 2, False, 70),   # column list over two tiles, documents inside blocks
+    (2, 256, 384, 4, 1, True, 12),    # GQA 4, ring-like positions, per-row documents
 ])
-def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permuted, mb):
+def test_prepared_tile_walk_with_documents(B, S, Sk, H, Hkv, permuted, mc):
+    """Packed documents: the index narrowed by ``apply_segments``, ``prepare`` with segment ids
+    (third ``info`` row) and the walk masking only its masked tiles by segment equals the reference
+    under (index mask AND document mask)."""
+    rng = np.random.default_rng(S + Sk + H + 1)
+    q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, 4, mc)
+    segs = _doc_segments(B, qp, kp)
+    ops = mosaic_index.prepare(apply_segments(idx, *segs, BS), k, v, kp, BS, qp, segs)
+    assert ops.k_info.shape[3] == 3 and ops.c_info.shape[3] == 3
+    out, lse = mosaic_index.emulate_fwd(q, ops, k, v, qp, sm_scale=64**-0.5, block_size=BS, q_seg=segs[0])
+    ref_out, ref_lse = dense_attention(q, k, v, qp, kp, step_index_to_mask(idx, S, Sk, BS), q_seg=segs[0],
+                                       k_seg=segs[1])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=2e-5)
+
+
+def test_free_column_tiles_with_documents_lie_in_one_document():
+    """Position-ordered columns with documents: a column tile is free only when its columns and
+    the query block are in one document; the walk (free tiles unmasked) equals the reference."""
+    from pallas_kernels.testing import vertical_slash_index
+
+    rng = np.random.default_rng(6)
+    S, H = 1024, 2
+    idx = vertical_slash_index(rng, 1, H, S, 0.8, block_size=BS, far_slashes=1, max_cols=300)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    segs = _doc_segments(1, pos, pos, ends=(700, 2 * S))  # free column tiles in the first document only
+    q = jnp.asarray(rng.standard_normal((1, S, H, 64)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, S, 1, 64)), jnp.float32)
+    narrowed = apply_segments(idx, *segs, BS)
+    ops = mosaic_index.prepare(narrowed, k, k, pos, BS, pos, segs)
+    plain = mosaic_index.prepare(narrowed, k, k, pos, BS, pos)
+    n_cfree = np.asarray(ops.counts[..., 3])
+    assert n_cfree.max() >= 1 and n_cfree.sum() < np.asarray(plain.counts[..., 3]).sum()
+    cseg, qseg = np.asarray(ops.c_info[0, :, :, 2]), np.asarray(segs[0]).reshape(-1, BS)
+    for h, i in np.ndindex(H, S // BS):
+        for c in range(n_cfree[0, h, i]):
+            assert set(cseg[h, c]) == set(qseg[i]) and len(set(qseg[i])) == 1
+    out, _ = mosaic_index.emulate_fwd(q, ops, k, k, pos, sm_scale=0.125, block_size=BS, q_seg=segs[0])
+    ref, _ = dense_attention(q, k, k, pos, pos, step_index_to_mask(idx, S, S, BS), sm_scale=0.125,
+                             q_seg=segs[0], k_seg=segs[1])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+@pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb, documents", [
+    (1, 256, 256, 2, 2, False, 3, False),   # MHA, causal diagonal
+    (2, 256, 384, 4, 1, True, 4, False),    # GQA 4, ring-like positions, Sq != Sk
+    (1, 128, 256, 8, 2, True, 2, False),    # GQA 4 with two KV heads
+    (2, 256, 384, 4, 1, True, 4, True),     # packed documents (index narrowed, segment check)
+])
+def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permuted, mb, documents):
     """The dK/dV block pass's schedule: every (query head, query block) tile that lists a KV
     block exactly once, free tiles first (free: causal-free and no listed column of the row's
     prefix inside); its walk gives the dense gradients of the active blocks' causal pairs minus
-    the prefix columns (those are the column pass's), given the full attention's lse / delta."""
+    the prefix columns (those are the column pass's), given the full attention's lse / delta.
+    With documents, the index is narrowed by ``apply_segments`` and only same-document pairs count."""
     rng = np.random.default_rng(7 * S + Sk + H)
     q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, mb, 20)
+    segs = _doc_segments(B, qp, kp) if documents else None
+    seg_kw = {} if segs is None else dict(q_seg=segs[0], k_seg=segs[1])
+    if documents:
+        idx = apply_segments(idx, *segs, BS)
     scale = 64**-0.5
     allowed = step_index_to_mask(idx, S, Sk, BS)
-    out, lse = dense_attention(q, k, v, qp, kp, allowed, sm_scale=scale)
+    out, lse = dense_attention(q, k, v, qp, kp, allowed, sm_scale=scale, **seg_kw)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     delta = jnp.einsum("bshd,bshd->bhs", do, out)
     sched, counts = (np.asarray(x) for x in mosaic_index.kv_schedule(idx, Sk, Hkv, BS))
@@ -134,10 +196,13 @@ def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permute
                 nf, na = counts[b, hk, kb]
                 assert set(sched[b, hk, kb, :nf]) == free and nf == len(free)
                 assert set(sched[b, hk, kb, :na]) == listing and na == len(listing)
-    dk, dv = mosaic_index.emulate_dkv_blocks(q, k, v, qp, kp, idx, do, lse, delta, sm_scale=scale, block_size=BS)
+    dk, dv = mosaic_index.emulate_dkv_blocks(q, k, v, qp, kp, idx, do, lse, delta, sm_scale=scale, block_size=BS,
+                                             segs=segs)
     blocks = step_index_to_mask(idx._replace(col_count=jnp.zeros_like(idx.col_count)), S, Sk, BS)
     cols = step_index_to_mask(idx._replace(block_count=jnp.zeros_like(idx.block_count)), S, Sk, BS)
     causal = np.asarray(kp)[None, :] <= np.asarray(qp)[:, None]
+    if documents:  # [B, 1, Sq, Sk]: and the same document
+        causal = causal & (np.asarray(segs[0])[:, None, :, None] == np.asarray(segs[1])[:, None, None, :])
     kh = np.arange(H) // g
     s = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), np.asarray(k, np.float64)[:, :, kh]) * scale
     lse64 = np.where(np.isfinite(np.asarray(lse)), np.asarray(lse), 0.0)
@@ -151,9 +216,10 @@ def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permute
     np.testing.assert_allclose(np.asarray(dk), dk_ref, atol=2e-4)
 
 
-@pytest.mark.parametrize("merge", [False, True])
-def test_mosaic_kernels_lower_for_cuda(merge):
-    """Forward (with / without the ring merge) and dQ pass (with / without ``dq_acc``)."""
+@pytest.mark.parametrize("merge, documents", [(False, False), (True, False), (False, True), (True, True)])
+def test_mosaic_kernels_lower_for_cuda(merge, documents):
+    """Forward (with / without the ring merge) and dQ pass (with / without ``dq_acc``), and with
+    packed documents (segment ids: the third ``info`` row and the queries' ids)."""
     from pallas_kernels.mosaic_bwd import mosaic_dq
     from pallas_kernels.mosaic_fwd import mosaic_fwd
 
@@ -163,27 +229,28 @@ def test_mosaic_kernels_lower_for_cuda(merge):
     k = jnp.zeros((B, S, Hkv, D), jnp.bfloat16)
     pos = jnp.arange(S, dtype=jnp.int32)
     idx = random_step_index(rng, B, H, S, S, pos, pos, max_blocks=3, max_cols=70)
+    segs = (pos[None] // 100, pos[None] // 100) if documents else None
     acc = (jnp.zeros((B, S, H, D)), jnp.zeros((B, H, S))) if merge else None
-    f = jax.jit(lambda q, k, v, idx, acc: mosaic_fwd(q, k, v, pos, pos, idx, acc, sm_scale=0.1))
-    text = f.trace(q, k, k, idx, acc).lower(lowering_platforms=("cuda",)).as_text()
+    f = jax.jit(lambda q, k, v, idx, acc, segs: mosaic_fwd(q, k, v, pos, pos, idx, acc, sm_scale=0.1, segs=segs))
+    text = f.trace(q, k, k, idx, acc, segs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     lse = jnp.zeros((B, H, S))
     dq_acc = jnp.zeros(q.shape) if merge else None
-    g = jax.jit(lambda q, k, v, idx, do, lse, delta, acc: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta, acc,
-                                                                   sm_scale=0.1))
-    text = g.trace(q, k, k, idx, q, lse, lse, dq_acc).lower(lowering_platforms=("cuda",)).as_text()
+    g = jax.jit(lambda q, k, v, idx, do, lse, delta, acc, segs: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta, acc,
+                                                                         sm_scale=0.1, segs=segs))
+    text = g.trace(q, k, k, idx, q, lse, lse, dq_acc, segs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     if not merge:  # the dK/dV block pass has no accumulator variant
         from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks
 
-        f = jax.jit(lambda q, k, v, idx, do, lse, delta: mosaic_dkv_blocks(q, k, v, pos, pos, idx, do, lse, delta,
-                                                                          sm_scale=0.1))
-        text = f.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+        f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_blocks(
+            q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, segs=segs))
+        text = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
         from pallas_kernels.mosaic_bwd import mosaic_dkv_cols
 
         z = jnp.zeros(k.shape, jnp.float32)
-        f = jax.jit(lambda q, k, v, idx, do, lse, delta: mosaic_dkv_cols(q, k, v, pos, pos, idx, do, lse, delta, z, z,
-                                                                        sm_scale=0.1, range_blocks=2))
-        text = f.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+        f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_cols(
+            q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs))
+        text = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text

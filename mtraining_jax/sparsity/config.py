@@ -22,6 +22,13 @@ the number of query heads at call entry, :meth:`SparsityConfig.check`).
 * ``slash_max = 64`` block-diagonals = 4096 tokens of band, the same 4096 cap expressed in the
   unit slashes are selected in; ``slash_min = 1``: diagonal 0 (the local block) is always kept,
   so no query row is ever empty.
+* ``window = "sequence"``: Algorithm 1's observation window, the last ``last_q`` queries of the
+  sequence. ``"per_document"`` (packed documents; the same as ``"sequence"`` without segment ids):
+  every document's own last ``last_q`` queries, in at most ``window_blocks`` query blocks (the
+  last ones holding such queries; 64 blocks = 4096 rows by default, ``rows x S`` logits) — on
+  packed data the last queries of the sequence see only the last document, so the others'
+  verticals (their sinks and heavy keys) are missed; measured in
+  ``benchmarks/packed_documents_results.md``.
 * ``max_cols``: static vertical-column slots per (query block, ring step) of the converted index
   (``None`` = the exact bound ``min(MV, tokens per chunk)``; smaller values trade exactness for
   memory, see :mod:`mtraining_jax.sparsity.convert`).
@@ -42,6 +49,9 @@ PerHead = Union[int, float, tuple]
 #: fixed-point bits of the integer probability scores are chosen so that sums never overflow int32
 _INT32_HEADROOM = 29
 
+
+#: observation windows of the index estimate (``SparsityConfig.window``)
+WINDOWS = ("sequence", "per_document")
 
 PER_HEAD_FIELDS = ("vertical_p", "slash_p", "vertical_min", "vertical_max", "slash_min", "slash_max")
 
@@ -80,6 +90,8 @@ class SparsityConfig:
     slash_max: PerHead = 64
     max_cols: int | None = None
     sm_scale: float | None = None
+    window: str = "sequence"
+    window_blocks: int = 64
 
     def __post_init__(self):
         for name in PER_HEAD_FIELDS:
@@ -112,6 +124,10 @@ class SparsityConfig:
         if self.max_cols is not None and (not _is_int(self.max_cols) or self.max_cols < 1):
             raise ValueError(f"max_cols must be None or a positive integer, got {self.max_cols!r}")
         check_sm_scale(self.sm_scale)
+        if not isinstance(self.window, str) or self.window not in WINDOWS:
+            raise ValueError(f"window={self.window!r} is not one of {WINDOWS}")
+        if not _is_int(self.window_blocks) or self.window_blocks < 1:
+            raise ValueError(f"window_blocks must be a positive integer, got {self.window_blocks!r}")
 
     # ----------------------------------------------------------------------------------------------
     def per_head(self, name: str, num_heads: int) -> np.ndarray:
@@ -145,6 +161,13 @@ class SparsityConfig:
         return int(min(np.max(np.asarray(self.slash_max)), seq_len // self.block_size))
 
     @property
+    def window_rows(self) -> int:
+        """Static number of query rows of the observation window: ``last_q`` (``"sequence"``) or
+        ``window_blocks * block_size`` (``"per_document"``, with padding rows)."""
+        return self.last_q if self.window == "sequence" else self.window_blocks * self.block_size
+
+    @property
     def score_bits(self) -> int:
         """Fixed-point fraction bits ``F`` of the integer probability scores (``sum < 2^31``)."""
-        return _INT32_HEADROOM - math.ceil(math.log2(self.last_q)) if self.last_q > 1 else _INT32_HEADROOM
+        rows = self.window_rows
+        return _INT32_HEADROOM - math.ceil(math.log2(rows)) if rows > 1 else _INT32_HEADROOM

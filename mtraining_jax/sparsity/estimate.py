@@ -40,6 +40,12 @@ Packed documents (``segment_ids [B, S]``): the window is masked to same-document
 estimate is Algorithm 1 under the attention the kernels run (block-diagonal causal). Mass is never
 spent on cross-document pairs the kernels skip; slash offsets, being relative, carry over to every
 document; verticals are those of the documents the window sees (the last ones of the sequence).
+With ``cfg.window = "per_document"`` the window is every document's own last ``last_q`` queries
+(:func:`_document_window`: a document is a run of equal ids in position order), taken in whole
+query blocks: the last ``cfg.window_blocks`` blocks that hold such a query, the other rows of those
+blocks masked out. Every document then contributes its verticals; the top-p threshold is taken
+from the floored total (the number of rows is data-dependent). Still exact across layouts and
+meshes (the same integer sums).
 
 Cost per head: ``last_q x S`` logits (the paper's observation window), i.e. ``last_q / S`` of dense.
 """
@@ -107,7 +113,7 @@ def fixed_point_bits(cfg: SparsityConfig) -> tuple[int, int]:
     ``F = cfg.score_bits`` keeps a head's total mass ``last_q * 2^F <= 2^29`` in int32; ``G`` keeps
     the low digits' sum over one slash diagonal (``<= last_q * block_size`` terms) below ``2^30``."""
     F = cfg.score_bits
-    G = max(0, 30 - math.ceil(math.log2(cfg.last_q * cfg.block_size)))
+    G = max(0, 30 - math.ceil(math.log2(cfg.window_rows * cfg.block_size)))
     return F, G
 
 
@@ -119,22 +125,54 @@ def _last_segments(seg, k_pos, seq_len: int, last_q: int, reduce_sum: Callable):
     return reduce_sum(buf)
 
 
-def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg=None):
-    """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``,
-    in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`); ``seg [B, S_local]``
-    restricts the window to same-document pairs."""
+def _document_window(seg, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum):
+    """Per-document observation window: ``(blocks int32 [B, W], rows bool [B, W * bs], row_seg
+    int32 [B, W * bs])`` with ``W = min(cfg.window_blocks, nb)``: the last ``W`` query blocks
+    holding one of a document's last ``last_q`` tokens (a document = a run of equal ids in
+    position order; ``-1`` pads), which of their rows are such tokens, and the rows' ids. The
+    global ids by position come from one exact integer ``psum`` of ``[B, S]``."""
     bs, lq = cfg.block_size, cfg.last_q
+    B = seg.shape[0]
     nb = seq_len // bs
+    W = min(cfg.window_blocks, nb)
+    nat = reduce_sum(jnp.zeros((B, seq_len), jnp.int32).at[:, k_pos].add(seg.astype(jnp.int32)))
+    t = jnp.arange(seq_len, dtype=jnp.int32)
+    last = jnp.concatenate([nat[:, 1:] != nat[:, :-1], jnp.ones((B, 1), bool)], axis=1)  # a run's last token
+    end = jax.lax.cummin(jnp.where(last, t, seq_len), axis=1, reverse=True)  # [B, S]
+    in_win = t > end - lq
+    has = in_win.reshape(B, nb, bs).any(-1)[:, ::-1]  # [B, nb], last block first
+    rev = jax.vmap(lambda h: jnp.nonzero(h, size=W, fill_value=nb)[0])(has)
+    blocks = jnp.where(rev < nb, nb - 1 - rev, -1).astype(jnp.int32)  # [B, W], descending, -1 = none
+    tok = jnp.clip(blocks, 0)[:, :, None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [B, W, bs]
+    b_ix = jnp.arange(B)[:, None, None]
+    rows = (blocks[:, :, None] >= 0) & in_win[b_ix, tok]
+    return blocks, rows.reshape(B, W * bs), nat[b_ix, tok].reshape(B, W * bs)
+
+
+def _window_queries(q, k_pos, blocks, seq_len: int, bs: int, reduce_sum):
+    """``[B, W * bs, Hq, D]``: the queries of the window ``blocks [B, W]`` (exact: each slot gets
+    exactly one rank's row)."""
+    B, W = blocks.shape
+    nb = seq_len // bs
+    b_ix = jnp.arange(B)[:, None]
+    slot_of = jnp.full((B, nb + 1), W, jnp.int32).at[b_ix, jnp.where(blocks >= 0, blocks, nb)].set(
+        jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W)))[:, :nb]
+    sb = slot_of[:, k_pos // bs]  # [B, S_local]
+    slot = jnp.where(sb < W, sb * bs + k_pos % bs, W * bs)
+    buf = jnp.zeros((B, W * bs) + q.shape[2:], jnp.float32)
+    return reduce_sum(buf.at[b_ix, slot].add(q.astype(jnp.float32), mode="drop"))
+
+
+def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, padded: bool = False):
+    """Fixed-point digits ``(hi, lo) int32 [B, Hq, R, S_local]`` of the window rows' exact softmax
+    probabilities (:func:`fixed_point_bits`) under ``causal`` (``[R, Sk]`` or ``[B, 1, R, Sk]``);
+    ``padded``: some rows may see no key at all (they get zeros)."""
     F, G = fixed_point_bits(cfg)
-    q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
-    qp = np.arange(seq_len - lq, seq_len)
-    z = _window_logits(q_last, k, cfg.sm_scale)  # [B, Hq, Lq, Sk]
-    causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
-    if seg is not None:  # [B, 1, Lq, Sk]: and the same document
-        causal = causal & (_last_segments(seg, k_pos, seq_len, lq, reduce_sum)[:, :, None] == seg[:, None, :])
-        causal = causal[:, None]
+    z = _window_logits(q_rows, k, cfg.sm_scale)  # [B, Hq, R, Sk]
     z = jnp.where(causal, z, -jnp.inf)
     m = reduce_max(z.max(axis=-1))  # exact in any order
+    if padded:  # a padding row sees no key: keep it finite (it adds nothing)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.where(causal, jnp.exp(z - m[..., None]), 0.0)  # (0, 1]; the row max contributes exactly 1
     # softmax denominator: e truncated to 2^-47 in six digits, each summed over S <= 2^23 keys
     # in int32 without overflow (digit 0 <= 2^7, the others < 2^8)
@@ -143,8 +181,29 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     for w, part in zip(_E_DIGITS, sums):  # fixed order, integers first: the same bits on every rank
         shift += w
         denom = denom + part.astype(jnp.float32) * np.float32(2.0**-shift)
+    if padded:
+        denom = jnp.where(denom > 0, denom, 1.0)
     a = e / denom[..., None]  # <= 1 (denom >= the row max's exact 1)
-    hi, lo = _digits(a, (F, G))  # a = (hi + lo 2^-G) 2^-F + (< 2^-(F+G))
+    return _digits(a, (F, G))  # a = (hi + lo 2^-G) 2^-F + (< 2^-(F+G))
+
+
+def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg=None):
+    """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``,
+    in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`); ``seg [B, S_local]``
+    restricts the window to same-document pairs (and with ``cfg.window = "per_document"`` makes
+    it the documents' own last queries, :func:`_document_scores`)."""
+    if seg is not None and cfg.window == "per_document":
+        return _document_scores(q, k, k_pos, seq_len, cfg, reduce_sum, reduce_max, seg)
+    bs, lq = cfg.block_size, cfg.last_q
+    nb = seq_len // bs
+    _, G = fixed_point_bits(cfg)
+    q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
+    qp = np.arange(seq_len - lq, seq_len)
+    causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
+    if seg is not None:  # [B, 1, Lq, Sk]: and the same document
+        causal = causal & (_last_segments(seg, k_pos, seq_len, lq, reduce_sum)[:, :, None] == seg[:, None, :])
+        causal = causal[:, None]
+    hi, lo = _row_digits(q_last, k, causal, cfg, reduce_sum, reduce_max)
     vert = hi.sum(axis=2, dtype=jnp.int32) + (lo.sum(axis=2, dtype=jnp.int32) >> G)  # [B, Hq, Sk]
     kblk = k_pos // bs
     slash = jnp.zeros((2,) + vert.shape[:2] + (nb + 1,), jnp.int32)
@@ -156,6 +215,42 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
         slash = slash.at[:, :, :, d].add(colsum)
     slash = reduce_sum(slash[..., :nb])
     return vert, slash[0] + (slash[1] >> G)
+
+
+def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg):
+    """:func:`_local_scores` over the per-document window (:func:`_document_window`), one window
+    block of ``bs`` rows at a time (a ``lax.scan``: the live logits stay ``[B, Hq, bs, S_local]``
+    whatever ``window_blocks``); the digit sums are accumulated as integers, so the result does not
+    depend on the chunking."""
+    bs = cfg.block_size
+    nb = seq_len // bs
+    _, G = fixed_point_bits(cfg)
+    blocks, row_ok, row_seg = _document_window(seg, k_pos, seq_len, cfg, reduce_sum)
+    B, W = blocks.shape
+    H = q.shape[2]
+    q_win = _window_queries(q, k_pos, blocks, seq_len, bs, reduce_sum)  # [B, W * bs, Hq, D]
+    per_block = lambda x: jnp.moveaxis(x.reshape((B, W, bs) + x.shape[2:]), 1, 0)  # noqa: E731
+    kblk = k_pos // bs
+    b_ix, h_ix = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+
+    def block(carry, xs):
+        v_hi, v_lo, slash = carry
+        qb, ok, rs, blk = xs  # [B, bs, Hq, D], [B, bs], [B, bs], [B]
+        pos = jnp.maximum(blk, 0)[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [B, bs]
+        causal = (k_pos[None, None, :] <= pos[:, :, None]) & ok[:, :, None] & (rs[:, :, None] == seg[:, None, :])
+        hi, lo = _row_digits(qb, k, causal[:, None], cfg, reduce_sum, reduce_max, padded=True)
+        colsum = jnp.stack([hi.sum(axis=2, dtype=jnp.int32), lo.sum(axis=2, dtype=jnp.int32)])  # [2, B, Hq, Sk]
+        d = blk[:, None] - kblk[None, :]  # [B, Sk]
+        d = jnp.where((d >= 0) & (blk[:, None] >= 0), d, nb)
+        slash = slash.at[:, b_ix, h_ix, d[:, None, :]].add(colsum)
+        return (v_hi + colsum[0], v_lo + colsum[1], slash), None
+
+    zeros = jnp.zeros((B, H, k.shape[1]), jnp.int32)
+    init = (zeros, zeros, jnp.zeros((2, B, H, nb + 1), jnp.int32))
+    (v_hi, v_lo, slash), _ = jax.lax.scan(block, init, (per_block(q_win), per_block(row_ok), per_block(row_seg),
+                                                        jnp.moveaxis(blocks, 1, 0)))
+    slash = reduce_sum(slash[..., :nb])
+    return v_hi + (v_lo >> G), slash[0] + (slash[1] >> G)
 
 
 def _window_logits(q_last, k, sm_scale):
@@ -180,7 +275,9 @@ def _select(vert, slash, cfg: SparsityConfig, seq_len: int, ids=None, total=None
     H = vert.shape[1]
     nb = seq_len // cfg.block_size
     ph = lambda n: cfg.per_head(n, H)  # noqa: E731
-    mass = cfg.last_q * 2**cfg.score_bits  # every window row sums to one: the exact total of either
+    # every window row sums to one: the exact total of either (per-document windows: data-dependent
+    # number of rows, so the floored total)
+    mass = cfg.last_q * 2**cfg.score_bits if cfg.window == "sequence" else None
     v_idx, v_count = top_p_select(vert, ph("vertical_p"), ph("vertical_min"), ph("vertical_max"),
                                   cfg.max_verticals(seq_len), pad=seq_len, ids=ids, total=total, mass=mass)
     s_idx, s_count = top_p_select(slash, ph("slash_p"), ph("slash_min"), ph("slash_max"),

@@ -162,11 +162,13 @@ def sparsity(index: VerticalSlashIndex, seq_len: int, block_size: int = 64) -> n
 
 
 def recall(q, k, index: VerticalSlashIndex, *, rows=None, block_size: int = 64, sm_scale=None,
-           chunk: int = 64):
+           chunk: int = 64, segment_ids=None):
     """``float64 [B, H]``: mean over query rows of the full causal softmax mass kept by the index.
 
     ``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` in natural order. ``rows``: global query positions to
     average over (default all); processed ``chunk`` rows at a time (``chunk x S`` logits per head).
+    ``segment_ids int [B, S]`` (packed documents): the softmax and the kept pairs are those of the
+    causal document mask (a query attends its own document only).
     """
     S = k.shape[1]
     rows = np.arange(S) if rows is None else np.asarray(rows)
@@ -181,11 +183,15 @@ def recall(q, k, index: VerticalSlashIndex, *, rows=None, block_size: int = 64, 
     diag = jnp.zeros((B, H, nb + 1), bool).at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
                                             jnp.where(svalid, index.s_idx, nb)].set(True)[..., :nb]
 
+    seg = None if segment_ids is None else jnp.asarray(segment_ids)
+
     @jax.jit
     def kept(qr, rpos):
         z = attention_logits(qr, k, sm_scale)  # [B, H, R, S]
         kp = jnp.arange(S)
         causal = kp[None, :] <= rpos[:, None]
+        if seg is not None:  # [B, 1, R, S]
+            causal = causal & (seg[:, rpos][:, :, None] == seg[:, None, :])[:, None]
         z = jnp.where(causal, z, -jnp.inf)
         p = jax.nn.softmax(z, axis=-1)
         d = rpos[:, None] // block_size - kp[None, :] // block_size

@@ -92,3 +92,19 @@ def heavy_positions(cfg: SyntheticAttention) -> np.ndarray:
     """Positions of the outlier keys (including the sink 0), for plots and tests."""
     rng = np.random.default_rng(cfg.seed)
     return np.r_[0, np.sort(rng.choice(np.arange(1, cfg.seq_len), size=cfg.num_outliers, replace=False))]
+
+
+def packed_documents_qk(lengths, base: SyntheticAttention, seed: int = 0):
+    """``(q [1, S, Hq, D], k [1, S, Hkv, D], segment_ids int32 [1, S])``, ``S = sum(lengths)``: one
+    synthetic document per length (its own sink, ``min(num_outliers, len // 64)`` heavy keys and
+    RoPE from its first token; seeded per document), concatenated as packed documents. ``base``
+    gives heads, head_dim, scales and sharpness (its ``seq_len`` / ``seed`` are replaced)."""
+    qs, ks = [], []
+    for d, n in enumerate(np.asarray(lengths, np.int64)):
+        cfg = dataclasses.replace(base, seq_len=int(n), num_outliers=int(max(1, min(base.num_outliers, n // 64)))
+                                  if n > 2 else 0, seed=seed * 100003 + d)
+        q, k = synthetic_qk(cfg)
+        qs.append(q)
+        ks.append(k)
+    seg = np.repeat(np.arange(len(qs)), np.asarray(lengths, np.int64))[None].astype(np.int32)
+    return jnp.concatenate(qs, axis=1), jnp.concatenate(ks, axis=1), jnp.asarray(seg)
