@@ -24,9 +24,12 @@ record and predicts that family's multi-GPU records of the same length; the erro
 with a 400 Gb/s-class inter-node link (``python -m benchmarks.comm_model --out DIR``).
 
 :func:`backward_bytes` compares the two backward circulations per hop: the K/V side (K, V in the
-input dtype + float32 dK, dV travel; this code base) and the query side of BurstEngine (Q, dO in
-the input dtype + float32 dQ, lse, delta travel): ``(2 Hkv D it + 2 Hkv D 4)`` vs
-``(2 Hq D it + Hq D 4 + 2 Hq 4)`` bytes per token — the query side wins only for (near-)MHA.
+input dtype + float32 dK, dV travel) and the query side of BurstEngine (Q, dO in the input dtype +
+float32 dQ, lse, delta travel): ``(2 Hkv D it + 2 Hkv D 4)`` vs ``(2 Hq D it + Hq D 4 + 2 Hq 4)``
+bytes per token — the query side wins only for (near-)MHA. It is the ring's own count
+(:func:`mtraining_jax.ring.sides.backward_hop_bytes`, by which ``backward_ring="auto"`` chooses);
+:func:`simulate` models either side (``backward_ring``: the query side's hops from
+:func:`benchmarks.ring_comm.ring_hops`, its backward visiting the own step first).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from benchmarks.ring_comm import hop_bytes, ring_hops
+from benchmarks.ring_comm import hop_bytes, hop_link, ring_hops
+from mtraining_jax.ring.sides import backward_hop_bytes, resolve_backward_ring
 
 GB = 1e9
 
@@ -100,6 +104,7 @@ class Prediction:
     bytes_inner: int
     bytes_outer: int
     steps: int
+    backward_ring: str = "kv"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -114,28 +119,35 @@ def _links(num_nodes: int, ring_order: str, intra: Link, inter: Link):
 
 
 def simulate(w: Workload, num_nodes: int, num_local: int, ring_order: str = "hierarchical", *,
-             kernels: Kernels = Kernels(), intra: Link = NVLINK_H200, inter: Link = IB_400G) -> Prediction:
-    """Predicted forward + backward time of one attention layer on the ring (module docstring)."""
+             kernels: Kernels = Kernels(), intra: Link = NVLINK_H200, inter: Link = IB_400G,
+             backward_ring: str = "kv") -> Prediction:
+    """Predicted forward + backward time of one attention layer on the ring (module docstring);
+    ``backward_ring``: ``"kv"``, ``"query"`` or ``"auto"`` (resolved as the ring resolves it)."""
     if w.S % (num_nodes * num_local):
         raise ValueError(f"S={w.S} does not divide over {num_nodes} x {num_local} ranks")
     if not 0 < w.density <= 1:
         raise ValueError(f"density must be in (0, 1], got {w.density!r}")
     P = num_nodes * num_local
-    shape = dict(batch=w.batch, chunk_len=w.S // P, kv_heads=w.kv_heads, head_dim=w.head_dim, itemsize=w.itemsize)
+    side = resolve_backward_ring(backward_ring, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim,
+                                 itemsize=w.itemsize)
+    shape = dict(batch=w.batch, chunk_len=w.S // P, kv_heads=w.kv_heads, heads=w.heads, head_dim=w.head_dim,
+                 itemsize=w.itemsize)
     links = _links(num_nodes, ring_order, intra, inter)
     n_inner = P if ring_order == "flat" else num_local
     per_step = w.flops / P / P / kernels.rate  # forward + backward of one (rank, step) pair
     step_c = {"forward": per_step / 3.5 + kernels.step_overhead, "backward": per_step * 2.5 / 3.5 + kernels.step_overhead}
     index = kernels.index_s * (w.S / P) / kernels.index_ref_len
-    hops = ring_hops(num_nodes, num_local, ring_order)
+    hops = ring_hops(num_nodes, num_local, ring_order, side)
     sent = {"inner": 0, "outer": 0}
     arrive = {}  # (phase, step) -> transfer time of what that step needs, and when it was posted
     for h in hops:
         b = hop_bytes(h, **shape)
-        sent[h.axis] += b
+        link = hop_link(h, num_nodes, ring_order)
+        sent[link] += b
         key = (h.phase, h.step)
-        t, axis = arrive.get(key, (0.0, h.axis))
-        arrive[key] = (t + links[h.axis].time(b), h.axis)
+        post = "outer" if h.axis == "outer" else "inner"  # the diagonal hop is posted one step ahead
+        t, _ = arrive.get(key, (0.0, post))
+        arrive[key] = (t + links[link].time(b), post)
 
     def run(phase: str, order: Sequence[int], t0: float) -> tuple[float, float]:
         """Walk one phase: each step waits for its chunk; inner hops are posted one step ahead,
@@ -155,21 +167,18 @@ def simulate(w: Workload, num_nodes: int, num_local: int, ring_order: str = "hie
         return t, exposed
 
     fwd_end, e1 = run("forward", list(range(P)), index)
-    bwd_end, e2 = run("backward", list(reversed(range(P))), fwd_end)
+    bwd_order = list(reversed(range(P))) if side == "kv" else [0] + list(reversed(range(1, P)))
+    bwd_end, e2 = run("backward", bwd_order, fwd_end)
     return Prediction(step_s=bwd_end, compute_s=P * (step_c["forward"] + step_c["backward"]) + index,
                       exposed_comm_s=e1 + e2,
-                      bytes_inner=sent["inner"], bytes_outer=sent["outer"], steps=P)
+                      bytes_inner=sent["inner"], bytes_outer=sent["outer"], steps=P, backward_ring=side)
 
 
 def backward_bytes(w: Workload, side: str) -> int:
     """Bytes one rank sends per backward hop of a chunk of ``S / P`` tokens with ``P = 1`` scaled
     out (i.e. per token of the chunk): ``side`` ``"kv"`` (this ring) or ``"query"`` (BurstEngine)."""
-    it, D = w.itemsize, w.head_dim
-    if side == "kv":
-        return w.batch * (2 * w.kv_heads * D * it + 2 * w.kv_heads * D * 4)
-    if side == "query":
-        return w.batch * (2 * w.heads * D * it + w.heads * D * 4 + 2 * w.heads * 4)
-    raise ValueError(f"side must be 'kv' or 'query', got {side!r}")
+    return sum(backward_hop_bytes(side, batch=w.batch, chunk_len=1, heads=w.heads, kv_heads=w.kv_heads,
+                                  head_dim=w.head_dim, itemsize=w.itemsize).values())
 
 
 # ------------------------------------------------------------------ calibration on measurements
@@ -225,17 +234,27 @@ def calibrate(records: list[dict]) -> list[dict]:
     return rows
 
 
+#: attention shapes of the predictions: the measured GQA model and its multi-head twin (same Hq)
+MODELS = {"GQA16/2": dict(heads=16, kv_heads=2), "MHA16": dict(heads=16, kv_heads=16)}
+
+
 def predictions(kernels: Kernels, dense_rate: float, lengths=(262144, 524288, 1048576),
-                meshes=((1, 1), (1, 8), (4, 8)), densities=None) -> list[dict]:
-    """Dense and sparse ring at each length and mesh (hierarchical; 4 x 8 over :data:`IB_400G`)."""
+                meshes=((1, 1), (1, 8), (4, 8)), densities=None, models=MODELS,
+                sides=("kv", "query")) -> list[dict]:
+    """Dense and sparse ring at each length and mesh (hierarchical; 4 x 8 over :data:`IB_400G`),
+    per attention shape of ``models`` and backward side."""
     densities = densities or {262144: 0.0277, 524288: 0.0144, 1048576: 0.0075}
     rows = []
     for S in lengths:
         for n, l in meshes:
-            for name, dens, k in (("sparse", densities[S], kernels),
-                                  ("dense", 1.0, dataclasses.replace(kernels, rate=dense_rate, index_s=0.0))):
-                p = simulate(Workload(S, dens), n, l, "hierarchical", kernels=k)
-                rows.append(dict(S=S, mesh=f"{n}x{l}", gpus=n * l, ring=name, density=dens, **p.as_dict()))
+            for model, heads in models.items():
+                for side in sides:
+                    for name, dens, k in (("sparse", densities[S], kernels),
+                                          ("dense", 1.0, dataclasses.replace(kernels, rate=dense_rate, index_s=0.0))):
+                        p = simulate(Workload(S, dens, **heads), n, l, "hierarchical", kernels=k, backward_ring=side)
+                        rows.append(dict(S=S, mesh=f"{n}x{l}", gpus=n * l, model=model, ring=name, density=dens,
+                                         auto=resolve_backward_ring("auto", head_dim=128, itemsize=2, **heads),
+                                         **p.as_dict()))
     return rows
 
 
@@ -245,7 +264,7 @@ def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4.5))
     multi = [r for r in calib if not r["fitted_on_1gpu"]]
     a.scatter([r["measured_s"] * 1e3 for r in multi], [r["predicted_s"] * 1e3 for r in multi], c="C1", label="multi-GPU")
     one = [r for r in calib if r["fitted_on_1gpu"]]
@@ -259,14 +278,26 @@ def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
     a.legend(fontsize=8)
     for ring, style in (("sparse", "-o"), ("dense", "--s")):
         for S in sorted({r["S"] for r in preds}):
-            rs = sorted((r for r in preds if r["ring"] == ring and r["S"] == S), key=lambda r: r["gpus"])
+            rs = sorted((r for r in preds if r["ring"] == ring and r["S"] == S and r.get("model", "GQA16/2") == "GQA16/2"
+                         and r["backward_ring"] == "kv"), key=lambda r: r["gpus"])
             b.plot([r["gpus"] for r in rs], [r["step_s"] * 1e3 for r in rs], style, label=f"{ring} {S // 1024}K")
     b.set_xscale("log", base=2)
     b.set_yscale("log")
     b.set_xlabel("GPUs (1, one node of 8, 4 nodes x 8 over 400 Gb/s)")
     b.set_ylabel("predicted fwd+bwd ms per layer")
-    b.set_title("predictions (hierarchical ring)")
+    b.set_title("predictions (hierarchical ring, GQA 16/2, K/V-side backward)")
     b.legend(fontsize=7, ncol=2)
+    lengths = sorted({r["S"] for r in preds})
+    for (model, side), style in zip([(m, s_) for m in MODELS for s_ in ("kv", "query")], ("-o", "--o", "-s", "--s")):
+        rs = {r["S"]: r for r in preds if r["ring"] == "sparse" and r["mesh"] == "4x8" and r["model"] == model
+              and r["backward_ring"] == side}
+        if len(rs) == len(lengths):
+            c.plot([S // 1024 for S in lengths], [rs[S]["exposed_comm_s"] * 1e3 for S in lengths], style,
+                   label=f"{model}, {side}-side backward")
+    c.set_xlabel("tokens (K)")
+    c.set_ylabel("predicted exposed communication, ms per layer")
+    c.set_title("sparse ring on 4 nodes x 8: backward side")
+    c.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -286,8 +317,9 @@ def main(argv=None) -> int:
         print(f"{r['run']:>12} {r['S'] // 1024:>5}K {r['mesh']:>4} {r['ring_order']:>12}  measured {r['measured_s'] * 1e3:8.1f} ms"
               f"  predicted {r['predicted_s'] * 1e3:8.1f} ms  ({r['rel_err']:+.0%})")
     for r in preds:
-        print(f"{r['ring']:>6} {r['S'] // 1024:>5}K {r['mesh']:>4}: {r['step_s'] * 1e3:9.1f} ms"
-              f"  (exposed comm {r['exposed_comm_s'] * 1e3:.2f} ms)")
+        print(f"{r['ring']:>6} {r['model']:>8} {r['backward_ring']:>5} {r['S'] // 1024:>5}K {r['mesh']:>4}: "
+              f"{r['step_s'] * 1e3:9.1f} ms  (exposed comm {r['exposed_comm_s'] * 1e3:.2f} ms, "
+              f"{(r['bytes_inner'] + r['bytes_outer']) / 1e6:.0f} MB)")
     w = Workload(262144, 0.0277)
     print("backward bytes per token, GQA 16/2: kv", backward_bytes(w, "kv"), "query", backward_bytes(w, "query"))
     if a.out:

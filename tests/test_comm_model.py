@@ -13,12 +13,27 @@ W = Workload(S=65536, density=0.05)
 K = Kernels(rate=300e12, step_overhead=0.2e-3, index_s=2e-3, index_ref_len=65536)
 
 
+@pytest.mark.parametrize("side", ["kv", "query"])
 @pytest.mark.parametrize("n, l, order", [(1, 2, "hierarchical"), (1, 8, "flat"), (2, 4, "hierarchical"),
                                          (2, 4, "flat"), (4, 2, "hierarchical")])
-def test_bytes_equal_the_schedule_accounting(n, l, order):
-    p = simulate(W, n, l, order, kernels=K)
-    want = ring_bytes(n, l, order, batch=1, chunk_len=W.S // (n * l), kv_heads=2, head_dim=128, itemsize=2)
-    assert (p.bytes_inner, p.bytes_outer) == (want["inner"], want["outer"])
+def test_bytes_equal_the_schedule_accounting(n, l, order, side):
+    p = simulate(W, n, l, order, kernels=K, backward_ring=side)
+    want = ring_bytes(n, l, order, side, batch=1, chunk_len=W.S // (n * l), kv_heads=2, heads=16, head_dim=128,
+                      itemsize=2)
+    assert (p.bytes_inner, p.bytes_outer) == (want["inner"], want["outer"]) and p.backward_ring == side
+
+
+def test_auto_side_follows_the_bytes():
+    """"auto" resolves as the ring does: K/V side for GQA 16/2 (fewer bytes, less exposed time on a
+    slow link), query side for MHA, where it moves fewer bytes than the K/V side."""
+    slow = dict(intra=Link(20e9, 10e-6), inter=Link(5e9, 20e-6))
+    mha = dataclasses.replace(W, kv_heads=16)
+    for w, side in ((W, "kv"), (mha, "query")):
+        auto = simulate(w, 2, 4, kernels=K, backward_ring="auto", **slow)
+        other = simulate(w, 2, 4, kernels=K, backward_ring="query" if side == "kv" else "kv", **slow)
+        assert auto.backward_ring == side
+        assert auto.bytes_inner + auto.bytes_outer < other.bytes_inner + other.bytes_outer
+        assert auto.step_s <= other.step_s
 
 
 def test_one_rank_has_no_communication():
