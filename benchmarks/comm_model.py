@@ -181,6 +181,117 @@ def backward_bytes(w: Workload, side: str) -> int:
                                   head_dim=w.head_dim, itemsize=w.itemsize).values())
 
 
+# ------------------------------------------------------------------ sparse-aware K/V exchange (item 2, modelled)
+
+
+def exchange_need(index, positions, block_size: int, kv_heads: int) -> "np.ndarray":
+    """``int [P, P]``: tokens of rank ``a``'s K/V chunk that rank ``r``'s queries need,
+    ``need[r, a]`` (the blocks its slashes hit + the vertical columns outside those blocks, causal
+    for at least one of its queries), the max over batch and KV heads (each KV head's query heads
+    united): the static capacity a sparse-aware exchange of that pair would need.
+
+    ``index``: a :class:`~mtraining_jax.sparsity.index.VerticalSlashIndex` (NumPy or JAX arrays);
+    ``positions``: the layout's ``int [P, S/P]`` global positions (block-aligned)."""
+    import numpy as np
+
+    v_idx, v_count, s_idx, s_count = (np.asarray(x) for x in index)
+    pos = np.asarray(positions)
+    P, sl = pos.shape
+    bs = block_size
+    nb = pos.size // bs
+    owner = np.empty(nb, np.int64)  # global block -> rank holding it
+    qblocks = pos.reshape(P, sl // bs, bs)[:, :, 0] // bs  # [P, nQB]
+    for r in range(P):
+        owner[qblocks[r]] = r
+    qmax = pos.max(axis=1)
+    B, H, _ = s_idx.shape
+    group = H // kv_heads
+    need = np.zeros((P, P), np.int64)
+    for b in range(B):
+        for g in range(kv_heads):
+            hs = range(g * group, (g + 1) * group)
+            for r in range(P):
+                blk = np.zeros(nb, bool)
+                cols = []
+                for h in hs:
+                    d = s_idx[b, h, :s_count[b, h]]
+                    kb = (qblocks[r][:, None] - d[None, :]).ravel()
+                    blk[kb[kb >= 0]] = True
+                    v = v_idx[b, h, :v_count[b, h]]
+                    cols.append(v[v <= qmax[r]])
+                cols = np.unique(np.concatenate(cols)) if cols else np.zeros(0, np.int64)
+                cols = cols[~blk[cols // bs]]
+                n = np.bincount(owner[blk], minlength=P) * bs + np.bincount(owner[cols // bs], minlength=P)
+                need[r] = np.maximum(need[r], n)
+    return need
+
+
+def exchange_bytes(need, num_nodes: int, num_local: int, ring_order: str, *, chunk_len: int, block_size: int,
+                   kv_heads: int, head_dim: int, itemsize: int, batch: int = 1,
+                   full_fraction: float = 0.75) -> dict:
+    """Bytes per rank of a sparse-aware exchange against the full ring's K/V traffic.
+
+    Each forward step ``s >= 1`` sends every rank the tokens its index needs from the chunk it would
+    hold (``source_table``), directly from that chunk's owner, in a static buffer of the max need
+    over ranks rounded up to whole blocks (or the whole chunk where that max exceeds
+    ``full_fraction`` of it: fall back to the full chunk); the backward sends the same K/V again
+    (as the ring does, instead of keeping ``P - 1`` chunks alive) and returns their float32 dK/dV.
+    Returns ``{"exchange": bytes, "full": bytes, "fraction": exchange / full, "steps_full": n,
+    "choice": "exchange" | "ring"}`` with ``full`` the K/V side's K/V + dK/dV bytes of the ring
+    (:func:`benchmarks.ring_comm.ring_bytes`) and ``choice`` the one with fewer bytes;
+    ``ideal_fraction``: the same with every pair sending exactly its own need (a ragged exchange,
+    no static capacity), the bound no uniform-shape permute reaches."""
+    import numpy as np
+
+    from benchmarks.ring_comm import ring_bytes
+    from mtraining_jax.ring.schedule import source_table
+
+    table = source_table(num_nodes, num_local, ring_order)
+    P = table.shape[0]
+    per_token = 2 * batch * kv_heads * head_dim
+    total, steps_full, ideal = 0, 0, 0.0
+    for s in range(1, P):
+        ideal += np.mean([need[r, table[r, s]] for r in range(P)]) * per_token * (2 * itemsize + 4)
+        cap = max(int(need[r, table[r, s]]) for r in range(P))
+        cap = -(-cap // block_size) * block_size
+        if cap > full_fraction * chunk_len:
+            cap, steps_full = chunk_len, steps_full + 1
+        total += cap * per_token * (2 * itemsize + 4)  # K/V there (forward, backward), float32 dK/dV back
+    full = sum(ring_bytes(num_nodes, num_local, ring_order, batch=batch, chunk_len=chunk_len, kv_heads=kv_heads,
+                          head_dim=head_dim, itemsize=itemsize).values())
+    return {"exchange": total, "full": full, "fraction": total / full if full else 0.0, "steps_full": steps_full,
+            "choice": "exchange" if total < full else "ring", "ideal_fraction": ideal / full if full else 0.0}
+
+
+def exchange_rows(S: int, meshes=((1, 8), (4, 8)), layouts=("block_striped", "zigzag", "contiguous"),
+                  block_size: int = 64) -> list[dict]:
+    """:func:`exchange_bytes` for the index the sparse ring estimates on the synthetic inputs of
+    ``benchmarks/sparse_ring.py`` (16/2 heads, head_dim 128, default :class:`SparsityConfig`) at
+    ``S`` tokens, per mesh and layout (hierarchical order, bf16)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mtraining_jax.layouts import Layout
+    from mtraining_jax.sparsity import SparsityConfig, estimate_index
+    from mtraining_jax.sparsity.metrics import density
+    from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk
+
+    q, k = synthetic_qk(SyntheticAttention(seq_len=S, num_q_heads=16, num_kv_heads=2, head_dim=128, num_outliers=64))
+    index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SparsityConfig(block_size=block_size))
+    dens = float(np.mean(density(index, S)))
+    rows = []
+    for n, l in meshes:
+        for lay in layouts:
+            pos = Layout(lay, S, n * l, stripe=block_size).positions
+            need = exchange_need(index, pos, block_size, 2)
+            off = need[~np.eye(n * l, dtype=bool)] / (S // (n * l))
+            r = exchange_bytes(need, n, l, "hierarchical", chunk_len=S // (n * l), block_size=block_size, kv_heads=2,
+                               head_dim=128, itemsize=2)
+            rows.append(dict(S=S, mesh=f"{n}x{l}", layout=lay, density=dens, need_mean=float(off.mean()),
+                             need_max=float(off.max()), **r))
+    return rows
+
+
 # ------------------------------------------------------------------ calibration on measurements
 
 
@@ -309,6 +420,8 @@ def main(argv=None) -> int:
                                                      os.path.join(here, "scaling_results.jsonl")])
     p.add_argument("--rate", type=float, default=360.0, help="sparse kernels' fwd+bwd TFLOP/s for the predictions")
     p.add_argument("--dense-rate", type=float, default=430.0, help="dense ring kernels' fwd+bwd TFLOP/s")
+    p.add_argument("--exchange-len", type=int, default=0,
+                   help="also model the sparse-aware K/V exchange on the synthetic index of this length (CPU: ~1 min at 64K)")
     p.add_argument("--out", help="folder for comm_model.json and comm_model.png")
     a = p.parse_args(argv)
     calib = calibrate(_records(a.records))
@@ -322,10 +435,15 @@ def main(argv=None) -> int:
               f"{(r['bytes_inner'] + r['bytes_outer']) / 1e6:.0f} MB)")
     w = Workload(262144, 0.0277)
     print("backward bytes per token, GQA 16/2: kv", backward_bytes(w, "kv"), "query", backward_bytes(w, "query"))
+    exchange = exchange_rows(a.exchange_len) if a.exchange_len else []
+    for r in exchange:
+        print(f"exchange {r['S'] // 1024}K {r['mesh']} {r['layout']:>13}: need per pair mean {r['need_mean']:.2f} "
+              f"max {r['need_max']:.2f} of a chunk; bytes vs ring {r['fraction']:.3f} (ragged bound "
+              f"{r['ideal_fraction']:.3f}) -> {r['choice']}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "comm_model.json"), "w") as f:
-            json.dump(dict(calibration=calib, predictions=preds), f, indent=1)
+            json.dump(dict(calibration=calib, predictions=preds, exchange=exchange), f, indent=1)
         _plot(calib, preds, os.path.join(a.out, "comm_model.png"))
     return 0
 
