@@ -143,6 +143,8 @@ def test_bad_inputs():
         MTrainingConfig(impl="cuda")
     with pytest.raises(ValueError, match="fuse_forward must be a bool, got 'yes'"):
         MTrainingConfig(fuse_forward="yes")
+    with pytest.raises(ValueError, match="unknown backward_ring 'q'"):
+        MTrainingConfig(backward_ring="q")
     with pytest.raises(ValueError, match="not divisible"):
         mtraining_attention(q[:, :960], k[:, :960], v[:, :960], mesh, MTrainingConfig(sparsity=SPARSE))
     with pytest.raises(ValueError, match="multiple of KV heads"):

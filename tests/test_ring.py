@@ -382,6 +382,10 @@ def test_bad_ring_order_and_impl():
         RingConfig(2, 4, "ring")
     with pytest.raises(ValueError, match="num_local must be a positive integer, got 0"):
         RingConfig(2, 0, "flat")
+    with pytest.raises(ValueError, match="unknown backward_ring 'dq'"):
+        RingConfig(2, 4, "flat", backward_ring="dq")
+    with pytest.raises(ValueError, match="unknown backward_ring 'both'"):
+        ring_attention(*_small(), _mesh((2, 4)), backward_ring="both")
 
 
 def test_bad_positions_and_shapes():
@@ -417,6 +421,15 @@ def test_shard_body_outside_shard_map_and_wrong_sizes():
 
     with pytest.raises(ValueError, match="leading ring-step axis of size P = 8"):
         jax.shard_map(body_idx, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(CP_AXES)), out_specs=spec,
+                      check_vma=False)(*_small())
+    stacked = jax.tree.map(lambda a: jnp.stack([a] * 8), idx)  # this rank's queries only
+
+    def body_query(q, k, v, p):
+        return ring_attention_shard(q, k, v, p, p, num_nodes=2, num_local=4, ring_order="flat", step_index=stacked,
+                                    backward_ring="query")
+
+    with pytest.raises(ValueError, match="backward_ring='query' needs the index of every rank's queries"):
+        jax.shard_map(body_query, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(CP_AXES)), out_specs=spec,
                       check_vma=False)(*_small())
 
 
