@@ -24,9 +24,12 @@ record and predicts that family's multi-GPU records of the same length; the erro
 with a 400 Gb/s-class inter-node link (``python -m benchmarks.comm_model --out DIR``).
 
 :func:`backward_bytes` compares the two backward circulations per hop: the K/V side (K, V in the
-input dtype + float32 dK, dV travel; this code base) and the query side of BurstEngine (Q, dO in
-the input dtype + float32 dQ, lse, delta travel): ``(2 Hkv D it + 2 Hkv D 4)`` vs
-``(2 Hq D it + Hq D 4 + 2 Hq 4)`` bytes per token — the query side wins only for (near-)MHA.
+input dtype + float32 dK, dV travel) and the query side of BurstEngine (Q, dO in the input dtype +
+float32 dQ, lse, delta travel): ``(2 Hkv D it + 2 Hkv D 4)`` vs ``(2 Hq D it + Hq D 4 + 2 Hq 4)``
+bytes per token — the query side wins only for (near-)MHA. It is the ring's own count
+(:func:`mtraining_jax.ring.sides.backward_hop_bytes`, by which ``backward_ring="auto"`` chooses);
+:func:`simulate` models either side (``backward_ring``: the query side's hops from
+:func:`benchmarks.ring_comm.ring_hops`, its backward visiting the own step first).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from benchmarks.ring_comm import hop_bytes, ring_hops
+from benchmarks.ring_comm import hop_bytes, hop_link, ring_hops
+from mtraining_jax.ring.sides import backward_hop_bytes, resolve_backward_ring
 
 GB = 1e9
 
@@ -100,6 +104,7 @@ class Prediction:
     bytes_inner: int
     bytes_outer: int
     steps: int
+    backward_ring: str = "kv"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -114,28 +119,35 @@ def _links(num_nodes: int, ring_order: str, intra: Link, inter: Link):
 
 
 def simulate(w: Workload, num_nodes: int, num_local: int, ring_order: str = "hierarchical", *,
-             kernels: Kernels = Kernels(), intra: Link = NVLINK_H200, inter: Link = IB_400G) -> Prediction:
-    """Predicted forward + backward time of one attention layer on the ring (module docstring)."""
+             kernels: Kernels = Kernels(), intra: Link = NVLINK_H200, inter: Link = IB_400G,
+             backward_ring: str = "kv") -> Prediction:
+    """Predicted forward + backward time of one attention layer on the ring (module docstring);
+    ``backward_ring``: ``"kv"``, ``"query"`` or ``"auto"`` (resolved as the ring resolves it)."""
     if w.S % (num_nodes * num_local):
         raise ValueError(f"S={w.S} does not divide over {num_nodes} x {num_local} ranks")
     if not 0 < w.density <= 1:
         raise ValueError(f"density must be in (0, 1], got {w.density!r}")
     P = num_nodes * num_local
-    shape = dict(batch=w.batch, chunk_len=w.S // P, kv_heads=w.kv_heads, head_dim=w.head_dim, itemsize=w.itemsize)
+    side = resolve_backward_ring(backward_ring, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim,
+                                 itemsize=w.itemsize)
+    shape = dict(batch=w.batch, chunk_len=w.S // P, kv_heads=w.kv_heads, heads=w.heads, head_dim=w.head_dim,
+                 itemsize=w.itemsize)
     links = _links(num_nodes, ring_order, intra, inter)
     n_inner = P if ring_order == "flat" else num_local
     per_step = w.flops / P / P / kernels.rate  # forward + backward of one (rank, step) pair
     step_c = {"forward": per_step / 3.5 + kernels.step_overhead, "backward": per_step * 2.5 / 3.5 + kernels.step_overhead}
     index = kernels.index_s * (w.S / P) / kernels.index_ref_len
-    hops = ring_hops(num_nodes, num_local, ring_order)
+    hops = ring_hops(num_nodes, num_local, ring_order, side)
     sent = {"inner": 0, "outer": 0}
     arrive = {}  # (phase, step) -> transfer time of what that step needs, and when it was posted
     for h in hops:
         b = hop_bytes(h, **shape)
-        sent[h.axis] += b
+        link = hop_link(h, num_nodes, ring_order)
+        sent[link] += b
         key = (h.phase, h.step)
-        t, axis = arrive.get(key, (0.0, h.axis))
-        arrive[key] = (t + links[h.axis].time(b), h.axis)
+        post = "outer" if h.axis == "outer" else "inner"  # the diagonal hop is posted one step ahead
+        t, _ = arrive.get(key, (0.0, post))
+        arrive[key] = (t + links[link].time(b), post)
 
     def run(phase: str, order: Sequence[int], t0: float) -> tuple[float, float]:
         """Walk one phase: each step waits for its chunk; inner hops are posted one step ahead,
@@ -155,21 +167,129 @@ def simulate(w: Workload, num_nodes: int, num_local: int, ring_order: str = "hie
         return t, exposed
 
     fwd_end, e1 = run("forward", list(range(P)), index)
-    bwd_end, e2 = run("backward", list(reversed(range(P))), fwd_end)
+    bwd_order = list(reversed(range(P))) if side == "kv" else [0] + list(reversed(range(1, P)))
+    bwd_end, e2 = run("backward", bwd_order, fwd_end)
     return Prediction(step_s=bwd_end, compute_s=P * (step_c["forward"] + step_c["backward"]) + index,
                       exposed_comm_s=e1 + e2,
-                      bytes_inner=sent["inner"], bytes_outer=sent["outer"], steps=P)
+                      bytes_inner=sent["inner"], bytes_outer=sent["outer"], steps=P, backward_ring=side)
 
 
 def backward_bytes(w: Workload, side: str) -> int:
     """Bytes one rank sends per backward hop of a chunk of ``S / P`` tokens with ``P = 1`` scaled
     out (i.e. per token of the chunk): ``side`` ``"kv"`` (this ring) or ``"query"`` (BurstEngine)."""
-    it, D = w.itemsize, w.head_dim
-    if side == "kv":
-        return w.batch * (2 * w.kv_heads * D * it + 2 * w.kv_heads * D * 4)
-    if side == "query":
-        return w.batch * (2 * w.heads * D * it + w.heads * D * 4 + 2 * w.heads * 4)
-    raise ValueError(f"side must be 'kv' or 'query', got {side!r}")
+    return sum(backward_hop_bytes(side, batch=w.batch, chunk_len=1, heads=w.heads, kv_heads=w.kv_heads,
+                                  head_dim=w.head_dim, itemsize=w.itemsize).values())
+
+
+# ------------------------------------------------------------------ sparse-aware K/V exchange (item 2, modelled)
+
+
+def exchange_need(index, positions, block_size: int, kv_heads: int) -> "np.ndarray":
+    """``int [P, P]``: tokens of rank ``a``'s K/V chunk that rank ``r``'s queries need,
+    ``need[r, a]`` (the blocks its slashes hit + the vertical columns outside those blocks, causal
+    for at least one of its queries), the max over batch and KV heads (each KV head's query heads
+    united): the static capacity a sparse-aware exchange of that pair would need.
+
+    ``index``: a :class:`~mtraining_jax.sparsity.index.VerticalSlashIndex` (NumPy or JAX arrays);
+    ``positions``: the layout's ``int [P, S/P]`` global positions (block-aligned)."""
+    import numpy as np
+
+    v_idx, v_count, s_idx, s_count = (np.asarray(x) for x in index)
+    pos = np.asarray(positions)
+    P, sl = pos.shape
+    bs = block_size
+    nb = pos.size // bs
+    owner = np.empty(nb, np.int64)  # global block -> rank holding it
+    qblocks = pos.reshape(P, sl // bs, bs)[:, :, 0] // bs  # [P, nQB]
+    for r in range(P):
+        owner[qblocks[r]] = r
+    qmax = pos.max(axis=1)
+    B, H, _ = s_idx.shape
+    group = H // kv_heads
+    need = np.zeros((P, P), np.int64)
+    for b in range(B):
+        for g in range(kv_heads):
+            hs = range(g * group, (g + 1) * group)
+            for r in range(P):
+                blk = np.zeros(nb, bool)
+                cols = []
+                for h in hs:
+                    d = s_idx[b, h, :s_count[b, h]]
+                    kb = (qblocks[r][:, None] - d[None, :]).ravel()
+                    blk[kb[kb >= 0]] = True
+                    v = v_idx[b, h, :v_count[b, h]]
+                    cols.append(v[v <= qmax[r]])
+                cols = np.unique(np.concatenate(cols)) if cols else np.zeros(0, np.int64)
+                cols = cols[~blk[cols // bs]]
+                n = np.bincount(owner[blk], minlength=P) * bs + np.bincount(owner[cols // bs], minlength=P)
+                need[r] = np.maximum(need[r], n)
+    return need
+
+
+def exchange_bytes(need, num_nodes: int, num_local: int, ring_order: str, *, chunk_len: int, block_size: int,
+                   kv_heads: int, head_dim: int, itemsize: int, batch: int = 1,
+                   full_fraction: float = 0.75) -> dict:
+    """Bytes per rank of a sparse-aware exchange against the full ring's K/V traffic.
+
+    Each forward step ``s >= 1`` sends every rank the tokens its index needs from the chunk it would
+    hold (``source_table``), directly from that chunk's owner, in a static buffer of the max need
+    over ranks rounded up to whole blocks (or the whole chunk where that max exceeds
+    ``full_fraction`` of it: fall back to the full chunk); the backward sends the same K/V again
+    (as the ring does, instead of keeping ``P - 1`` chunks alive) and returns their float32 dK/dV.
+    Returns ``{"exchange": bytes, "full": bytes, "fraction": exchange / full, "steps_full": n,
+    "choice": "exchange" | "ring"}`` with ``full`` the K/V side's K/V + dK/dV bytes of the ring
+    (:func:`benchmarks.ring_comm.ring_bytes`) and ``choice`` the one with fewer bytes;
+    ``ideal_fraction``: the same with every pair sending exactly its own need (a ragged exchange,
+    no static capacity), the bound no uniform-shape permute reaches."""
+    import numpy as np
+
+    from benchmarks.ring_comm import ring_bytes
+    from mtraining_jax.ring.schedule import source_table
+
+    table = source_table(num_nodes, num_local, ring_order)
+    P = table.shape[0]
+    per_token = 2 * batch * kv_heads * head_dim
+    total, steps_full, ideal = 0, 0, 0.0
+    for s in range(1, P):
+        ideal += np.mean([need[r, table[r, s]] for r in range(P)]) * per_token * (2 * itemsize + 4)
+        cap = max(int(need[r, table[r, s]]) for r in range(P))
+        cap = -(-cap // block_size) * block_size
+        if cap > full_fraction * chunk_len:
+            cap, steps_full = chunk_len, steps_full + 1
+        total += cap * per_token * (2 * itemsize + 4)  # K/V there (forward, backward), float32 dK/dV back
+    full = sum(ring_bytes(num_nodes, num_local, ring_order, batch=batch, chunk_len=chunk_len, kv_heads=kv_heads,
+                          head_dim=head_dim, itemsize=itemsize).values())
+    return {"exchange": total, "full": full, "fraction": total / full if full else 0.0, "steps_full": steps_full,
+            "choice": "exchange" if total < full else "ring", "ideal_fraction": ideal / full if full else 0.0}
+
+
+def exchange_rows(S: int, meshes=((1, 8), (4, 8)), layouts=("block_striped", "zigzag", "contiguous"),
+                  block_size: int = 64) -> list[dict]:
+    """:func:`exchange_bytes` for the index the sparse ring estimates on the synthetic inputs of
+    ``benchmarks/sparse_ring.py`` (16/2 heads, head_dim 128, default :class:`SparsityConfig`) at
+    ``S`` tokens, per mesh and layout (hierarchical order, bf16)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mtraining_jax.layouts import Layout
+    from mtraining_jax.sparsity import SparsityConfig, estimate_index
+    from mtraining_jax.sparsity.metrics import density
+    from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk
+
+    q, k = synthetic_qk(SyntheticAttention(seq_len=S, num_q_heads=16, num_kv_heads=2, head_dim=128, num_outliers=64))
+    index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SparsityConfig(block_size=block_size))
+    dens = float(np.mean(density(index, S)))
+    rows = []
+    for n, l in meshes:
+        for lay in layouts:
+            pos = Layout(lay, S, n * l, stripe=block_size).positions
+            need = exchange_need(index, pos, block_size, 2)
+            off = need[~np.eye(n * l, dtype=bool)] / (S // (n * l))
+            r = exchange_bytes(need, n, l, "hierarchical", chunk_len=S // (n * l), block_size=block_size, kv_heads=2,
+                               head_dim=128, itemsize=2)
+            rows.append(dict(S=S, mesh=f"{n}x{l}", layout=lay, density=dens, need_mean=float(off.mean()),
+                             need_max=float(off.max()), **r))
+    return rows
 
 
 # ------------------------------------------------------------------ calibration on measurements
@@ -225,17 +345,27 @@ def calibrate(records: list[dict]) -> list[dict]:
     return rows
 
 
+#: attention shapes of the predictions: the measured GQA model and its multi-head twin (same Hq)
+MODELS = {"GQA16/2": dict(heads=16, kv_heads=2), "MHA16": dict(heads=16, kv_heads=16)}
+
+
 def predictions(kernels: Kernels, dense_rate: float, lengths=(262144, 524288, 1048576),
-                meshes=((1, 1), (1, 8), (4, 8)), densities=None) -> list[dict]:
-    """Dense and sparse ring at each length and mesh (hierarchical; 4 x 8 over :data:`IB_400G`)."""
+                meshes=((1, 1), (1, 8), (4, 8)), densities=None, models=MODELS,
+                sides=("kv", "query")) -> list[dict]:
+    """Dense and sparse ring at each length and mesh (hierarchical; 4 x 8 over :data:`IB_400G`),
+    per attention shape of ``models`` and backward side."""
     densities = densities or {262144: 0.0277, 524288: 0.0144, 1048576: 0.0075}
     rows = []
     for S in lengths:
         for n, l in meshes:
-            for name, dens, k in (("sparse", densities[S], kernels),
-                                  ("dense", 1.0, dataclasses.replace(kernels, rate=dense_rate, index_s=0.0))):
-                p = simulate(Workload(S, dens), n, l, "hierarchical", kernels=k)
-                rows.append(dict(S=S, mesh=f"{n}x{l}", gpus=n * l, ring=name, density=dens, **p.as_dict()))
+            for model, heads in models.items():
+                for side in sides:
+                    for name, dens, k in (("sparse", densities[S], kernels),
+                                          ("dense", 1.0, dataclasses.replace(kernels, rate=dense_rate, index_s=0.0))):
+                        p = simulate(Workload(S, dens, **heads), n, l, "hierarchical", kernels=k, backward_ring=side)
+                        rows.append(dict(S=S, mesh=f"{n}x{l}", gpus=n * l, model=model, ring=name, density=dens,
+                                         auto=resolve_backward_ring("auto", head_dim=128, itemsize=2, **heads),
+                                         **p.as_dict()))
     return rows
 
 
@@ -245,7 +375,7 @@ def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4.5))
     multi = [r for r in calib if not r["fitted_on_1gpu"]]
     a.scatter([r["measured_s"] * 1e3 for r in multi], [r["predicted_s"] * 1e3 for r in multi], c="C1", label="multi-GPU")
     one = [r for r in calib if r["fitted_on_1gpu"]]
@@ -259,14 +389,26 @@ def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
     a.legend(fontsize=8)
     for ring, style in (("sparse", "-o"), ("dense", "--s")):
         for S in sorted({r["S"] for r in preds}):
-            rs = sorted((r for r in preds if r["ring"] == ring and r["S"] == S), key=lambda r: r["gpus"])
+            rs = sorted((r for r in preds if r["ring"] == ring and r["S"] == S and r.get("model", "GQA16/2") == "GQA16/2"
+                         and r["backward_ring"] == "kv"), key=lambda r: r["gpus"])
             b.plot([r["gpus"] for r in rs], [r["step_s"] * 1e3 for r in rs], style, label=f"{ring} {S // 1024}K")
     b.set_xscale("log", base=2)
     b.set_yscale("log")
     b.set_xlabel("GPUs (1, one node of 8, 4 nodes x 8 over 400 Gb/s)")
     b.set_ylabel("predicted fwd+bwd ms per layer")
-    b.set_title("predictions (hierarchical ring)")
+    b.set_title("predictions (hierarchical ring, GQA 16/2, K/V-side backward)")
     b.legend(fontsize=7, ncol=2)
+    lengths = sorted({r["S"] for r in preds})
+    for (model, side), style in zip([(m, s_) for m in MODELS for s_ in ("kv", "query")], ("-o", "--o", "-s", "--s")):
+        rs = {r["S"]: r for r in preds if r["ring"] == "sparse" and r["mesh"] == "4x8" and r["model"] == model
+              and r["backward_ring"] == side}
+        if len(rs) == len(lengths):
+            c.plot([S // 1024 for S in lengths], [rs[S]["exposed_comm_s"] * 1e3 for S in lengths], style,
+                   label=f"{model}, {side}-side backward")
+    c.set_xlabel("tokens (K)")
+    c.set_ylabel("predicted exposed communication, ms per layer")
+    c.set_title("sparse ring on 4 nodes x 8: backward side")
+    c.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -278,6 +420,8 @@ def main(argv=None) -> int:
                                                      os.path.join(here, "scaling_results.jsonl")])
     p.add_argument("--rate", type=float, default=360.0, help="sparse kernels' fwd+bwd TFLOP/s for the predictions")
     p.add_argument("--dense-rate", type=float, default=430.0, help="dense ring kernels' fwd+bwd TFLOP/s")
+    p.add_argument("--exchange-len", type=int, default=0,
+                   help="also model the sparse-aware K/V exchange on the synthetic index of this length (CPU: ~1 min at 64K)")
     p.add_argument("--out", help="folder for comm_model.json and comm_model.png")
     a = p.parse_args(argv)
     calib = calibrate(_records(a.records))
@@ -286,14 +430,20 @@ def main(argv=None) -> int:
         print(f"{r['run']:>12} {r['S'] // 1024:>5}K {r['mesh']:>4} {r['ring_order']:>12}  measured {r['measured_s'] * 1e3:8.1f} ms"
               f"  predicted {r['predicted_s'] * 1e3:8.1f} ms  ({r['rel_err']:+.0%})")
     for r in preds:
-        print(f"{r['ring']:>6} {r['S'] // 1024:>5}K {r['mesh']:>4}: {r['step_s'] * 1e3:9.1f} ms"
-              f"  (exposed comm {r['exposed_comm_s'] * 1e3:.2f} ms)")
+        print(f"{r['ring']:>6} {r['model']:>8} {r['backward_ring']:>5} {r['S'] // 1024:>5}K {r['mesh']:>4}: "
+              f"{r['step_s'] * 1e3:9.1f} ms  (exposed comm {r['exposed_comm_s'] * 1e3:.2f} ms, "
+              f"{(r['bytes_inner'] + r['bytes_outer']) / 1e6:.0f} MB)")
     w = Workload(262144, 0.0277)
     print("backward bytes per token, GQA 16/2: kv", backward_bytes(w, "kv"), "query", backward_bytes(w, "query"))
+    exchange = exchange_rows(a.exchange_len) if a.exchange_len else []
+    for r in exchange:
+        print(f"exchange {r['S'] // 1024}K {r['mesh']} {r['layout']:>13}: need per pair mean {r['need_mean']:.2f} "
+              f"max {r['need_max']:.2f} of a chunk; bytes vs ring {r['fraction']:.3f} (ragged bound "
+              f"{r['ideal_fraction']:.3f}) -> {r['choice']}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "comm_model.json"), "w") as f:
-            json.dump(dict(calibration=calib, predictions=preds), f, indent=1)
+            json.dump(dict(calibration=calib, predictions=preds, exchange=exchange), f, indent=1)
         _plot(calib, preds, os.path.join(a.out, "comm_model.png"))
     return 0
 

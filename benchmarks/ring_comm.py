@@ -16,6 +16,14 @@ came over. :func:`ring_hops` reads those changes off the table:
 Per forward + backward and rank: ``P-1`` K/V hops forward, ``P-2`` backward and ``P-1`` dK/dV
 hops (none on one rank). The flat order is one ring of ``P`` (all hops ``inner``); hierarchical
 has an inner ring of ``L`` (``local``) and an outer ring of ``N`` (``node``).
+
+The query-side backward (``backward_ring="query"``, :mod:`mtraining_jax.ring.sides`) holds at
+backward step ``s`` the queries of the rank ``t`` with ``source_table[t, s] == rank`` and moves
+them ``+1`` along the rings: one packed buffer ``q`` (Q, dO in the input dtype, float32 lse and
+delta) per transition (``P-1``: the first, into step ``P-1``, is a ``diagonal`` hop from the rank
+``(n-1, l-1)``, overlapping the own step) and one float32 dQ accumulator ``dq`` per transition
+(``P-1``: inner hops within an outer step, one outer hop of the node's running total per outer
+step). :func:`ring_hops` checks every one against the table.
 """
 
 from __future__ import annotations
@@ -25,14 +33,16 @@ from typing import NamedTuple
 import numpy as np
 
 from mtraining_jax.ring.schedule import source_table, validate_ring_order
+from mtraining_jax.ring.sides import BACKWARD_SIDES, backward_hop_bytes
 
-__all__ = ["Hop", "ring_hops", "hop_bytes", "hop_pairs", "ring_bytes", "transfer_units"]
+__all__ = ["Hop", "ring_hops", "hop_bytes", "hop_pairs", "hop_link", "ring_bytes", "transfer_units"]
 
 
 class Hop(NamedTuple):
     """One collective-permute of one rank: ``phase`` ``"forward"`` / ``"backward"``; ``step``: the
-    ring step whose chunk it delivers; ``axis`` ``"inner"`` / ``"outer"``; ``what`` ``"kv"`` (K/V
-    in the input dtype) or ``"dkv"`` (float32 dK/dV)."""
+    ring step whose chunk it delivers; ``axis`` ``"inner"`` / ``"outer"`` / ``"diagonal"`` (the
+    query side's first hop, node and local one place on); ``what`` ``"kv"`` (K/V in the input
+    dtype), ``"dkv"`` (float32 dK/dV), ``"q"`` (Q, dO, lse, delta) or ``"dq"`` (float32 dQ)."""
 
     phase: str
     step: int
@@ -63,10 +73,44 @@ def _axis(table, step: int, prev: int, n_inner: int, inner, outer, d: int) -> st
     raise AssertionError(f"step {step}: the schedule is not a ring (no neighbour holds the chunk)")
 
 
-def ring_hops(num_nodes: int, num_local: int, ring_order: str) -> list[Hop]:
+def _query_hops(table, num_nodes: int, num_local: int, ring_order: str) -> list[Hop]:
+    """The query-side backward's hops (module docstring), each checked against the table: the
+    receiver holds at the hop's step the queries the sender held at the step before (the own step
+    0 for the diagonal hop)."""
+    P = table.shape[0]
+    n_inner, inner, outer = _rings(num_nodes, num_local, ring_order)
+    qtable = np.argsort(table, axis=0)  # qtable[r, s] = t with table[t, s] == r
+    hops, prev = [], {}
+    if P > 1:
+        hops.append(Hop("backward", P - 1, "diagonal", "q"))
+        prev[hops[-1]] = 0
+    n_outer = P // n_inner
+    for i in reversed(range(n_outer)):
+        if i > 0 and i * n_inner - 1 != 0:
+            hops.append(Hop("backward", i * n_inner - 1, "outer", "q"))
+            prev[hops[-1]] = i * n_inner - 1 + n_inner
+        for j in reversed(range(1, n_inner)):
+            s = i * n_inner + j
+            for what in (("q", "dq") if s - 1 else ("dq",)):
+                hops.append(Hop("backward", s - 1, "inner", what))
+                prev[hops[-1]] = s
+        if i > 0:
+            hops.append(Hop("backward", (i - 1) * n_inner, "outer", "dq"))
+            prev[hops[-1]] = i * n_inner
+    for h in hops:
+        for src, dst in hop_pairs(h, num_nodes, num_local, ring_order):
+            if qtable[dst, h.step] != qtable[src, prev[h]]:
+                raise AssertionError(f"{h}: rank {dst} would not hold the queries {src} sends")
+    return hops
+
+
+def ring_hops(num_nodes: int, num_local: int, ring_order: str, backward_ring: str = "kv") -> list[Hop]:
     """Every collective-permute one rank makes in one forward + backward of the ring (module
-    docstring), in execution order within each phase."""
+    docstring), in execution order within each phase; ``backward_ring``: ``"kv"`` or ``"query"``
+    (a resolved side, :data:`mtraining_jax.ring.sides.BACKWARD_SIDES`)."""
     validate_ring_order(ring_order)
+    if backward_ring not in BACKWARD_SIDES:
+        raise ValueError(f"backward_ring must be one of {BACKWARD_SIDES}, got {backward_ring!r}")
     for name, v in (("num_nodes", num_nodes), ("num_local", num_local)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -76,6 +120,8 @@ def ring_hops(num_nodes: int, num_local: int, ring_order: str) -> list[Hop]:
         raise AssertionError("step 0 of the schedule must be every rank's own chunk")
     n_inner, inner, outer = _rings(num_nodes, num_local, ring_order)
     hops = [Hop("forward", s, _axis(table, s, s - 1, n_inner, inner, outer, -1), "kv") for s in range(1, P)]
+    if backward_ring == "query":
+        return hops + _query_hops(table, num_nodes, num_local, ring_order)
     for s in reversed(range(P - 1)):
         axis = _axis(table, s, s + 1, n_inner, inner, outer, +1)
         if s > 0:
@@ -84,27 +130,44 @@ def ring_hops(num_nodes: int, num_local: int, ring_order: str) -> list[Hop]:
     return hops
 
 
-def hop_bytes(hop: Hop, *, batch: int, chunk_len: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+def hop_bytes(hop: Hop, *, batch: int, chunk_len: int, kv_heads: int, head_dim: int, itemsize: int,
+              heads: int | None = None) -> int:
     """Bytes one rank sends in ``hop``: ``[2, batch, chunk_len, kv_heads, head_dim]`` of ``itemsize``
-    (K/V in the input dtype) or of 4 bytes (float32 dK/dV)."""
-    return 2 * batch * chunk_len * kv_heads * head_dim * (4 if hop.what == "dkv" else itemsize)
+    (K/V in the input dtype) or of 4 bytes (float32 dK/dV); the query side's buffers over ``heads``
+    query heads (:func:`mtraining_jax.ring.sides.backward_hop_bytes`, the count the ring chooses by)."""
+    side = "query" if hop.what in ("q", "dq") else "kv"
+    if side == "query" and heads is None:
+        raise ValueError(f"{hop}: the query side's bytes need heads")
+    return backward_hop_bytes(side, batch=batch, chunk_len=chunk_len, heads=heads or kv_heads, kv_heads=kv_heads,
+                              head_dim=head_dim, itemsize=itemsize)[hop.what]
 
 
 def hop_pairs(hop: Hop, num_nodes: int, num_local: int, ring_order: str) -> frozenset:
-    """``(source, target)`` ranks of ``hop`` over all ranks (node-major): forward hops go one place
-    along their ring, backward hops one place back."""
+    """``(source, target)`` ranks of ``hop`` over all ranks (node-major): forward hops and the query
+    side's go one place along their ring (``diagonal``: node and local one place on), the K/V
+    side's backward hops one place back."""
     _, inner, outer = _rings(num_nodes, num_local, ring_order)
+    d = 1 if hop.phase == "forward" or hop.what in ("q", "dq") else -1
+    if hop.axis == "diagonal":
+        return frozenset((r, outer(inner(r, d), d)) for r in range(num_nodes * num_local))
     step = inner if hop.axis == "inner" else outer
-    d = 1 if hop.phase == "forward" else -1
     return frozenset((r, step(r, d)) for r in range(num_nodes * num_local))
 
 
-def ring_bytes(num_nodes: int, num_local: int, ring_order: str, **shape) -> dict[str, int]:
+def hop_link(hop: Hop, num_nodes: int, ring_order: str) -> str:
+    """``"inner"`` or ``"outer"``: the link class ``hop`` uses (the diagonal hop crosses nodes when
+    the hierarchical ring has an outer ring)."""
+    if hop.axis != "diagonal":
+        return hop.axis
+    return "outer" if ring_order == "hierarchical" and num_nodes > 1 else "inner"
+
+
+def ring_bytes(num_nodes: int, num_local: int, ring_order: str, backward_ring: str = "kv", **shape) -> dict[str, int]:
     """``{"inner": bytes, "outer": bytes}`` one rank sends per forward + backward (``shape``: the
     keywords of :func:`hop_bytes`)."""
     out = {"inner": 0, "outer": 0}
-    for hop in ring_hops(num_nodes, num_local, ring_order):
-        out[hop.axis] += hop_bytes(hop, **shape)
+    for hop in ring_hops(num_nodes, num_local, ring_order, backward_ring):
+        out[hop_link(hop, num_nodes, ring_order)] += hop_bytes(hop, **shape)
     return out
 
 

@@ -19,7 +19,9 @@ op and source line, and the MEASURED exposed communication: NCCL time with no co
 with its longest stretches). The fwd+bwd step is timed per isolated call (``sparse_fwdbwd_s``) and
 back to back (``sparse_fwdbwd_steady_s``, as a training loop runs). ``--fuse none backward both``
 runs each multi-GPU case once per fused-kernel-call variant (``MTrainingConfig.fuse_forward`` /
-``fuse_backward``; default ``both``, the library default). Appends JSON lines to
+``fuse_backward``; default ``both``, the library default); ``--backward-ring kv query`` once per
+backward side (``MTrainingConfig.backward_ring`` / ``ring_attention(backward_ring=)``; default
+``auto``; every side also on one GPU, where they must cost the same). Appends JSON lines to
 ``--out/sparse_ring.jsonl``, writes the optimized HLO of each multi-GPU sparse step and its schedule
 reduced to collectives and kernels (``schedule_S*.txt``),
 then the scaling table (``scaling_table.md``) and a throughput-vs-GPUs plot (``scaling.png``).
@@ -61,6 +63,7 @@ from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attenti
 from pallas_kernels.reference import dense_attention  # noqa: E402
 from mtraining_jax.ring.attention import ring_attention  # noqa: E402
 from mtraining_jax.ring.schedule import RING_ORDERS  # noqa: E402
+from mtraining_jax.ring.sides import BACKWARD_RINGS  # noqa: E402
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh, sequence_sharding  # noqa: E402
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index_shard  # noqa: E402
 from mtraining_jax.sparsity.index import active_diagonals, vertical_flags  # noqa: E402
@@ -154,21 +157,21 @@ def exposed_bound(rec: dict, step_s: float) -> float | None:
 FUSE = {"none": (False, False), "backward": (False, True), "forward": (True, False), "both": (True, True)}
 
 
-def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both"):
+def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_ring="auto"):
     N, L = mesh_shape
     P = N * L
     mesh = make_mesh((N, L), jax.devices()[:P])
     sp = SparsityConfig()  # defaults: p = 0.9, verticals <= 4096, slashes <= 64 diagonals
     fuse_fwd, fuse_bwd = FUSE[fuse]
     cfg = MTrainingConfig(sparsity=sp, layout="block_striped", ring_order=ring_order, fuse_forward=fuse_fwd,
-                          fuse_backward=fuse_bwd)
+                          fuse_backward=fuse_bwd, backward_ring=backward_ring)
     layout = cfg.make_layout(S, P)
     q, k, v, cot = make_inputs(S, sharpness=args.sharpness)
     shard = sequence_sharding(mesh)
     lq, lk, lv, lc = (jax.device_put(layout.permute(x), shard) for x in (q, k, v, cot))
     perm = jax.device_put(jnp.asarray(layout.perm), NamedSharding(mesh, PartitionSpec(CP_AXES)))
 
-    ring_kw = dict(ring_order=ring_order, fuse_forward=fuse_fwd, fuse_backward=fuse_bwd)
+    ring_kw = dict(ring_order=ring_order, fuse_forward=fuse_fwd, fuse_backward=fuse_bwd, backward_ring=backward_ring)
 
     def dense_loss(q, k, v, c):
         o = ring_attention(q, k, v, perm, mesh, **ring_kw)
@@ -183,7 +186,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both"):
     sparse_f = jax.jit(lambda q, k, v: mtraining_attention(q, k, v, mesh, cfg))
     dense_f = jax.jit(lambda q, k, v: ring_attention(q, k, v, perm, mesh, **ring_kw))
     rec = {"S": S, "gpus": P, "mesh": f"{N}x{L}", "nodes": N, "local": L, "ring_order": ring_order, "fuse": fuse,
-           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+           "backward_ring": backward_ring, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if args.tag:
         rec["run"] = args.tag
     rec["index_s"], _ = timeit(jax.jit(lambda q, k: index_only(q, k, mesh, cfg, layout)), lq, lk, repeat=args.repeat)
@@ -207,7 +210,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both"):
             q, k, v, cot, layout.unpermute(o), layout.unpermute(grads[0]), st.index, rows, cfg.block_size)
     hlo = sparse_fb.lower(lq, lk, lv, lc).compile().as_text() if args.profile or P > 1 else ""
     if args.profile:  # one traced sparse fwd+bwd step: per-GPU kernel breakdown and measured exposed comm
-        tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}_{fuse}")
+        tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}")
         with jax.profiler.trace(tdir, create_perfetto_trace=True):
             jax.block_until_ready(sparse_fb(lq, lk, lv, lc))
         summary = summarize_dir(tdir, top=60, hlo_text=hlo)
@@ -234,9 +237,10 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both"):
             if f"{m}_fwdbwd_s" in rec:
                 rec[f"{m}_exposed_comm_bound"] = exposed_bound(rec, rec[f"{m}_fwdbwd_s"])
     if P > 1:
-        with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_{N}x{L}_{ring_order}_{fuse}.hlo.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}.hlo.txt"),
+                  "w") as f:
             f.write(hlo)
-        with open(os.path.join(out_dir, f"schedule_S{S}_{N}x{L}_{ring_order}_{fuse}.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"schedule_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}.txt"), "w") as f:
             f.write("\n".join(schedule_outline(hlo)) + "\n")
         ops = op_counts(hlo)
         rec["hlo_collective_permute_starts"] = ops["collective-permute-start"]
@@ -275,6 +279,7 @@ def normalize(rec: dict) -> dict:
     rec.setdefault("ring_order", "hierarchical")
     rec.setdefault("mode", "total")
     rec.setdefault("fuse", "pre-v11")  # no fused kernel calls, backward ring in forward order
+    rec.setdefault("backward_ring", "kv")  # before issue 22: the K/V side only
     if rec["gpus"] == 1:
         rec["fuse"] = "n/a"  # one chunk: nothing to fuse, every variant is the same program
     return rec
@@ -285,7 +290,8 @@ def merge(records: list[dict]) -> list[dict]:
     (so a later ``--skip-dense`` or ``--index-only`` run updates only the fields it measured)."""
     cases: dict[tuple, dict] = {}
     for rec in map(normalize, records):
-        key = (rec.get("device"), rec["mode"], rec["S"], rec["mesh"], rec["ring_order"], rec["fuse"])
+        key = (rec.get("device"), rec["mode"], rec["S"], rec["mesh"], rec["ring_order"], rec["fuse"],
+               rec["backward_ring"])
         cases.setdefault(key, {}).update(rec)
     return list(cases.values())
 
@@ -497,6 +503,8 @@ def main(argv=None):
     ap.add_argument("--ring-orders", nargs="+", default=["hierarchical"], choices=list(RING_ORDERS))
     ap.add_argument("--fuse", nargs="+", default=["both"], choices=list(FUSE),
                     help="which passes run their first two chunks in one kernel call (MTrainingConfig.fuse_*)")
+    ap.add_argument("--backward-ring", nargs="+", default=["auto"], choices=list(BACKWARD_RINGS),
+                    help="which side circulates in the backward ring (MTrainingConfig.backward_ring), one run each")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--sharpness", type=float, default=1.0)
     ap.add_argument("--check", action="store_true", help="sampled-row correctness check")
@@ -522,11 +530,12 @@ def main(argv=None):
     records, done = [], {}
     with open(log_path, "a") as log:
         # fusing needs two chunks: on one GPU every variant is the same program, run once
-        cases = [(c, f) for c in plan(args) for f in (args.fuse if c[2] != (1, 1) else args.fuse[:1])]
-        for (mode, S, mesh_shape, order), fuse in cases:
-            key = (S, mesh_shape, order, fuse)
+        cases = [(c, f, b) for c in plan(args) for f in (args.fuse if c[2] != (1, 1) else args.fuse[:1])
+                 for b in args.backward_ring]
+        for (mode, S, mesh_shape, order), fuse, side in cases:
+            key = (S, mesh_shape, order, fuse, side)
             if key not in done:  # the same case in both modes is measured once
-                done[key] = run_case(S, mesh_shape, order, args, args.out, fuse)
+                done[key] = run_case(S, mesh_shape, order, args, args.out, fuse, side)
             rec = dict(done[key], mode=mode)
             records.append(rec)
             log.write(json.dumps(rec) + "\n")

@@ -41,8 +41,10 @@ def main() -> int:
         *(x.astype(np.float64) for x in (q, k, v)))
     shard = sequence_sharding(mesh)
     ok = True
-    for order in ("hierarchical", "flat"):
-        cfg = MTrainingConfig(sparsity=sparsity, ring_order=order, impl="xla")
+    # the query-side backward ring too: its first hop (from rank (n-1, l-1)) and dQ totals cross processes
+    for order, side in (("hierarchical", "auto"), ("flat", "auto"), ("hierarchical", "query")):
+        name = order if side == "auto" else f"{order}-{side}"
+        cfg = MTrainingConfig(sparsity=sparsity, ring_order=order, impl="xla", backward_ring=side)
         lay = cfg.make_layout(S, nproc * ndev)
 
         def loss(q, k, v, c):
@@ -51,7 +53,7 @@ def main() -> int:
 
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
             *(global_array(lay.permute(x), shard) for x in (q, k, v, cot)))
-        ok &= check_and_report(order, (out, *grads), (ref_out, *ref_grads), lay.permute)
+        ok &= check_and_report(name, (out, *grads), (ref_out, *ref_grads), lay.permute)
     jax.distributed.shutdown()
     return 0 if ok else 1
 

@@ -48,14 +48,16 @@ def main() -> int:
     shard = sequence_sharding(mesh)
 
     ok = True
-    for order in ("hierarchical", "flat"):
+    # the query-side backward ring too: its first hop (from rank (n-1, l-1)) and dQ totals cross processes
+    for order, side in (("hierarchical", "auto"), ("flat", "auto"), ("hierarchical", "query")):
+        name = order if side == "auto" else f"{order}-{side}"
         def loss(q, k, v, c):
-            out = ring_attention(q, k, v, lay.perm, mesh, ring_order=order)
+            out = ring_attention(q, k, v, lay.perm, mesh, ring_order=order, backward_ring=side)
             return jnp.sum(out * c), out
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
         (_, out), grads = fn(*(global_array(lay.permute(x), shard) for x in (q, k, v, cot)))
-        ok &= check_and_report(order, (out, *grads), (ref_out, *ref_grads), lay.permute)
+        ok &= check_and_report(name, (out, *grads), (ref_out, *ref_grads), lay.permute)
     jax.distributed.shutdown()
     return 0 if ok else 1
 

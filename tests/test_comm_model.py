@@ -6,19 +6,39 @@ import dataclasses
 
 import pytest
 
-from benchmarks.comm_model import Kernels, Link, Workload, backward_bytes, calibrate, simulate
+import numpy as np
+
+from benchmarks.comm_model import (Kernels, Link, Workload, backward_bytes, calibrate, exchange_bytes, exchange_need,
+                                   simulate)
+from mtraining_jax.layouts import Layout
+from mtraining_jax.sparsity.index import VerticalSlashIndex
 from benchmarks.ring_comm import ring_bytes
 
 W = Workload(S=65536, density=0.05)
 K = Kernels(rate=300e12, step_overhead=0.2e-3, index_s=2e-3, index_ref_len=65536)
 
 
+@pytest.mark.parametrize("side", ["kv", "query"])
 @pytest.mark.parametrize("n, l, order", [(1, 2, "hierarchical"), (1, 8, "flat"), (2, 4, "hierarchical"),
                                          (2, 4, "flat"), (4, 2, "hierarchical")])
-def test_bytes_equal_the_schedule_accounting(n, l, order):
-    p = simulate(W, n, l, order, kernels=K)
-    want = ring_bytes(n, l, order, batch=1, chunk_len=W.S // (n * l), kv_heads=2, head_dim=128, itemsize=2)
-    assert (p.bytes_inner, p.bytes_outer) == (want["inner"], want["outer"])
+def test_bytes_equal_the_schedule_accounting(n, l, order, side):
+    p = simulate(W, n, l, order, kernels=K, backward_ring=side)
+    want = ring_bytes(n, l, order, side, batch=1, chunk_len=W.S // (n * l), kv_heads=2, heads=16, head_dim=128,
+                      itemsize=2)
+    assert (p.bytes_inner, p.bytes_outer) == (want["inner"], want["outer"]) and p.backward_ring == side
+
+
+def test_auto_side_follows_the_bytes():
+    """"auto" resolves as the ring does: K/V side for GQA 16/2 (fewer bytes, less exposed time on a
+    slow link), query side for MHA, where it moves fewer bytes than the K/V side."""
+    slow = dict(intra=Link(20e9, 10e-6), inter=Link(5e9, 20e-6))
+    mha = dataclasses.replace(W, kv_heads=16)
+    for w, side in ((W, "kv"), (mha, "query")):
+        auto = simulate(w, 2, 4, kernels=K, backward_ring="auto", **slow)
+        other = simulate(w, 2, 4, kernels=K, backward_ring="query" if side == "kv" else "kv", **slow)
+        assert auto.backward_ring == side
+        assert auto.bytes_inner + auto.bytes_outer < other.bytes_inner + other.bytes_outer
+        assert auto.step_s <= other.step_s
 
 
 def test_one_rank_has_no_communication():
@@ -67,3 +87,26 @@ def test_calibration_fits_one_gpu_and_predicts_two():
     one, two = sorted(rows, key=lambda r: r["mesh"])
     assert one["rel_err"] == pytest.approx(0.0, abs=1e-9) and one["fitted_on_1gpu"]
     assert not two["fitted_on_1gpu"] and 0.005 < two["predicted_s"] < 0.02
+
+
+def test_exchange_need_by_hand():
+    """Contiguous layout, 4 ranks x 2 blocks of 4 tokens, one head: slash d = 0 only needs the own
+    chunk; a vertical at position 1 is needed (as one column) by every later rank; a slash d = 2
+    reaches exactly the previous chunk's two blocks. Uniform permutes send the max over ranks."""
+    pos = Layout("contiguous", 32, 4).positions
+    idx = VerticalSlashIndex(np.array([[[1, 32]]]), np.array([[1]]), np.array([[[0, 2]]]), np.array([[1]]))
+    need = exchange_need(idx, pos, 4, 1)
+    want = np.zeros((4, 4), int)
+    want[np.arange(4), np.arange(4)] = 8  # own chunk: both blocks
+    want[0, 0] = 8  # the vertical lies inside rank 0's own needed block
+    want[1:, 0] = 1
+    np.testing.assert_array_equal(need, want)
+    idx2 = idx._replace(s_count=np.array([[2]]))
+    need2 = exchange_need(idx2, pos, 4, 1)
+    assert [need2[r, r - 1] for r in range(1, 4)] == [8, 8, 8]  # d = 2 blocks: the whole previous chunk
+    shape = dict(chunk_len=8, block_size=4, kv_heads=1, head_dim=1, itemsize=2)
+    r = exchange_bytes(need, 1, 4, "flat", **shape)
+    # step 1: max need 1 token -> one block of 4; steps 2, 3 likewise (rank 2 / 3 need the vertical of chunk 0)
+    assert r["exchange"] == 3 * 4 * 2 * (2 * 2 + 4) and r["choice"] == "exchange" and r["steps_full"] == 0
+    r2 = exchange_bytes(need2, 1, 4, "flat", **shape)
+    assert r2["steps_full"] == 1 and r2["exchange"] == (8 + 4 + 4) * 2 * (2 * 2 + 4)

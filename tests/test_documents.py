@@ -155,9 +155,11 @@ def test_segment_errors_are_clear():
 # ----------------------------------------------------------------------------------- rings
 
 
-@pytest.mark.parametrize("docs,mesh_shape,layout_name,order",
-                         [(DOCS[0], (2, 2), "block_striped", "hierarchical"), (DOCS[1], (1, 4), "zigzag", "flat")])
-def test_dense_ring_documents(docs, mesh_shape, layout_name, order):
+@pytest.mark.parametrize("docs,mesh_shape,layout_name,order,side",
+                         [(DOCS[0], (2, 2), "block_striped", "hierarchical", "kv"),
+                          (DOCS[1], (1, 4), "zigzag", "flat", "kv"),
+                          (DOCS[1], (2, 2), "zigzag", "hierarchical", "query")])  # visiting queries' segments
+def test_dense_ring_documents(docs, mesh_shape, layout_name, order, side):
     S = 512
     q, k, v, cot = _qkv(1, S)
     seg = _segments(docs * B, S)
@@ -167,7 +169,7 @@ def test_dense_ring_documents(docs, mesh_shape, layout_name, order):
 
     def fn(q, k, v):
         out = ring_attention(p(q), p(k), p(v), lay.perm, mesh, ring_order=order, impl="xla",
-                             segment_ids=lay.permute(seg, axis=-1))
+                             segment_ids=lay.permute(seg, axis=-1), backward_ring=side)
         return lay.unpermute(out)
 
     _assert_close(_value_and_grads(fn, q, k, v, cot), _value_and_grads(_reference(seg), q, k, v, cot))
@@ -176,15 +178,15 @@ def test_dense_ring_documents(docs, mesh_shape, layout_name, order):
 SPARSE = SparsityConfig(vertical_p=0.6, slash_p=0.6, vertical_min=4, vertical_max=24, slash_min=1, slash_max=4)
 
 
-@pytest.mark.parametrize("docs", [DOCS[0], DOCS[3]])
-def test_sparse_ring_documents_match_masked_reference(docs):
+@pytest.mark.parametrize("docs,side", [(DOCS[0], "kv"), (DOCS[3], "kv"), (DOCS[3], "query")])
+def test_sparse_ring_documents_match_masked_reference(docs, side):
     """The sparse ring with documents = dense reference under (index mask AND document mask), the
     index being the one estimated under the document mask."""
     S = 512
     q, k, v, cot = _qkv(2, S)
     seg = _segments(docs * B, S)
     mesh = make_mesh((2, 2), jax.devices()[:4])
-    cfg = MTrainingConfig(sparsity=SPARSE, impl="xla")
+    cfg = MTrainingConfig(sparsity=SPARSE, impl="xla", backward_ring=side)
     lay = cfg.make_layout(S, 4)
     p = lay.permute
 

@@ -143,6 +143,8 @@ def test_bad_inputs():
         MTrainingConfig(impl="cuda")
     with pytest.raises(ValueError, match="fuse_forward must be a bool, got 'yes'"):
         MTrainingConfig(fuse_forward="yes")
+    with pytest.raises(ValueError, match="unknown backward_ring 'q'"):
+        MTrainingConfig(backward_ring="q")
     with pytest.raises(ValueError, match="not divisible"):
         mtraining_attention(q[:, :960], k[:, :960], v[:, :960], mesh, MTrainingConfig(sparsity=SPARSE))
     with pytest.raises(ValueError, match="multiple of KV heads"):
@@ -179,7 +181,8 @@ def pytest_generate_tests(metafunc):
     """``ring_case``: the cases of the suite subclass being collected."""
     if "ring_case" in metafunc.fixturenames:
         cases = metafunc.cls.CASES
-        metafunc.parametrize("ring_case", cases, ids=[f"{m[0]}x{m[1]}-{lay}-{o}-fuse={f}" for m, lay, o, f in cases])
+        metafunc.parametrize("ring_case", cases, ids=[f"{m[0]}x{m[1]}-{lay}-{o}-fuse={f}" + "".join(side)
+                                                      for m, lay, o, f, *side in cases])
 
 
 class _SparseRingSuite:
@@ -190,17 +193,22 @@ class _SparseRingSuite:
     tol = 1e-5
     dtype = jnp.float32  # of q/k/v (the reference runs in float32 on the same values)
     head_dim = D
-    CASES = [c + ((True, True),) for c in CASES] + FUSED_CASES  # (mesh, layout, order, fuse)
+    # (mesh, layout, order, fuse[, backward_ring]): the query-side backward ring on every layout x
+    # order, each mesh twice (the full mesh x layout x order product passes too: ~20 s a case on CPU)
+    CASES = ([c + ((True, True),) for c in CASES] + FUSED_CASES
+             + [(m, lay, o, (True, True), "query") for m, (lay, o) in zip(MESHES * 2, itertools.product(
+                 ["block_striped", "zigzag", "contiguous"], ["hierarchical", "flat"]))]
+             + [((2, 1), "zigzag", "hierarchical", (True, True), "query")])
 
     def test_impl_is_a_registry_backend(self):
         assert self.impl in registry.BACKENDS
 
     def test_sparse_ring_matches_masked_reference(self, ring_case):
-        mesh_shape, layout, order, fuse = ring_case
+        mesh_shape, layout, order, fuse, *side = ring_case
         q, k, v, cot = _inputs(hash((mesh_shape, layout, order)) % 1000, self.dtype, self.head_dim)
         mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
         cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl=self.impl,
-                              fuse_forward=fuse[0], fuse_backward=fuse[1])
+                              fuse_forward=fuse[0], fuse_backward=fuse[1], backward_ring=(side or ["auto"])[0])
         P = mesh_shape[0] * mesh_shape[1]
         lay = cfg.make_layout(S, P)
 

@@ -69,12 +69,12 @@ def _reference(q, k, v, cot, mask=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _ring_vg(mesh_shape, order, fuse=(True, True), impl="xla"):
+def _ring_vg(mesh_shape, order, fuse=(True, True), impl="xla", backward_ring="auto"):
     mesh = _mesh(mesh_shape)
 
     def loss(q, k, v, positions, cot):
         out = ring_attention(q, k, v, positions, mesh, ring_order=order, fuse_forward=fuse[0], fuse_backward=fuse[1],
-                             impl=impl)
+                             impl=impl, backward_ring=backward_ring)
         return jnp.sum(out.astype(jnp.float32) * cot), out
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -95,11 +95,11 @@ def _check_against_reference(out, grads, layout, ref_out, ref_grads, dtype, tol,
 
 
 def _run_layouts(mesh_shape, order, layouts, *, B=1, S=256, Hq=4, Hkv=1, D=64, dtype="float32", seed=0,
-                 fuse=(True, True), impl="xla", tol=TOL):
+                 fuse=(True, True), impl="xla", tol=TOL, backward_ring="auto"):
     dt = jnp.dtype(dtype)
     q, k, v, cot = _inputs(seed, B, S, Hq, Hkv, D, dt)
     ref_out, ref_grads = _reference(q, k, v, cot)
-    fn = _ring_vg(mesh_shape, order, fuse, impl)
+    fn = _ring_vg(mesh_shape, order, fuse, impl, backward_ring)
     P = mesh_shape[0] * mesh_shape[1]
     for name in layouts:
         lay = Layout(name, S, P, stripe=STRIPE)
@@ -107,7 +107,7 @@ def _run_layouts(mesh_shape, order, layouts, *, B=1, S=256, Hq=4, Hkv=1, D=64, d
         (_, out), grads = fn(*args, jnp.asarray(lay.perm), jnp.asarray(lay.permute(cot), jnp.float32))
         _check_against_reference(out, grads, lay, ref_out, ref_grads, dt, tol[dtype],
                                  f"{name} mesh={mesh_shape} order={order} {dtype} Hq/Hkv={Hq}/{Hkv} D={D} fuse={fuse} "
-                                 f"impl={impl}")
+                                 f"impl={impl} backward_ring={backward_ring}")
 
 
 def _case_id(case) -> str:
@@ -146,6 +146,17 @@ _XLA_RING_CASES = (
         ((4, 2), "hierarchical", (False, False)),
         ((2, 4), "flat", (False, True)),
         ((8, 1), "hierarchical", (True, True)),
+    ]]
+    # the query-side backward ring (Q, dO, lse, delta + dQ travel; K/V stay): every mesh, order and
+    # layout, and GQA 1 (where "auto" picks it), bfloat16, outer-only and two-rank rings
+    + [(m, o, LAYOUTS, dict(backward_ring="query")) for m in MESHES[1:] for o in RING_ORDERS]
+    + [(m, o, lays, dict(kw, backward_ring=side)) for m, o, lays, side, kw in [
+        ((2, 4), "hierarchical", ("zigzag", "block_striped"), "auto", dict(Hq=2, Hkv=2, D=128, B=2)),
+        ((4, 2), "flat", ("zigzag",), "query", dict(dtype="bfloat16", seed=1)),
+        ((8, 1), "hierarchical", ("zigzag", "contiguous"), "query", {}),
+        ((1, 2), "flat", ("block_striped",), "query", {}),
+        ((2, 1), "hierarchical", ("block_striped",), "query", {}),
+        ((1, 1), "hierarchical", ("contiguous",), "query", {}),
     ]]
 )
 
@@ -384,6 +395,10 @@ def test_bad_ring_order_and_impl():
         RingConfig(2, 4, "ring")
     with pytest.raises(ValueError, match="num_local must be a positive integer, got 0"):
         RingConfig(2, 0, "flat")
+    with pytest.raises(ValueError, match="unknown backward_ring 'dq'"):
+        RingConfig(2, 4, "flat", backward_ring="dq")
+    with pytest.raises(ValueError, match="unknown backward_ring 'both'"):
+        ring_attention(*_small(), _mesh((2, 4)), backward_ring="both")
 
 
 def test_bad_positions_and_shapes():
@@ -419,6 +434,15 @@ def test_shard_body_outside_shard_map_and_wrong_sizes():
 
     with pytest.raises(ValueError, match="leading ring-step axis of size P = 8"):
         jax.shard_map(body_idx, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(CP_AXES)), out_specs=spec,
+                      check_vma=False)(*_small())
+    stacked = jax.tree.map(lambda a: jnp.stack([a] * 8), idx)  # this rank's queries only
+
+    def body_query(q, k, v, p):
+        return ring_attention_shard(q, k, v, p, p, num_nodes=2, num_local=4, ring_order="flat", step_index=stacked,
+                                    backward_ring="query")
+
+    with pytest.raises(ValueError, match="backward_ring='query' needs the index of every rank's queries"):
+        jax.shard_map(body_query, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(CP_AXES)), out_specs=spec,
                       check_vma=False)(*_small())
 
 

@@ -27,6 +27,39 @@ def test_transfer_units(mesh_shape, order, inner, outer):
     assert ring_comm.transfer_units(*mesh_shape, order) == (inner, outer)
 
 
+@pytest.mark.parametrize("mesh_shape, order, inner, outer", [
+    ((1, 1), "hierarchical", 0, 0),
+    ((1, 2), "flat", 1 + 1 + 1, 0),  # K/V forward, the visiting queries, their dQ home
+    ((2, 4), "flat", 7 + 7 + 7, 0),
+    # forward 6 inner + 1 outer; queries: 1 diagonal (crosses nodes) + 5 inner + 1 outer; dQ 6 inner + 1 outer
+    ((2, 4), "hierarchical", 6 + 5 + 6, 1 + 2 + 1),
+    ((3, 1), "hierarchical", 0, 2 + 2 + 2),
+])
+def test_query_side_hop_counts(mesh_shape, order, inner, outer):
+    hops = ring_comm.ring_hops(*mesh_shape, order, "query")
+    links = collections.Counter(ring_comm.hop_link(h, mesh_shape[0], order) for h in hops)
+    assert (links["inner"], links["outer"]) == (inner, outer)
+    P = mesh_shape[0] * mesh_shape[1]
+    assert collections.Counter(h.what for h in hops if h.phase == "backward") == (
+        {"q": P - 1, "dq": P - 1} if P > 1 else {})
+
+
+def test_backward_bytes_choose_the_side():
+    """The one byte count: GQA 16/2 bf16 head_dim 128 sends 3,072 vs 16,512 bytes per token and hop,
+    so "auto" keeps the K/V side; multi-head attention turns it around."""
+    from mtraining_jax.ring.sides import backward_hop_bytes, resolve_backward_ring
+    shape = dict(batch=1, chunk_len=1, heads=16, kv_heads=2, head_dim=128, itemsize=2)
+    assert sum(backward_hop_bytes("kv", **shape).values()) == 3072
+    assert sum(backward_hop_bytes("query", **shape).values()) == 16512
+    kw = dict(head_dim=128, itemsize=2)
+    assert resolve_backward_ring("auto", heads=16, kv_heads=2, **kw) == "kv"
+    assert resolve_backward_ring("auto", heads=16, kv_heads=16, **kw) == "query"
+    assert resolve_backward_ring("auto", heads=16, kv_heads=16, query_ok=False, **kw) == "kv"
+    assert resolve_backward_ring("query", heads=16, kv_heads=2, **kw) == "query"
+    with pytest.raises(ValueError, match="'sideways'"):
+        resolve_backward_ring("sideways", heads=16, kv_heads=2, **kw)
+
+
 def test_bad_mesh_is_named():
     with pytest.raises(ValueError, match="num_local must be a positive integer, got 0"):
         ring_comm.ring_hops(2, 0, "flat")
@@ -34,12 +67,15 @@ def test_bad_mesh_is_named():
         ring_comm.ring_hops(2, 2, "ring")
 
 
-@pytest.mark.parametrize("mesh_shape, order, fuse", [
-    ((2, 4), "hierarchical", (True, True)),
-    ((2, 2), "hierarchical", (False, False)),
-    ((2, 2), "flat", (False, False)),
+@pytest.mark.parametrize("mesh_shape, order, fuse, side", [
+    ((2, 4), "hierarchical", (True, True), "kv"),
+    ((2, 2), "hierarchical", (False, False), "kv"),
+    ((2, 2), "flat", (False, False), "kv"),
+    ((2, 4), "hierarchical", (True, True), "query"),
+    ((4, 2), "flat", (True, True), "query"),
+    ((1, 2), "hierarchical", (True, True), "query"),
 ], ids=str)
-def test_accounting_matches_the_compiled_ring(mesh_shape, order, fuse):
+def test_accounting_matches_the_compiled_ring(mesh_shape, order, fuse, side):
     """Every collective-permute of jit(grad(ring_attention)) is one predicted hop: same count, bytes
     per device and (source, target) devices. So XLA did not merge the backward's K/V permutes into
     the forward's (that would keep all P visiting chunks alive), and fusing kernel calls moves
@@ -54,16 +90,17 @@ def test_accounting_matches_the_compiled_ring(mesh_shape, order, fuse):
 
     def loss(q, k, v):
         return ring_attention(q, k, v, jnp.arange(S), mesh, ring_order=order, impl="xla", fuse_forward=fuse[0],
-                              fuse_backward=fuse[1]).sum()
+                              fuse_backward=fuse[1], backward_ring=side).sum()
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
     got = collections.Counter(hlo.permutes(text))
-    shape = dict(batch=B, chunk_len=Sl, kv_heads=Hkv, head_dim=D, itemsize=4)
-    hops = ring_comm.ring_hops(N, L, order)
+    shape = dict(batch=B, chunk_len=Sl, kv_heads=Hkv, heads=Hq, head_dim=D, itemsize=4)
+    hops = ring_comm.ring_hops(N, L, order, side)
     want = collections.Counter(hlo.Permute(ring_comm.hop_bytes(h, **shape), ring_comm.hop_pairs(h, N, L, order))
                                for h in hops)
-    n = (P - 1) + (P - 2) + (P - 1)  # K/V forward, K/V backward, dK/dV
+    # K/V forward, then K/V backward + dK/dV, or the visiting queries + their dQ
+    n = (P - 1) + ((P - 2) + (P - 1) if side == "kv" else 2 * (P - 1))
     assert len(hops) == n and sum(got.values()) == n
     assert got == want
     assert hlo.op_counts(text)["collective-permute"] + hlo.op_counts(text)["collective-permute-start"] == n
-    assert sum(p.nbytes for p in got.elements()) == sum(ring_comm.ring_bytes(N, L, order, **shape).values())
+    assert sum(p.nbytes for p in got.elements()) == sum(ring_comm.ring_bytes(N, L, order, side, **shape).values())

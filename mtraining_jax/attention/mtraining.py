@@ -34,6 +34,7 @@ from mtraining_jax.ring.attention import ring_attention_shard
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
 from mtraining_jax.ring.schedule import validate_ring_order
+from mtraining_jax.ring.sides import validate_backward_ring
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.estimate import estimate_index_shard
@@ -62,6 +63,9 @@ class MTrainingConfig:
         (own chunk + the first one received, whose hop overlaps the index estimate) / of the
         backward ring (the chunk saved from the forward's last step + own chunk);
         :class:`~mtraining_jax.ring.attention.RingConfig`.
+      backward_ring: which side circulates in the backward ring (:mod:`mtraining_jax.ring.sides`):
+        ``"kv"`` (K/V + dK/dV), ``"query"`` (Q, dO, lse, delta + dQ; each visiting rank's step index
+        is converted from the identical global index) or ``"auto"`` (fewer bytes per hop).
     """
 
     sparsity: SparsityConfig = SparsityConfig()
@@ -71,6 +75,7 @@ class MTrainingConfig:
     force_full: bool = False
     fuse_forward: bool = True
     fuse_backward: bool = True
+    backward_ring: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.sparsity, SparsityConfig):
@@ -80,6 +85,7 @@ class MTrainingConfig:
                              f"expected one of {SPARSE_LAYOUTS}")
         validate_ring_order(self.ring_order)
         validate_impl(self.impl)
+        validate_backward_ring(self.backward_ring)
         for name in ("force_full", "fuse_forward", "fuse_backward"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -190,7 +196,8 @@ def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(),
                                          ring_order=cfg.ring_order, step_index=step_index,
                                          sm_scale=sparsity.sm_scale, impl=cfg.impl, block_size=bs,
                                          return_work=True, fuse_forward=cfg.fuse_forward,
-                                         fuse_backward=cfg.fuse_backward, segment_ids=seg_l)  # work: [P steps]
+                                         fuse_backward=cfg.fuse_backward, segment_ids=seg_l,
+                                         backward_ring=cfg.backward_ring)  # work: [P steps]
         if batch_axis is not None:
             work = jax.lax.psum(work, batch_axis)
         return out, work[None], index

@@ -98,6 +98,7 @@ from jax.sharding import PartitionSpec
 from pallas_kernels.inputs import check_qkv
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring.schedule import source_rank, validate_ring_order
+from mtraining_jax.ring.sides import resolve_backward_ring, validate_backward_ring
 from pallas_kernels.api import attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd, split_output
 from pallas_kernels.registry import validate_impl
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, chunk_work
@@ -122,7 +123,11 @@ class RingConfig:
       fuse_backward: the backward's first kernel call covers the chunk saved from the forward's
         last step AND the own chunk (both already here; one call fewer, one hop fewer).
       Fusing needs the index of two chunks at once: it applies to the dense ring and to index
-      sources with ``steps`` (``RankStepIndex``), not to a ``[P]``-stacked ``StepIndex``.
+      sources with ``steps`` (``RankStepIndex``), not to a ``[P]``-stacked ``StepIndex``; the
+      query-side backward has no fused call (its chunks are other ranks' queries).
+      backward_ring: which side circulates in the backward (:data:`.sides.BACKWARD_RINGS`):
+        ``"kv"`` (K/V + dK/dV travel), ``"query"`` (Q, dO, lse, delta + dQ travel; BurstEngine) or
+        ``"auto"`` (the side with fewer bytes per hop, :func:`.sides.resolve_backward_ring`).
     """
 
     num_nodes: int
@@ -133,6 +138,7 @@ class RingConfig:
     block_size: int = DEFAULT_BLOCK
     fuse_forward: bool = True
     fuse_backward: bool = True
+    backward_ring: str = "auto"
 
     def __post_init__(self):
         for name in ("num_nodes", "num_local", "block_size"):
@@ -144,6 +150,7 @@ class RingConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         validate_ring_order(self.ring_order)
         validate_impl(self.impl)
+        validate_backward_ring(self.backward_ring)
 
     @property
     def num_ranks(self) -> int:
@@ -330,9 +337,141 @@ def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, 
     return dq, dk, dv
 
 
+# ----------------------------------------------------------------------------- query-side backward
+
+def _query_rank(rank, step: int, cfg: RingConfig):
+    """Rank whose QUERIES kv owner ``rank`` holds at backward ``step`` of the query-side ring: the
+    ``t`` with ``source_rank(t, step) == rank`` (flat: ``rank + step``; hierarchical: ``(n + i,
+    l + j)``)."""
+    P, L = cfg.num_ranks, cfg.num_local
+    if cfg.ring_order == "flat":
+        return (rank + step) % P
+    i, j = step // L, step % L
+    n, l = rank // L, rank % L
+    return ((n + i) % cfg.num_nodes) * L + (l + j) % L
+
+
+def _first_visit(rank: int, cfg: RingConfig) -> int:
+    """Rank that holds ``rank``'s queries at the query-side ring's first non-own step ``P - 1``
+    (node and local position one place on: ``(n + 1, l + 1)``; flat: ``rank + 1``)."""
+    P, L = cfg.num_ranks, cfg.num_local
+    if cfg.ring_order == "flat":
+        return (rank + 1) % P
+    return ((rank // L + 1) % cfg.num_nodes) * L + (rank % L + 1) % L
+
+
+def _uint(dtype):
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
+
+
+def _pack_queries(q, do, lse, delta):
+    """Q, dO ``[B, Sl, Hq, D]`` and float32 ``lse``, ``delta`` ``[B, Hq, Sl]`` as ONE flat buffer of
+    unsigned integers of q's itemsize (bit-exact through any permute: no float canonicalisation),
+    so each hop of the query-side ring is one collective-permute."""
+    u = _uint(q.dtype)
+    stats = lax.bitcast_convert_type(jnp.stack([lse, delta]).astype(jnp.float32), u)
+    parts = [lax.bitcast_convert_type(q, u), lax.bitcast_convert_type(do.astype(q.dtype), u), stats]
+    return jnp.concatenate([x.reshape(-1) for x in parts])
+
+
+def _unpack_queries(buf, q_shape, dtype):
+    """Inverse of :func:`_pack_queries`: ``(q, do, lse, delta)``."""
+    n = int(np.prod(q_shape))
+    B, Sl, Hq, _ = q_shape
+    q = lax.bitcast_convert_type(buf[:n].reshape(q_shape), dtype)
+    do = lax.bitcast_convert_type(buf[n:2 * n].reshape(q_shape), dtype)
+    ratio = 4 // jnp.dtype(dtype).itemsize
+    stats = buf[2 * n:].reshape((2, B, Hq, Sl) + ((ratio,) if ratio > 1 else ()))
+    stats = lax.bitcast_convert_type(stats, jnp.float32)
+    return q, do, stats[0], stats[1]
+
+
+def _backward_query(cfg: RingConfig, q, kv_own, qpos_all, kpos_all, step_index, out, out_lo, lse, do, segs=None):
+    """The query-side backward ring (BurstEngine, paper 004 §3): K, V and the float32 dK/dV
+    accumulators stay at their owner; Q, dO, lse and delta (one packed buffer) and the float32 dQ
+    accumulator of the queries being visited travel. At backward step ``s`` kv owner ``r`` holds the
+    queries of ``_query_rank(r, s)``, i.e. exactly the (query rank, K/V chunk) pairs of the forward's
+    step ``s``, so the step's index is the visiting rank's (``step_index.for_rank(t).step(s)``:
+    every rank holds the identical global index).
+
+    Order: the own step ``(0, 0)`` first (its dQ stays home; the first bundle's hop overlaps it), then
+    the forward's other steps in reverse, as the K/V-side ring, with the roles of queries and K/V
+    swapped and everything moving ``+1`` along its ring::
+
+        own step:              bundle <-- diagonal hop from (n-1, l-1)   (overlaps the own step)
+        reverse outer step i:  bundle --inner +1--> ... ; acc (dQ) --inner +1--> ... acc ─┐
+                               bundle at step (i, L-1) --outer +1--> step (i-1, L-1)       │
+                                                          tot_in ───────────────────────┴─(+)─ tot ──outer +1──>
+        end:                   dQ = own + acc (rest of this node, arrived after step (0, 1)) + tot
+
+    Per backward: ``P - 1`` bundle hops (one diagonal, the rest inner / outer) and ``P - 1`` dQ hops
+    (``N (L - 1)`` inner, ``N - 1`` outer); nothing is sent home. Returns float32 ``(dq, dk, dv)``.
+    """
+    outer_axis, n_outer = cfg.outer
+    inner_axis, n_inner = cfg.inner
+    P = cfg.num_ranks
+    rank = _my_rank(cfg)
+    delta = attention_delta(out, do, out_lo)
+    k, v = kv_own[0], kv_own[1]
+    k_pos = lax.dynamic_index_in_dim(kpos_all, rank, axis=0, keepdims=False)
+
+    def attend(s, parts, dq_acc, dkv_acc):
+        qq, dd, ll, de = parts
+        t = _query_rank(rank, s, cfg)
+        index = None if step_index is None else step_index.for_rank(t).step(s)
+        seg_kw = {} if segs is None else {
+            "q_seg": lax.dynamic_index_in_dim(segs[1], t, axis=0, keepdims=False), "k_seg": segs[0]}
+        return block_sparse_attention_bwd(
+            qq, k, v, lax.dynamic_index_in_dim(qpos_all, t, axis=0, keepdims=False), k_pos, index, dd, ll, de,
+            sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, dq_acc=dq_acc, dkv_acc=dkv_acc,
+            **seg_kw)
+
+    def unpack(buf):
+        return _unpack_queries(buf, q.shape, q.dtype)
+
+    bundle = None
+    if P > 1:  # posted before the own step, which it overlaps
+        bundle = lax.ppermute(_pack_queries(q, do, lse, delta), CP_AXES,
+                              perm=[(r, _first_visit(r, cfg)) for r in range(P)])
+    dq_own, dk, dv = attend(0, (q, do, lse, delta), None, None)
+    dkv = (dk, dv)
+    acc = tot = None
+    for i in reversed(range(n_outer)):
+        # the bundle of step (i-1, n_inner-1) is the one held now (step (i, n_inner-1)), one node on
+        bundle_outer = None
+        if i > 0 and (i - 1) * n_inner + n_inner - 1 != 0:
+            bundle_outer = _shift(bundle, outer_axis, n_outer, +1)
+        acc = None  # f32 dQ of the queries held now, summed over the ranks of this node that saw them
+        for j in reversed(range(n_inner)):
+            s = i * n_inner + j
+            if s == 0:
+                break  # the own step, done first
+            bundle_next = _shift(bundle, inner_axis, n_inner, +1) if j > 0 and s - 1 != 0 else None
+            acc, dk, dv = attend(s, unpack(bundle), acc, dkv)
+            dkv = (dk, dv)
+            if j > 0:
+                acc = _shift(acc, inner_axis, n_inner, +1)  # travels with its queries (home after step (0, 1))
+                bundle = bundle_next
+        if i > 0:
+            # acc: this node's sum for the queries held at step (i, 0); tot: the nodes before us
+            tot = acc if tot is None else tot + acc
+            tot = _shift(tot, outer_axis, n_outer, +1)
+            bundle = bundle_outer
+    dq = functools.reduce(jnp.add, [p for p in (dq_own, acc, tot) if p is not None])
+    return dq, dkv[0], dkv[1]
+
+
+# ----------------------------------------------------------------------------- custom VJP
+
 def _gather_segments(seg, cfg: RingConfig):
     """``None`` or ``(q_seg [B, Sl], kseg_all [P, B, Sl])`` from this rank's ``seg [B, Sl]``."""
     return None if seg is None else (seg, _gather_positions(seg, cfg))
+
+
+def _side(cfg: RingConfig, q, k) -> str:
+    """The backward ring's side, ``"auto"`` resolved from the shapes (:mod:`.sides`)."""
+    return resolve_backward_ring(cfg.backward_ring, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+                                 itemsize=jnp.dtype(q.dtype).itemsize)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -352,13 +491,19 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     # delta = rowsum(dO * O) is formed from the float32 O (bf16 gradients at the bf16 floor).
     # An on-demand index source (RankStepIndex) is saved as its compact global index only.
     out, out_lo = split_output(out, q.dtype)
+    if _side(cfg, q, k) == "query":
+        # the visiting queries' positions instead of the chunk saved from the forward's last step
+        kv_last, q_pos = None, _gather_positions(q_pos, cfg)
     return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs)
 
 
 def _ring_bwd(cfg: RingConfig, res, cotangents):
     do = cotangents[0]  # work carries no gradient
     q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs = res
-    dq, dk, dv = _backward(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
+    if _side(cfg, q, kv_own[0]) == "query":
+        dq, dk, dv = _backward_query(cfg, q, kv_own, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
+    else:
+        dq, dk, dv = _backward(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
     # positions, segment ids and the sparse index are integer data: zero cotangents (None).
     return dq.astype(q.dtype), dk.astype(kv_own.dtype), dv.astype(kv_own.dtype), None, None, None, None
 
@@ -407,7 +552,8 @@ def _check_axis_sizes(cfg: RingConfig) -> None:
 
 def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_order, step_index=None,
                          sm_scale=None, impl="auto", block_size: int | None = None, return_work: bool = False,
-                         fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None):
+                         fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None,
+                         backward_ring: str = "auto"):
     """Per-rank ring attention body, to be called INSIDE ``shard_map`` over ``("node", "local")``.
 
     Args:
@@ -436,6 +582,9 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
         the backward (:class:`RingConfig`).
       segment_ids: ``int32 [B, Sl]`` this rank's segment ids (packed documents: a query attends
         only keys of its own segment; they travel by one all-gather like ``k_pos``), or ``None``.
+      backward_ring: ``"auto"`` / ``"kv"`` / ``"query"`` (:mod:`mtraining_jax.ring.sides`): which side
+        circulates in the backward. The query side needs every rank's index (an index source with
+        ``for_rank``, or none); ``"auto"`` with a ``[P]``-stacked ``StepIndex`` is the K/V side.
 
     Returns:
       ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
@@ -445,7 +594,14 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
     sl = q.shape[1]
     if block_size is None:
         block_size = DEFAULT_BLOCK if step_index is not None else _dense_block(sl)
-    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward)
+    validate_backward_ring(backward_ring)
+    query_ok = step_index is None or callable(getattr(step_index, "for_rank", None))
+    if backward_ring == "query" and not query_ok:
+        raise ValueError(f"backward_ring='query' needs the index of every rank's queries (an index source with "
+                         f"for_rank, e.g. RankStepIndex); got {type(step_index).__name__}")
+    side = resolve_backward_ring(backward_ring, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+                                 itemsize=jnp.dtype(q.dtype).itemsize, query_ok=query_ok)
+    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward, side)
     if tuple(q_pos.shape) != (sl,) or tuple(k_pos.shape) != (sl,):
         raise ValueError(f"q_pos {tuple(q_pos.shape)} and k_pos {tuple(k_pos.shape)} must both be [Sl] = [{sl}]")
     _check_step_index(step_index, cfg.num_ranks)
@@ -461,7 +617,8 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
 
 
 def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_scale=None, impl="auto",
-                   fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None):
+                   fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None,
+                   backward_ring: str = "auto"):
     """Causal GQA ring attention over a ``(node, local)`` mesh on data already in a layout.
 
     Args:
@@ -474,6 +631,7 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
       impl: per-step kernel impl (:data:`pallas_kernels.registry.IMPLS`).
       fuse_forward, fuse_backward: see :class:`RingConfig`.
       segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
+      backward_ring: ``"auto"`` (default), ``"kv"`` or ``"query"``: see :class:`RingConfig`.
 
     Returns:
       ``out [B, S, Hq, D]`` in ``q.dtype``, layout order, sequence sharded over ``("node",
@@ -482,6 +640,7 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
     num_nodes, num_local = check_cp_mesh(mesh)
     validate_ring_order(ring_order)
     validate_impl(impl)
+    validate_backward_ring(backward_ring)
     check_qkv(q, k, v)
     B, S = q.shape[:2]
     positions = jnp.asarray(positions)
@@ -510,7 +669,8 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
     def body(q_l, k_l, v_l, pos_l, seg_l):
         return ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
                                     ring_order=ring_order, sm_scale=sm_scale, impl=impl,
-                                    fuse_forward=fuse_forward, fuse_backward=fuse_backward, segment_ids=seg_l)
+                                    fuse_forward=fuse_forward, fuse_backward=fuse_backward, segment_ids=seg_l,
+                                    backward_ring=backward_ring)
 
     # check_vma=False: the per-step kernels (Pallas calls, scans with fresh zero carries) are not
     # annotated for varying-manual-axes typing; the ring itself is checked by tests, not by types.

@@ -189,6 +189,11 @@ class RankStepIndex:
     def num_steps(self) -> int:
         return self.num_nodes * self.num_local
 
+    def for_rank(self, rank) -> "RankStepIndex":
+        """The same index source for the queries of ``rank`` (every rank holds the identical global
+        index, so any rank can convert any (query rank, K/V chunk) pair: the query-side backward ring)."""
+        return self.tree_unflatten(self.tree_flatten()[1], (self.index, rank))
+
     def step(self, s) -> StepIndex:
         """:class:`StepIndex` of this rank's queries vs the chunk it holds at ring step ``s``."""
         return self.steps((s,))
