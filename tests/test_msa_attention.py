@@ -86,15 +86,22 @@ def _row_blocks(qi, ki, top_k=TOPK, full=False):
 CFG = MSAConfig(top_k=TOPK, impl="xla", layout="contiguous")
 
 
+@functools.partial(jax.jit, static_argnames=("warmup",))
+def _msa(q, k, v, qi, ki, warmup=False):
+    """One-device MSA with :data:`CFG`, jitted (eager shard_map / lax.map is slow on CPU)."""
+    return msa_attention(q, k, v, qi, ki, None, CFG, warmup=warmup)
+
+
 def test_msa_one_device_forward_and_gradients_match_masked_reference():
     q, k, v, qi, ki = _inputs(0)
     mask = _token_mask(qi, ki)
-    out, aux = msa_attention(q, k, v, qi, ki, None, CFG)
+    out, aux = _msa(q, k, v, qi, ki)
     chex.assert_trees_all_close(out, _ref_out(q, k, v, mask), atol=2e-5, rtol=2e-5)
     do = jax.random.normal(jax.random.PRNGKey(9), out.shape)
     f = lambda *a: jnp.sum(msa_attention(*a, qi, ki, None, CFG)[0] * do)  # noqa: E731
     r = lambda *a: jnp.sum(_ref_out(*a, mask) * do)  # noqa: E731
-    chex.assert_trees_all_close(jax.grad(f, (0, 1, 2))(q, k, v), jax.grad(r, (0, 1, 2))(q, k, v), atol=5e-5, rtol=5e-5)
+    chex.assert_trees_all_close(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v), jax.jit(jax.grad(r, (0, 1, 2)))(q, k, v),
+                                atol=5e-5, rtol=5e-5)
     nb = S // BS
     want_wf = sum(min(TOPK, i + 1) for i in range(nb)) / (nb * (nb + 1) / 2)
     np.testing.assert_allclose(float(aux.work_fraction), want_wf, rtol=1e-6)
@@ -103,7 +110,7 @@ def test_msa_one_device_forward_and_gradients_match_masked_reference():
 
 def test_msa_warmup_is_dense_attention_and_full_support_kl():
     q, k, v, qi, ki = _inputs(1)
-    out, aux = msa_attention(q, k, v, qi, ki, None, CFG, warmup=True)
+    out, aux = _msa(q, k, v, qi, ki, warmup=True)
     chex.assert_trees_all_close(out, dense_attention(q, k, v)[0], atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(float(aux.work_fraction), 1.0)
     np.testing.assert_allclose(float(aux.kl), float(_ref_kl(q, k, qi, ki, _row_blocks(qi, ki, full=True))),
@@ -113,7 +120,7 @@ def test_msa_warmup_is_dense_attention_and_full_support_kl():
     o_t, a_t = f(jnp.bool_(True))
     chex.assert_trees_all_close((o_t, a_t.kl), (out, aux.kl), atol=1e-6, rtol=1e-6)
     o_f, a_f = f(jnp.bool_(False))
-    chex.assert_trees_all_close(o_f, msa_attention(q, k, v, qi, ki, None, CFG)[0], atol=1e-6, rtol=1e-6)
+    chex.assert_trees_all_close(o_f, _msa(q, k, v, qi, ki)[0], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("full", [False, True])
@@ -124,11 +131,10 @@ def test_msa_kl_value_and_gradients_match_float64_reference(full):
     def kl_of(q, k, v, qi, ki):
         return msa_attention(q, k, v, qi, ki, None, CFG, warmup=full)[1].kl
 
-    val, grads = jax.value_and_grad(kl_of, argnums=(0, 1, 2, 3, 4))(q, k, v, qi, ki)
-    with jax.experimental.enable_x64():
-        c = lambda x: np.asarray(x, np.float64)  # noqa: E731
-        r_val, r_g = jax.value_and_grad(_ref_kl, argnums=(2, 3))(c(q), c(k), c(qi), c(ki), blk)
-        r_val, r_g = float(r_val), [np.asarray(g) for g in r_g]
+    val, grads = jax.jit(jax.value_and_grad(kl_of, argnums=(0, 1, 2, 3, 4)))(q, k, v, qi, ki)
+    c = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731  (x64 is on: tests/conftest.py)
+    r_val, r_g = jax.jit(jax.value_and_grad(_ref_kl, argnums=(2, 3)))(c(q), c(k), c(qi), c(ki), blk)
+    r_val, r_g = float(r_val), [np.asarray(g) for g in r_g]
     np.testing.assert_allclose(float(val), r_val, rtol=1e-4)
     for got, want in zip(grads[3:], r_g):
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3, atol=2e-6)
@@ -137,8 +143,7 @@ def test_msa_kl_value_and_gradients_match_float64_reference(full):
         assert float(jnp.abs(g).max()) == 0.0
 
 
-@pytest.mark.parametrize("layout,shape", [("block_striped", (2, 2)), ("zigzag", (1, 4)), ("contiguous", (1, 2)),
-                                          ("block_striped", (1, 2))])
+@pytest.mark.parametrize("layout,shape", [("block_striped", (2, 2)), ("zigzag", (1, 4)), ("contiguous", (1, 2))])
 def test_msa_shard_map_layouts_match_one_device(layout, shape):
     """Under shard_map (sparse ring, per-step StepIndex), in layout order: output, gradients, KL
     and its index-branch gradients equal the one-device masked reference."""
@@ -160,10 +165,10 @@ def test_msa_shard_map_layouts_match_one_device(layout, shape):
     r = lambda *a: jnp.sum(_ref_out(*a, mask) * do)  # noqa: E731
     want = jax.grad(r, (0, 1, 2))(q, k, v)
     chex.assert_trees_all_close(tuple(lay.unpermute(x) for x in g[:3]), want, atol=5e-5, rtol=5e-5)
-    _, a1 = msa_attention(q, k, v, qi, ki, None, CFG)
+    _, a1 = _msa(q, k, v, qi, ki)
     np.testing.assert_allclose(float(aux.kl), float(a1.kl), rtol=1e-5)
     np.testing.assert_allclose(float(aux.work_fraction), float(a1.work_fraction), rtol=1e-6)
-    gi = jax.grad(lambda qi, ki: msa_attention(q, k, v, qi, ki, None, CFG)[1].kl, (0, 1))(qi, ki)
+    gi = jax.jit(jax.grad(lambda qi, ki: _msa(q, k, v, qi, ki)[1].kl, (0, 1)))(qi, ki)
     chex.assert_trees_all_close(tuple(lay.unpermute(x) for x in g[3:]), gi, atol=1e-6, rtol=1e-4)
 
 
