@@ -250,7 +250,7 @@ def build_training(cfg: TrainConfig, mesh, model_cls, model_cfg) -> Training:
     state_fn = train_state_fn(init_fn, optimizer, mesh, cfg.seed, fsdp)
     abstract = abstract_train_state(state_fn, mesh, fsdp)
     state_sh = jax.tree.map(lambda x: x.sharding, abstract)
-    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh)
+    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh, msa=cfg.msa)
     eval_step = make_eval_step(parts, mesh, cfg.loss_chunk_size)
     return Training(optimizer, schedule, parts, fsdp, state_fn, abstract, train_step, eval_step)
 
