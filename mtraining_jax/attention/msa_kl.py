@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtraining_jax.sparsity.msa_select import MSASelection, selection_block_map
+from mtraining_jax.sparsity.msa_select import MSASelection, map_batch, selection_block_map
 
 
 def _blocks(x, nqb, bs):
@@ -99,7 +99,8 @@ def msa_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, support: MSASelection,
 
     xs = (_blocks(q, nqb, bs), _blocks(q_idx, nqb, bs), _blocks(k_idx_local, nqb, bs), qpos.reshape(nqb, bs),
           jnp.moveaxis(support.block_idx, 2, 0), jnp.moveaxis(support.block_count, 2, 0))
-    return jax.lax.map(one, xs).sum()
+    per_block = 4 * B * (3 * Hq * bs * K * bs + 2 * k_all.shape[2] * K * bs * D)  # scores, probs, gathered keys
+    return jax.lax.map(one, xs, batch_size=map_batch(nqb, per_block)).sum()
 
 
 def selection_recall_sum(q, k_all, q_pos, sel: MSASelection, *, block_size: int = 64, sm_scale=None,

@@ -64,6 +64,17 @@ class MSASelection(NamedTuple):
     block_count: jax.Array
 
 
+MAP_BYTES = 256 * 1024**2  # live temporaries per batched lax.map chunk over query blocks
+
+
+def map_batch(n: int, bytes_per_item: int) -> int | None:
+    """``batch_size`` for ``lax.map`` over ``n`` query blocks whose temporaries take
+    ``bytes_per_item`` each: as many per chunk as fit :data:`MAP_BYTES` (fewer, larger kernels on
+    a GPU instead of one tiny step per 64-row block); ``None`` (sequential) when one does not fit."""
+    b = min(n, MAP_BYTES // max(1, bytes_per_item))
+    return b if b > 1 else None
+
+
 def block_summaries(k_idx, block_size: int = 64):
     """``float32 [B, n, d]``: the mean of ``k_idx [B, n * block_size, d]`` over each run of
     ``block_size`` rows (a block-aligned layout's local rows give whole global blocks)."""
@@ -131,7 +142,7 @@ def select_blocks(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16) 
         agg = _candidate_probs(index_block_logits(qi, kbar), qb).mean(axis=2)  # [B, G, nb]
         return _topk_with_local(agg, qb, top_k)
 
-    ids, cnt = jax.lax.map(one, (qblk, qbs))
+    ids, cnt = jax.lax.map(one, (qblk, qbs), batch_size=map_batch(nqb, 8 * B * G * block_size * kbar.shape[1]))
     return MSASelection(jnp.moveaxis(ids, 0, 2), jnp.moveaxis(cnt, 0, 2))
 
 
