@@ -14,7 +14,7 @@ import pytest
 from mtraining_jax.attention.msa import MSAConfig, msa_attention
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import make_mesh
-from mtraining_jax.sparsity.msa_select import block_summaries, select_blocks, selection_block_map
+from mtraining_jax.sparsity.msa_select import index_keys, select_blocks, selection_block_map
 from pallas_kernels.reference import dense_attention
 
 BS = 64
@@ -32,9 +32,9 @@ def _inputs(seed=0):
     return q, k, v, qi, ki
 
 
-def _token_mask(qi, ki, top_k=TOPK):
+def _token_mask(qi, ki, top_k=TOPK, pooling="mean"):
     """``bool [B, Hq, S, S]`` (natural order): the selected blocks, causal."""
-    sel = select_blocks(qi, block_summaries(ki, BS), jnp.arange(S), block_size=BS, top_k=top_k)
+    sel = select_blocks(qi, index_keys(ki, BS, pooling), jnp.arange(S), block_size=BS, top_k=top_k, pooling=pooling)
     blk = np.asarray(selection_block_map(sel, S // BS))  # [B, G, nQB, nb]
     m = np.repeat(np.repeat(np.repeat(blk, HQ // HKV, 1), BS, 2), BS, 3)
     return jnp.asarray(m & np.tril(np.ones((S, S), bool)))
@@ -45,7 +45,7 @@ def _ref_out(q, k, v, mask):
     return out
 
 
-def _ref_kl(q, k, qi, ki, blkmask):
+def _ref_kl(q, k, qi, ki, blkmask, pooling="mean"):
     """float64-capable dense reference of the block-level KL (mean over B * S * Hkv).
     ``blkmask bool [B, G, S(rows), nb]``: the selected blocks of each row (causal applied here)."""
     dt = q.dtype
@@ -66,6 +66,10 @@ def _ref_kl(q, k, qi, ki, blkmask):
     zl = jnp.einsum("bird,bid->bri", qi, kloc)
     own = (pos // BS)[:, None] == jnp.arange(nb)[None, :]
     z = jnp.where(own[None, None], zl[..., None], z) * DI**-0.5
+    if pooling == "max":
+        st = jnp.einsum("bird,bjd->brij", qi, ki) * DI**-0.5
+        st = jnp.where(causal, st, -jnp.inf)
+        z = st.reshape(B, HKV, S, nb, BS).max(-1)
     z = jnp.where(blkmask, z, -jnp.inf)
     logp = jnp.where(blkmask, jax.nn.log_softmax(z, -1), 0.0)
     ok = blkmask & (t > 0)
@@ -73,12 +77,13 @@ def _ref_kl(q, k, qi, ki, blkmask):
     return kl.sum() / (B * S * HKV)
 
 
-def _row_blocks(qi, ki, top_k=TOPK, full=False):
+def _row_blocks(qi, ki, top_k=TOPK, full=False, pooling="mean"):
     nb = S // BS
     if full:
         blk = np.tril(np.ones((nb, nb), bool))[None, None].repeat(B, 0).repeat(HKV, 1)
     else:
-        sel = select_blocks(qi, block_summaries(ki, BS), jnp.arange(S), block_size=BS, top_k=top_k)
+        sel = select_blocks(qi, index_keys(ki, BS, pooling), jnp.arange(S), block_size=BS, top_k=top_k,
+                            pooling=pooling)
         blk = np.asarray(selection_block_map(sel, nb))
     return jnp.asarray(np.repeat(blk, BS, axis=2))  # [B, G, S, nb]
 
@@ -123,17 +128,19 @@ def test_msa_warmup_is_dense_attention_and_full_support_kl():
     chex.assert_trees_all_close(o_f, _msa(q, k, v, qi, ki)[0], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("full", [False, True])
-def test_msa_kl_value_and_gradients_match_float64_reference(full):
+@pytest.mark.parametrize("full,pooling", [(False, "mean"), (True, "mean"), (False, "max")])
+def test_msa_kl_value_and_gradients_match_float64_reference(full, pooling):
     q, k, v, qi, ki = _inputs(2)
-    blk = _row_blocks(qi, ki, full=full)
+    blk = _row_blocks(qi, ki, full=full, pooling=pooling)
+    cfg = MSAConfig(top_k=TOPK, impl="xla", layout="contiguous", pooling=pooling)
 
     def kl_of(q, k, v, qi, ki):
-        return msa_attention(q, k, v, qi, ki, None, CFG, warmup=full)[1].kl
+        return msa_attention(q, k, v, qi, ki, None, cfg, warmup=full)[1].kl
 
     val, grads = jax.jit(jax.value_and_grad(kl_of, argnums=(0, 1, 2, 3, 4)))(q, k, v, qi, ki)
     c = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731  (x64 is on: tests/conftest.py)
-    r_val, r_g = jax.jit(jax.value_and_grad(_ref_kl, argnums=(2, 3)))(c(q), c(k), c(qi), c(ki), blk)
+    ref = jax.jit(jax.value_and_grad(lambda *a: _ref_kl(*a, pooling=pooling), argnums=(2, 3)))
+    r_val, r_g = ref(c(q), c(k), c(qi), c(ki), blk)
     r_val, r_g = float(r_val), [np.asarray(g) for g in r_g]
     np.testing.assert_allclose(float(val), r_val, rtol=1e-4)
     for got, want in zip(grads[3:], r_g):
@@ -143,17 +150,19 @@ def test_msa_kl_value_and_gradients_match_float64_reference(full):
         assert float(jnp.abs(g).max()) == 0.0
 
 
-@pytest.mark.parametrize("layout,shape", [("block_striped", (2, 2)), ("zigzag", (1, 4)), ("contiguous", (1, 2))])
-def test_msa_shard_map_layouts_match_one_device(layout, shape):
+@pytest.mark.parametrize("layout,shape,pooling", [("block_striped", (2, 2), "mean"), ("zigzag", (1, 4), "mean"),
+                                                  ("contiguous", (1, 2), "mean"), ("block_striped", (1, 4), "max")])
+def test_msa_shard_map_layouts_match_one_device(layout, shape, pooling):
     """Under shard_map (sparse ring, per-step StepIndex), in layout order: output, gradients, KL
     and its index-branch gradients equal the one-device masked reference."""
     q, k, v, qi, ki = _inputs(3)
     P = shape[0] * shape[1]
     mesh = make_mesh(shape, jax.devices()[:P])
     lay = Layout(layout, S, P, stripe=BS)
-    cfg = MSAConfig(top_k=TOPK, impl="xla", layout=layout, ring_order="hierarchical")
+    cfg = MSAConfig(top_k=TOPK, impl="xla", layout=layout, ring_order="hierarchical", pooling=pooling)
+    one = MSAConfig(top_k=TOPK, impl="xla", layout="contiguous", pooling=pooling)
     laid = [lay.permute(x) for x in (q, k, v, qi, ki)]
-    mask = _token_mask(qi, ki)
+    mask = _token_mask(qi, ki, pooling=pooling)
     do = jax.random.normal(jax.random.PRNGKey(4), q.shape)
 
     def loss(q, k, v, qi, ki):
@@ -165,10 +174,10 @@ def test_msa_shard_map_layouts_match_one_device(layout, shape):
     r = lambda *a: jnp.sum(_ref_out(*a, mask) * do)  # noqa: E731
     want = jax.grad(r, (0, 1, 2))(q, k, v)
     chex.assert_trees_all_close(tuple(lay.unpermute(x) for x in g[:3]), want, atol=5e-5, rtol=5e-5)
-    _, a1 = _msa(q, k, v, qi, ki)
+    _, a1 = jax.jit(lambda *a: msa_attention(*a, None, one))(q, k, v, qi, ki)
     np.testing.assert_allclose(float(aux.kl), float(a1.kl), rtol=1e-5)
     np.testing.assert_allclose(float(aux.work_fraction), float(a1.work_fraction), rtol=1e-6)
-    gi = jax.jit(jax.grad(lambda qi, ki: _msa(q, k, v, qi, ki)[1].kl, (0, 1)))(qi, ki)
+    gi = jax.jit(jax.grad(lambda qi, ki: msa_attention(q, k, v, qi, ki, None, one)[1].kl, (0, 1)))(qi, ki)
     chex.assert_trees_all_close(tuple(lay.unpermute(x) for x in g[3:]), gi, atol=1e-6, rtol=1e-4)
 
 

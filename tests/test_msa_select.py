@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from mtraining_jax.layouts import Layout
 from mtraining_jax.ring.schedule import source_table
-from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, block_summaries, full_selection,
+from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, block_summaries, full_selection, index_keys,
                                                row_topk_union, select_blocks, selection_block_map,
                                                selection_step_index)
 from pallas_kernels.index_format import step_index_to_mask
@@ -19,7 +19,7 @@ from pallas_kernels.index_format import step_index_to_mask
 BS = 16  # small blocks keep the CPU tests fast; the math is block-size agnostic
 
 
-def np_select(q_idx, k_idx, bs, top_k):
+def np_select(q_idx, k_idx, bs, top_k, pooling="mean"):
     """float64 reference of scheme (b): ``bool [B, G, nQB, nb]``."""
     q = np.asarray(q_idx, np.float64)
     k = np.asarray(k_idx, np.float64)
@@ -33,7 +33,10 @@ def np_select(q_idx, k_idx, bs, top_k):
                 out[b, g, qb, qb] = True
                 if qb == 0:
                     continue
-                s = q[b, qb * bs:(qb + 1) * bs, g] @ kbar[b, :qb].T / np.sqrt(d)  # [bs, qb]
+                if pooling == "mean":
+                    s = q[b, qb * bs:(qb + 1) * bs, g] @ kbar[b, :qb].T / np.sqrt(d)  # [bs, qb]
+                else:
+                    s = (q[b, qb * bs:(qb + 1) * bs, g] @ k[b, :qb * bs].T / np.sqrt(d)).reshape(bs, qb, bs).max(-1)
                 p = np.exp(s - s.max(1, keepdims=True))
                 p /= p.sum(1, keepdims=True)
                 agg = p.mean(0)
@@ -48,13 +51,14 @@ def _inputs(seed, B=2, S=256, G=2, d=8):
 
 
 @settings(max_examples=5, deadline=None)
-@given(seed=st.integers(0, 2**16), top_k=st.integers(1, 6))
-def test_select_blocks_matches_float64_reference(seed, top_k):
+@given(seed=st.integers(0, 2**16), top_k=st.integers(1, 6), pooling=st.sampled_from(["mean", "max"]))
+def test_select_blocks_matches_float64_reference(seed, top_k, pooling):
     q_idx, k_idx = _inputs(seed)
     S = q_idx.shape[1]
-    sel = select_blocks(q_idx, block_summaries(k_idx, BS), jnp.arange(S), block_size=BS, top_k=top_k)
+    sel = select_blocks(q_idx, index_keys(k_idx, BS, pooling), jnp.arange(S), block_size=BS, top_k=top_k,
+                        pooling=pooling)
     got = np.asarray(selection_block_map(sel, S // BS))
-    want = np_select(q_idx, k_idx, BS, top_k)
+    want = np_select(q_idx, k_idx, BS, top_k, pooling)
     np.testing.assert_array_equal(got, want)
     ids, cnt = np.asarray(sel.block_idx), np.asarray(sel.block_count)
     nqb = S // BS
@@ -128,7 +132,9 @@ def test_row_topk_union_contains_block_choice_local_and_bounds():
     assert (union >= np.minimum(3, np.arange(nqb) + 1)).all() and (union <= np.arange(nqb) + 1).all()
 
 
-def test_select_blocks_rejects_bad_top_k():
+def test_select_blocks_rejects_bad_top_k_and_pooling():
     q_idx, k_idx = _inputs(0)
     with pytest.raises(ValueError, match="top_k"):
         select_blocks(q_idx, block_summaries(k_idx, BS), jnp.arange(q_idx.shape[1]), block_size=BS, top_k=0)
+    with pytest.raises(ValueError, match="pooling"):
+        index_keys(k_idx, BS, "sum")

@@ -3,8 +3,9 @@
 ``msa_attention(q, k, v, q_idx, k_idx, mesh, cfg, *, positions=None, warmup=False) -> (out, MSAAux)``.
 Inside one ``shard_map`` over the ``(node, local)`` mesh (``mesh=None``: a one-device mesh), every rank
 
-1. mean-pools its index keys per 64-token block and all-gathers the block summaries
-   (``kbar [B, nb, d_idx]``, float32: ``4 * B * S / 64 * d_idx`` bytes in all);
+1. all-gathers the index keys: mean-pooled per 64-token block (``pooling="mean"``,
+   ``[B, nb, d_idx]``, float32: ``4 * B * S / 64 * d_idx`` bytes in all) or every token's
+   (``"max"``, the paper's max-pooled block scores: ``4 * B * S * d_idx`` bytes);
 2. selects, per local query block and KV group, the top-``k`` blocks with the local block forced
    (:func:`~mtraining_jax.sparsity.msa_select.select_blocks`, scheme (b): kernels unchanged);
 3. runs the same sparse ring as MTraining (:func:`~mtraining_jax.ring.attention.ring_attention_shard`),
@@ -44,8 +45,8 @@ from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
 from mtraining_jax.ring.attention import ring_attention_shard
 from mtraining_jax.ring.schedule import validate_ring_order
-from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, block_summaries, full_selection,
-                                               layout_block_order, select_blocks, selection_work)
+from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, full_selection, index_keys, layout_block_order,
+                                               select_blocks, selection_work, validate_pooling)
 from pallas_kernels.api import SUPPORTED_HEAD_DIMS
 from pallas_kernels.inputs import check_qkv
 from pallas_kernels.registry import validate_impl
@@ -64,6 +65,8 @@ class MSAConfig:
       sm_scale: main-branch softmax scale (default ``D ** -0.5``).
       recall_blocks: local query blocks per rank scored against the full causal attention for the
         recall metric (each costs one query block x ``S`` keys).
+      pooling: block scores from mean-pooled index keys (``"mean"``) or max-pooled token scores
+        (``"max"``, the paper's); :mod:`~mtraining_jax.sparsity.msa_select`.
     """
 
     top_k: int = 16
@@ -73,8 +76,10 @@ class MSAConfig:
     impl: str = "auto"
     sm_scale: float | None = None
     recall_blocks: int = 1
+    pooling: str = "mean"
 
     def __post_init__(self):
+        validate_pooling(self.pooling)
         for name in ("top_k", "recall_blocks"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
@@ -149,8 +154,9 @@ def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfi
     def body(dense, q_l, k_l, v_l, qi_l, ki_l):
         rank = jax.lax.axis_index(CP_AXES)
         pos_l = jnp.asarray(pos_table, jnp.int32)[rank]
-        kbar = jax.lax.all_gather(block_summaries(ki_l, bs), CP_AXES, axis=1, tiled=True)[:, inv_blocks]
-        sel = select_blocks(qi_l, kbar, pos_l, block_size=bs, top_k=cfg.top_k)
+        inv = inv_blocks if cfg.pooling == "mean" else inv_tokens
+        kbar = jax.lax.all_gather(index_keys(ki_l, bs, cfg.pooling), CP_AXES, axis=1, tiled=True)[:, inv]
+        sel = select_blocks(qi_l, kbar, pos_l, block_size=bs, top_k=cfg.top_k, pooling=cfg.pooling)
         if dense:
             out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
                                        ring_order=cfg.ring_order, sm_scale=cfg.sm_scale, impl=cfg.impl,
@@ -165,7 +171,8 @@ def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfi
             support = sel
             work = selection_work(sel, Hq, bs)
         k_all = jax.lax.all_gather(jax.lax.stop_gradient(k_l), CP_AXES, axis=1, tiled=True)[:, inv_tokens]
-        kl = msa_kl_sum(q_l, k_all, pos_l, qi_l, kbar, ki_l, support, block_size=bs, sm_scale=cfg.sm_scale)
+        kl = msa_kl_sum(q_l, k_all, pos_l, qi_l, kbar, ki_l, support, block_size=bs, sm_scale=cfg.sm_scale,
+                        pooling=cfg.pooling)
         rec, rows = selection_recall_sum(q_l, k_all, pos_l, sel, block_size=bs, sm_scale=cfg.sm_scale,
                                          num_blocks=cfg.recall_blocks)
         axes = CP_AXES if batch_axis is None else (batch_axis,) + CP_AXES

@@ -8,10 +8,11 @@ distributions are BLOCK-level over the selected blocks of a query row:
 * teacher ``T[i, b] = 1/G sum_{h in group} sum_{j in block b, j <= i} softmax_h(q_i . k_j * scale)``,
   the softmax over the causally visible tokens of the selected blocks (exactly the main branch's
   sparse attention distribution, summed per block) — computed from ``stop_gradient(q, k)``;
-* student ``P_idx[i, b] = softmax_b(q_idx_i . kbar_b / sqrt(d_idx))`` over the same blocks, where
-  ``kbar_b`` is the mean-pooled index key of block ``b``
-  (:func:`~mtraining_jax.sparsity.msa_select.block_summaries`) and, for the row's own (local,
-  partly visible) block, the mean of the index keys up to and including ``i`` (causal);
+* student ``P_idx[i, b] = softmax_b(z_ib)`` over the same blocks, with the selection's block logits
+  (:func:`~mtraining_jax.sparsity.msa_select.index_block_logits`): ``pooling="mean"``:
+  ``z_ib = q_idx_i . kbar_b / sqrt(d_idx)``, ``kbar_b`` the mean-pooled index key of block ``b``
+  and, for the row's own (local, partly visible) block, the mean of its index keys up to and
+  including ``i`` (causal); ``pooling="max"``: ``z_ib = max_{j in b, j <= i} q_idx_i . k_idx_j / sqrt(d_idx)``;
 * loss ``= sum_i sum_groups KL(T || P_idx)``; callers divide by ``B * S * Hkv`` (the paper's mean
   over positions and groups).
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtraining_jax.sparsity.msa_select import MSASelection, map_batch, selection_block_map
+from mtraining_jax.sparsity.msa_select import MSASelection, index_block_logits, map_batch, selection_block_map
 
 
 def _blocks(x, nqb, bs):
@@ -63,7 +64,7 @@ def _local_prefix_mean(kib):
 
 
 def msa_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, support: MSASelection, *, block_size: int = 64,
-               sm_scale: float | None = None):
+               sm_scale: float | None = None, pooling: str = "mean"):
     """``float32`` scalar: ``sum_{b, i, group} KL(T_i || P_idx_i)`` over the local rows (module
     docstring). Differentiable in ``q_idx``, ``kbar``, ``k_idx_local``; zero gradient to q, k."""
     q, k_all = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_all)
@@ -85,11 +86,16 @@ def msa_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, support: MSASelection,
         tok = (safe[..., None] * bs + jnp.arange(bs)).reshape(B, ids.shape[1], K * bs)
         t = _teacher_mass(qb, k_all, tok, jnp.repeat(slot_ok, bs, axis=-1), qp, scale)  # [B, G, bs, K*bs]
         t = t.reshape(t.shape[:3] + (K, bs)).sum(-1)  # [B, G, bs, K]
-        kb = jnp.take_along_axis(kbar[:, None, :, :], safe[..., None], axis=2)  # [B, G, K, d]
-        z = jnp.einsum("bqgd,bgkd->bgqk", qib.astype(jnp.float32), kb, precision="highest")
-        zloc = jnp.einsum("bqgd,bqd->bgq", qib.astype(jnp.float32), _local_prefix_mean(kib), precision="highest")
-        is_local = (ids == qbid)[:, :, None, :]
-        z = jnp.where(is_local, zloc[..., None], z) * d**-0.5
+        if pooling == "max":
+            zfull = index_block_logits(qib, kbar, "max", qp, bs)  # [B, G, bs, nb], causal
+            z = jnp.take_along_axis(zfull, jnp.broadcast_to(safe[:, :, None, :], zfull.shape[:3] + (K,)), axis=-1)
+        else:
+            kb = jnp.take_along_axis(kbar[:, None, :, :], safe[..., None], axis=2)  # [B, G, K, d]
+            z = jnp.einsum("bqgd,bgkd->bgqk", qib.astype(jnp.float32), kb, precision="highest")
+            zloc = jnp.einsum("bqgd,bqd->bgq", qib.astype(jnp.float32), _local_prefix_mean(kib),
+                              precision="highest")
+            is_local = (ids == qbid)[:, :, None, :]
+            z = jnp.where(is_local, zloc[..., None], z) * d**-0.5
         ok = slot_ok[:, :, None, :]
         logp = jax.nn.log_softmax(jnp.where(ok, z, -jnp.inf), axis=-1)
         logp = jnp.where(ok, logp, 0.0)
@@ -100,6 +106,8 @@ def msa_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, support: MSASelection,
     xs = (_blocks(q, nqb, bs), _blocks(q_idx, nqb, bs), _blocks(k_idx_local, nqb, bs), qpos.reshape(nqb, bs),
           jnp.moveaxis(support.block_idx, 2, 0), jnp.moveaxis(support.block_count, 2, 0))
     per_block = 4 * B * (3 * Hq * bs * K * bs + 2 * k_all.shape[2] * K * bs * D)  # scores, probs, gathered keys
+    if pooling == "max":
+        per_block += 8 * B * q_idx.shape[2] * bs * S  # token-level index scores
     return jax.lax.map(one, xs, batch_size=map_batch(nqb, per_block)).sum()
 
 

@@ -16,8 +16,8 @@ otherwise).
 MSA (``msa`` layers, :mod:`mtraining_jax.attention.msa`): ``msa`` is ``None`` or a mapping with the
 keys of :data:`MSA_DEFAULTS` — ``index_dim`` (``d_idx`` of the index branch; the paper does not
 state it, 64 here), ``top_k`` (blocks per query block and KV group incl. the forced local block;
-paper 16), ``block_size`` (64, the kernels' tile; paper 128) and ``recall_blocks`` (rows sampled
-for the recall metric). When any layer is ``msa``, EVERY layer carries the index branch (one index
+paper 16), ``block_size`` (64, the kernels' tile; paper 128), ``recall_blocks`` (rows sampled
+for the recall metric) and ``pooling`` (``mean`` block keys or the paper's ``max`` token scores). When any layer is ``msa``, EVERY layer carries the index branch (one index
 query head per KV group ``index_q [hidden, Hkv * d_idx]`` and one shared index key head
 ``index_k [hidden, d_idx]``, no bias, no RoPE): the layers are one stacked module; the index
 weights of non-``msa`` layers are unused.
@@ -45,7 +45,7 @@ _YARN_KEYS = {
 }
 
 
-MSA_DEFAULTS: dict[str, int] = {"index_dim": 64, "top_k": 16, "block_size": 64, "recall_blocks": 1}
+MSA_DEFAULTS: dict[str, Any] = {"index_dim": 64, "top_k": 16, "block_size": 64, "recall_blocks": 1, "pooling": "mean"}
 
 
 def _dense_counterpart(backend: str) -> str:
@@ -211,6 +211,7 @@ class ModelConfig:
 
         m = {**MSA_DEFAULTS, **(self.msa or {})}
         return MSAConfig(top_k=m["top_k"], block_size=m["block_size"], recall_blocks=m["recall_blocks"],
+                         pooling=m["pooling"],
                          layout=self.layout, ring_order=self.ring_order, impl=self.attention_impl)
 
     def num_params(self) -> int:

@@ -7,12 +7,15 @@ included (it takes one of the ``k`` slots), causal.
 
 Choices made here (and why):
 
-* **Block summaries = mean-pooled index keys.** ``kbar[b] = mean_{j in block b} k_idx[j]``
-  (float32 ``[B, nb, d_idx]``), so a block's logit is ``q_idx . kbar[b] / sqrt(d_idx)`` — the mean
-  of its token scores. The paper max-pools token scores; mean-pooled keys make the per-rank
-  summaries ``nb * d_idx`` floats, which ONE all-gather brings to every context-parallel rank
-  (``4 * B * S / 64 * d_idx`` bytes in all; 512 KiB at ``S = 128K``, ``d_idx = 64``), and the
-  scoring a small ``[rows, nb]`` matmul, instead of gathering every token's index key.
+* **Block scores, two poolings** (``pooling``). ``"mean"`` (default): block summaries are the
+  mean-pooled index keys ``kbar[b] = mean_{j in block b} k_idx[j]`` (float32 ``[B, nb, d_idx]``),
+  a block's logit ``q_idx . kbar[b] / sqrt(d_idx)`` (the mean of its token scores): ONE small
+  all-gather brings them to every context-parallel rank (``4 * B * S / 64 * d_idx`` bytes in all;
+  512 KiB at ``S = 128K``, ``d_idx = 64``) and scoring is a ``[rows, nb]`` matmul. ``"max"``: the
+  paper's max-pooled token scores ``max_{j in b, j <= i} q_idx_i . k_idx_j / sqrt(d_idx)``: every
+  token's index key is all-gathered (``4 * B * S * d_idx`` bytes, 32 MiB at 128K) and scoring is
+  ``[rows, S]`` (the paper's ``H_kv d_idx N^2`` index cost); with an indexer that mirrors the main
+  branch it recovers much more attention mass (``benchmarks/msa_selection_results.md``).
 * **Block size 64** (paper: 128): the kernels' query/KV tile is 64 rows, so one selected block is
   exactly one kernel tile and no kernel changes are needed; budget ``k * 64`` tokens per query.
 * **Per query block, not per query row** (scheme (b)). The kernels' ``StepIndex`` holds one active
@@ -75,6 +78,22 @@ def map_batch(n: int, bytes_per_item: int) -> int | None:
     return b if b > 1 else None
 
 
+POOLINGS: tuple[str, ...] = ("mean", "max")
+
+
+def validate_pooling(pooling) -> str:
+    if pooling not in POOLINGS:
+        raise ValueError(f"msa pooling must be one of {POOLINGS}, got {pooling!r}")
+    return pooling
+
+
+def index_keys(k_idx, block_size: int = 64, pooling: str = "mean"):
+    """What a rank contributes to the all-gathered index keys of its local rows ``k_idx [B, Sl, d]``:
+    ``"mean"``: :func:`block_summaries` ``[B, Sl / bs, d]``; ``"max"``: the keys, float32."""
+    validate_pooling(pooling)
+    return block_summaries(k_idx, block_size) if pooling == "mean" else k_idx.astype(jnp.float32)
+
+
 def block_summaries(k_idx, block_size: int = 64):
     """``float32 [B, n, d]``: the mean of ``k_idx [B, n * block_size, d]`` over each run of
     ``block_size`` rows (a block-aligned layout's local rows give whole global blocks)."""
@@ -89,12 +108,21 @@ def block_ids(q_pos, block_size: int = 64):
     return (jnp.asarray(q_pos, jnp.int32).reshape(-1, block_size)[:, 0] // block_size).astype(jnp.int32)
 
 
-def index_block_logits(q_idx_blk, kbar):
-    """``float32 [B, Hkv, bs, nb]``: ``q_idx . kbar / sqrt(d_idx)`` for one query block
-    ``q_idx_blk [B, bs, Hkv, d]`` against all block summaries ``kbar [B, nb, d]``."""
+def index_block_logits(q_idx_blk, keys, pooling: str = "mean", q_pos_blk=None, block_size: int = 64):
+    """``float32 [B, Hkv, bs, nb]`` block logits of one query block ``q_idx_blk [B, bs, Hkv, d]``.
+
+    ``"mean"``: ``keys`` are the block summaries ``[B, nb, d]``; logit ``q_idx . kbar / sqrt(d)``.
+    ``"max"``: ``keys`` are all index keys ``[B, S, d]`` in natural order; logit
+    ``max_{j in b, j <= q_pos} q_idx . k_j / sqrt(d)`` (``-inf`` for a block with no visible key;
+    ``q_pos_blk [bs]`` the rows' global positions)."""
     d = q_idx_blk.shape[-1]
-    return jnp.einsum("bqgd,bnd->bgqn", q_idx_blk.astype(jnp.float32), kbar.astype(jnp.float32),
-                      precision="highest") * d**-0.5
+    s = jnp.einsum("bqgd,bnd->bgqn", q_idx_blk.astype(jnp.float32), keys.astype(jnp.float32),
+                   precision="highest") * d**-0.5
+    if pooling == "mean":
+        return s
+    S = keys.shape[1]
+    s = jnp.where(jnp.arange(S)[None, :] <= q_pos_blk[:, None], s, -jnp.inf)
+    return s.reshape(s.shape[:3] + (S // block_size, block_size)).max(-1)
 
 
 def _candidate_probs(logits, qb):
@@ -120,29 +148,33 @@ def _topk_with_local(score, qb, k: int):
     return compact_sorted(vals > -jnp.inf, ids, k, pad=nb)
 
 
-def select_blocks(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16) -> MSASelection:
+def select_blocks(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16, pooling: str = "mean") -> MSASelection:
     """Scheme (b) selection of the local queries (see module docstring), under ``stop_gradient``.
 
     Args:
       q_idx: ``[B, Sq, Hkv, d]`` index queries of the local (block-aligned) rows.
-      kbar: ``float32 [B, nb, d]`` block summaries of the whole sequence in natural block order.
+      kbar: the whole sequence's index keys in natural order as :func:`index_keys` gives them for
+        ``pooling``: block summaries ``float32 [B, nb, d]`` (``"mean"``) or keys ``[B, S, d]`` (``"max"``).
       q_pos: ``int [Sq]`` global positions of the local rows.
       top_k: blocks per query block and group, the local block included (``>= 1``).
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    validate_pooling(pooling)
     q_idx, kbar = jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(kbar)
     B, Sq, G, d = q_idx.shape
     nqb = Sq // block_size
     qbs = block_ids(q_pos, block_size)
     qblk = jnp.moveaxis(q_idx.reshape(B, nqb, block_size, G, d), 1, 0)
+    qpb = jnp.asarray(q_pos, jnp.int32).reshape(nqb, block_size)
 
     def one(xs):
-        qi, qb = xs
-        agg = _candidate_probs(index_block_logits(qi, kbar), qb).mean(axis=2)  # [B, G, nb]
+        qi, qb, qp = xs
+        z = index_block_logits(qi, kbar, pooling, qp, block_size)
+        agg = _candidate_probs(z, qb).mean(axis=2)  # [B, G, nb]
         return _topk_with_local(agg, qb, top_k)
 
-    ids, cnt = jax.lax.map(one, (qblk, qbs), batch_size=map_batch(nqb, 8 * B * G * block_size * kbar.shape[1]))
+    ids, cnt = jax.lax.map(one, (qblk, qbs, qpb), batch_size=map_batch(nqb, 8 * B * G * block_size * kbar.shape[1]))
     return MSASelection(jnp.moveaxis(ids, 0, 2), jnp.moveaxis(cnt, 0, 2))
 
 
