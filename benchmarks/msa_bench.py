@@ -14,7 +14,10 @@ Times (median, ``jit(value_and_grad)`` of ``sum(out * cot)`` (+ the KL for MSA))
   and its work fraction;
 * ``msa_warmup`` (``--warmup``): the warm-up step (dense ring + full-support KL).
 
-    python -m benchmarks.msa_bench --lengths 32768 131072 --out $OUT
+``--pooling mean max`` runs the MSA cases once per block-score pooling (``max``: the paper's
+max-pooled token scores, an ``[S, S]``-work index branch in XLA).
+
+    python -m benchmarks.msa_bench --lengths 32768 131072 --pooling mean max --out $OUT
 
 Writes ``$OUT/msa_bench.jsonl`` (one record per length) and prints them.
 """
@@ -32,7 +35,7 @@ from benchmarks._timing import timeit
 from mtraining_jax.attention.msa import MSAConfig, msa_attention
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars
 from mtraining_jax.mesh import make_mesh
-from mtraining_jax.sparsity.msa_select import block_summaries, select_blocks
+from mtraining_jax.sparsity.msa_select import index_keys, select_blocks
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk
 
 HQ, HKV, D, DI = 16, 2, 128, 64
@@ -50,11 +53,12 @@ def inputs(S, seed=0):
     return tuple(bf(x) for x in (q, k, v, cot, qi, ki))
 
 
-def run(S, args):
+def run(S, args, pooling="mean"):
     mesh = make_mesh((1, 1), jax.devices()[:1])
     q, k, v, cot, qi, ki = inputs(S)
     f32 = lambda o: o.astype(jnp.float32)  # noqa: E731
-    rec = {"S": S, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "top_k": args.top_k}
+    rec = {"S": S, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "top_k": args.top_k,
+           "pooling": pooling}
 
     def cudnn_loss(q, k, v):
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -66,7 +70,7 @@ def run(S, args):
         o, st = mtraining_attention(q, k, v, mesh, mt_cfg, return_stats=True)
         return jnp.sum(f32(o) * f32(cot)), st.work
 
-    msa_cfg = MSAConfig(top_k=args.top_k, layout="contiguous")
+    msa_cfg = MSAConfig(top_k=args.top_k, layout="contiguous", pooling=pooling)
 
     def msa_loss(q, k, v, qi, ki, warmup=False):
         o, aux = msa_attention(q, k, v, qi, ki, mesh, msa_cfg, warmup=warmup)
@@ -77,11 +81,13 @@ def run(S, args):
         return jnp.sum(f32(o) * f32(cot))
 
     pos = jnp.arange(S)
-    cases = {
+    cases = {} if args.skip_baselines else {
         "cudnn": (jax.jit(jax.grad(cudnn_loss, (0, 1, 2))), (q, k, v)),
-        "mtraining": (jax.jit(jax.grad(mt_loss, (0, 1, 2), has_aux=True)), (q, k, v)),
+        "mtraining": (jax.jit(jax.grad(mt_loss, (0, 1, 2), has_aux=True)), (q, k, v))}
+    cases |= {
         "msa": (jax.jit(jax.grad(msa_loss, (0, 1, 2, 3, 4), has_aux=True)), (q, k, v, qi, ki)),
-        "msa_select": (jax.jit(lambda qi, ki: select_blocks(qi, block_summaries(ki), pos, top_k=args.top_k)), (qi, ki)),
+        "msa_select": (jax.jit(lambda qi, ki: select_blocks(qi, index_keys(ki, 64, pooling), pos, top_k=args.top_k,
+                                                            pooling=pooling)), (qi, ki)),
     }
     if args.warmup:
         cases["msa_warmup"] = (jax.jit(jax.grad(lambda *a: msa_loss(*a, warmup=True), (0, 1, 2, 3, 4), has_aux=True)),
@@ -100,8 +106,9 @@ def run(S, args):
     _, aux = jax.jit(lambda *a: msa_attention(*a, mesh, msa_cfg))(q, k, v, qi, ki)
     rec["msa_work_fraction"] = float(aux.work_fraction)
     rec["msa_kl"] = float(aux.kl)
-    _, work = jax.jit(mt_loss)(q, k, v)
-    rec["mtraining_work_fraction"] = float(stats_scalars(work, 1, HQ, S, 64)["work_fraction"])
+    if not args.skip_baselines:
+        _, work = jax.jit(mt_loss)(q, k, v)
+        rec["mtraining_work_fraction"] = float(stats_scalars(work, 1, HQ, S, 64)["work_fraction"])
     for m in ("mtraining", "msa", "msa_attn"):
         if f"{m}_fwdbwd_s" in rec and "cudnn_fwdbwd_s" in rec:
             rec[f"{m}_speedup_vs_cudnn"] = rec["cudnn_fwdbwd_s"] / rec[f"{m}_fwdbwd_s"]
@@ -114,15 +121,18 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", action="store_true", help="also time the MSA warm-up step (dense + full KL)")
+    ap.add_argument("--pooling", nargs="+", default=["mean"], choices=["mean", "max"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "msa_bench.jsonl")
     for S in args.lengths:
-        rec = run(S, args)
-        print(json.dumps(rec), flush=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        for i, pooling in enumerate(args.pooling):
+            args.skip_baselines = i > 0  # cuDNN / MTraining once per length
+            rec = run(S, args, pooling)
+            print(json.dumps(rec), flush=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
 
 
 if __name__ == "__main__":

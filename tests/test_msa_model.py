@@ -37,7 +37,7 @@ def test_config_validation_and_param_count():
                                                           rngs=nnx.Rngs(0)))["layers"]["self_attn"]
     assert ModelConfig(**{**_cfg().to_dict(), "msa": None}).msa_index_dim == 64  # paper-free default
     for bad, match in (({"index_dim": 0}, "index_dim"), ({"top_k": 0}, "top_k"), ({"block_size": 128}, "block_size"),
-                       ({"topk": 3}, "unknown msa keys")):
+                       ({"topk": 3}, "unknown msa keys"), ({"pooling": "sum"}, "pooling")):
         with pytest.raises(ValueError, match=match):
             _cfg(msa=bad)
     with pytest.raises(ValueError, match="layout"):
