@@ -3,7 +3,8 @@ validates against; what each does: :mod:`mtraining_jax.attention.dispatch`)."""
 
 from __future__ import annotations
 
-BACKENDS: tuple[str, ...] = ("reference", "cudnn", "ring", "mtraining")
+BACKENDS: tuple[str, ...] = ("reference", "cudnn", "ring", "mtraining", "msa")
+SPARSE_BACKENDS: tuple[str, ...] = ("mtraining", "msa")  # dense counterpart: "ring"
 
 
 def validate_backend(name, key: str = "attention backend") -> str:

@@ -26,6 +26,13 @@ Backends:
   :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` (``mtraining=``; default budgets
   otherwise). Tokens must be in that config's layout: concrete positions are checked
   (``ValueError``), traced ones NaN-poison the output when they differ, as for ``cudnn``.
+* ``msa``       — :func:`mtraining_jax.attention.msa.msa_attention`: MiniMax Sparse Attention
+  (learned index branch, per-query-block top-k KV blocks on the same sparse ring); needs
+  ``msa_index=(q_idx [B, S, Hkv, d_idx], k_idx [B, S, d_idx])`` and an
+  :class:`~mtraining_jax.attention.msa.MSAConfig` (``msa=``); ``mesh=None`` runs one device;
+  ``msa_warmup`` (bool, may be traced) runs dense attention with the full-support KL. Its stats
+  are ``msa_kl`` (differentiable: the trainer adds it to the loss), ``work_fraction``,
+  ``msa_recall``. Layout positions as for ``mtraining``; no packed documents.
 """
 
 from __future__ import annotations
@@ -113,6 +120,29 @@ def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, im
     return _nan_unless(out, ok), stats
 
 
+def _msa_attention(q, k, v, positions, mesh, cfg, msa_index, msa_warmup, sm_scale, segment_ids):
+    """``(out, stats)`` of the MSA backend (see module docstring)."""
+    import dataclasses
+
+    from mtraining_jax.attention.msa import MSAConfig, msa_attention  # lazy
+
+    if msa_index is None:
+        raise ValueError("the msa attention backend needs msa_index=(q_idx, k_idx) from the model's index branch")
+    if segment_ids is not None:
+        raise NotImplementedError("the msa backend has no document (segment_ids) mask; use data.pack: none")
+    cfg = MSAConfig() if cfg is None else cfg
+    if sm_scale is not None:
+        cfg = dataclasses.replace(cfg, sm_scale=sm_scale)
+    out, aux = msa_attention(q, k, v, msa_index[0], msa_index[1], mesh, cfg, positions=positions,
+                             warmup=msa_warmup)  # checks concrete positions
+    ok = None
+    if isinstance(positions, jax.core.Tracer):
+        P = 1 if mesh is None else mesh.shape["node"] * mesh.shape["local"]
+        ok = jnp.all(positions == jnp.asarray(cfg.make_layout(q.shape[1], P).perm, positions.dtype))
+    stats = {"msa_kl": aux.kl, "work_fraction": aux.work_fraction, "msa_recall": aux.recall}
+    return _nan_unless(out, ok), stats
+
+
 def attention(
     q,
     k,
@@ -127,6 +157,9 @@ def attention(
     mtraining=None,
     return_stats: bool = False,
     segment_ids=None,
+    msa=None,
+    msa_index=None,
+    msa_warmup=False,
 ):
     """Causal attention by global position through ``backend`` (see module docstring).
 
@@ -141,6 +174,8 @@ def attention(
       return_stats: also return a dict of float32 scalars (``mtraining``: work fraction, worker and
         step imbalance of the executed ring; other backends: empty).
       segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
+      msa, msa_index, msa_warmup: the ``msa`` backend's config, index-branch ``(q_idx, k_idx)`` and
+        warm-up flag (module docstring).
 
     Returns:
       ``[B, S, Hq, D]`` in ``q.dtype``.
@@ -155,6 +190,10 @@ def attention(
             raise ValueError("the mtraining attention backend needs a mesh (got mesh=None)")
         out, stats = _mtraining_attention(q, k, v, positions, mesh, mtraining, ring_order, sm_scale, impl,
                                           segment_ids)
+        out = out.astype(q.dtype)
+        return (out, stats) if return_stats else out
+    if backend == "msa":
+        out, stats = _msa_attention(q, k, v, positions, mesh, msa, msa_index, msa_warmup, sm_scale, segment_ids)
         out = out.astype(q.dtype)
         return (out, stats) if return_stats else out
     out = _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl, segment_ids)

@@ -10,7 +10,17 @@ construction time, so a model is never built from a config that cannot run.
 Per-layer attention backends (MTraining keeps a few dense layers, cf. §4 of the paper): layer ``i``
 uses ``attention_backends[i]`` when that tuple is given, else ``dense_backend`` when
 ``i in dense_layers``, else ``attention_backend``. ``dense_backend=None`` means "the dense
-counterpart of ``attention_backend``" (``ring`` for ``mtraining``, the backend itself otherwise).
+counterpart of ``attention_backend``" (``ring`` for ``mtraining`` and ``msa``, the backend itself
+otherwise).
+
+MSA (``msa`` layers, :mod:`mtraining_jax.attention.msa`): ``msa`` is ``None`` or a mapping with the
+keys of :data:`MSA_DEFAULTS` — ``index_dim`` (``d_idx`` of the index branch; the paper does not
+state it, 64 here), ``top_k`` (blocks per query block and KV group incl. the forced local block;
+paper 16), ``block_size`` (64, the kernels' tile; paper 128), ``recall_blocks`` (rows sampled
+for the recall metric) and ``pooling`` (``mean`` block keys or the paper's ``max`` token scores). When any layer is ``msa``, EVERY layer carries the index branch (one index
+query head per KV group ``index_q [hidden, Hkv * d_idx]`` and one shared index key head
+``index_k [hidden, d_idx]``, no bias, no RoPE): the layers are one stacked module; the index
+weights of non-``msa`` layers are unused.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from mtraining_jax.attention.backends import BACKENDS
+from mtraining_jax.attention.backends import BACKENDS, SPARSE_BACKENDS
 from mtraining_jax.ring.schedule import RING_ORDERS
 from pallas_kernels.registry import IMPLS as KERNEL_IMPLS
 
@@ -35,8 +45,11 @@ _YARN_KEYS = {
 }
 
 
+MSA_DEFAULTS: dict[str, Any] = {"index_dim": 64, "top_k": 16, "block_size": 64, "recall_blocks": 1, "pooling": "mean"}
+
+
 def _dense_counterpart(backend: str) -> str:
-    return "ring" if backend == "mtraining" else backend
+    return "ring" if backend in SPARSE_BACKENDS else backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +85,8 @@ class ModelConfig:
     # lists) and the sequence layout the data loader applies (block_striped, zigzag, contiguous).
     sparsity: Mapping[str, Any] | None = None
     layout: str = "block_striped"
+    # MiniMax Sparse Attention (backend "msa"): keys of MSA_DEFAULTS (see module docstring).
+    msa: Mapping[str, Any] | None = None
     remat: str = "none"
     # remat "selective": these layers run as "save_attn", the others as "full" (None: the
     # remat_save_fraction share of the layers, see ModelConfig.remat_saved_layers).
@@ -140,6 +155,16 @@ class ModelConfig:
                                                   for k, v in dict(self.sparsity).items()})
         if "mtraining" in self.layer_backends:
             self.mtraining_config()  # validates sparsity keys/values and the layout, naming them
+        if self.msa is not None:
+            object.__setattr__(self, "msa", dict(self.msa))
+            unknown = sorted(set(self.msa) - set(MSA_DEFAULTS))
+            if unknown:
+                raise ValueError(f"unknown msa keys {unknown}; known keys: {sorted(MSA_DEFAULTS)}")
+            d = self.msa.get("index_dim", MSA_DEFAULTS["index_dim"])
+            if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+                raise ValueError(f"msa index_dim must be a positive integer, got {d!r}")
+        if self.has_msa:
+            self.msa_config()  # validates top_k, block_size, recall_blocks and the layout
 
     def __hash__(self):  # rope_scaling is a dict: hash the canonical JSON form (NNX keeps cfg static)
         import json
@@ -226,6 +251,24 @@ class ModelConfig:
         return MTrainingConfig(sparsity=SparsityConfig(**(self.sparsity or {})), layout=self.layout,
                                ring_order=self.ring_order, impl=self.attention_impl)
 
+    @property
+    def has_msa(self) -> bool:
+        """Whether any layer uses ``msa`` (then every layer carries the index branch)."""
+        return "msa" in self.layer_backends
+
+    @property
+    def msa_index_dim(self) -> int:
+        return int((self.msa or {}).get("index_dim", MSA_DEFAULTS["index_dim"]))
+
+    def msa_config(self):
+        """The :class:`~mtraining_jax.attention.msa.MSAConfig` of the ``msa`` layers."""
+        from mtraining_jax.attention.msa import MSAConfig
+
+        m = {**MSA_DEFAULTS, **(self.msa or {})}
+        return MSAConfig(top_k=m["top_k"], block_size=m["block_size"], recall_blocks=m["recall_blocks"],
+                         pooling=m["pooling"],
+                         layout=self.layout, ring_order=self.ring_order, impl=self.attention_impl)
+
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
         h, d = self.hidden_size, self.head_dim
@@ -234,6 +277,8 @@ class ModelConfig:
         attn += self.num_heads * d * h  # o
         mlp = 3 * h * self.intermediate_size
         layer = attn + mlp + 2 * h
+        if self.has_msa:
+            layer += h * (self.num_kv_heads + 1) * self.msa_index_dim  # index_q, index_k
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
 

@@ -15,6 +15,14 @@ every projection is transposed; per-layer tensors are stacked on a leading ``[nu
   model.norm.weight                      [H]      norm/weight                  [H]
   lm_head.weight                         [V, H]   lm_head                      [H, V]  (untied only)
 
+MSA index branch (``msa`` layers; not part of Qwen2, so never in ``model.safetensors``): saved
+beside the checkpoint in ``msa_index.safetensors`` (:data:`MSA_INDEX_FILE`; transformers ignores
+it) as ``model.layers.{i}.self_attn.index_q.weight [Hkv * d_idx, H]`` and
+``...index_k.weight [d_idx, H]``. Loading a model whose config has ``msa`` layers reads that file
+when present (names and shapes checked) and otherwise INITIALISES the index branch like a fresh
+model's projections: ``normal(0, initializer_range)`` from ``numpy.random.default_rng(0)`` — the
+indexer warm-up then trains it (MSA paper §3.2, converting a dense checkpoint).
+
 Errors: a missing file names its path (``FileNotFoundError``); an unsupported
 ``model_type``/``architectures`` is a ``ValueError``; tensors that are missing, unexpected or
 mis-shaped are all listed in one :class:`CheckpointMismatchError` (a ``ValueError``).
@@ -39,6 +47,7 @@ from mtraining_jax.model.qwen2 import Qwen2ForCausalLM, abstract_model
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MSA_INDEX_FILE = "msa_index.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size="5GB"
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float64": np.float64}
 
@@ -179,6 +188,58 @@ def params_to_hf(params: Mapping, cfg: ModelConfig, dtype: str | None = None) ->
     return out
 
 
+# --------------------------------------------------------------------------- MSA index branch
+_MSA_TENSORS = (("self_attn.index_q.weight", "index_q"), ("self_attn.index_k.weight", "index_k"))
+
+
+def msa_index_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF-style names and ``[out, in]`` shapes of the index branch (empty without ``msa`` layers)."""
+    if not cfg.has_msa:
+        return {}
+    h, d = cfg.hidden_size, cfg.msa_index_dim
+    outs = {"index_q": cfg.num_kv_heads * d, "index_k": d}
+    return {f"model.layers.{i}.{suffix}": (outs[name], h) for i in range(cfg.num_layers) for suffix, name in _MSA_TENSORS}
+
+
+def msa_index_to_hf(params: Mapping, cfg: ModelConfig, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """The index branch of ``params`` as HF-style tensors (transposed to ``[out, in]``)."""
+    dt = _NP_DTYPES[dtype or cfg.param_dtype]
+    out = {}
+    for suffix, name in _MSA_TENSORS:
+        stacked = np.asarray(jax.device_get(params["layers"]["self_attn"][name]["kernel"]))
+        for i in range(cfg.num_layers):
+            out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(stacked[i].T.astype(dt))
+    return out
+
+
+def add_msa_index(params: dict, cfg: ModelConfig, path: str | os.PathLike | None = None) -> dict:
+    """``params`` with the index branch filled in (no-op without ``msa`` layers): read from
+    ``<path>/msa_index.safetensors`` when it exists (checked), else initialised (module docstring)."""
+    if not cfg.has_msa:
+        return params
+    shapes = msa_index_shapes(cfg)
+    f = None if path is None else Path(path) / MSA_INDEX_FILE
+    if f is not None and f.is_file():
+        from safetensors.numpy import load_file
+
+        tensors = dict(load_file(str(f)))
+        missing = sorted(set(shapes) - set(tensors))
+        unexpected = sorted(set(tensors) - set(shapes))
+        mis = [(n, tensors[n].shape, shapes[n]) for n in sorted(set(tensors) & set(shapes))
+               if tuple(tensors[n].shape) != shapes[n]]
+        if missing or unexpected or mis:
+            raise CheckpointMismatchError(missing, unexpected, mis, str(f))
+    else:
+        rng = np.random.default_rng(0)
+        tensors = {n: rng.normal(0.0, cfg.initializer_range, s) for n, s in shapes.items()}
+    dt = _NP_DTYPES[cfg.param_dtype]
+    attn = params["layers"].setdefault("self_attn", {})
+    for suffix, name in _MSA_TENSORS:
+        attn[name] = {"kernel": np.stack([np.ascontiguousarray(np.asarray(tensors[f"model.layers.{i}.{suffix}"]).T.astype(dt))
+                                          for i in range(cfg.num_layers)])}
+    return params
+
+
 def model_params(model: Qwen2ForCausalLM) -> dict:
     """Nested pure dict of the model's parameters."""
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -256,7 +317,7 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig) -> dict:
     ``cfg`` — whose RoPE / YaRN and execution settings may differ from ``config.json``; the
     architecture fields and every tensor shape are checked."""
     check_hf_config_matches(read_hf_config(path), cfg, str(path))
-    return hf_to_params(read_hf_tensors(path), cfg, where=str(path))
+    return add_msa_index(hf_to_params(read_hf_tensors(path), cfg, where=str(path)), cfg, path)
 
 
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -302,7 +363,7 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
     ``attention_backend="ring"``); parameters are converted to ``param_dtype``.
     """
     cfg = ModelConfig.from_hf_config(read_hf_config(path), **overrides)
-    params = hf_to_params(read_hf_tensors(path), cfg, where=str(path))
+    params = add_msa_index(hf_to_params(read_hf_tensors(path), cfg, where=str(path)), cfg, path)
     return cfg, model_from_params(cfg, params)
 
 
@@ -314,7 +375,8 @@ def save_hf_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[Path]:
     """Write ``config.json`` + ``model.safetensors`` (or shards of at most ``max_shard_bytes``
-    plus ``model.safetensors.index.json``) loadable by transformers. Returns the weight files."""
+    plus ``model.safetensors.index.json``) loadable by transformers, and, for a model with ``msa``
+    layers, ``msa_index.safetensors`` (module docstring). Returns the weight files."""
     from safetensors.numpy import save_file
 
     cfg = model.config
@@ -323,9 +385,15 @@ def save_hf_checkpoint(
         raise ValueError(f"dtype must be one of {tuple(_NP_DTYPES)}, got {dtype!r}")
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    tensors = params_to_hf(model_params(model), cfg, dtype)
+    params = model_params(model)
+    tensors = params_to_hf(params, cfg, dtype)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    (path / MSA_INDEX_FILE).unlink(missing_ok=True)
+    extra = []
+    if cfg.has_msa:
+        extra = [path / MSA_INDEX_FILE]
+        save_file(msa_index_to_hf(params, cfg, dtype), str(extra[0]), metadata={"format": "pt"})
     with open(path / CONFIG_FILE, "w") as fh:
         json.dump(cfg.to_hf_config(torch_dtype=dtype), fh, indent=2)
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -342,7 +410,7 @@ def save_hf_checkpoint(
     if len(shards) == 1:
         f = path / WEIGHTS_FILE
         save_file(shards[0], str(f), metadata=meta)
-        return [f]
+        return [f, *extra]
     files, weight_map = [], {}
     for j, shard in enumerate(shards):
         f = path / f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -352,4 +420,4 @@ def save_hf_checkpoint(
     total = sum(t.nbytes for t in tensors.values())
     with open(path / INDEX_FILE, "w") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-    return files
+    return files + extra

@@ -13,6 +13,9 @@ Architecture (transformers ``Qwen2ForCausalLM``; Qwen2 technical report arXiv:24
   ``Hq`` query heads in ``Hkv`` contiguous GQA groups, RoPE (optionally YaRN, see ``rope.py``) at
   the tokens' *global positions*, causal by position, scale ``head_dim ** -0.5``; the backend is
   chosen per layer by the config (``mtraining_jax.attention.dispatch``).
+* MSA index branch (when a layer uses ``msa``; MSA paper Eqs. msa-index-proj / msa-detach):
+  ``q_idx = sg(x) W_q^idx`` (``[B, S, Hkv, d_idx]``, one head per KV group) and
+  ``k_idx = sg(x) W_k^idx`` (``[B, S, d_idx]``, shared), no bias, no RoPE; trained only by the KL.
 * MLP (SwiGLU): ``down(silu(gate(x)) * up(x))``, no biases.
 
 Shapes: ``tokens int32 [B, S]`` in layout order, ``positions int32 [S]`` (global position of each
@@ -105,6 +108,17 @@ class Qwen2Attention(nnx.Module):
         self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, True, rngs)
         self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, True, rngs)
         self.o_proj = _linear(cfg, cfg.num_heads * d, h, False, rngs)
+        if cfg.has_msa:
+            self.index_dim = cfg.msa_index_dim
+            self.index_q = _linear(cfg, h, cfg.num_kv_heads * self.index_dim, False, rngs)
+            self.index_k = _linear(cfg, h, self.index_dim, False, rngs)
+
+    def index_qk(self, x):
+        """MSA index branch of ``x [B, S, hidden]`` (input detached): ``(q_idx [B, S, Hkv, d_idx],
+        k_idx [B, S, d_idx])``."""
+        B, S, _ = x.shape
+        xs = jax.lax.stop_gradient(x)
+        return (self.index_q(xs).reshape(B, S, self.num_kv_heads, self.index_dim), self.index_k(xs))
 
     def qkv(self, x, cos, sin):
         """``x [B, S, hidden]`` -> RoPE'd ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]``."""
@@ -119,16 +133,30 @@ class Qwen2Attention(nnx.Module):
         B, S = o.shape[:2]
         return self.o_proj(o.reshape(B, S, self.num_heads * self.head_dim))
 
+    def inputs(self, x, cos, sin, backend: str):
+        """``(q, k, v)``, plus the index branch's ``(q_idx, k_idx)`` for an ``msa`` layer."""
+        qkv = self.qkv(x, cos, sin)
+        return (*qkv, self.index_qk(x)) if backend == "msa" else qkv
+
     def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
-                 mtraining=None, segment_ids=None):
-        o, stats = attend(*self.qkv(x, cos, sin), positions, backend=backend, mesh=mesh, ring_order=ring_order,
-                          impl=impl, mtraining=mtraining, segment_ids=segment_ids)
+                 mtraining=None, segment_ids=None, **msa_kwargs):
+        o, stats = attend_inputs(self.inputs(x, cos, sin, backend), positions, backend=backend, mesh=mesh,
+                          ring_order=ring_order, impl=impl, mtraining=mtraining, segment_ids=segment_ids,
+                          **msa_kwargs)
         return self.output(o), stats
 
 
 def attend(q, k, v, positions, **kwargs):
     """The attention core of a layer (no parameters): ``(o [B, S, Hq, D], stats)``."""
     return attention(q, k, v, positions, return_stats=True, **kwargs)
+
+
+def attend_inputs(inputs, positions, **kwargs):
+    """:func:`attend` on a layer's ``inputs``: ``(q, k, v)`` or, for ``msa``, ``(q, k, v, (q_idx, k_idx))``."""
+    q, k, v, *index = inputs
+    if index:
+        kwargs["msa_index"] = index[0]
+    return attend(q, k, v, positions, **kwargs)
 
 
 class Qwen2MLP(nnx.Module):
@@ -154,9 +182,10 @@ class Qwen2DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=p)
         self.mlp = Qwen2MLP(cfg, rngs=rngs)
 
-    def attention_inputs(self, x, cos, sin):
-        """``(q, k, v)`` of ``norm(x)`` (the part of the layer before the attention core)."""
-        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+    def attention_inputs(self, x, cos, sin, backend: str = "reference"):
+        """``(q, k, v)`` of ``norm(x)`` (the part of the layer before the attention core), plus the
+        index branch's ``(q_idx, k_idx)`` for an ``msa`` layer."""
+        return self.self_attn.inputs(self.input_layernorm(x), cos, sin, backend)
 
     def finish(self, x, o):
         """``x + O(o)`` then the MLP block (the part of the layer after the attention core)."""
@@ -164,9 +193,10 @@ class Qwen2DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
-                 mtraining=None, segment_ids=None):
-        o, stats = attend(*self.attention_inputs(x, cos, sin), positions, backend=backend, mesh=mesh,
-                          ring_order=ring_order, impl=impl, mtraining=mtraining, segment_ids=segment_ids)
+                 mtraining=None, segment_ids=None, **msa_kwargs):
+        o, stats = attend_inputs(self.attention_inputs(x, cos, sin, backend), positions, backend=backend, mesh=mesh,
+                          ring_order=ring_order, impl=impl, mtraining=mtraining, segment_ids=segment_ids,
+                          **msa_kwargs)
         return self.finish(x, o), stats
 
 
@@ -208,11 +238,12 @@ def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, pre
         return jax.checkpoint(whole, prevent_cse=prevent_cse)
     if policy != "save_attn":
         raise ValueError(f"unknown remat policy {policy!r}")
-    before = jax.checkpoint(lambda h, st: layer(st).attention_inputs(h, cos, sin), prevent_cse=prevent_cse)
+    backend = attn_kwargs["backend"]
+    before = jax.checkpoint(lambda h, st: layer(st).attention_inputs(h, cos, sin, backend), prevent_cse=prevent_cse)
     after = jax.checkpoint(lambda h, o, st: layer(st).finish(h, o), prevent_cse=prevent_cse)
 
     def split(h, layer_state):
-        o, stats = attend(*before(h, layer_state), positions, **attn_kwargs)
+        o, stats = attend_inputs(before(h, layer_state), positions, **attn_kwargs)
         return after(h, o, layer_state), stats
 
     return split
@@ -312,7 +343,7 @@ class Qwen2ForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens, positions, mesh=None, *, segment_ids=None, rope_positions=None,
-                 return_stats: bool = False):
+                 return_stats: bool = False, msa_warmup=False):
         """Final-normed hidden states ``[B, S, hidden]`` in ``cfg.dtype``.
 
         ``segment_ids int [B, S]`` (packed documents): no token attends across a document;
@@ -321,7 +352,11 @@ class Qwen2ForCausalLM(nnx.Module):
 
         ``return_stats=True`` also returns the attention statistics of the ``mtraining`` layers:
         ``{name: float32 [num_mtraining_layers]}`` (work fraction, worker / step imbalance; empty
-        dict when no layer is sparse), emitted as outputs of the layer scan.
+        dict when no layer is sparse), emitted as outputs of the layer scan; ``msa`` layers add
+        ``msa_kl`` (differentiable in the index branch) and ``msa_recall``.
+
+        ``msa_warmup`` (bool, may be traced): the ``msa`` layers run dense attention and the
+        full-support KL (MSA indexer warm-up).
         """
         cfg = self.config
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
@@ -336,6 +371,8 @@ class Qwen2ForCausalLM(nnx.Module):
             attn_kwargs = dict(backend=backend, mesh=mesh, ring_order=cfg.ring_order, impl=cfg.attention_impl,
                                mtraining=cfg.mtraining_config() if backend == "mtraining" else None,
                                segment_ids=segment_ids)
+            if backend == "msa":
+                attn_kwargs.update(msa=cfg.msa_config(), msa_warmup=msa_warmup)
             return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse=not cfg.scan_layers)
 
         per_segment = []

@@ -186,6 +186,29 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MSATrainConfig:
+    """MiniMax Sparse Attention training schedule (``msa`` layers; MSA paper §3.2).
+
+    ``warmup_steps``: the first steps run full (dense) attention in the ``msa`` layers and train
+    the index branch by the KL against the full-sequence main distribution ("Indexer Warmup");
+    afterwards the selection is sparse and the KL is on the selected blocks. ``kl_coef``: lambda in
+    ``L = L_LM + lambda * sum_layers L_KL``. The KL's gradient reaches only the index projections
+    (detached inputs and teacher), and the logged ``loss`` stays the LM loss; the KL is logged as
+    ``attn/msa_kl`` (mean over the ``msa`` layers), with ``attn/msa_recall`` and
+    ``attn/work_fraction``, and ``msa/warmup`` (1 during warm-up).
+    """
+
+    warmup_steps: int = 0
+    kl_coef: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"msa.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"msa.kl_coef must be >= 0, got {self.kl_coef!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh ``(data?, node, local)``.
 
@@ -337,6 +360,7 @@ class TrainConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    msa: MSATrainConfig = dataclasses.field(default_factory=MSATrainConfig)
     # Folder of the YAML this came from (resolves relative model paths); not a user key.
     config_dir: Optional[str] = dataclasses.field(default=None, compare=False)
 
@@ -366,6 +390,7 @@ SECTIONS = {
     "eval": EvalConfig,
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
+    "msa": MSATrainConfig,
 }
 
 

@@ -278,7 +278,8 @@ def build_training(cfg: TrainConfig, mesh, model_cls, model_cfg) -> Training:
     offload_update = None if not offload else (
         functools.partial(streamed_update, build_adamw(cfg.optim, schedule), cfg.optim.clip_norm)
         if cfg.optim.offload_stream else functools.partial(whole_update, optimizer))
-    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh, offload_update)
+    train_step = make_train_step(parts, optimizer, schedule, mesh, cfg.loss_chunk_size, state_sh, offload_update,
+                                 msa=cfg.msa)
     eval_step = make_eval_step(parts, mesh, cfg.loss_chunk_size)
     return Training(optimizer, schedule, parts, fsdp, state_fn, abstract, train_step, eval_step)
 

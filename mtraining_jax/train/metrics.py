@@ -108,6 +108,9 @@ class Progress:
             extra = {}
             if attn and "attn/work_fraction" in attn:
                 extra["work"] = f"{float(attn['attn/work_fraction']):.1%}"
+            if attn and "attn/msa_kl" in attn:
+                extra["kl"] = f"{float(attn['attn/msa_kl']):.3f}"
+                extra["recall"] = f"{float(attn['attn/msa_recall']):.1%}"
             if attn and "attn/worker_imbalance" in attn:
                 extra["imb"] = f"{float(attn['attn/worker_imbalance']):.2f}"
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", step_s=f"{step_time:.2f}",

@@ -50,30 +50,45 @@ def forward_with_metrics(model, *args, **kwargs):
     return out, {f"attn/{k}": jnp.mean(v.astype(jnp.float32)) for k, v in stats.items()}
 
 
-def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int):
-    """``loss_fn(params, micro_batch) -> (loss_sum, (num_correct, num_tokens, extras))``."""
+def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int, msa=None):
+    """``loss_fn(params, micro_batch, step=None) -> (loss_sum, (num_correct, num_tokens, extras))``.
 
-    def loss_fn(params, batch: Batch):
+    Models with ``msa`` layers (``msa``: a :class:`~mtraining_jax.train.config.MSATrainConfig`,
+    default no warm-up, ``kl_coef`` 1): ``step < msa.warmup_steps`` runs the warm-up (``step=None``:
+    sparse), and ``kl_coef * num_tokens * sum_layers KL`` enters the gradient as
+    ``x - stop_gradient(x)``: the returned loss (the logged one) stays the LM loss while the index
+    branch gets the KL gradient (token-weighted over micro-batches like the LM loss)."""
+
+    def loss_fn(params, batch: Batch, step=None):
         model = bind(parts, params)
         docs = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
         if batch.rope_positions is not None:
             docs["rope_positions"] = batch.rope_positions
+        has_msa = getattr(model.config, "has_msa", False)
+        if has_msa:
+            warm = msa is not None and step is not None and msa.warmup_steps > 0
+            docs["msa_warmup"] = (step < msa.warmup_steps) if warm else False
         hidden, extras = forward_with_metrics(model, batch.tokens, batch.positions, mesh=mesh, **docs)
         w = model.lm_head_weight()
         loss_sum, correct, count = sharded_cross_entropy(hidden, w, batch.labels, batch.mask, mesh, chunk_size)
+        if has_msa:
+            kl = extras["attn/msa_kl"] * model.config.layer_backends.count("msa") * count
+            kl = (1.0 if msa is None else msa.kl_coef) * kl
+            loss_sum = loss_sum + (kl - jax.lax.stop_gradient(kl))
+            extras["msa/warmup"] = jnp.asarray(docs["msa_warmup"], jnp.float32)
         return loss_sum, (correct, count, extras)
 
     return loss_fn
 
 
 def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, chunk_size: int, state_sharding=None,
-                    offload_update=None):
+                    offload_update=None, msa=None):
     """Jitted ``train_step(state, batch[A, B, S]) -> (state, metrics)``; ``state`` is donated.
     ``state_sharding``: the state's pytree of shardings (its ``params`` also shard the gradients).
     ``offload_update``: ``None`` (``optimizer.update`` on the device) or
     ``f(grads, opt_state, params, ok) -> (params, opt_state)`` for an optimizer state in host memory
-    (:func:`mtraining_jax.train.offload.streamed_update`)."""
-    loss_fn = make_loss_fn(parts, mesh, chunk_size)
+    (:func:`mtraining_jax.train.offload.streamed_update`). ``msa``: the MSA schedule (:func:`make_loss_fn`)."""
+    loss_fn = make_loss_fn(parts, mesh, chunk_size, msa)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     param_sh = state_sharding["params"] if isinstance(state_sharding, dict) else None
     like_params = (lambda t: t) if param_sh is None else (  # noqa: E731
@@ -84,7 +99,7 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
 
         def micro(carry, mb):
             g_acc, l_acc, c_acc, n_acc = carry
-            (loss, (corr, cnt, extras)), g = grad_fn(params, mb._replace(positions=batch.positions))
+            (loss, (corr, cnt, extras)), g = grad_fn(params, mb._replace(positions=batch.positions), state["step"])
             g_acc = like_params(jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, like_params(g)))
             return (g_acc, l_acc + loss, c_acc + corr, n_acc + cnt), extras
 

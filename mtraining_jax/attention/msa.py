@@ -1,0 +1,195 @@
+"""MiniMax Sparse Attention (MSA, paper ``003``) on the project's sparse ring and block-sparse kernels.
+
+``msa_attention(q, k, v, q_idx, k_idx, mesh, cfg, *, positions=None, warmup=False) -> (out, MSAAux)``.
+Inside one ``shard_map`` over the ``(node, local)`` mesh (``mesh=None``: a one-device mesh), every rank
+
+1. all-gathers the index keys: mean-pooled per 64-token block (``pooling="mean"``,
+   ``[B, nb, d_idx]``, float32: ``4 * B * S / 64 * d_idx`` bytes in all) or every token's
+   (``"max"``, the paper's max-pooled block scores: ``4 * B * S * d_idx`` bytes);
+2. selects, per local query block and KV group, the top-``k`` blocks with the local block forced
+   (:func:`~mtraining_jax.sparsity.msa_select.select_blocks`, scheme (b): kernels unchanged);
+3. runs the same sparse ring as MTraining (:func:`~mtraining_jax.ring.attention.ring_attention_shard`),
+   its per-step :class:`~pallas_kernels.index_format.StepIndex` converted on demand by
+   :class:`~mtraining_jax.sparsity.msa_select.MSARankStepIndex` (saved compact for the backward);
+4. computes the KL alignment loss (:mod:`~mtraining_jax.attention.msa_kl`) against the detached
+   main branch; it needs every selected key, so the detached keys are all-gathered once
+   (``B * S * Hkv * D`` elements per rank; the paper fuses this into its attention kernel instead),
+   plus the selection-recall metric on the last ``recall_blocks`` local query blocks.
+
+Warm-up (paper §3.2 "Indexer Warmup"): ``warmup=True`` runs the dense causal ring for the main
+branch and the KL over every causal block (the full-sequence main distribution); a traced bool
+switches between the two with ``lax.cond`` (both compiled into the step).
+
+The index branch inputs are ``q_idx [B, S, Hkv, d_idx]`` and ``k_idx [B, S, d_idx]`` — already
+computed from ``stop_gradient(x)`` by the model (paper Eq. msa-detach) — so the KL's gradient
+reaches only the index projections. ``q, k, v`` get the attention gradient only. The output and
+KL are exact for the selection (tested against the masked dense reference and a float64 KL).
+
+Shapes: ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]``, global arrays in ``cfg.layout`` order
+(``S`` divisible by ``block_size x P`` for block_striped). Packed documents are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from mtraining_jax.attention.msa_kl import msa_kl_sum, selection_recall_sum
+from mtraining_jax.attention.mtraining import SPARSE_LAYOUTS
+from mtraining_jax.layouts import Layout
+from mtraining_jax.mesh import CP_AXES, check_cp_mesh
+from mtraining_jax.ring.attention import ring_attention_shard
+from mtraining_jax.ring.schedule import validate_ring_order
+from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, full_selection, index_keys, layout_block_order,
+                                               select_blocks, selection_work, validate_pooling)
+from pallas_kernels.api import SUPPORTED_HEAD_DIMS
+from pallas_kernels.inputs import check_qkv
+from pallas_kernels.registry import validate_impl
+
+MSA_BLOCK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MSAConfig:
+    """Configuration of :func:`msa_attention` (validated on construction).
+
+    Attributes:
+      top_k: KV blocks per query block and KV group, the forced local block included (paper: 16).
+      block_size: 64 (the kernels' tile; the paper's 128 would need two tiles per block).
+      layout, ring_order, impl: as :class:`~mtraining_jax.attention.mtraining.MTrainingConfig`.
+      sm_scale: main-branch softmax scale (default ``D ** -0.5``).
+      recall_blocks: local query blocks per rank scored against the full causal attention for the
+        recall metric (each costs one query block x ``S`` keys).
+      pooling: block scores from mean-pooled index keys (``"mean"``) or max-pooled token scores
+        (``"max"``, the paper's); :mod:`~mtraining_jax.sparsity.msa_select`.
+    """
+
+    top_k: int = 16
+    block_size: int = MSA_BLOCK
+    layout: str = "block_striped"
+    ring_order: str = "hierarchical"
+    impl: str = "auto"
+    sm_scale: float | None = None
+    recall_blocks: int = 1
+    pooling: str = "mean"
+
+    def __post_init__(self):
+        validate_pooling(self.pooling)
+        for name in ("top_k", "recall_blocks"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"msa {name} must be an integer >= 1, got {v!r}")
+        if self.block_size != MSA_BLOCK:
+            raise ValueError(f"msa block_size must be {MSA_BLOCK} (the kernels' tile), got {self.block_size!r}")
+        if self.layout not in SPARSE_LAYOUTS:
+            raise ValueError(f"msa layout {self.layout!r} is not block-aligned; expected one of {SPARSE_LAYOUTS}")
+        validate_ring_order(self.ring_order)
+        validate_impl(self.impl)
+        if self.sm_scale is not None and not (isinstance(self.sm_scale, (int, float)) and self.sm_scale > 0):
+            raise ValueError(f"msa sm_scale must be a positive number or None, got {self.sm_scale!r}")
+
+    def make_layout(self, seq_len: int, num_ranks: int) -> Layout:
+        return Layout(self.layout, seq_len, num_ranks, stripe=self.block_size)
+
+
+class MSAAux(NamedTuple):
+    """Per-call outputs besides the attention: ``kl`` (float32 scalar, mean over ``B * S * Hkv``;
+    differentiable in the index branch), ``work_fraction`` (executed kernel slots over the dense
+    causal ones; 1 in warm-up), ``recall`` (main-branch full attention mass inside the selection,
+    on the sampled rows)."""
+
+    kl: jax.Array
+    work_fraction: jax.Array
+    recall: jax.Array
+
+
+def _one_device_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), CP_AXES)
+
+
+def _check(q, k, v, q_idx, k_idx, cfg):
+    check_qkv(q, k, v)
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {D} is not supported by the kernels; expected one of {SUPPORTED_HEAD_DIMS}")
+    if q_idx.ndim != 4 or tuple(q_idx.shape[:3]) != (B, S, Hkv):
+        raise ValueError(f"q_idx must be [B, S, Hkv, d_idx] with [B, S, Hkv] = {[B, S, Hkv]}, got {q_idx.shape}")
+    if tuple(k_idx.shape) != (B, S, q_idx.shape[3]):
+        raise ValueError(f"k_idx must be [B, S, d_idx] = {[B, S, q_idx.shape[3]]}, got {k_idx.shape}")
+
+
+def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfig = MSAConfig(), *,
+                  positions=None, warmup=False):
+    """MSA attention (see module docstring). Returns ``(out [B, S, Hq, D] in q.dtype, MSAAux)``.
+
+    ``positions``: optional ``int [S]``; when concrete it must equal the layout's permutation.
+    ``warmup``: Python bool (static) or traced bool (``lax.cond``)."""
+    _check(q, k, v, q_idx, k_idx, cfg)
+    mesh = _one_device_mesh() if mesh is None else mesh
+    num_nodes, num_local = check_cp_mesh(mesh)
+    P = num_nodes * num_local
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    bs = cfg.block_size
+    layout = cfg.make_layout(S, P)
+    if S % (bs * P):
+        raise ValueError(f"sequence length {S} must be a multiple of block_size x ranks = {bs} x {P}")
+    if positions is not None and not isinstance(positions, jax.core.Tracer):
+        if not np.array_equal(np.asarray(positions), layout.perm):
+            raise ValueError(f"positions do not match the {cfg.layout!r} layout of {S} tokens over {P} ranks")
+    pos_table = layout.positions
+    inv_blocks = np.argsort(layout_block_order(pos_table, bs))  # all-gather (rank-major) -> natural
+    inv_tokens = np.argsort(pos_table.reshape(-1))
+    batch_axis = "data" if "data" in mesh.shape else None
+    spec = PartitionSpec(batch_axis, CP_AXES)
+    nb = S // bs
+    dense_slots = B * Hq * nb * (nb + 1) / 2 * bs**2
+
+    def body(dense, q_l, k_l, v_l, qi_l, ki_l):
+        rank = jax.lax.axis_index(CP_AXES)
+        pos_l = jnp.asarray(pos_table, jnp.int32)[rank]
+        inv = inv_blocks if cfg.pooling == "mean" else inv_tokens
+        kbar = jax.lax.all_gather(index_keys(ki_l, bs, cfg.pooling), CP_AXES, axis=1, tiled=True)[:, inv]
+        sel = select_blocks(qi_l, kbar, pos_l, block_size=bs, top_k=cfg.top_k, pooling=cfg.pooling)
+        if dense:
+            out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
+                                       ring_order=cfg.ring_order, sm_scale=cfg.sm_scale, impl=cfg.impl,
+                                       block_size=bs)
+            support = full_selection(q_l.shape[0], Hkv, pos_l, S, bs)
+            work = jnp.float32(dense_slots) / P
+        else:
+            src = MSARankStepIndex(sel, rank, layout, num_nodes, num_local, cfg.ring_order, bs, num_heads=Hq)
+            out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
+                                       ring_order=cfg.ring_order, step_index=src, sm_scale=cfg.sm_scale,
+                                       impl=cfg.impl, block_size=bs)
+            support = sel
+            work = selection_work(sel, Hq, bs)
+        k_all = jax.lax.all_gather(jax.lax.stop_gradient(k_l), CP_AXES, axis=1, tiled=True)[:, inv_tokens]
+        kl = msa_kl_sum(q_l, k_all, pos_l, qi_l, kbar, ki_l, support, block_size=bs, sm_scale=cfg.sm_scale,
+                        pooling=cfg.pooling)
+        rec, rows = selection_recall_sum(q_l, k_all, pos_l, sel, block_size=bs, sm_scale=cfg.sm_scale,
+                                         num_blocks=cfg.recall_blocks)
+        axes = CP_AXES if batch_axis is None else (batch_axis,) + CP_AXES
+        kl, work, rec = (jax.lax.psum(x, axes) for x in (kl, work, rec))
+        nrows = rows * P * (1 if batch_axis is None else mesh.shape[batch_axis])
+        return out, MSAAux(kl / (B * S * Hkv), work / dense_slots, rec / nrows)
+
+    def run(dense):
+        fn = jax.shard_map(lambda *a: body(dense, *a), mesh=mesh,
+                           in_specs=(PartitionSpec(batch_axis, CP_AXES, None, None),) * 4 + (PartitionSpec(batch_axis, CP_AXES, None),),
+                           out_specs=(PartitionSpec(batch_axis, CP_AXES, None, None), MSAAux(*(PartitionSpec(),) * 3)),
+                           check_vma=False)
+        return fn(q, k, v, q_idx, k_idx)
+
+    del spec
+    if isinstance(warmup, (bool, np.bool_)):
+        out, aux = run(bool(warmup))
+    else:
+        out, aux = jax.lax.cond(warmup, lambda: run(True), lambda: run(False))
+    return out.astype(q.dtype), aux
