@@ -11,7 +11,7 @@ be reset; an OOM kills nothing but that child), with these overrides on top of t
   every other layer MTraining sparse attention), bfloat16 compute, float32 master weights and
   AdamW moments, batch 1, ``grad_accum=1``, one device;
 * the variant ``REMAT[+offload|+offload_whole]``: ``model.remat=REMAT`` (``none``, ``save_attn``,
-  ``selective`` — the two dense layers and every other sparse layer save_attn, just over half,
+  ``selective`` — half the layers save_attn: the two dense layers, then the first sparse ones,
   ``full``) and ``optim.offload=opt_state`` with
   ``+offload`` (streamed per layer) or ``+offload_whole`` (``optim.offload_stream=false``).
 
@@ -45,7 +45,6 @@ from benchmarks.train_throughput import DEFAULT_CONFIG, GIB, REPO, error_row, ru
 
 SIZES = ("0.5b", "1.5b", "3b", "7b", "tiny")  # tiny: configs/model/tiny.yaml, a CPU smoke test
 REMATS = ("none", "save_attn", "selective", "full")
-NUM_LAYERS = {"0.5b": 24, "1.5b": 28, "3b": 36, "7b": 28}
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
 
 
@@ -67,12 +66,7 @@ def case_overrides(size: str, variant: str) -> list[str]:
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     remat, offload = parse_variant(variant)
-    if remat == "selective":  # the 2 dense layers and every other sparse one: a layer scan of period 2
-        n = 2 if size == "tiny" else NUM_LAYERS[size]
-        remat_saved = [0] if size == "tiny" else [0, 1] + list(range(3, n, 2))
-        extra = [f"model.remat_save_layers=[{','.join(map(str, remat_saved))}]"]
-    else:
-        extra = []
+    extra = ["model.remat_save_fraction=0.5"] if remat == "selective" else []
     model = ["model.path=model/tiny.yaml", "model.vocab_size=512", "model.dense_layers=[0]", "model.dtype=float32",
              "loss_chunk_size=512"] if size == "tiny" else [f"model.path=model/qwen2.5-{size}.yaml", "model.dense_layers=[0,1]"]
     return model + extra + ["model.max_position_embeddings=131072", "model.rope_scaling=null", f"model.remat={remat}",

@@ -28,16 +28,16 @@ def _cfg(**kw):
 def test_saved_layers_rule_and_validation():
     assert _cfg(remat="selective").layer_remats == ("save_attn", "save_attn", "full", "full")  # 0.5; all dense
     sparse = dict(remat="selective", attention_backend="mtraining", layout="contiguous")
-    assert _cfg(**sparse).layer_remats == ("full", "save_attn", "full", "save_attn")  # sparse layers: spread
+    assert _cfg(**sparse).layer_remats == ("save_attn", "save_attn", "full", "full")  # contiguous: few scans
     assert _cfg(remat="selective", remat_save_fraction=0.0).layer_remats == ("full",) * 4
     assert _cfg(remat="selective", remat_save_fraction=1.0).layer_remats == ("save_attn",) * 4
     # dense-attention layers first (the costliest attention forward to recompute), then by index
     mixed = _cfg(remat="selective", remat_save_fraction=0.5, attention_backends=("mtraining", "ring", "mtraining", "ring"),
                  layout="contiguous")
     assert mixed.remat_saved_layers == (1, 3)
-    assert _cfg(**sparse, remat_save_fraction=0.25, num_layers=8).remat_saved_layers == (3, 7)
+    assert _cfg(**sparse, remat_save_fraction=0.25, num_layers=8).remat_saved_layers == (0, 1)
     assert _cfg(remat="selective", remat_save_fraction=0.75, dense_layers=(2,), attention_backend="mtraining",
-                layout="contiguous").remat_saved_layers == (1, 2, 3)  # dense 2, then 2 of 3 sparse spread
+                layout="contiguous").remat_saved_layers == (0, 1, 2)  # dense 2 first, then sparse in order
     explicit = _cfg(remat="selective", remat_save_layers=[3, 1])
     assert explicit.remat_saved_layers == (1, 3) and explicit.layer_remat(0) == "full"
     assert ModelConfig.from_dict(explicit.to_dict()) == explicit and explicit.to_dict()["remat_save_layers"] == [3, 1]
@@ -75,8 +75,8 @@ def test_selective_gradients_equal_no_remat(scan_layers):
     t = jnp.asarray(np.random.RandomState(0).randint(0, 96, (1, 32)), jnp.int32)
     pos = jnp.arange(32, dtype=jnp.int32)
     loss0, g0 = _loss_and_grads(base, t, pos)
-    # scan: layers (1, 3) saved -> period 2, a scan over 2 groups of 2; loop: any pattern
-    change = dict(remat="selective", remat_save_layers=(1, 3) if scan_layers else (0, 3))
+    # scan: 3 runs (full, save_attn x2, full) -> 3 scans over parameter slices
+    change = dict(remat="selective", remat_save_layers=(1, 2) if scan_layers else (0, 3))
     loss, g = _loss_and_grads(_with_config(base, **change), t, pos)
     np.testing.assert_allclose(loss, loss0, rtol=1e-12)
     chex.assert_trees_all_close(nnx.state(g), nnx.state(g0), atol=1e-12, rtol=1e-12)
@@ -117,12 +117,3 @@ def test_train_step_temp_bytes_ordering():
     mid = (temp["save_attn"] + temp["full"]) / 2
     assert abs(temp["selective"] - mid) < 0.25 * (temp["save_attn"] - temp["full"]), temp
     assert plans["selective"].saved_layers == 2 and "remat=selective (2/4 layers save_attn)" in plans["selective"].table()
-
-
-def test_remat_period():
-    from mtraining_jax.model.qwen2 import remat_period
-
-    assert remat_period(("full",) * 4) == 1
-    assert remat_period(("full", "save_attn") * 3) == 2
-    assert remat_period(("full", "save_attn", "full", "full")) == 4
-    assert remat_period(("full", "full", "save_attn") * 2) == 3

@@ -193,24 +193,20 @@ class ModelConfig:
     def remat_saved_layers(self) -> tuple[int, ...]:
         """Layers whose attention residuals are kept under ``remat: selective`` (sorted).
 
-        ``remat_save_layers`` when given; else ``n = round(remat_save_fraction * num_layers)``
-        layers, those most expensive to recompute first: the dense-attention layers (a dense ring
-        forward costs the whole causal square, a sparse one only its executed fraction), then the
-        rest spread evenly over the ``mtraining`` layers (sparse layer ``j`` of ``m`` is saved when
-        ``floor((j + 1) r / m) > floor(j r / m)`` for the ``r`` left), so the pattern repeats with a
-        short period and the layer scan runs over groups of that period (``qwen2.py``). Empty for
-        the other policies.
+        ``remat_save_layers`` when given; else the ``round(remat_save_fraction * num_layers)``
+        layers that are most expensive to recompute: the dense-attention layers first (a dense
+        ring forward costs the whole causal square, a sparse one only its executed fraction),
+        then the ``mtraining`` layers, each group in layer order, so the saved layers form few
+        contiguous runs (each run of one (backend, policy) is one layer scan, ``qwen2.py``).
+        Empty for the other policies.
         """
         if self.remat != "selective":
             return ()
         if self.remat_save_layers is not None:
             return tuple(sorted(set(self.remat_save_layers)))
         n = int(round(self.remat_save_fraction * self.num_layers))
-        dense = [i for i in range(self.num_layers) if self.layer_backend(i) != "mtraining"]
-        sparse = [i for i in range(self.num_layers) if self.layer_backend(i) == "mtraining"]
-        r, m = max(n - len(dense), 0), len(sparse)
-        chosen = dense[:n] + [i for j, i in enumerate(sparse) if (j + 1) * r // m > j * r // m]
-        return tuple(sorted(chosen))
+        order = sorted(range(self.num_layers), key=lambda i: (self.layer_backend(i) == "mtraining", i))
+        return tuple(sorted(order[:n]))
 
     def layer_remat(self, layer: int) -> str:
         """The remat policy decoder layer ``layer`` runs under: ``cfg.remat``, except under

@@ -35,10 +35,14 @@ graph); ``False`` unrolls a Python loop over slices. Both are wrapped per layer 
   sparse index) are kept, so the backward pass recomputes everything but the attention forward.
 * ``selective`` (BurstEngine §3.2 in spirit, by layer): ``save_attn`` for
   ``cfg.remat_saved_layers`` (``remat_save_layers``, or a ``remat_save_fraction`` of the layers,
-  dense-attention layers first: the most expensive attention forwards to recompute, the rest
-  spread evenly), ``full`` for the others. Memory and recomputation lie between ``full`` and
-  ``save_attn`` in proportion. The scan runs over groups of layers, one period of the policy
-  pattern per step (:func:`_scan_layers`), so no parameter slice is copied per policy.
+  dense-attention layers first: the most expensive attention forwards to recompute), ``full`` for
+  the others. Memory and recomputation lie between ``full`` and ``save_attn`` in proportion.
+  Each run of consecutive layers with one (backend, policy) is one scan over a slice of the
+  stacked parameters; as with ``dense_layers``, slicing copies those parameters once (XLA has
+  no views), so contiguous runs — the default choice — keep the count of runs small. (Two
+  alternatives measured worse on CPU: one scan over groups of the pattern's period kept more
+  activation bytes than ``save_attn``; a dynamic index into the whole stack per run keeps a
+  full-size gradient buffer per run.)
 
   Why by layer and not by sequence position as in BurstEngine (keep the attention residuals of
   the later tokens, recompute the cheap early ones): the attention core is one ``custom_vjp``
@@ -249,41 +253,14 @@ def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, pre
     return split
 
 
-def remat_period(policies: tuple[str, ...]) -> int:
-    """Smallest ``G`` dividing ``len(policies)`` with ``policies[i] == policies[i % G]``."""
-    n = len(policies)
-    return next(g for g in range(1, n + 1) if n % g == 0 and all(policies[i] == policies[i % g] for i in range(n)))
-
-
-def _scan_layers(x, seg, fns):
-    """Scan the stacked layers ``seg`` (leading axis ``n``) in groups of ``G = len(fns)``:
-    ``[n, ...]`` is reshaped (free) to ``[n / G, G, ...]`` and the body runs layer ``j`` of each
-    group with ``fns[j]``. One scan keeps every remat pattern of period ``G`` (``selective``)
-    without slicing, i.e. copying, the stacked parameters per policy and without padding their
-    gradients back to the full stack. Returns ``(x, stats [n, ...])``."""
-    if len(fns) == 1:
-        return jax.lax.scan(fns[0], x, seg)
-    G = len(fns)
-    grouped = jax.tree.map(lambda t: t.reshape(t.shape[0] // G, G, *t.shape[1:]), seg)
-
-    def body(h, group):
-        outs = []
-        for j, f in enumerate(fns):
-            h, s = f(h, jax.tree.map(lambda t: t[j], group))
-            outs.append(s)
-        return h, jax.tree.map(lambda *a: jnp.stack(a), *outs)
-
-    x, st = jax.lax.scan(body, x, grouped)
-    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), st)
-
-
 @functools.lru_cache(maxsize=32)
 def _rope_tables(head_dim: int, theta: float, scaling_items: tuple | None):
     return rope_parameters(head_dim, theta, None if scaling_items is None else dict(scaling_items))
 
 
-def backend_segments(backends: tuple[str, ...]) -> list[tuple[int, int, str]]:
-    """Maximal runs ``(start, stop, backend)`` of consecutive layers sharing a backend."""
+def backend_segments(backends: tuple) -> list[tuple[int, int, object]]:
+    """Maximal runs ``(start, stop, backend)`` of consecutive layers sharing a backend (any
+    comparable per-layer key, e.g. ``(backend, remat policy)`` pairs)."""
     out, start = [], 0
     for b, grp in itertools.groupby(backends):
         n = len(list(grp))
@@ -375,16 +352,16 @@ class Qwen2ForCausalLM(nnx.Module):
                 attn_kwargs.update(msa=cfg.msa_config(), msa_warmup=msa_warmup)
             return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse=not cfg.scan_layers)
 
-        per_segment = []
-        for start, stop, backend in backend_segments(cfg.layer_backends):
-            policies = cfg.layer_remats[start:stop]
+        per_segment = []  # one scan per run of consecutive layers sharing (backend, remat policy)
+        for start, stop, (backend, policy) in backend_segments(tuple(zip(cfg.layer_backends, cfg.layer_remats))):
+            f = run_layer(backend, policy)
             if cfg.scan_layers:
                 seg = stacked if (start, stop) == (0, cfg.num_layers) else jax.tree.map(lambda t: t[start:stop], stacked)
-                x, st = _scan_layers(x, seg, [run_layer(backend, p) for p in policies[:remat_period(policies)]])
+                x, st = jax.lax.scan(f, x, seg)
             else:
                 outs = []
                 for i in range(start, stop):
-                    x, s_i = run_layer(backend, cfg.layer_remat(i))(x, jax.tree.map(lambda t: t[i], stacked))
+                    x, s_i = f(x, jax.tree.map(lambda t: t[i], stacked))
                     outs.append(s_i)
                 st = jax.tree.map(lambda *a: jnp.stack(a), *outs)
             if st:

@@ -6,9 +6,10 @@ the device's ``pinned_host`` memory between steps (their shardings carry
 without them on the device. The update streams them layer by layer
 (:func:`streamed_update`): the global-norm clip runs once over all gradients, the non-layer
 parameters (embedding, final norm, untied LM head) are updated in one piece, then a
-``lax.scan`` over the ``[num_layers]`` axis of the stacked decoder parameters copies one layer's
+``lax.fori_loop`` over the ``[num_layers]`` axis of the stacked decoder parameters copies one layer's
 moments host -> device, applies AdamW (the same optax transformation, so the same numbers as
-without offload), and writes the new moments back to host memory. The device holds the moments of
+without offload), and writes the new moments back to host memory; parameters and moments are loop
+carries updated in place (``dynamic_update_slice``), so neither is duplicated. The device holds the moments of
 ONE layer at a time; the parameters and the gradient accumulator stay on the device.
 
 ``optim.offload_stream: false`` moves the whole state to the device for the update instead
@@ -130,18 +131,28 @@ def streamed_update(adamw, clip_norm: float, grads, opt_state, params, ok):
     new_pts = [new_leaves[i] for i in pt_idx]
     new_others = [x for i, x in enumerate(new_leaves) if i not in pt_idx]
 
-    if STACKED_KEY in params:  # the decoder layers, one at a time
-        def layer(_, xs):
-            g_i, p_i, pts_i = xs
-            pts_i = _to(pts_i, jax.memory.Space.Device)  # one layer's moments host -> device
+    if STACKED_KEY in params:  # the decoder layers, one at a time, updated in place
+        at = lambda tree, i: jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), tree)  # noqa: E731
+        put = lambda tree, new, i: jax.tree.map(  # noqa: E731
+            lambda t, u: jax.lax.dynamic_update_index_in_dim(t, u, i, 0), tree, new)
+        g_layers = grads[STACKED_KEY]
+
+        def layer(i, carry):
+            p_layers, pts_layers = carry
+            g_i, p_i = at(g_layers, i), at(p_layers, i)
+            pts_i = _to(at(pts_layers, i), jax.memory.Space.Device)  # one layer's moments host -> device
             st_i = build([{STACKED_KEY: t} for t in pts_i], others)
             u_i, new_st_i = adamw.update({STACKED_KEY: g_i}, st_i, {STACKED_KEY: p_i})
             new_p_i = keep(optax.apply_updates({STACKED_KEY: p_i}, u_i), {STACKED_KEY: p_i})[STACKED_KEY]
             nl = jax.tree.flatten(keep(new_st_i, st_i), is_leaf=is_layer)[0]
-            return None, (new_p_i, _to([nl[i][STACKED_KEY] for i in pt_idx], jax.memory.Space.Host))
+            new_pts_i = _to([nl[j][STACKED_KEY] for j in pt_idx], jax.memory.Space.Host)  # device -> host
+            return put(p_layers, new_p_i, i), put(pts_layers, new_pts_i, i)
 
-        xs = (grads[STACKED_KEY], params[STACKED_KEY], [leaves[i][STACKED_KEY] for i in pt_idx])
-        _, (new_layers, new_pts_layers) = jax.lax.scan(layer, None, xs)
+        # a loop carry (not scan outputs): the donated parameters and moments are rewritten in
+        # place, one layer slice per iteration, with no second full-size buffer
+        n = jax.tree.leaves(g_layers)[0].shape[0]
+        new_layers, new_pts_layers = jax.lax.fori_loop(
+            0, n, layer, (params[STACKED_KEY], [leaves[j][STACKED_KEY] for j in pt_idx]))
         new_params[STACKED_KEY] = new_layers
         new_pts = [{**p, STACKED_KEY: lp} for p, lp in zip(new_pts, new_pts_layers)]
     new_pts = [{**_to(rest(p), jax.memory.Space.Host), **({STACKED_KEY: p[STACKED_KEY]} if STACKED_KEY in p else {})}
