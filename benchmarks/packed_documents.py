@@ -4,7 +4,7 @@ The same random bf16 q/k/v are run through
 :func:`mtraining_jax.attention.mtraining.mtraining_attention` on a 1x1 mesh, per kernel impl
 (``--impls``, e.g. ``mosaic triton``): as one stream (no ``segment_ids``) and packed as documents
 from a realistic length mix (many short documents plus a few long ones, lengths drawn from a
-seeded log-uniform mix), with the index estimated from the sequence's last queries (mode
+seeded log-uniform mix; q/k by default synthetic per document, ``--qk``), with the index estimated from the sequence's last queries (mode
 ``documents``) and from every document's own last queries (``documents_per_doc``,
 ``SparsityConfig(window="per_document")``). Reports per (impl, mode) the executed work fraction (``stats_scalars``),
 forward and forward+backward time, the block-level density of the document mask itself, and the
@@ -31,6 +31,7 @@ from _timing import timeit  # noqa: E402
 
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars  # noqa: E402
 from mtraining_jax.mesh import make_mesh  # noqa: E402
+from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk  # noqa: E402
 from pallas_kernels import registry  # noqa: E402
 
 
@@ -66,6 +67,9 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["stream", "documents", "documents_per_doc"])
     ap.add_argument("--window-blocks", type=int, default=64, help="per-document window: query blocks")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--qk", choices=("synthetic", "random"), default="synthetic",
+                    help="q/k: packed synthetic documents (sparsity.synthetic) or i.i.d. normal (diffuse "
+                         "attention: the budgets saturate)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     S, H, HK, D = a.seq, a.heads, a.kv_heads, a.head_dim
@@ -78,6 +82,9 @@ def main(argv=None):
     lay = cfg.make_layout(S, 1)
     lens = length_mix(S, a.seed)
     seg = jnp.asarray(np.repeat(np.arange(len(lens)), lens)[None].astype(np.int32))
+    if a.qk == "synthetic":  # per-document sinks, heavy keys and slashes: a realistic index size
+        qs, kss, _ = packed_documents_qk(lens, SyntheticAttention(num_q_heads=H, num_kv_heads=HK, head_dim=D), a.seed)
+        q, k = lay.permute(qs.astype(jnp.bfloat16)), lay.permute(kss.astype(jnp.bfloat16))
     seg = lay.permute(seg, axis=-1)
     bs = cfg.block_size
     nb = S // bs
@@ -104,7 +111,7 @@ def main(argv=None):
             if mode not in first:
                 first[mode] = res
             diff = {f"rel_diff_{n}": _rel(x, y) for n, x, y in zip(("out", "dq", "dk", "dv"), res, first[mode])}
-            rec = {"impl": impl, "mode": mode, "seq": S, "heads": H, "kv_heads": HK, "head_dim": D,
+            rec = {"impl": impl, "mode": mode, "qk": a.qk, "seq": S, "heads": H, "kv_heads": HK, "head_dim": D,
                    "documents": int(len(lens)) if sg is not None else 1,
                    "doc_len_min_median_max": [int(lens.min()), int(np.median(lens)), int(lens.max())]
                    if sg is not None else [S, S, S],

@@ -178,22 +178,25 @@ def test_dense_ring_documents(docs, mesh_shape, layout_name, order, side):
 SPARSE = SparsityConfig(vertical_p=0.6, slash_p=0.6, vertical_min=4, vertical_max=24, slash_min=1, slash_max=4)
 
 
-@pytest.mark.parametrize("docs,side", [(DOCS[0], "kv"), (DOCS[3], "kv"), (DOCS[3], "query")])
-def test_sparse_ring_documents_match_masked_reference(docs, side):
+@pytest.mark.parametrize("docs, window, side", [(DOCS[0], "sequence", "kv"), (DOCS[3], "sequence", "kv"),
+                                                (DOCS[3], "sequence", "query"), (DOCS[0], "per_document", "kv")])
+def test_sparse_ring_documents_match_masked_reference(docs, window, side):
     """The sparse ring with documents = dense reference under (index mask AND document mask), the
-    index being the one estimated under the document mask."""
+    index being the one estimated under the document mask (from the sequence's last queries or
+    every document's own)."""
     S = 512
     q, k, v, cot = _qkv(2, S)
     seg = _segments(docs * B, S)
     mesh = make_mesh((2, 2), jax.devices()[:4])
-    cfg = MTrainingConfig(sparsity=SPARSE, impl="xla", backward_ring=side)
+    sparse = dataclasses.replace(SPARSE, window=window, window_blocks=4)
+    cfg = MTrainingConfig(sparsity=sparse, impl="xla", backward_ring=side)
     lay = cfg.make_layout(S, 4)
     p = lay.permute
 
     def fn(q, k, v):
         return lay.unpermute(mtraining_attention(p(q), p(k), p(v), mesh, cfg, segment_ids=p(seg, axis=-1)))
 
-    index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SPARSE, segment_ids=seg)
+    index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), sparse, segment_ids=seg)
     mask = index_to_mask(index, S, SPARSE.block_size)
     _assert_close(_value_and_grads(fn, q, k, v, cot), _value_and_grads(_reference(seg, mask), q, k, v, cot))
 

@@ -245,8 +245,11 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
         slash = slash.at[:, b_ix, h_ix, d[:, None, :]].add(colsum)
         return (v_hi + colsum[0], v_lo + colsum[1], slash), None
 
-    zeros = jnp.zeros((B, H, k.shape[1]), jnp.int32)
-    init = (zeros, zeros, jnp.zeros((2, B, H, nb + 1), jnp.int32))
+    # zeros derived from the local positions: inside shard_map they vary over the mesh axes like
+    # the carry the body returns (scan needs equal types)
+    zero = (k_pos[0] * 0).astype(jnp.int32)
+    zeros = jnp.zeros((B, H, k.shape[1]), jnp.int32) + zero
+    init = (zeros, zeros, jnp.zeros((2, B, H, nb + 1), jnp.int32) + zero)
     (v_hi, v_lo, slash), _ = jax.lax.scan(block, init, (per_block(q_win), per_block(row_ok), per_block(row_seg),
                                                         jnp.moveaxis(blocks, 1, 0)))
     slash = reduce_sum(slash[..., :nb])
