@@ -44,6 +44,14 @@ def test_query_side_hop_counts(mesh_shape, order, inner, outer):
         {"q": P - 1, "dq": P - 1} if P > 1 else {})
 
 
+def test_transfer_units_of_the_query_side():
+    """1 x 2: one K/V hop forward (1 unit), one packed query buffer (Hq/Hkv = 8 times Q + dO + lse,
+    delta: 8 (2 D 2 + 8) / (2 D 2)) and one float32 dQ (8 D 4 / (2 D 2) = 8) backward."""
+    inner, outer = ring_comm.transfer_units(1, 2, "flat", backward_ring="query", heads_per_kv=8, head_dim=128)
+    assert outer == 0 and inner == pytest.approx(1 + 8 * (2 * 128 * 2 + 8) / (2 * 128 * 2) + 8)
+    assert ring_comm.transfer_units(1, 2, "flat", head_dim=128) == ring_comm.transfer_units(1, 2, "flat") == (3, 0)
+
+
 def test_backward_bytes_choose_the_side():
     """The one byte count: GQA 16/2 bf16 head_dim 128 sends 3,072 vs 16,512 bytes per token and hop,
     so "auto" keeps the K/V side; multi-head attention turns it around."""
