@@ -112,3 +112,20 @@ def test_accounting_matches_the_compiled_ring(mesh_shape, order, fuse, side):
     assert got == want
     assert hlo.op_counts(text)["collective-permute"] + hlo.op_counts(text)["collective-permute-start"] == n
     assert sum(p.nbytes for p in got.elements()) == sum(ring_comm.ring_bytes(N, L, order, side, **shape).values())
+
+
+def test_one_rank_query_side_is_the_same_program():
+    """P = 1: both backward sides are the own step alone: the compiled fwd + bwd has the same flops,
+    bytes accessed and instructions (so the option costs nothing where there is no ring)."""
+    mesh = make_mesh((1, 1), jax.devices()[:1])
+    S = 256
+    q, kv = jnp.zeros((1, S, 4, 32)), jnp.zeros((1, S, 2, 32))
+
+    def program(side):
+        f = lambda q, k, v: ring_attention(q, k, v, jnp.arange(S), mesh, impl="xla", backward_ring=side).sum()  # noqa: E731
+        c = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+        ca = c.cost_analysis()
+        ca = ca[0] if isinstance(ca, list) else ca
+        return ca["flops"], ca["bytes accessed"], hlo.op_counts(c.as_text())
+
+    assert program("kv") == program("query")
