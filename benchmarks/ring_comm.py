@@ -171,9 +171,12 @@ def ring_bytes(num_nodes: int, num_local: int, ring_order: str, backward_ring: s
     return out
 
 
-def transfer_units(num_nodes: int, num_local: int, ring_order: str, itemsize: int = 2) -> tuple[float, float]:
+def transfer_units(num_nodes: int, num_local: int, ring_order: str, itemsize: int = 2, backward_ring: str = "kv",
+                   heads_per_kv: int = 1, head_dim: int = 1) -> tuple[float, float]:
     """``(inner, outer)`` traffic per rank and forward + backward in units of one K/V buffer of
-    ``itemsize`` bytes per element (bf16 by default, where a float32 dK/dV hop counts 2)."""
-    b = ring_bytes(num_nodes, num_local, ring_order, batch=1, chunk_len=1, kv_heads=1, head_dim=1, itemsize=itemsize)
-    unit = 2 * itemsize
+    ``itemsize`` bytes per element (bf16 by default, where a float32 dK/dV hop counts 2); the query
+    side's buffers scale with ``heads_per_kv`` (``Hq / Hkv``) and, through lse / delta, ``head_dim``."""
+    b = ring_bytes(num_nodes, num_local, ring_order, backward_ring, batch=1, chunk_len=1, kv_heads=1,
+                   heads=heads_per_kv, head_dim=head_dim, itemsize=itemsize)
+    unit = 2 * head_dim * itemsize
     return b["inner"] / unit, b["outer"] / unit

@@ -63,7 +63,7 @@ from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attenti
 from pallas_kernels.reference import dense_attention  # noqa: E402
 from mtraining_jax.ring.attention import ring_attention  # noqa: E402
 from mtraining_jax.ring.schedule import RING_ORDERS  # noqa: E402
-from mtraining_jax.ring.sides import BACKWARD_RINGS  # noqa: E402
+from mtraining_jax.ring.sides import BACKWARD_RINGS, resolve_backward_ring  # noqa: E402
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh, sequence_sharding  # noqa: E402
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index_shard  # noqa: E402
 from mtraining_jax.sparsity.index import active_diagonals, vertical_flags  # noqa: E402
@@ -147,7 +147,9 @@ def exposed_bound(rec: dict, step_s: float) -> float | None:
         return 0.0
     if "kv_ppermute_s" not in rec:
         return None
-    inner, outer = transfer_units(N, L, rec["ring_order"])  # bf16 K/V buffers, as timed
+    side = resolve_backward_ring(rec.get("backward_ring", "kv"), heads=HQ, kv_heads=HKV, head_dim=D, itemsize=2)
+    # in bf16 K/V buffers, as timed
+    inner, outer = transfer_units(N, L, rec["ring_order"], backward_ring=side, heads_per_kv=HQ // HKV, head_dim=D)
     t_outer = rec.get("kv_ppermute_outer_s", rec["kv_ppermute_s"])
     return (inner * rec["kv_ppermute_s"] + outer * t_outer) / step_s
 

@@ -239,7 +239,8 @@ class TestTritonInterpret(_SparseRingSuite):
     """Interpret mode is slow: two ranks, three fuse variants."""
 
     impl = "triton"
-    CASES = [((1, 2), "block_striped", "hierarchical", f) for f in [(False, False), (False, True), (True, True)]]
+    CASES = ([((1, 2), "block_striped", "hierarchical", f) for f in [(False, False), (False, True), (True, True)]]
+             + [((1, 2), "zigzag", "flat", (True, True), "query")])
 
 
 @pytest.mark.gpu
@@ -248,7 +249,8 @@ class TestTritonGPU(_SparseRingSuite):
 
     impl = "triton"
     tol = 2e-3
-    CASES = [((1, 1), "block_striped", "hierarchical", (True, True)), ((1, 1), "zigzag", "flat", (False, False))]
+    CASES = [((1, 1), "block_striped", "hierarchical", (True, True)), ((1, 1), "zigzag", "flat", (False, False)),
+             ((1, 1), "block_striped", "hierarchical", (True, True), "query")]
 
 
 @pytest.mark.gpu

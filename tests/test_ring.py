@@ -222,7 +222,8 @@ class TestTritonInterpret(_RingSuite):
 
     impl = "triton"
     RING_CASES = [((1, 2), "hierarchical", ("zigzag",), dict(S=128, Hq=2, Hkv=1, D=32)),
-                  ((2, 1), "hierarchical", ("block_striped",), dict(S=128, Hq=2, Hkv=1, D=32, fuse=(False, False)))]
+                  ((2, 1), "hierarchical", ("block_striped",), dict(S=128, Hq=2, Hkv=1, D=32, fuse=(False, False))),
+                  ((1, 2), "flat", ("block_striped",), dict(S=128, Hq=2, Hkv=1, D=32, backward_ring="query"))]
     STEP_CASES = [((1, 2), "flat", "zigzag")]
     STEP_SHAPES = dict(B=1, S=128, Hq=2, Hkv=1, D=32, bs=32)
 
@@ -234,8 +235,8 @@ class TestTritonGPU(_RingSuite):
 
     impl = "triton"
     tol = {"float32": 2e-3, "bfloat16": 2e-2}
-    RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype=dt)) for dt in
-                  ("float32", "bfloat16")]
+    RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype=dt, backward_ring=b))
+                  for dt in ("float32", "bfloat16") for b in ("kv", "query")]
     STEP_CASES = [((1, 1), "hierarchical", "block_striped")]
     STEP_SHAPES = dict(B=1, S=1024, Hq=4, Hkv=1, D=64, bs=64)
 

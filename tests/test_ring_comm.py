@@ -44,6 +44,14 @@ def test_query_side_hop_counts(mesh_shape, order, inner, outer):
         {"q": P - 1, "dq": P - 1} if P > 1 else {})
 
 
+def test_transfer_units_of_the_query_side():
+    """1 x 2: one K/V hop forward (1 unit), one packed query buffer (Hq/Hkv = 8 times Q + dO + lse,
+    delta: 8 (2 D 2 + 8) / (2 D 2)) and one float32 dQ (8 D 4 / (2 D 2) = 8) backward."""
+    inner, outer = ring_comm.transfer_units(1, 2, "flat", backward_ring="query", heads_per_kv=8, head_dim=128)
+    assert outer == 0 and inner == pytest.approx(1 + 8 * (2 * 128 * 2 + 8) / (2 * 128 * 2) + 8)
+    assert ring_comm.transfer_units(1, 2, "flat", head_dim=128) == ring_comm.transfer_units(1, 2, "flat") == (3, 0)
+
+
 def test_backward_bytes_choose_the_side():
     """The one byte count: GQA 16/2 bf16 head_dim 128 sends 3,072 vs 16,512 bytes per token and hop,
     so "auto" keeps the K/V side; multi-head attention turns it around."""
@@ -104,3 +112,20 @@ def test_accounting_matches_the_compiled_ring(mesh_shape, order, fuse, side):
     assert got == want
     assert hlo.op_counts(text)["collective-permute"] + hlo.op_counts(text)["collective-permute-start"] == n
     assert sum(p.nbytes for p in got.elements()) == sum(ring_comm.ring_bytes(N, L, order, side, **shape).values())
+
+
+def test_one_rank_query_side_is_the_same_program():
+    """P = 1: both backward sides are the own step alone: the compiled fwd + bwd has the same flops,
+    bytes accessed and instructions (so the option costs nothing where there is no ring)."""
+    mesh = make_mesh((1, 1), jax.devices()[:1])
+    S = 256
+    q, kv = jnp.zeros((1, S, 4, 32)), jnp.zeros((1, S, 2, 32))
+
+    def program(side):
+        f = lambda q, k, v: ring_attention(q, k, v, jnp.arange(S), mesh, impl="xla", backward_ring=side).sum()  # noqa: E731
+        c = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+        ca = c.cost_analysis()
+        ca = ca[0] if isinstance(ca, list) else ca
+        return ca["flops"], ca["bytes accessed"], hlo.op_counts(c.as_text())
+
+    assert program("kv") == program("query")

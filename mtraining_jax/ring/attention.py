@@ -80,6 +80,13 @@ dQ kernel:
   own chunk back is not made) and ``P-1`` accumulator hops; on 2 ranks the backward moves one
   float32 dK/dV chunk and nothing else.
 
+Query-side backward (``backward_ring="query"``, BurstEngine; :func:`_backward_query`): the
+roles swap — K, V and the float32 dK/dV stay at their owner while the visiting ranks' Q, dO, lse
+and delta (one packed buffer) and their float32 dQ accumulator travel ``+1`` along the rings, over
+the same (query rank, K/V chunk) pairs as the forward (the own step first, then the forward's steps
+in reverse). ``"auto"`` picks the side whose hop moves fewer bytes (:mod:`.sides`): K/V for GQA,
+query for MHA. ``P - 1`` buffer hops and ``P - 1`` dQ hops per backward; no fused call.
+
 All shapes: ``q [B, Sl, Hq, D]``, ``k, v [B, Sl, Hkv, D]``, ``q_pos, k_pos int32 [Sl]``, ``lse
 [B, Hq, Sl]`` float32.
 """
