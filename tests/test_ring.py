@@ -192,8 +192,8 @@ class _RingSuite:
         np.testing.assert_array_equal(np.asarray(out)[0, :bs, 0], 0.0)
         np.testing.assert_array_equal(np.asarray(grads[0])[0, :bs, 0], 0.0)
         ref_out, ref_grads = _reference(q, k, v, cot, mask)
-        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, self.tol[self.STEP_DTYPE],
-                                 f"random StepIndex {order} impl={self.impl}")
+        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.dtype(self.STEP_DTYPE),
+                                 self.tol[self.STEP_DTYPE], f"random StepIndex {order} impl={self.impl}")
 
     def test_step_index_full_equals_dense_ring(self):
         """full_step_index for each step's (q_pos, visiting k_pos) reproduces the dense ring exactly."""
@@ -208,7 +208,7 @@ class _RingSuite:
         for a, b in zip((out, *grads), (dense_out, *dense_grads)):
             assert _rel(a, b) <= self.tol[dt] / 10, _rel(a, b)
         ref_out, ref_grads = _reference(q, k, v, cot)
-        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.float32, self.tol[dt],
+        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.dtype(dt), self.tol[dt],
                                  f"full index impl={self.impl}")
 
 
