@@ -38,9 +38,9 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from typing import Optional, Sequence
 
+from benchmarks._driver import drive, write_table
 from benchmarks.train_throughput import DEFAULT_CONFIG, GIB, REPO, error_row, run_one
 
 SIZES = ("0.5b", "1.5b", "3b", "7b", "tiny")  # tiny: configs/model/tiny.yaml, a CPU smoke test
@@ -221,37 +221,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = " ".join(shlex.quote(a) for a in ["python -m benchmarks.memory_plan"] +
                        list(sys.argv[1:] if argv is None else argv))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    log = None
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        log = open(os.path.join(args.out, "memory_plan.jsonl"), "w")
-    rows, deadline = [], None if args.time_budget is None else time.time() + args.time_budget
-    try:
-        for size in args.sizes:
-            for S in args.seq_lens:
-                for v in args.variants:
-                    t0 = time.time()
-                    timeout = args.timeout if deadline is None else min(args.timeout, deadline - t0)
-                    if timeout <= 5:
-                        row = failure_row(size, S, v, f"skipped: --time-budget {args.time_budget:g} s spent")
-                    else:
-                        row = run_child(args, size, S, v, timeout)
-                    row.update(date=date, command=command)
-                    rows.append(row)
-                    status = row.get("error") or (f"{row['tokens_per_s']:,.0f} tokens/s, peak {_f(row.get('peak_gib'), '.2f')} "
-                                                  f"GiB, plan {_f(row.get('plan_peak_gib'), '.2f')} GiB")
-                    print(f"[{time.time() - t0:6.1f}s] {size} S={S} {v}: {str(status)[:300]}", file=sys.stderr, flush=True)
-                    if log is not None:
-                        log.write(json.dumps(row) + "\n")
-                        log.flush()
-    finally:
-        if log is not None:
-            log.close()
-    table = format_table(rows)
-    print(table)
-    if args.out:
-        with open(os.path.join(args.out, "memory_plan.md"), "w") as f:
-            f.write(f"`{command}` ({date})\n\n{table}\n")
+    cases = [(size, S, v) for size in args.sizes for S in args.seq_lens for v in args.variants]
+
+    def describe(c, row):
+        status = row.get("error") or (f"{row['tokens_per_s']:,.0f} tokens/s, peak {_f(row.get('peak_gib'), '.2f')} "
+                                      f"GiB, plan {_f(row.get('plan_peak_gib'), '.2f')} GiB")
+        return f"{c[0]} S={c[1]} {c[2]}: {str(status)[:300]}"
+
+    rows = drive(cases, lambda c, t: run_child(args, *c, t), lambda c, why: failure_row(*c, why),
+                 timeout=args.timeout, time_budget=args.time_budget, out=args.out, name="memory_plan",
+                 command=command, date=date, describe=describe, min_timeout=5)
+    write_table(format_table(rows), args.out, "memory_plan", command, date)
     return 0
 
 

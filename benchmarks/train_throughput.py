@@ -68,6 +68,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from benchmarks._driver import drive, write_table
 from mtraining_jax.attention.backends import BACKENDS
 from mtraining_jax.train.config import TrainConfig, load_config  # (no JAX backend start)
 
@@ -405,36 +406,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(os.path.abspath(__file__), REPO)] +
                        list(sys.argv[1:] if argv is None else argv))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    log = None
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        log = open(os.path.join(args.out, "train_throughput.jsonl"), "w")
-    rows = []
-    deadline = None if args.time_budget is None else time.time() + args.time_budget
-    try:
-        for S in args.seq_lens:
-            for b in args.backends:
-                t0 = time.time()
-                timeout = args.timeout if deadline is None else min(args.timeout, deadline - t0)
-                if timeout <= 0:
-                    row = error_row(S, b, args.batch, f"skipped: --time-budget {args.time_budget:g} s spent")
-                else:
-                    row = run_child(child_command(args, S, b), S, b, args.batch, timeout)
-                row.update(date=date, command=command)
-                rows.append(row)
-                status = row["error"] or f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s"
-                print(f"[{time.time() - t0:6.1f}s] S={S} {b}: {status}", file=sys.stderr, flush=True)
-                if log is not None:
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
-    finally:
-        if log is not None:
-            log.close()
-    table = format_table(rows)
-    print(table)
-    if args.out:
-        with open(os.path.join(args.out, "train_throughput.md"), "w") as f:
-            f.write(f"`{command}` ({date})\n\n{table}\n")
+    cases = [(S, b) for S in args.seq_lens for b in args.backends]
+    rows = drive(cases, lambda c, t: run_child(child_command(args, *c), *c, args.batch, t),
+                 lambda c, why: error_row(*c, args.batch, why), timeout=args.timeout, time_budget=args.time_budget,
+                 out=args.out, name="train_throughput", command=command, date=date,
+                 describe=lambda c, row: f"S={c[0]} {c[1]}: " + (
+                     row["error"] or f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s"))
+    write_table(format_table(rows), args.out, "train_throughput", command, date)
     return 0
 
 

@@ -1,0 +1,51 @@
+"""The driver loop shared by the benchmarks that run each case in a fresh subprocess
+(``train_throughput``, ``memory_plan``): cases in order under an optional time budget, one JSON row
+per case appended (and flushed) to ``OUT/NAME.jsonl`` as soon as it is known, a progress line per
+case on stderr, and the markdown table printed and written to ``OUT/NAME.md``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Callable, Iterable, Optional
+
+
+def drive(cases: Iterable, run: Callable, skipped: Callable, *, timeout: float, time_budget: Optional[float],
+          out: Optional[str], name: str, command: str, date: str, describe: Callable,
+          min_timeout: float = 0.0) -> list:
+    """``run(case, timeout) -> row`` for every case (``skipped(case, reason) -> row`` once the
+    ``time_budget`` leaves ``min_timeout`` seconds or less); each row gets ``date`` and ``command``.
+    ``describe(case, row) -> str``: the progress line. Returns the rows."""
+    log = None
+    if out:
+        os.makedirs(out, exist_ok=True)
+        log = open(os.path.join(out, f"{name}.jsonl"), "w")
+    rows, deadline = [], None if time_budget is None else time.time() + time_budget
+    try:
+        for case in cases:
+            t0 = time.time()
+            left = timeout if deadline is None else min(timeout, deadline - t0)
+            if left <= min_timeout:
+                row = skipped(case, f"skipped: --time-budget {time_budget:g} s spent")
+            else:
+                row = run(case, left)
+            row.update(date=date, command=command)
+            rows.append(row)
+            print(f"[{time.time() - t0:6.1f}s] {describe(case, row)}", file=sys.stderr, flush=True)
+            if log is not None:
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+    finally:
+        if log is not None:
+            log.close()
+    return rows
+
+
+def write_table(table: str, out: Optional[str], name: str, command: str, date: str) -> None:
+    """Print the markdown ``table``; with ``out``, also ``OUT/NAME.md`` headed by the command."""
+    print(table)
+    if out:
+        with open(os.path.join(out, f"{name}.md"), "w") as f:
+            f.write(f"`{command}` ({date})\n\n{table}\n")
