@@ -42,6 +42,8 @@ def test_config_validation_and_param_count():
             _cfg(msa=bad)
     with pytest.raises(ValueError, match="layout"):
         _cfg(layout="token_striped")
+    with pytest.raises(ValueError, match=r"msa and mtraining layers in one model are not supported .*'mtraining', 'msa'"):
+        _cfg(attention_backends=("mtraining", "msa"))
 
 
 def _tokens():

@@ -164,6 +164,9 @@ class ModelConfig:
             if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise ValueError(f"msa index_dim must be a positive integer, got {d!r}")
         if self.has_msa:
+            if "mtraining" in self.layer_backends:
+                raise ValueError(f"msa and mtraining layers in one model are not supported (their per-layer "
+                                 f"statistics differ); layer backends: {list(self.layer_backends)}")
             self.msa_config()  # validates top_k, block_size, recall_blocks and the layout
 
     def __hash__(self):  # rope_scaling is a dict: hash the canonical JSON form (NNX keeps cfg static)
