@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Callable, Iterable, Optional
@@ -49,3 +50,24 @@ def write_table(table: str, out: Optional[str], name: str, command: str, date: s
     if out:
         with open(os.path.join(out, f"{name}.md"), "w") as f:
             f.write(f"`{command}` ({date})\n\n{table}\n")
+
+
+def run_child(cmd, cwd: str, timeout: float, fail: Callable) -> dict:
+    """Run one ``--one`` child (``cwd`` first on ``PYTHONPATH``; ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+    0.95 unless set, so the default 75 % pool causes no avoidable OOM): its last JSON stdout line,
+    else ``fail(reason)`` (timeout, or the exit status and the last 15 lines of output)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = cwd + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return fail(f"timeout: no result within {timeout:.0f} s")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                break
+    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-15:]
+    return fail(f"child exited with status {proc.returncode}: " + "\n".join(tail))

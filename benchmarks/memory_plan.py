@@ -34,12 +34,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
-import subprocess
 import sys
 from typing import Optional, Sequence
 
+from benchmarks import _driver
 from benchmarks._driver import drive, write_table
 from benchmarks.train_throughput import DEFAULT_CONFIG, GIB, REPO, error_row, run_one
 
@@ -122,21 +121,7 @@ def failure_row(size: str, seq_len: int, variant: str, message: str) -> dict:
 def run_child(args, size: str, seq_len: int, variant: str, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.memory_plan", "--one", "--config", args.config, "--size", size,
            "--seq-len", str(seq_len), "--variant", variant, "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return failure_row(size, seq_len, variant, f"timeout: no result within {timeout:.0f} s")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                break
-    tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
-    return failure_row(size, seq_len, variant, f"child exited with status {proc.returncode}: {tail}")
+    return _driver.run_child(cmd, REPO, timeout, lambda why: failure_row(size, seq_len, variant, why))
 
 
 def _f(x, spec: str) -> str:

@@ -63,11 +63,11 @@ import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from typing import Optional, Sequence
 
+from benchmarks import _driver
 from benchmarks._driver import drive, write_table
 from mtraining_jax.attention.backends import BACKENDS
 from mtraining_jax.train.config import TrainConfig, load_config  # (no JAX backend start)
@@ -291,21 +291,7 @@ def child_command(args, seq_len: int, backend: str) -> list[str]:
 
 def run_child(cmd: Sequence[str], seq_len: int, backend: str, batch: int, timeout: float) -> dict:
     """Run one ``--one`` child; its last JSON stdout line, or an error row."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return error_row(seq_len, backend, batch, f"timeout: no result within {timeout:g} s")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                break
-    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-15:]
-    return error_row(seq_len, backend, batch, f"child exited with status {proc.returncode}: " + "\n".join(tail))
+    return _driver.run_child(cmd, REPO, timeout, lambda why: error_row(seq_len, backend, batch, why))
 
 
 def _fmt(x, spec: str) -> str:
