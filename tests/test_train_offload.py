@@ -20,28 +20,19 @@ from mtraining_jax.train.state import build_model_config
 from mtraining_jax.train.step import batch_shardings
 from mtraining_jax.train.tokenizer import load_tokenizer
 
+from _tiny_train import CONFIG, tiny_config, token_file
+
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_cpu.yaml")
-SEQ = 128
-TINY = [  # 2 layers, 64 wide, dense ring attention over 4 CP ranks (FSDP over them), contiguous layout
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
-    "model.num_kv_heads=1", "model.attention_backend=ring", "model.dense_layers=[]", "model.layout=contiguous",
-    f"model.max_position_embeddings={SEQ}", f"data.seq_len={SEQ}", "data.layout=contiguous",
-    "data.source=tokens", "data.heldout_percent=10", "optim.warmup_steps=1", "optim.lr=1e-2",
-    "optim.clip_norm=0.5", "mesh.shape=[1,4]", "eval.every=0", "eval.passkey_samples=0", "logging.progress=false",
-    "logging.tensorboard=false", "logging.plot=false", "checkpoint.async_save=false",
-]
+BASE = ["optim.clip_norm=0.5", "mesh.shape=[1,4]"]  # 4 CP ranks (FSDP over them)
 
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "tokens.npy"
-    np.save(path, np.random.default_rng(0).integers(0, 259, 12000).astype(np.uint16))
-    return str(path)
+    return token_file(tmp_path_factory)
 
 
 def _cfg(tokens, *extra):
-    return load_config(CONFIG, TINY + [f"data.path={tokens}", *extra])
+    return tiny_config(tokens, *extra, base=BASE)
 
 
 def _run(cfg, n, fresh=None):

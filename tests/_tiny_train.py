@@ -1,0 +1,31 @@
+"""A tiny training config on CPU devices (2 layers, 64 wide, dense ring attention, contiguous
+layout, 128 tokens) over a random token file: shared by the FSDP and offload tests."""
+
+import os
+
+import numpy as np
+
+from mtraining_jax.train.config import load_config
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_cpu.yaml")
+SEQ = 128
+TINY = [
+    "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
+    "model.num_kv_heads=1", "model.attention_backend=ring", "model.dense_layers=[]", "model.layout=contiguous",
+    f"model.max_position_embeddings={SEQ}", f"data.seq_len={SEQ}", "data.layout=contiguous",
+    "data.source=tokens", "data.heldout_percent=10", "optim.warmup_steps=1", "optim.lr=1e-2",
+    "eval.every=0", "eval.passkey_samples=0", "logging.progress=false", "logging.tensorboard=false",
+    "logging.plot=false", "checkpoint.async_save=false",
+]
+
+
+def token_file(tmp_path_factory) -> str:
+    """A ``uint16`` token file of 12,000 random byte-vocabulary ids."""
+    path = tmp_path_factory.mktemp("data") / "tokens.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 259, 12000).astype(np.uint16))
+    return str(path)
+
+
+def tiny_config(tokens: str, *extra, base=()):
+    """:data:`TINY` (+ ``base``) on ``tokens``, then ``extra`` overrides."""
+    return load_config(CONFIG, TINY + list(base) + [f"data.path={tokens}", *extra])
