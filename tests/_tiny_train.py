@@ -29,3 +29,21 @@ def token_file(tmp_path_factory) -> str:
 def tiny_config(tokens: str, *extra, base=()):
     """:data:`TINY` (+ ``base``) on ``tokens``, then ``extra`` overrides."""
     return load_config(CONFIG, TINY + list(base) + [f"data.path={tokens}", *extra])
+
+
+def training_parts(cfg):
+    """``(Training, loader, batch shardings)`` of ``cfg`` built as the trainer's setup does (no run dir)."""
+    from mtraining_jax.train import data as data_lib
+    from mtraining_jax.train.loop import build_mesh, build_training, check_run_config
+    from mtraining_jax.train.state import build_model_config
+    from mtraining_jax.train.step import batch_shardings
+    from mtraining_jax.train.tokenizer import load_tokenizer
+
+    mesh = build_mesh(cfg.mesh)
+    model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    layout = check_run_config(cfg, model_cfg, mesh, tok)
+    t = build_training(cfg, mesh, model_cls, model_cfg)
+    stream, _ = data_lib.build_streams(cfg.data, tok, model_cfg.vocab_size)
+    loader = data_lib.build_train_loader(cfg.data, tok, layout, stream, accum=1)
+    return t, loader, batch_shardings(mesh, True)

@@ -12,17 +12,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from mtraining_jax.train import cli
-from mtraining_jax.train import data as data_lib
 from mtraining_jax.train.checkpoint import Checkpointer
 from mtraining_jax.train.config import load_config
-from mtraining_jax.train.loop import build_mesh, build_training, check_run_config, setup, to_global, train
+from mtraining_jax.train.loop import build_mesh, setup, to_global, train
 from mtraining_jax.train.plan import DoesNotFit, check_fits, memory_plan, parse_bytes
 from mtraining_jax.train.sharding import fsdp_spec, resolve_fsdp, shard_bytes
-from mtraining_jax.train.state import build_model_config
-from mtraining_jax.train.step import batch_shardings
-from mtraining_jax.train.tokenizer import load_tokenizer
 
-from _tiny_train import CONFIG, TINY, tiny_config, token_file
+from _tiny_train import CONFIG, TINY, tiny_config, token_file, training_parts
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")
 @pytest.fixture(scope="module")
@@ -51,14 +47,7 @@ def test_fsdp_spec_rule():
 
 def _steps(cfg, n):
     """``(losses of n steps, compiled memory analysis, abstract state, batch bytes per device)``."""
-    mesh = build_mesh(cfg.mesh)
-    model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    layout = check_run_config(cfg, model_cfg, mesh, tok)
-    t = build_training(cfg, mesh, model_cls, model_cfg)
-    stream, _ = data_lib.build_streams(cfg.data, tok, model_cfg.vocab_size)
-    loader = data_lib.build_train_loader(cfg.data, tok, layout, stream, accum=1)
-    sh = batch_shardings(mesh, True)
+    t, loader, sh = training_parts(cfg)
     batches = [jax.tree.map(to_global, next(loader), sh) for _ in range(n)]
     state = t.state_fn()
     ma = t.train_step.lower(state, batches[0]).compile().memory_analysis()

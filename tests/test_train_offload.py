@@ -11,16 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from mtraining_jax.train import data as data_lib
 from mtraining_jax.train.checkpoint import Checkpointer
 from mtraining_jax.train.config import load_config
-from mtraining_jax.train.loop import build_mesh, build_training, check_run_config, setup, to_global, train
+from mtraining_jax.train.loop import setup, to_global, train
 from mtraining_jax.train.offload import check_host_memory
-from mtraining_jax.train.state import build_model_config
-from mtraining_jax.train.step import batch_shardings
-from mtraining_jax.train.tokenizer import load_tokenizer
 
-from _tiny_train import CONFIG, tiny_config, token_file
+from _tiny_train import CONFIG, tiny_config, token_file, training_parts
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")
 BASE = ["optim.clip_norm=0.5", "mesh.shape=[1,4]"]  # 4 CP ranks (FSDP over them)
@@ -36,14 +32,7 @@ def _cfg(tokens, *extra):
 
 
 def _run(cfg, n, fresh=None):
-    mesh = build_mesh(cfg.mesh)
-    model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    layout = check_run_config(cfg, model_cfg, mesh, tok)
-    t = build_training(cfg, mesh, model_cls, model_cfg)
-    stream, _ = data_lib.build_streams(cfg.data, tok, model_cfg.vocab_size)
-    loader = data_lib.build_train_loader(cfg.data, tok, layout, stream, accum=1)
-    sh = batch_shardings(mesh, True)
+    t, loader, sh = training_parts(cfg)
     state = t.state_fn()
     if fresh is not None:
         fresh.append(jax.device_get(state))
