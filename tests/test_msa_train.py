@@ -33,6 +33,7 @@ def test_msa_training_warmup_then_sparse_with_metrics_and_checkpoint(tmp_path, c
     np.testing.assert_allclose([r["attn/work_fraction"] for r in recs[2:]], want, rtol=1e-6)
     for r in recs:
         assert np.isfinite(r["loss"]) and r["attn/msa_kl"] > 0 and 0 < r["attn/msa_recall"] <= 1
+        assert r["msa/kl_grad_norm"] > 0
     assert os.path.isdir(rd / "checkpoints" / "4")
     # the index branch lives in the checkpointed NNX state: resuming restores the whole state tree
     rc = cli.main(["--config", CONFIG, *FAST, f"run_dir={rd}", "steps=5", "--resume"])

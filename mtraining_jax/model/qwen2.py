@@ -102,6 +102,15 @@ def _linear(cfg: ModelConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs)
     )
 
 
+MSA_INDEX_MODULES: tuple[str, ...] = ("index_q", "index_k")  # the index branch's projections (attributes below)
+
+
+def is_index_branch_path(path) -> bool:
+    """Whether a parameter's key path (``jax.tree_util`` keys of the parameter dict) lies in an
+    MSA index-branch projection (:data:`MSA_INDEX_MODULES`)."""
+    return any(getattr(k, "key", getattr(k, "name", None)) in MSA_INDEX_MODULES for k in path)
+
+
 class Qwen2Attention(nnx.Module):
     """GQA self-attention: biased Q/K/V, unbiased O, RoPE at global positions."""
 

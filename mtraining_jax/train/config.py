@@ -195,7 +195,8 @@ class MSATrainConfig:
     ``L = L_LM + lambda * sum_layers L_KL``. The KL's gradient reaches only the index projections
     (detached inputs and teacher), and the logged ``loss`` stays the LM loss; the KL is logged as
     ``attn/msa_kl`` (mean over the ``msa`` layers), with ``attn/msa_recall`` and
-    ``attn/work_fraction``, and ``msa/warmup`` (1 during warm-up).
+    ``attn/work_fraction``, ``msa/warmup`` (1 during warm-up) and ``msa/kl_grad_norm``, the norm of
+    the KL term's gradient (``kl_coef`` included) w.r.t. the index-branch parameters.
     """
 
     warmup_steps: int = 0

@@ -110,6 +110,8 @@ class Progress:
                 extra["work"] = f"{float(attn['attn/work_fraction']):.1%}"
             if attn and "attn/msa_kl" in attn:
                 extra["kl"] = f"{float(attn['attn/msa_kl']):.3f}"
+                if "msa/kl_grad_norm" in attn:
+                    extra["kl_gn"] = f"{float(attn['msa/kl_grad_norm']):.2e}"
                 extra["recall"] = f"{float(attn['attn/msa_recall']):.1%}"
             if attn and "attn/worker_imbalance" in attn:
                 extra["imb"] = f"{float(attn['attn/worker_imbalance']):.2f}"

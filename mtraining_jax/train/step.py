@@ -22,12 +22,24 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtraining_jax.mesh import CP_AXES
+from mtraining_jax.model.qwen2 import is_index_branch_path
 from mtraining_jax.train.data import Batch
 from mtraining_jax.train.loss import sharded_cross_entropy
 from mtraining_jax.train.state import ModelParts, bind, replicated
 
 
 _global_norm = optax.tree.norm if hasattr(optax, "tree") and hasattr(optax.tree, "norm") else optax.global_norm
+
+
+def index_branch_grad_norm(grads):
+    """``float32`` global norm of the MSA index-branch leaves of a gradient (parameter dict).
+
+    The LM loss never reaches the index branch (detached input, discrete selection; tested), so in
+    the train step's gradient these leaves are exactly the gradient of the KL term as it enters the
+    objective, ``kl_coef * sum_layers KL`` (token-weighted over micro-batches like the LM loss):
+    logged as ``msa/kl_grad_norm``. ``0`` for a tree without index-branch leaves."""
+    leaves = [x for path, x in jax.tree_util.tree_leaves_with_path(grads) if is_index_branch_path(path)]
+    return _global_norm(leaves) if leaves else jnp.zeros((), jnp.float32)
 
 
 def batch_shardings(mesh: Mesh | None, accum: bool, segments: bool = False, rope_positions: bool = False):
@@ -121,6 +133,8 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
             new_params, opt_state = keep(optax.apply_updates(params, updates), params), keep(opt_state, state["opt_state"])
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": state["rng"]}
+        if "msa/warmup" in extras:
+            extras = {**extras, "msa/kl_grad_norm": index_branch_grad_norm(grads)}
         metrics = {
             "loss": loss / denom,
             "accuracy": corr / denom,
