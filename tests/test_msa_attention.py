@@ -111,6 +111,13 @@ def test_msa_one_device_forward_and_gradients_match_masked_reference():
     want_wf = sum(min(TOPK, i + 1) for i in range(nb)) / (nb * (nb + 1) / 2)
     np.testing.assert_allclose(float(aux.work_fraction), want_wf, rtol=1e-6)
     assert 0.0 < float(aux.recall) <= 1.0 + 1e-6
+    # the monitoring-only recall under a traced flag (the trainer's logging steps): same or NaN
+    g = jax.jit(lambda m: msa_attention(q, k, v, qi, ki, None, CFG, metrics=m)[1])
+    on, off = g(True), g(False)
+    np.testing.assert_allclose(float(on.recall), float(aux.recall), rtol=1e-6)
+    assert np.isnan(float(off.recall))
+    np.testing.assert_allclose([float(off.kl), float(off.work_fraction)], [float(aux.kl), float(aux.work_fraction)],
+                               rtol=1e-6)
 
 
 def test_msa_warmup_is_dense_attention_and_full_support_kl():
@@ -193,3 +200,18 @@ def test_msa_config_and_input_errors():
         msa_attention(q, k, v, qi[:, :, :1], ki, None, CFG)
     with pytest.raises(ValueError, match="k_idx"):
         msa_attention(q, k, v, qi, ki[..., :3], None, CFG)
+
+
+def test_kl_teacher_in_half_precision_equals_float32_of_the_same_values():
+    """bf16 q / k: the teacher's scores are bf16 products accumulated in float32 (tensor cores on a
+    GPU), the same KL as the float32 computation on the same (bf16-rounded) values."""
+    from mtraining_jax.attention.msa_kl import msa_kl_sum
+
+    q, k, _, qi, ki = _inputs(5)
+    pos = jnp.arange(S)
+    sel = select_blocks(qi, index_keys(ki, BS), pos, block_size=BS, top_k=TOPK)
+    f = jax.jit(lambda q, k: msa_kl_sum(q, k, pos, qi, index_keys(ki, BS), ki, sel, block_size=BS))
+    qb, kb = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    got, want = float(f(qb, kb)), float(f(qb.astype(jnp.float32), kb.astype(jnp.float32)))
+    assert want > 0
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -32,7 +32,7 @@ Backends:
   :class:`~mtraining_jax.attention.msa.MSAConfig` (``msa=``); ``mesh=None`` runs one device;
   ``msa_warmup`` (bool, may be traced) runs dense attention with the full-support KL. Its stats
   are ``msa_kl`` (differentiable: the trainer adds it to the loss), ``work_fraction``,
-  ``msa_recall``. Layout positions as for ``mtraining``; no packed documents.
+  ``msa_recall`` (``msa_metrics=False``, may be traced: not computed, NaN). Layout positions as for ``mtraining``; no packed documents.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, im
     return _nan_unless(out, ok), stats
 
 
-def _msa_attention(q, k, v, positions, mesh, cfg, msa_index, msa_warmup, sm_scale, segment_ids):
+def _msa_attention(q, k, v, positions, mesh, cfg, msa_index, msa_warmup, sm_scale, segment_ids, msa_metrics=True):
     """``(out, stats)`` of the MSA backend (see module docstring)."""
     import dataclasses
 
@@ -134,7 +134,7 @@ def _msa_attention(q, k, v, positions, mesh, cfg, msa_index, msa_warmup, sm_scal
     if sm_scale is not None:
         cfg = dataclasses.replace(cfg, sm_scale=sm_scale)
     out, aux = msa_attention(q, k, v, msa_index[0], msa_index[1], mesh, cfg, positions=positions,
-                             warmup=msa_warmup)  # checks concrete positions
+                             warmup=msa_warmup, metrics=msa_metrics)  # checks concrete positions
     ok = None
     if isinstance(positions, jax.core.Tracer):
         P = 1 if mesh is None else mesh.shape["node"] * mesh.shape["local"]
@@ -160,6 +160,7 @@ def attention(
     msa=None,
     msa_index=None,
     msa_warmup=False,
+    msa_metrics=True,
 ):
     """Causal attention by global position through ``backend`` (see module docstring).
 
@@ -175,7 +176,8 @@ def attention(
         step imbalance of the executed ring; other backends: empty).
       segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
       msa, msa_index, msa_warmup: the ``msa`` backend's config, index-branch ``(q_idx, k_idx)`` and
-        warm-up flag (module docstring).
+        warm-up flag (module docstring); ``msa_metrics`` (bool, may be traced): compute the
+        monitoring-only ``msa_recall`` (NaN otherwise).
 
     Returns:
       ``[B, S, Hq, D]`` in ``q.dtype``.
@@ -193,7 +195,8 @@ def attention(
         out = out.astype(q.dtype)
         return (out, stats) if return_stats else out
     if backend == "msa":
-        out, stats = _msa_attention(q, k, v, positions, mesh, msa, msa_index, msa_warmup, sm_scale, segment_ids)
+        out, stats = _msa_attention(q, k, v, positions, mesh, msa, msa_index, msa_warmup, sm_scale, segment_ids,
+                                    msa_metrics)
         out = out.astype(q.dtype)
         return (out, stats) if return_stats else out
     out = _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl, segment_ids)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from mtraining_jax.attention.msa_kl import msa_kl_sum, selection_recall_sum
+from mtraining_jax.attention.msa_kl import msa_kl_sum, selection_recall_rows, selection_recall_sum
 from mtraining_jax.attention.mtraining import SPARSE_LAYOUTS
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
@@ -101,7 +101,7 @@ class MSAAux(NamedTuple):
     """Per-call outputs besides the attention: ``kl`` (float32 scalar, mean over ``B * S * Hkv``;
     differentiable in the index branch), ``work_fraction`` (executed kernel slots over the dense
     causal ones; 1 in warm-up), ``recall`` (main-branch full attention mass inside the selection,
-    on the sampled rows)."""
+    on the sampled rows; NaN where not computed: ``metrics=False``)."""
 
     kl: jax.Array
     work_fraction: jax.Array
@@ -125,11 +125,14 @@ def _check(q, k, v, q_idx, k_idx, cfg):
 
 
 def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfig = MSAConfig(), *,
-                  positions=None, warmup=False):
+                  positions=None, warmup=False, metrics=True):
     """MSA attention (see module docstring). Returns ``(out [B, S, Hq, D] in q.dtype, MSAAux)``.
 
     ``positions``: optional ``int [S]``; when concrete it must equal the layout's permutation.
-    ``warmup``: Python bool (static) or traced bool (``lax.cond``)."""
+    ``warmup``: Python bool (static) or traced bool (``lax.cond``).
+    ``metrics``: Python bool or traced bool: compute the monitoring-only recall metric (a
+    ``lax.cond`` when traced: the trainer passes its logging steps); otherwise ``aux.recall`` is
+    NaN. The KL (a loss) and the work fraction (from the selection counts) are always computed."""
     _check(q, k, v, q_idx, k_idx, cfg)
     mesh = _one_device_mesh() if mesh is None else mesh
     num_nodes, num_local = check_cp_mesh(mesh)
@@ -151,7 +154,7 @@ def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfi
     nb = S // bs
     dense_slots = B * Hq * nb * (nb + 1) / 2 * bs**2
 
-    def body(dense, q_l, k_l, v_l, qi_l, ki_l):
+    def body(dense, q_l, k_l, v_l, qi_l, ki_l, flag=None):
         rank = jax.lax.axis_index(CP_AXES)
         pos_l = jnp.asarray(pos_table, jnp.int32)[rank]
         inv = inv_blocks if cfg.pooling == "mean" else inv_tokens
@@ -173,19 +176,32 @@ def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfi
         k_all = jax.lax.all_gather(jax.lax.stop_gradient(k_l), CP_AXES, axis=1, tiled=True)[:, inv_tokens]
         kl = msa_kl_sum(q_l, k_all, pos_l, qi_l, kbar, ki_l, support, block_size=bs, sm_scale=cfg.sm_scale,
                         pooling=cfg.pooling)
-        rec, rows = selection_recall_sum(q_l, k_all, pos_l, sel, block_size=bs, sm_scale=cfg.sm_scale,
-                                         num_blocks=cfg.recall_blocks)
+        rows = selection_recall_rows(q_l.shape[0], Hkv, q_l.shape[1], block_size=bs, num_blocks=cfg.recall_blocks)
+
+        def recall():
+            return selection_recall_sum(q_l, k_all, pos_l, sel, block_size=bs, sm_scale=cfg.sm_scale,
+                                        num_blocks=cfg.recall_blocks)[0]
+
+        if flag is None:
+            rec = recall() if metrics else jnp.float32(jnp.nan)
+        else:
+            rec = jax.lax.cond(flag, recall, lambda: jnp.float32(jnp.nan))
         axes = CP_AXES if batch_axis is None else (batch_axis,) + CP_AXES
         kl, work, rec = (jax.lax.psum(x, axes) for x in (kl, work, rec))
         nrows = rows * P * (1 if batch_axis is None else mesh.shape[batch_axis])
         return out, MSAAux(kl / (B * S * Hkv), work / dense_slots, rec / nrows)
 
+    traced_flag = not isinstance(metrics, (bool, np.bool_))
+
     def run(dense):
-        fn = jax.shard_map(lambda *a: body(dense, *a), mesh=mesh,
-                           in_specs=(PartitionSpec(batch_axis, CP_AXES, None, None),) * 4 + (PartitionSpec(batch_axis, CP_AXES, None),),
+        in_specs = (PartitionSpec(batch_axis, CP_AXES, None, None),) * 4 + (PartitionSpec(batch_axis, CP_AXES, None),)
+        args = (q, k, v, q_idx, k_idx)
+        if traced_flag:  # the flag enters the shard_map as a replicated operand
+            in_specs, args = in_specs + (PartitionSpec(),), args + (jnp.asarray(metrics, bool),)
+        fn = jax.shard_map(lambda *a: body(dense, *a), mesh=mesh, in_specs=in_specs,
                            out_specs=(PartitionSpec(batch_axis, CP_AXES, None, None), MSAAux(*(PartitionSpec(),) * 3)),
                            check_vma=False)
-        return fn(q, k, v, q_idx, k_idx)
+        return fn(*args)
 
     del spec
     if isinstance(warmup, (bool, np.bool_)):

@@ -32,12 +32,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtraining_jax.sparsity.msa_select import MSASelection, index_block_logits, map_batch, selection_block_map
+from mtraining_jax.sparsity.msa_select import MSASelection, map_batch, selection_block_map
 
 
 def _blocks(x, nqb, bs):
     """``[B, nqb * bs, ...]`` -> ``[nqb, B, bs, ...]``."""
     return jnp.moveaxis(x.reshape(x.shape[0], nqb, bs, *x.shape[2:]), 1, 0)
+
+
+def _main_scores(qb, keys, scale):
+    """``float32 [B, G, g, bs, L]`` main-branch logits of ``qb [B, bs, G, g, D]`` against
+    ``keys [B, G, L, D]``. Half-precision inputs (bf16 / f16, the model's compute dtype) multiply
+    in that dtype with float32 accumulation — the products are exact in float32, as in the
+    attention kernels — on the tensor cores; float32 inputs use ``precision="highest"``."""
+    half = qb.dtype == keys.dtype and qb.dtype in (jnp.bfloat16, jnp.float16)
+    if half:
+        s = jnp.einsum("bqrgd,brld->brgql", qb, keys, preferred_element_type=jnp.float32)
+    else:
+        s = jnp.einsum("bqrgd,brld->brgql", qb.astype(jnp.float32), keys.astype(jnp.float32), precision="highest")
+    return s * scale
 
 
 def _teacher_mass(qb, k_all, tok, tok_ok, qpos, scale):
@@ -47,14 +60,41 @@ def _teacher_mass(qb, k_all, tok, tok_ok, qpos, scale):
     G = tok.shape[1]
     g = Hq // G
     ksel = k_all[jnp.arange(B)[:, None, None], tok, jnp.arange(G)[None, :, None]]  # [B, G, L, D]
-    s = jnp.einsum("bqrgd,brld->brgql", qb.reshape(B, bs, G, g, D).astype(jnp.float32),
-                   ksel.astype(jnp.float32), precision="highest") * scale
+    s = _main_scores(qb.reshape(B, bs, G, g, D), ksel, scale)
     ok = tok_ok[:, :, None, None, :] & (tok[:, :, None, None, :] <= qpos[None, None, None, :, None])
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
     return p.mean(axis=2)
+
+
+def _visible(ids, slot_ok, qbid, bs):
+    """``bool [B, G, 1, bs(query), K, bs(key)]``: key ``j`` of selected block ``ids[..., k]`` is
+    causally visible to row ``r`` of query block ``qbid`` (whole earlier blocks, the local block up
+    to the diagonal, nothing later) and the slot is valid."""
+    r = jnp.arange(bs)
+    diag = (r[None, :] <= r[:, None])[None, None, None, :, None, :]
+    before = (ids < qbid)[:, :, None, None, :, None]
+    local = (ids == qbid)[:, :, None, None, :, None]
+    return slot_ok[:, :, None, None, :, None] & (before | (local & diag))
+
+
+def _teacher_block_mass(qb, kblk, visible, scale):
+    """``float32 [B, G, bs, K]``: the group-averaged main-branch softmax over the visible keys of
+    the selected blocks, summed per block (the teacher ``T``), for ``qb [B, bs, Hq, D]`` and the
+    selected blocks' keys ``kblk [B, G, K, bs, D]``. Two passes over the ``[B, Hq, bs, K, bs]``
+    scores (a per-block max, then per-block sums of exponentials); the normalisation and the
+    group average run on the ``[.., K]`` block sums."""
+    B, bs, Hq, D = qb.shape
+    G, K = kblk.shape[1], kblk.shape[2]
+    s = _main_scores(qb.reshape(B, bs, G, Hq // G, D), kblk.reshape(B, G, K * bs, D), scale)
+    s = jnp.where(visible, s.reshape(B, G, Hq // G, bs, K, bs), -jnp.inf)
+    mb = jnp.max(s, axis=-1)  # [B, G, g, bs, K]; -inf for an empty (invalid / later) block
+    eb = jnp.exp(s - jnp.where(jnp.isfinite(mb), mb, 0.0)[..., None]).sum(-1)
+    m = jnp.max(mb, axis=-1, keepdims=True)  # finite: the local block's diagonal is always visible
+    w = eb * jnp.exp(mb - m)
+    return (w / jnp.maximum(w.sum(-1, keepdims=True), 1e-30)).mean(axis=2)
 
 
 def _local_prefix_mean(kib):
@@ -66,29 +106,37 @@ def _local_prefix_mean(kib):
 def msa_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, support: MSASelection, *, block_size: int = 64,
                sm_scale: float | None = None, pooling: str = "mean"):
     """``float32`` scalar: ``sum_{b, i, group} KL(T_i || P_idx_i)`` over the local rows (module
-    docstring). Differentiable in ``q_idx``, ``kbar``, ``k_idx_local``; zero gradient to q, k."""
+    docstring). Differentiable in ``q_idx``, ``kbar``, ``k_idx_local``; zero gradient to q, k.
+
+    Work per local query block: the main-branch scores of its ``Hq x bs`` rows against the
+    ``K x bs`` keys of its selected blocks (as the sparse attention forward), gathered block-wise;
+    ``pooling="max"`` adds the index scores against the same ``K x bs`` index keys only (never the
+    whole sequence's: no ``[rows, S]`` intermediates or residuals)."""
     q, k_all = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_all)
     B, Sq, Hq, D = q.shape
     bs = block_size
     nqb = Sq // bs
-    S = k_all.shape[1]
+    S, G = k_all.shape[1], k_all.shape[2]
     nb = S // bs
     d = q_idx.shape[-1]
     scale = D**-0.5 if sm_scale is None else sm_scale
     K = support.block_idx.shape[-1]
     qpos = jnp.asarray(q_pos, jnp.int32)
+    k_blk = jnp.moveaxis(k_all.reshape(B, nb, bs, G, D), 3, 1)  # [B, G, nb, bs, D]: one copy, block gathers
+    bi, gi = jnp.arange(B)[:, None, None], jnp.arange(G)[None, :, None]
+    ki_blk = kbar.reshape(B, nb, bs, d) if pooling == "max" else None  # every token's index key
 
     def one(xs):
         qb, qib, kib, qp, ids, cnt = xs  # ids [B, G, K], cnt [B, G]
         qbid = qp[0] // bs
         slot_ok = jnp.arange(K) < cnt[..., None]  # [B, G, K]
         safe = jnp.clip(ids, 0, nb - 1)
-        tok = (safe[..., None] * bs + jnp.arange(bs)).reshape(B, ids.shape[1], K * bs)
-        t = _teacher_mass(qb, k_all, tok, jnp.repeat(slot_ok, bs, axis=-1), qp, scale)  # [B, G, bs, K*bs]
-        t = t.reshape(t.shape[:3] + (K, bs)).sum(-1)  # [B, G, bs, K]
+        vis = _visible(safe, slot_ok, qbid, bs)
+        t = _teacher_block_mass(qb, k_blk[bi, gi, safe], vis, scale)  # [B, G, bs, K]
         if pooling == "max":
-            zfull = index_block_logits(qib, kbar, "max", qp, bs)  # [B, G, bs, nb], causal
-            z = jnp.take_along_axis(zfull, jnp.broadcast_to(safe[:, :, None, :], zfull.shape[:3] + (K,)), axis=-1)
+            kis = ki_blk[bi, safe].astype(jnp.float32)  # [B, G, K, bs, d]
+            zt = jnp.einsum("bqgd,bgkjd->bgqkj", qib.astype(jnp.float32), kis, precision="highest") * d**-0.5
+            z = jnp.max(jnp.where(vis[:, :, 0], zt, -jnp.inf), axis=-1)  # [B, G, bs, K]
         else:
             kb = jnp.take_along_axis(kbar[:, None, :, :], safe[..., None], axis=2)  # [B, G, K, d]
             z = jnp.einsum("bqgd,bgkd->bgqk", qib.astype(jnp.float32), kb, precision="highest")
@@ -105,9 +153,9 @@ def msa_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, support: MSASelection,
 
     xs = (_blocks(q, nqb, bs), _blocks(q_idx, nqb, bs), _blocks(k_idx_local, nqb, bs), qpos.reshape(nqb, bs),
           jnp.moveaxis(support.block_idx, 2, 0), jnp.moveaxis(support.block_count, 2, 0))
-    per_block = 4 * B * (3 * Hq * bs * K * bs + 2 * k_all.shape[2] * K * bs * D)  # scores, probs, gathered keys
+    per_block = 4 * B * (2 * Hq * bs * K * bs + G * K * bs * D)  # scores (+ exponentials), gathered keys
     if pooling == "max":
-        per_block += 8 * B * q_idx.shape[2] * bs * S  # token-level index scores
+        per_block += 8 * B * G * bs * K * bs  # token-level index scores of the selected blocks
     return jax.lax.map(one, xs, batch_size=map_batch(nqb, per_block)).sum()
 
 
@@ -135,7 +183,12 @@ def selection_recall_sum(q, k_all, q_pos, sel: MSASelection, *, block_size: int 
         mass = _teacher_mass(q[:, i * bs:(i + 1) * bs], k_all, tok, jnp.ones((B, G, S), bool), qp, scale)
         mass = mass.reshape(B, G, bs, nb, bs).sum(-1)  # [B, G, bs, nb]
         total = total + jnp.where(chosen[:, :, i, None, :], mass, 0.0).sum()
-    return total, B * G * num_blocks * bs
+    return total, selection_recall_rows(B, G, Sq, block_size=bs, num_blocks=num_blocks)
 
 
-__all__ = ["msa_kl_sum", "selection_recall_sum"]
+def selection_recall_rows(batch: int, groups: int, local_len: int, *, block_size: int = 64, num_blocks: int = 1) -> int:
+    """The ``rows`` that :func:`selection_recall_sum` returns (static)."""
+    return batch * groups * min(num_blocks, local_len // block_size) * block_size
+
+
+__all__ = ["msa_kl_sum", "selection_recall_rows", "selection_recall_sum"]

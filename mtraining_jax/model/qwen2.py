@@ -329,7 +329,7 @@ class Qwen2ForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens, positions, mesh=None, *, segment_ids=None, rope_positions=None,
-                 return_stats: bool = False, msa_warmup=False):
+                 return_stats: bool = False, msa_warmup=False, msa_metrics=True):
         """Final-normed hidden states ``[B, S, hidden]`` in ``cfg.dtype``.
 
         ``segment_ids int [B, S]`` (packed documents): no token attends across a document;
@@ -342,7 +342,8 @@ class Qwen2ForCausalLM(nnx.Module):
         ``msa_kl`` (differentiable in the index branch) and ``msa_recall``.
 
         ``msa_warmup`` (bool, may be traced): the ``msa`` layers run dense attention and the
-        full-support KL (MSA indexer warm-up).
+        full-support KL (MSA indexer warm-up). ``msa_metrics`` (bool, may be traced): compute the
+        monitoring-only ``msa_recall`` (NaN when false; the trainer passes its logging steps).
         """
         cfg = self.config
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
@@ -358,7 +359,7 @@ class Qwen2ForCausalLM(nnx.Module):
                                mtraining=cfg.mtraining_config() if backend == "mtraining" else None,
                                segment_ids=segment_ids)
             if backend == "msa":
-                attn_kwargs.update(msa=cfg.msa_config(), msa_warmup=msa_warmup)
+                attn_kwargs.update(msa=cfg.msa_config(), msa_warmup=msa_warmup, msa_metrics=msa_metrics)
             return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse=not cfg.scan_layers)
 
         per_segment = []  # one scan per run of consecutive layers sharing (backend, remat policy)

@@ -194,7 +194,8 @@ class MSATrainConfig:
     afterwards the selection is sparse and the KL is on the selected blocks. ``kl_coef``: lambda in
     ``L = L_LM + lambda * sum_layers L_KL``. The KL's gradient reaches only the index projections
     (detached inputs and teacher), and the logged ``loss`` stays the LM loss; the KL is logged as
-    ``attn/msa_kl`` (mean over the ``msa`` layers), with ``attn/msa_recall`` and
+    ``attn/msa_kl`` (mean over the ``msa`` layers), with ``attn/msa_recall`` (computed on the
+    logging steps only: ``logging.every`` and the last step; NaN on the others) and
     ``attn/work_fraction``, ``msa/warmup`` (1 during warm-up) and ``msa/kl_grad_norm``, the norm of
     the KL term's gradient (``kl_coef`` included) w.r.t. the index-branch parameters.
     """

@@ -419,10 +419,11 @@ def train(run: Run, hooks: Sequence[Hook] = ()) -> RunResult:
             t0 = time.time()
             host = next(run.loader)
             batch = jax.tree.map(to_global, host, run.batch_sharding) if run.batch_sharding is not None else host
-            run.state, metrics = run.train_step(run.state, batch)
+            done = step + 1
+            log = done % cfg.logging.every == 0 or done == run.stop
+            run.state, metrics = run.train_step(run.state, batch, log)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             dt = time.time() - t0
-            done = step + 1
             if step == run.start:
                 bar.write(f"first step done in {dt:.1f}s")
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
@@ -433,7 +434,7 @@ def train(run: Run, hooks: Sequence[Hook] = ()) -> RunResult:
             bad_in_a_row = 0
             metrics.update(step_time=dt, tokens_per_s=tokens_per_step / dt, skipped_updates=run.skipped_updates)
             run.train_losses.append((done, metrics["loss"]))
-            if done % cfg.logging.every == 0 or done == run.stop:
+            if log:
                 run.writer.write(done, metrics)
             bar.update(metrics["loss"], metrics["tokens_per_s"], dt, metrics)
             for hook in hooks:

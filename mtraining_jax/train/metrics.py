@@ -98,6 +98,7 @@ class Progress:
 
     def __init__(self, total: int, initial: int, enabled: bool = True):
         self._bar = None
+        self._recall = None  # the last computed MSA recall (computed on logging steps only)
         if enabled and jax.process_index() == 0:
             from tqdm import tqdm
 
@@ -112,7 +113,10 @@ class Progress:
                 extra["kl"] = f"{float(attn['attn/msa_kl']):.3f}"
                 if "msa/kl_grad_norm" in attn:
                     extra["kl_gn"] = f"{float(attn['msa/kl_grad_norm']):.2e}"
-                extra["recall"] = f"{float(attn['attn/msa_recall']):.1%}"
+                rec = float(attn.get("attn/msa_recall", math.nan))
+                self._recall = rec if math.isfinite(rec) else self._recall
+                if self._recall is not None:
+                    extra["recall"] = f"{self._recall:.1%}"
             if attn and "attn/worker_imbalance" in attn:
                 extra["imb"] = f"{float(attn['attn/worker_imbalance']):.2f}"
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", step_s=f"{step_time:.2f}",

@@ -63,15 +63,17 @@ def forward_with_metrics(model, *args, **kwargs):
 
 
 def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int, msa=None):
-    """``loss_fn(params, micro_batch, step=None) -> (loss_sum, (num_correct, num_tokens, extras))``.
+    """``loss_fn(params, micro_batch, step=None, log_metrics=True) -> (loss_sum, (num_correct, num_tokens, extras))``.
 
     Models with ``msa`` layers (``msa``: a :class:`~mtraining_jax.train.config.MSATrainConfig`,
     default no warm-up, ``kl_coef`` 1): ``step < msa.warmup_steps`` runs the warm-up (``step=None``:
     sparse), and ``kl_coef * num_tokens * sum_layers KL`` enters the gradient as
     ``x - stop_gradient(x)``: the returned loss (the logged one) stays the LM loss while the index
-    branch gets the KL gradient (token-weighted over micro-batches like the LM loss)."""
+    branch gets the KL gradient (token-weighted over micro-batches like the LM loss).
+    ``log_metrics`` (bool, may be traced): compute the monitoring-only ``attn/msa_recall`` (NaN
+    otherwise)."""
 
-    def loss_fn(params, batch: Batch, step=None):
+    def loss_fn(params, batch: Batch, step=None, log_metrics=True):
         model = bind(parts, params)
         docs = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
         if batch.rope_positions is not None:
@@ -80,6 +82,7 @@ def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int, msa=None
         if has_msa:
             warm = msa is not None and step is not None and msa.warmup_steps > 0
             docs["msa_warmup"] = (step < msa.warmup_steps) if warm else False
+            docs["msa_metrics"] = log_metrics
         hidden, extras = forward_with_metrics(model, batch.tokens, batch.positions, mesh=mesh, **docs)
         w = model.lm_head_weight()
         loss_sum, correct, count = sharded_cross_entropy(hidden, w, batch.labels, batch.mask, mesh, chunk_size)
@@ -95,7 +98,9 @@ def make_loss_fn(parts: ModelParts, mesh: Mesh | None, chunk_size: int, msa=None
 
 def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, chunk_size: int, state_sharding=None,
                     offload_update=None, msa=None):
-    """Jitted ``train_step(state, batch[A, B, S]) -> (state, metrics)``; ``state`` is donated.
+    """Jitted ``train_step(state, batch[A, B, S], log_metrics=True) -> (state, metrics)``; ``state`` is
+    donated. ``log_metrics`` (a traced bool: no recompilation): compute the monitoring-only
+    metrics that cost device time (``attn/msa_recall``, NaN otherwise); the loop passes its logging steps.
     ``state_sharding``: the state's pytree of shardings (its ``params`` also shard the gradients).
     ``offload_update``: ``None`` (``optimizer.update`` on the device) or
     ``f(grads, opt_state, params, ok) -> (params, opt_state)`` for an optimizer state in host memory
@@ -106,12 +111,13 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
     like_params = (lambda t: t) if param_sh is None else (  # noqa: E731
         lambda t: jax.lax.with_sharding_constraint(t, param_sh))
 
-    def train_step(state, batch: Batch):
+    def train_step(state, batch: Batch, log_metrics=True):
         params = state["params"]
 
         def micro(carry, mb):
             g_acc, l_acc, c_acc, n_acc = carry
-            (loss, (corr, cnt, extras)), g = grad_fn(params, mb._replace(positions=batch.positions), state["step"])
+            (loss, (corr, cnt, extras)), g = grad_fn(params, mb._replace(positions=batch.positions), state["step"],
+                                                     log_metrics)
             g_acc = like_params(jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, like_params(g)))
             return (g_acc, l_acc + loss, c_acc + corr, n_acc + cnt), extras
 
