@@ -9,7 +9,8 @@ Times (median, ``jit(value_and_grad)`` of ``sum(out * cot)`` (+ the KL for MSA))
 * ``mtraining``: :func:`~mtraining_jax.attention.mtraining.mtraining_attention` (default budgets)
   on a 1x1 mesh, with its work fraction;
 * ``msa``: :func:`~mtraining_jax.attention.msa.msa_attention` sparse (top-k 16 of 64-token blocks,
-  the forced local block included) with the KL loss and recall metric, plus its parts alone:
+  the forced local block included) with the KL loss and recall metric (a logging step of the
+  trainer); ``msa_nolog``: the same without the recall metric (the trainer's other steps); its parts alone:
   ``msa_select`` (summaries + top-k), ``msa_attn`` (the sparse ring with the selection, no KL),
   and its work fraction;
 * ``msa_warmup`` (``--warmup``): the warm-up step (dense ring + full-support KL).
@@ -72,8 +73,8 @@ def run(S, args, pooling="mean"):
 
     msa_cfg = MSAConfig(top_k=args.top_k, layout="contiguous", pooling=pooling)
 
-    def msa_loss(q, k, v, qi, ki, warmup=False):
-        o, aux = msa_attention(q, k, v, qi, ki, mesh, msa_cfg, warmup=warmup)
+    def msa_loss(q, k, v, qi, ki, warmup=False, metrics=True):
+        o, aux = msa_attention(q, k, v, qi, ki, mesh, msa_cfg, warmup=warmup, metrics=metrics)
         return jnp.sum(f32(o) * f32(cot)) + aux.kl, aux
 
     def msa_attn_only(q, k, v, qi, ki):
@@ -86,6 +87,8 @@ def run(S, args, pooling="mean"):
         "mtraining": (jax.jit(jax.grad(mt_loss, (0, 1, 2), has_aux=True)), (q, k, v))}
     cases |= {
         "msa": (jax.jit(jax.grad(msa_loss, (0, 1, 2, 3, 4), has_aux=True)), (q, k, v, qi, ki)),
+        "msa_nolog": (jax.jit(jax.grad(lambda *a: msa_loss(*a, metrics=False), (0, 1, 2, 3, 4), has_aux=True)),
+                      (q, k, v, qi, ki)),
         "msa_select": (jax.jit(lambda qi, ki: select_blocks(qi, index_keys(ki, 64, pooling), pos, top_k=args.top_k,
                                                             pooling=pooling)), (qi, ki)),
     }
@@ -109,7 +112,7 @@ def run(S, args, pooling="mean"):
     if not args.skip_baselines:
         _, work = jax.jit(mt_loss)(q, k, v)
         rec["mtraining_work_fraction"] = float(stats_scalars(work, 1, HQ, S, 64)["work_fraction"])
-    for m in ("mtraining", "msa", "msa_attn"):
+    for m in ("mtraining", "msa", "msa_nolog", "msa_attn"):
         if f"{m}_fwdbwd_s" in rec and "cudnn_fwdbwd_s" in rec:
             rec[f"{m}_speedup_vs_cudnn"] = rec["cudnn_fwdbwd_s"] / rec[f"{m}_fwdbwd_s"]
     return rec
