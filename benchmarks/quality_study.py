@@ -1,9 +1,18 @@
-"""Dense vs MTraining quality study: train both variants of configs/quality/ from scratch (same
-seed, data, data order, steps), evaluate each in-process, and write a few small files.
+"""Dense vs MTraining (vs MSA) quality study: train the variants of configs/quality/ from scratch
+(same seed, data, data order, steps), evaluate each in-process, and write a few small files.
 
-    python benchmarks/quality_study.py --out results/quality               # GPU: both variants, one call
+    python benchmarks/quality_study.py --out results/quality               # GPU: dense + mtraining, one call
     python benchmarks/quality_study.py --out results/q --variant mtraining # one variant per call
+    python benchmarks/quality_study.py --out results/q --variant msa       # MiniMax Sparse Attention
     python benchmarks/quality_study.py --out /tmp/q --smoke                # CPU toy sizes (CI)
+
+MSA variant (``configs/quality/msa.yaml``): layers 1-11 MSA (top-16 of 64-token blocks, d_idx 64,
+mean-pooled block keys), ``msa.kl_coef`` 1 (``--msa-kl-coef``), and an indexer warm-up of
+``--msa-warmup-fraction`` of the run's steps (default 0.1, i.e. 50 of 500 steps). Why 0.1: the
+paper (MSA §4, App. "Indexer Warmup") warms up for 40B tokens of its 400B-token continued
+pretraining (10 %) and of its 3T-token pretraining from scratch (1.3 %), and motivates the warm-up
+by the main branch's attention entropy collapsing "in the first few hundred steps"; in a 500-step
+run from scratch 1.3 % would be 6 steps, far inside that phase, so the CPT ratio is used.
 
 Data: this Python's standard-library sources (byte tokens, 5 % of files held out by path hash).
 A fraction ``--retrieval-mix`` of the 32K training windows carries one synthetic retrieval task
@@ -33,12 +42,15 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(ROOT, "configs", "quality")
-VARIANTS = ("dense", "mtraining")
+VARIANTS = ("dense", "mtraining", "msa")
+GROUPS = {"both": ("dense", "mtraining"), "all": VARIANTS}  # --variant names of several variants
 TRAIN_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
 SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
          "model.num_kv_heads=1", "model.dtype=float32", "data.seq_len=512", "steps=2", "optim.warmup_steps=1",
          "eval.every=2", "eval.batches=1", "loss_chunk_size=512", "mesh.shape=[1,2]", "logging.progress=false"]
-SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["model.dense_backend=ring"]}
+SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["model.dense_backend=ring"],
+                  "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
+MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
 
 
 def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int):
@@ -99,6 +111,11 @@ def run_variant(name: str, args, corpus) -> dict:
         over.append(f"steps={args.steps}")
     if args.seed is not None:
         over.append(f"seed={args.seed}")
+    if name == "msa":
+        steps = args.steps or load_config(os.path.join(QUALITY, "msa.yaml"), over).steps
+        over.append(f"msa.warmup_steps={msa_warmup_steps(steps, args.msa_warmup_fraction)}")
+        if args.msa_kl_coef is not None:
+            over.append(f"msa.kl_coef={args.msa_kl_coef}")
     cfg = load_config(os.path.join(QUALITY, f"{name}.yaml"), over)
     rec = {"variant": name, "steps": cfg.steps, "seq_len": cfg.data.seq_len, "retrieval_mix": args.retrieval_mix,
            "seed": cfg.seed}
@@ -113,9 +130,13 @@ def run_variant(name: str, args, corpus) -> dict:
     rec["tokens_per_s"] = float(np.median(tps)) if tps else None
     wf = [m["attn/work_fraction"] for m in train_rows if "attn/work_fraction" in m]
     rec["work_fraction"] = float(np.mean(wf)) if wf else 1.0
+    if name == "msa":
+        rec["msa"] = msa_summary(cfg, train_rows)
     print(f"[{name}] trained {cfg.steps} steps in {rec['train_seconds']:.0f}s, last loss "
           f"{rec['train_loss'][-1][1] if rec['train_loss'] else float('nan'):.4f}", flush=True)
     _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    if name == "msa":
+        rec["msa"]["config"] = dict(model_cfg.msa or {})
     mesh, tok = build_mesh(cfg.mesh), load_tokenizer(cfg.data.tokenizer)
     held = np.asarray(token_file_stream(corpus[1]))
     spec = eval_spec(args.smoke, cfg.data.seq_len, args.recall_ps)
@@ -149,6 +170,31 @@ def run_variant(name: str, args, corpus) -> dict:
     rec["eval_seconds"] = time.time() - t0
     print(f"[{name}] evaluated in {rec['eval_seconds']:.0f}s", flush=True)
     return rec
+
+
+def msa_warmup_steps(steps: int, fraction: float) -> int:
+    """Indexer warm-up steps: ``round(fraction * steps)``, at least 1 when ``fraction > 0``."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"--msa-warmup-fraction must be in [0, 1), got {fraction}")
+    return max(1, round(fraction * steps)) if fraction > 0 else 0
+
+
+def msa_summary(cfg, train_rows) -> dict:
+    """The MSA variant's schedule and its training metrics: KL (mean over the MSA layers), its
+    gradient norm, recall of the main branch's mass and work fraction, per step and averaged
+    over the sparse steps' last half."""
+    import numpy as np
+
+    keys = {"kl": "attn/msa_kl", "kl_grad_norm": "msa/kl_grad_norm", "recall": "attn/msa_recall",
+            "work_fraction": "attn/work_fraction", "warmup": "msa/warmup"}
+    out = {"warmup_steps": cfg.msa.warmup_steps, "kl_coef": cfg.msa.kl_coef}
+    for k, key in keys.items():
+        out[k] = [[int(m["step"]), float(m[key])] for m in train_rows if isinstance(m.get(key), float)]
+    sparse = [m for m in train_rows if m.get("msa/warmup") == 0.0]
+    for k in ("kl", "recall", "work_fraction"):
+        vals = [float(m[keys[k]]) for m in sparse[len(sparse) // 2:] if isinstance(m.get(keys[k]), float)]
+        out[f"{k}_sparse_mean"] = float(np.mean(vals)) if vals else None
+    return out
 
 
 def parse_budgets(text: str) -> list:
@@ -247,6 +293,23 @@ def training_table(recs) -> str:
     return "\n".join(lines) + "\n"
 
 
+def msa_table(recs) -> str:
+    """Markdown: the MSA variant's schedule and its index-branch metrics over the sparse steps' last half."""
+    rows = [r for r in recs if "msa" in r]
+    if not rows:
+        return ""
+    fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
+    lines = ["| variant | warm-up steps | KL coef | KL (sparse, last half) | KL grad norm (last step) "
+             "| recall of main mass (sparse, last half) | work fraction (sparse) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r["msa"]
+        gn = m["kl_grad_norm"][-1][1] if m["kl_grad_norm"] else None
+        lines.append(f"| {r['variant']} | {m['warmup_steps']} | {m['kl_coef']:g} | {fmt(m['kl_sparse_mean'], '.4f')} "
+                     f"| {fmt(gn, '.3e')} | {fmt(m['recall_sparse_mean'], '.3f')} "
+                     f"| {fmt(m['work_fraction_sparse_mean'], '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(recs, out: str) -> None:
     import matplotlib
 
@@ -274,13 +337,18 @@ def write_report(recs, out: str) -> None:
     if runs:
         compare_results(runs, out, prefix="quality", sections=("niah", "perplexity", "recall"))
     with open(os.path.join(out, "quality.md"), "a" if runs else "w") as f:
-        f.write("\n" + training_table(recs) + "\n" + cross_table(recs) + "\n" + budget_table(recs))
+        f.write("\n" + training_table(recs) + "\n" + msa_table(recs) + "\n" + cross_table(recs) + "\n"
+                + budget_table(recs))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for the (<= 6) result files")
-    p.add_argument("--variant", choices=("both",) + VARIANTS, default="both")
+    p.add_argument("--variant", choices=tuple(GROUPS) + VARIANTS, default="both",
+                   help="both: dense + mtraining; all: dense + mtraining + msa")
+    p.add_argument("--msa-warmup-fraction", type=float, default=MSA_WARMUP_FRACTION,
+                   help="msa variant: indexer warm-up (dense attention + full-support KL) as a fraction of the steps")
+    p.add_argument("--msa-kl-coef", type=float, help="msa variant: KL coefficient (default: configs/quality/msa.yaml)")
     p.add_argument("--work", default=os.path.join("runs", "quality"), help="run dirs and the token files")
     p.add_argument("--steps", type=int, help="override the configs' steps")
     p.add_argument("--retrieval-mix", type=float, default=0.5, help="fraction of training windows with a task")
@@ -313,7 +381,8 @@ def main(argv=None) -> int:
     corpus, n = build_corpus(args.work, base.data.seq_len, windows, args.retrieval_mix, base.data.seed)
     print(f"corpus: {n} windows of {base.data.seq_len} tokens ({time.time() - t0:.0f}s)", flush=True)
     recs = []
-    for name in (VARIANTS if args.variant == "both" else (args.variant,)):
+    names = GROUPS.get(args.variant, (args.variant,))
+    for name in names:
         try:
             rec = run_variant(name, args, corpus)
         except Exception as e:
@@ -326,7 +395,7 @@ def main(argv=None) -> int:
     if recs:
         write_report(recs, args.out)
     print(open(os.path.join(args.out, "quality.md")).read() if recs else "no variant finished")
-    return 0 if len(recs) == (2 if args.variant == "both" else 1) else 1
+    return 0 if len(recs) == len(names) else 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""benchmarks/quality_study.py --smoke: trains and evaluates the MTraining variant at toy size on
-CPU and writes its small result files (the GPU study is the same code at configs/quality sizes)."""
+"""benchmarks/quality_study.py --smoke: trains and evaluates the MTraining and MSA variants at toy
+size on CPU and writes their small result files (the GPU study is the same code at configs/quality sizes)."""
 
 import json
 import os
@@ -43,3 +43,23 @@ def test_quality_study_smoke(tmp_path):
     assert "| metric | dense | mtraining | mtraining - dense |" in md and "| mtraining | 2 |" in md
     assert "| mtraining | vertical_min=512, last_q=128 | 0.9 |" in md
     assert "| mtraining | " in md and "| reference (every layer) |" in md
+
+
+def test_quality_study_msa_smoke(tmp_path):
+    """The MSA variant: warm-up steps from --msa-warmup-fraction, the KL coefficient override, its
+    index-branch metrics per step and the MSA table; evaluated with its own (msa) layers."""
+    out = str(tmp_path / "out")
+    rc = quality_study.main(["--out", out, "--work", str(tmp_path / "work"), "--smoke", "--variant", "msa",
+                             "--steps", "3", "--msa-warmup-fraction", "0.34", "--msa-kl-coef", "0.5", "--recall-ps", "0.9"])
+    assert rc == 0
+    (rec,) = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
+    m = rec["msa"]
+    assert m["warmup_steps"] == 1 and m["kl_coef"] == 0.5 and m["config"]["top_k"] == 3
+    assert [w for _, w in m["warmup"]] == [1.0, 0.0, 0.0]
+    assert [w for _, w in m["work_fraction"]][0] == 1.0 and 0 < m["work_fraction_sparse_mean"] < 1
+    assert all(v > 0 for _, v in m["kl"]) and all(v > 0 for _, v in m["kl_grad_norm"])
+    assert 0 < m["recall_sparse_mean"] <= 1
+    assert rec["eval"]["model"]["backends"] == ["ring", "msa"] and np.isfinite(rec["eval"]["perplexity"]["mean_loss"])
+    md = open(os.path.join(out, "quality.md")).read()
+    assert "| msa | 1 | 0.5 |" in md
+    assert quality_study.msa_warmup_steps(500, 0.1) == 50 and quality_study.msa_warmup_steps(500, 0.0) == 0
