@@ -20,6 +20,14 @@ max-pooled token scores, an ``[S, S]``-work index branch in XLA).
 
     python -m benchmarks.msa_bench --lengths 32768 131072 --pooling mean max --out $OUT
 
+Memory at 128K (B = 1): inputs 1.2 GiB (bf16 q / cot 512 MiB each); no ``[S, S]`` or
+``[S, nb x heads]`` intermediate in any MSA piece: the selection and the KL run over query blocks in
+``lax.map`` chunks of at most ``MAP_BYTES`` (256 MiB) of temporaries, the KL keeps ``[S, Hkv, k]``
+residuals, the recall metric scores one query block against all keys (``Hq x 64 x S`` float32,
+512 MiB). The compiled MSA forward+backward's temporaries (XLA attention twin, CPU lowering):
+6.3 GiB (``mean``), 8.4 GiB (``max``). ``--warmup`` adds the full-support KL (``k = S / 64``:
+``O(S^2)`` work, run sequentially per query block; 2 GiB of residuals at 128K).
+
 Writes ``$OUT/msa_bench.jsonl`` (one record per length) and prints them.
 """
 
