@@ -4,7 +4,10 @@ The AdamW moments (``mu``, ``nu``: 8 bytes per float32 parameter, twice the mast
 the device's ``pinned_host`` memory between steps (their shardings carry
 ``memory_kind="pinned_host"``; FSDP shards them as before), so the forward and backward passes run
 without them on the device. The update streams them layer by layer
-(:func:`streamed_update`): the global-norm clip runs once over all gradients, the non-layer
+(:func:`streamed_update`): the global norm of the gradients is reduced once (the gradients are
+never materialised a second time: the division by the token count and the clip are applied to
+each layer's slice where it is used, in the order and with the operations of
+``optax.clip_by_global_norm``, so the numbers are the same), the non-layer
 parameters (embedding, final norm, untied LM head) are updated in one piece, then a
 ``lax.fori_loop`` over the ``[num_layers]`` axis of the stacked decoder parameters copies one layer's
 moments host -> device, applies AdamW (the same optax transformation, so the same numbers as
@@ -75,12 +78,13 @@ def _param_tree_test(keys):
     return lambda x: isinstance(x, dict) and set(x) == keys
 
 
-def whole_update(optimizer, grads, opt_state, params, ok):
+def whole_update(optimizer, grad_sum, denom, grad_norm, opt_state, params, ok):
     """``optim.offload_stream: false``: the whole optimizer state host -> device after the
     gradients are complete (an ``optimization_barrier`` orders the copy after them), one
     ``optimizer.update``, the new state device -> host. Simpler for XLA than
     :func:`streamed_update`, but the update holds all moments on the device at once.
     Same contract as :func:`streamed_update` (``optimizer``: the full chain)."""
+    grads = jax.tree.map(lambda x: x / denom.astype(x.dtype), grad_sum)
     grads, opt_state = jax.lax.optimization_barrier((grads, opt_state))
     dev = _to(opt_state, jax.memory.Space.Device)
     updates, new = optimizer.update(grads, dev, params)
@@ -88,14 +92,26 @@ def whole_update(optimizer, grads, opt_state, params, ok):
     return keep(optax.apply_updates(params, updates), params), _to(keep(new, dev), jax.memory.Space.Host)
 
 
-def streamed_update(adamw, clip_norm: float, grads, opt_state, params, ok):
+def _clipper(clip_norm: float, denom, g_norm):
+    """``f(t)``: one slice of the gradient sum divided by ``denom`` and clipped by the global norm
+    ``g_norm`` of all of ``grad_sum / denom`` with the operations of
+    ``optax.clip_by_global_norm(clip_norm)`` (``select(norm < clip, t, t / norm * clip)``)."""
+    scaled = lambda t: t / denom.astype(t.dtype)  # noqa: E731
+    if clip_norm <= 0:
+        return scaled
+    trigger = jnp.squeeze(g_norm < clip_norm)
+    return lambda t: jax.lax.select(trigger, scaled(t), (scaled(t) / g_norm.astype(t.dtype)) * clip_norm)
+
+
+def streamed_update(adamw, clip_norm: float, grad_sum, denom, grad_norm, opt_state, params, ok):
     """One AdamW step with the optimizer state in host memory (module docstring), inside ``jit``.
 
     Args:
       adamw: the optax AdamW transformation (without clipping).
-      clip_norm: global-norm clip (0: none), applied once to all of ``grads`` as
-        ``optax.clip_by_global_norm`` does.
-      grads, params: parameter dicts on the device.
+      clip_norm: global-norm clip (0: none) of the gradients ``grad_sum / denom``, as
+        ``optax.clip_by_global_norm`` does it.
+      grad_sum, params: parameter dicts on the device; ``denom``: float32 scalar; ``grad_norm``:
+        the global norm of ``grad_sum / denom``.
       opt_state: the state of ``chain(clip, adamw)`` (or of ``adamw`` when ``clip_norm == 0``) in
         host memory.
       ok: bool scalar; where false, parameters and state are returned unchanged (a skipped step).
@@ -103,8 +119,8 @@ def streamed_update(adamw, clip_norm: float, grads, opt_state, params, ok):
     Returns:
       ``(new_params on the device, new opt_state in host memory)``.
     """
+    clip = _clipper(clip_norm, denom, grad_norm)
     if clip_norm > 0:
-        grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
         clip_state, inner = opt_state
     else:
         clip_state, inner = None, opt_state
@@ -124,7 +140,7 @@ def streamed_update(adamw, clip_norm: float, grads, opt_state, params, ok):
     # the parameters outside the layer stack, in one piece
     pts_rest = _to([rest(leaves[i]) for i in pt_idx], jax.memory.Space.Device)
     st_rest = build(pts_rest, others)
-    upd, new_st_rest = adamw.update(rest(grads), st_rest, rest(params))
+    upd, new_st_rest = adamw.update(jax.tree.map(clip, rest(grad_sum)), st_rest, rest(params))
     new_params = keep(optax.apply_updates(rest(params), upd), rest(params))
     new_st_rest = keep(new_st_rest, st_rest)
     new_leaves = jax.tree.flatten(new_st_rest, is_leaf=is_rest)[0]
@@ -135,11 +151,11 @@ def streamed_update(adamw, clip_norm: float, grads, opt_state, params, ok):
         at = lambda tree, i: jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), tree)  # noqa: E731
         put = lambda tree, new, i: jax.tree.map(  # noqa: E731
             lambda t, u: jax.lax.dynamic_update_index_in_dim(t, u, i, 0), tree, new)
-        g_layers = grads[STACKED_KEY]
+        g_layers = grad_sum[STACKED_KEY]
 
         def layer(i, carry):
             p_layers, pts_layers = carry
-            g_i, p_i = at(g_layers, i), at(p_layers, i)
+            g_i, p_i = jax.tree.map(clip, at(g_layers, i)), at(p_layers, i)
             pts_i = _to(at(pts_layers, i), jax.memory.Space.Device)  # one layer's moments host -> device
             st_i = build([{STACKED_KEY: t} for t in pts_i], others)
             u_i, new_st_i = adamw.update({STACKED_KEY: g_i}, st_i, {STACKED_KEY: p_i})

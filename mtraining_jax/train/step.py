@@ -103,7 +103,9 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
     metrics that cost device time (``attn/msa_recall``, NaN otherwise); the loop passes its logging steps.
     ``state_sharding``: the state's pytree of shardings (its ``params`` also shard the gradients).
     ``offload_update``: ``None`` (``optimizer.update`` on the device) or
-    ``f(grads, opt_state, params, ok) -> (params, opt_state)`` for an optimizer state in host memory
+    ``f(grad_sum, denom, grad_norm, opt_state, params, ok) -> (params, opt_state)`` for an optimizer
+    state in host memory, the gradients being ``grad_sum / denom`` (divided where they are used, so
+    that no second gradient-sized buffer is made) and ``grad_norm`` their global norm
     (:func:`mtraining_jax.train.offload.streamed_update`). ``msa``: the MSA schedule (:func:`make_loss_fn`)."""
     loss_fn = make_loss_fn(parts, mesh, chunk_size, msa)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -131,9 +133,10 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
         # A non-finite loss or gradient leaves parameters and optimizer state untouched (a skipped
         # update; the loop counts them and stops after optim.max_bad_steps in a row): the state in
         # memory never holds NaNs.
-        ok = jnp.isfinite(loss) & jnp.isfinite(_global_norm(grads))
+        grad_norm = _global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if offload_update is not None:
-            new_params, opt_state = offload_update(grads, state["opt_state"], params, ok)
+            new_params, opt_state = offload_update(g, denom, grad_norm, state["opt_state"], params, ok)
         else:
             updates, opt_state = optimizer.update(grads, state["opt_state"], params)
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
@@ -144,7 +147,7 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
         metrics = {
             "loss": loss / denom,
             "accuracy": corr / denom,
-            "grad_norm": _global_norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state["step"]),
             "tokens": cnt,
             **{k: jnp.mean(v) for k, v in extras.items()},
