@@ -151,6 +151,37 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: Sequence[dict], path: str, capacity_gib: Optional[float] = None) -> None:
+    """Horizontal bars: measured peak GiB per case (hatched where it did not fit, at the capacity),
+    the plan's prediction as a tick, the device's capacity as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = lambda r: (SIZES.index(r["size"]) if r.get("size") in SIZES else 9, r["seq_len"], r.get("variant", ""))  # noqa: E731
+    rows = sorted([r for r in rows if r.get("fits") is not None], key=order)
+    cap = capacity_gib or max([r.get("peak_gib") or 0 for r in rows] + [1.0])
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(rows) + 1.4))
+    for y, r in enumerate(rows):
+        fits = bool(r.get("fits"))
+        ax.barh(y, r["peak_gib"] if fits else cap, color="tab:blue" if fits else "none",
+                edgecolor="tab:blue" if fits else "tab:red", hatch=None if fits else "//")
+        if r.get("plan_peak_gib"):
+            ax.plot([r["plan_peak_gib"]] * 2, [y - 0.4, y + 0.4], color="black", lw=2)
+        label = f"{r['tokens_per_s']:,.0f} tok/s" if fits and r.get("tokens_per_s") else "does not fit"
+        ax.text((r["peak_gib"] if fits else cap) + 1, y, label, va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [f"{r['size']} {r['seq_len'] // 1024}K {r.get('variant', '')}" for r in rows])
+    if capacity_gib:
+        ax.axvline(capacity_gib, color="tab:red", ls="--", lw=1)
+    ax.invert_yaxis()
+    ax.set_xlim(0, cap * 1.25)
+    ax.set_xlabel("peak device memory, GiB (bar: measured; black tick: --plan; dashed: device)")
+    ax.set_title("Qwen2.5 shapes on one GPU, MTraining attention")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _list(kind, allowed=None):
     def parse(text):
         vals = [kind(t.strip()) for t in text.split(",") if t.strip()]
@@ -183,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, help="seconds for all cases (the rest become 'skipped' rows)")
     p.add_argument("--out", help="folder for memory_plan.jsonl / .md")
     p.add_argument("--report", nargs="+", metavar="JSONL", help="only print the table of saved rows")
+    p.add_argument("--plot", metavar="PNG", help="with --report: also draw the rows' peaks")
+    p.add_argument("--capacity-gib", type=float, help="with --plot: the device's memory (a line)")
     p.add_argument("--one", action="store_true", help="run one case here and print its JSON row")
     p.add_argument("--size", choices=SIZES)
     p.add_argument("--seq-len", type=int)
@@ -198,6 +231,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(path) as f:
                 rows += [json.loads(line) for line in f if line.strip()]
         print(format_table(rows))
+        if args.plot:
+            plot(rows, args.plot, args.capacity_gib)
         return 0
     if args.one:
         if args.size is None or args.seq_len is None or args.variant is None:
