@@ -72,15 +72,17 @@ from pallas_kernels.inputs import check_qkv
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring.backward import backward_kv, backward_query
 from mtraining_jax.ring.config import RingConfig, dense_block
+from mtraining_jax.ring.exchange import plan_exchange
+from mtraining_jax.ring.exchange_ring import backward_exchange, exchange_guard, forward_exchange
 from mtraining_jax.ring.schedule import validate_ring_order
 from mtraining_jax.ring.sides import resolve_backward_ring, validate_backward_ring
-from mtraining_jax.ring.steps import (can_fuse, gather_positions, group_index, group_kv, group_positions,
+from mtraining_jax.ring.steps import (StackedStepIndex, can_fuse, gather_positions, group_index, group_kv, group_positions,
                                       group_segments, my_rank, narrow, shift)
 from pallas_kernels.api import block_sparse_attention_fwd, split_output
 from pallas_kernels.registry import validate_impl
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, chunk_work
 
-__all__ = ["RingConfig", "ring_attention", "ring_attention_shard"]
+__all__ = ["RingConfig", "StackedStepIndex", "ring_attention", "ring_attention_shard"]
 
 
 # ----------------------------------------------------------------------------- forward
@@ -139,11 +141,22 @@ def _side(cfg: RingConfig, q, k) -> str:
                                  itemsize=jnp.dtype(q.dtype).itemsize)
 
 
+def _passes_forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs):
+    """``(out, lse, work, kv_last, ok)`` of the ring's forward or the sparse exchange's (``kv_last``:
+    the K/V-side ring's backward start; ``ok``: the exchange's run-time capacity check)."""
+    if cfg.kv_exchange == "sparse":
+        ok = exchange_guard(cfg, step_index, kv_own.shape[2])
+        out, lse, work = forward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, ok)
+        return out, lse, work, None, ok
+    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
+    return out, lse, work, kv_last, None
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     """``(out [B, Sl, Hq, D] in q's dtype, work f32 [P])``; ``work`` is not differentiated."""
-    out, _, work, _ = _forward(cfg, q, jnp.stack([k, v]), q_pos, gather_positions(k_pos, cfg), step_index,
-                               _gather_segments(seg, cfg))
+    out, _, work, _, _ = _passes_forward(cfg, q, jnp.stack([k, v]), q_pos, gather_positions(k_pos, cfg), step_index,
+                                         _gather_segments(seg, cfg))
     return out.astype(q.dtype), work
 
 
@@ -151,7 +164,7 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     kpos_all = gather_positions(k_pos, cfg)
     kv_own = jnp.stack([k, v])  # one permute per hop (see module docstring)
     segs = _gather_segments(seg, cfg)
-    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
+    out, lse, work, kv_last, ok = _passes_forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
     # O is returned in q's dtype; its rounding error is kept beside it (split_output) so that
     # delta = rowsum(dO * O) is formed from the float32 O (bf16 gradients at the bf16 floor).
     # An on-demand index source (RankStepIndex) is saved as its compact global index only.
@@ -159,14 +172,16 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     if _side(cfg, q, k) == "query":
         # the visiting queries' positions instead of the chunk saved from the forward's last step
         kv_last, q_pos = None, gather_positions(q_pos, cfg)
-    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs)
+    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs, ok)
 
 
 def _ring_bwd(cfg: RingConfig, res, cotangents):
     do = cotangents[0]  # work carries no gradient
-    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs = res
+    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs, ok = res
     if _side(cfg, q, kv_own[0]) == "query":
         dq, dk, dv = backward_query(cfg, q, kv_own, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
+    elif cfg.kv_exchange == "sparse":
+        dq, dk, dv = backward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs, ok)
     else:
         dq, dk, dv = backward_kv(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
     # positions, segment ids and the sparse index are integer data: zero cotangents (None).
@@ -210,7 +225,7 @@ def _check_axis_sizes(cfg: RingConfig) -> None:
 def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_order, step_index=None,
                          sm_scale=None, impl="auto", block_size: int | None = None, return_work: bool = False,
                          fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None,
-                         backward_ring: str = "auto"):
+                         backward_ring: str = "auto", kv_exchange: str = "ring", exchange_capacity=None):
     """Per-rank ring attention body, to be called INSIDE ``shard_map`` over ``("node", "local")``.
 
     Args:
@@ -242,6 +257,13 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
       backward_ring: ``"auto"`` / ``"kv"`` / ``"query"`` (:mod:`mtraining_jax.ring.sides`): which side
         circulates in the backward. The query side needs every rank's index (an index source with
         ``for_rank``, or none); ``"auto"`` with a ``[P]``-stacked ``StepIndex`` is the K/V side.
+      kv_exchange: ``"ring"`` (default), ``"sparse"`` or ``"auto"`` (:mod:`mtraining_jax.ring.exchange`):
+        whole K/V chunks around the ring, or each rank receiving only the K/V tokens its index needs
+        (needs an index source with ``for_rank``; no fused calls), or the one with fewer bytes.
+      exchange_capacity: static capacity of the sparse exchange: ``None`` (exact, computed on the
+        host from a concrete index; with a traced index ``exchange.DEFAULT_CAPACITY_FRACTION`` of the
+        chunk), tokens, or a fraction of the chunk; a configured capacity is checked at run time and
+        a step whose need exceeds it sends the whole chunk (exact either way).
 
     Returns:
       ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
@@ -258,10 +280,15 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
                          f"for_rank, e.g. RankStepIndex); got {type(step_index).__name__}")
     side = resolve_backward_ring(backward_ring, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
                                  itemsize=jnp.dtype(q.dtype).itemsize, query_ok=query_ok)
-    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward, side)
+    _check_step_index(step_index, num_nodes * num_local)
+    exchange, capacity, guard = plan_exchange(
+        kv_exchange, step_index, exchange_capacity, num_ranks=num_nodes * num_local, chunk_len=sl,
+        block_size=block_size, batch=q.shape[0], kv_heads=k.shape[2], head_dim=q.shape[3],
+        itemsize=jnp.dtype(q.dtype).itemsize, backward_side=side)
+    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward, side,
+                     exchange, capacity, guard)
     if tuple(q_pos.shape) != (sl,) or tuple(k_pos.shape) != (sl,):
         raise ValueError(f"q_pos {tuple(q_pos.shape)} and k_pos {tuple(k_pos.shape)} must both be [Sl] = [{sl}]")
-    _check_step_index(step_index, cfg.num_ranks)
     _check_axis_sizes(cfg)
     q_pos = jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.asarray(k_pos, jnp.int32)

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS
+from mtraining_jax.ring.exchange import validate_kv_exchange
 from mtraining_jax.ring.schedule import validate_ring_order
 from mtraining_jax.ring.sides import validate_backward_ring
 from pallas_kernels.index_format import DEFAULT_BLOCK
@@ -39,6 +40,13 @@ class RingConfig:
       backward_ring: which side circulates in the backward (:data:`.sides.BACKWARD_RINGS`):
         ``"kv"`` (K/V + dK/dV travel), ``"query"`` (Q, dO, lse, delta + dQ travel; BurstEngine) or
         ``"auto"`` (the side with fewer bytes per hop, :func:`.sides.resolve_backward_ring`).
+      kv_exchange: how K/V reach the ranks that attend to them (:data:`.exchange.KV_EXCHANGES`):
+        ``"ring"`` (whole chunks around the ring) or ``"sparse"`` (each rank receives only the tokens
+        its index needs, :mod:`.exchange`); ``"auto"`` is resolved by ``ring_attention_shard``.
+      exchange_capacity: tokens per compact buffer of the sparse exchange (a multiple of
+        ``block_size``, at most the chunk; 0 when unused).
+      exchange_guard: the capacity was configured, not computed from a concrete index: check every
+        step's need at run time and send the whole chunk where it does not fit.
     """
 
     num_nodes: int
@@ -50,18 +58,28 @@ class RingConfig:
     fuse_forward: bool = True
     fuse_backward: bool = True
     backward_ring: str = "auto"
+    kv_exchange: str = "ring"
+    exchange_capacity: int = 0
+    exchange_guard: bool = False
 
     def __post_init__(self):
         for name in ("num_nodes", "num_local", "block_size"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        for name in ("fuse_forward", "fuse_backward"):
+        if isinstance(self.exchange_capacity, bool) or not isinstance(self.exchange_capacity, (int, np.integer)) \
+                or self.exchange_capacity < 0 or self.exchange_capacity % self.block_size:
+            raise ValueError(f"exchange_capacity must be a non-negative multiple of block_size={self.block_size}, "
+                             f"got {self.exchange_capacity!r}")
+        for name in ("fuse_forward", "fuse_backward", "exchange_guard"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         validate_ring_order(self.ring_order)
         validate_impl(self.impl)
         validate_backward_ring(self.backward_ring)
+        validate_kv_exchange(self.kv_exchange)
+        if self.kv_exchange == "sparse" and self.exchange_capacity == 0:
+            raise ValueError("kv_exchange='sparse' needs a positive exchange_capacity")
 
     @property
     def num_ranks(self) -> int:

@@ -108,3 +108,33 @@ def first_visit(rank: int, cfg: RingConfig) -> int:
     return ((rank // L + 1) % cfg.num_nodes) * L + (rank % L + 1) % L
 
 
+
+
+# ----------------------------------------------------------------------------- every rank's index
+
+@jax.tree_util.register_pytree_node_class
+class StackedStepIndex:
+    """An index source over a :class:`StepIndex` with leading ``[P_rank, P_step]`` axes (every
+    rank's index of every ring step, identical on all ranks), seen from ``rank``: ``step(s)`` is
+    ``index[rank, s]``, ``for_rank(t)`` the same source for rank ``t``'s queries (what the
+    query-side backward and the sparse K/V exchange need). Leaves: ``index`` and ``rank``."""
+
+    def __init__(self, index: StepIndex, rank):
+        self.index, self.rank = index, rank
+
+    @property
+    def num_steps(self) -> int:
+        return self.index.block_idx.shape[1]
+
+    def step(self, s) -> StepIndex:
+        return jax.tree.map(lambda a: a[self.rank, s], self.index)
+
+    def for_rank(self, rank) -> "StackedStepIndex":
+        return StackedStepIndex(self.index, rank)
+
+    def tree_flatten(self):
+        return (self.index, self.rank), None
+
+    @classmethod
+    def tree_unflatten(cls, _, leaves):
+        return cls(*leaves)
