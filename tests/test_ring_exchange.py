@@ -74,13 +74,42 @@ def test_capacity_and_choice():
     assert exchange.capacity_tokens(1, 256, 64) == 64
     assert exchange.capacity_tokens(1000, 256, 64) == 256
     shape = dict(num_ranks=8, chunk_len=1024, batch=1, kv_heads=2, head_dim=128, itemsize=2)
-    assert exchange.resolve_kv_exchange("auto", capacity=512, **shape) == "sparse"
-    assert exchange.resolve_kv_exchange("auto", capacity=1024, **shape) == "ring"  # one K/V hop more than the ring
+    # one node: fewer bytes even at the whole chunk (the K/V are kept for the backward, not resent)
+    assert exchange.resolve_kv_exchange("auto", capacity=1024, **shape) == "sparse"
     assert exchange.resolve_kv_exchange("auto", capacity=512, exchange_ok=False, **shape) == "ring"
     assert exchange.resolve_kv_exchange("ring", capacity=64, **shape) == "ring"
+    # 2 x 4 hierarchical: the exchange's steps s >= 4 cross nodes (4 sends) where the ring sends 1 chunk
+    two = dict(shape, num_nodes=2, ring_order="hierarchical")
+    assert exchange.resolve_kv_exchange("auto", capacity=1024, **two) == "ring"
+    assert exchange.resolve_kv_exchange("auto", capacity=128, **two) == "sparse"
     n = 2 * 1 * 512 * 2 * 128
-    assert exchange.exchange_bytes(8, batch=1, capacity=512, kv_heads=2, head_dim=128, itemsize=2) == 7 * n * (2 + 2 + 4)
-    assert exchange.ring_kv_bytes(8, batch=1, chunk_len=512, kv_heads=2, head_dim=128, itemsize=2) == (7 + 6) * n * 2 + 7 * n * 4
+    kw = dict(batch=1, kv_heads=2, head_dim=128, itemsize=2)
+    assert exchange.exchange_bytes(8, capacity=512, **kw) == {"inner": 7 * n * (2 + 4), "outer": 0}
+    assert exchange.exchange_bytes(8, capacity=512, num_nodes=2, ring_order="hierarchical", **kw) == {
+        "inner": 3 * n * 6, "outer": 4 * n * 6}
+
+
+@pytest.mark.parametrize("mesh_shape, order", [((1, 8), "flat"), ((2, 4), "hierarchical"), ((4, 2), "hierarchical"),
+                                               ((3, 1), "hierarchical"), ((2, 4), "flat"), ((1, 1), "flat")])
+def test_ring_bytes_agree_with_the_schedule_accounting(mesh_shape, order):
+    """The ring module's byte count (what "auto" compares) equals benchmarks/ring_comm's, which the
+    compiled HLO is checked against; per link for the hierarchical ring."""
+    from benchmarks import ring_comm
+
+    N, L = mesh_shape
+    shape = dict(batch=2, chunk_len=64, kv_heads=2, head_dim=32, itemsize=2)
+    got = exchange.ring_kv_bytes(N * L, num_nodes=N, ring_order=order, **shape)
+    want = ring_comm.ring_bytes(N, L, order, **shape)
+    assert sum(got.values()) == sum(want.values())
+    if order == "hierarchical":
+        assert got == want
+    cap = dict(shape, capacity=32)
+    del cap["chunk_len"]
+    got = exchange.exchange_bytes(N * L, num_nodes=N, ring_order=order, **cap)
+    want = ring_comm.exchange_link_bytes(N, L, order, chunk_len=64, **cap)
+    assert sum(got.values()) == sum(want.values())
+    if order == "hierarchical" or N == 1:
+        assert got == want
 
 
 def test_bad_exchange_values_are_named():

@@ -143,11 +143,12 @@ def _side(cfg: RingConfig, q, k) -> str:
 
 def _passes_forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs):
     """``(out, lse, work, kv_last, ok)`` of the ring's forward or the sparse exchange's (``kv_last``:
-    the K/V-side ring's backward start; ``ok``: the exchange's run-time capacity check)."""
+    the K/V-side ring's backward start, or the exchange's received chunks; ``ok``: the exchange's
+    run-time capacity check)."""
     if cfg.kv_exchange == "sparse":
         ok = exchange_guard(cfg, step_index, kv_own.shape[2])
-        out, lse, work = forward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, ok)
-        return out, lse, work, None, ok
+        out, lse, work, kept = forward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, ok)
+        return out, lse, work, kept, ok
     out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
     return out, lse, work, kv_last, None
 
@@ -181,7 +182,8 @@ def _ring_bwd(cfg: RingConfig, res, cotangents):
     if _side(cfg, q, kv_own[0]) == "query":
         dq, dk, dv = backward_query(cfg, q, kv_own, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
     elif cfg.kv_exchange == "sparse":
-        dq, dk, dv = backward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs, ok)
+        dq, dk, dv = backward_exchange(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs,
+                                       ok)
     else:
         dq, dk, dv = backward_kv(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
     # positions, segment ids and the sparse index are integer data: zero cotangents (None).
@@ -284,7 +286,7 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
     exchange, capacity, guard = plan_exchange(
         kv_exchange, step_index, exchange_capacity, num_ranks=num_nodes * num_local, chunk_len=sl,
         block_size=block_size, batch=q.shape[0], kv_heads=k.shape[2], head_dim=q.shape[3],
-        itemsize=jnp.dtype(q.dtype).itemsize, backward_side=side)
+        itemsize=jnp.dtype(q.dtype).itemsize, backward_side=side, num_nodes=num_nodes, ring_order=ring_order)
     cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward, side,
                      exchange, capacity, guard)
     if tuple(q_pos.shape) != (sl,) or tuple(k_pos.shape) != (sl,):

@@ -6,8 +6,9 @@ chunk sends the rank that would hold it (``schedule.source_rank``) only the toke
 index touches: the KV blocks of its active tiles plus its vertical columns outside those blocks.
 Every rank holds the identical global index, so the sender converts the receiver's step index
 itself (``step_index.for_rank(t).step(s)``) and both sides derive the same token list by the same
-function (:func:`needed_tokens`): no extra messages. The backward resends the same K/V and returns
-their float32 dK/dV to the owner, which scatter-adds them (:mod:`.exchange_ring`).
+function (:func:`needed_tokens`): no extra messages. The backward reuses the compact chunks kept from
+the forward and returns their float32 dK/dV to the owner, which scatter-adds them
+(:mod:`.exchange_ring`).
 
 Static shapes: one ``capacity`` (tokens, a multiple of the block size) per layer call, for every
 step. It is either exact — the max need over (rank, step), computed on the host when the index is
@@ -114,49 +115,67 @@ def host_capacity(step_index, num_ranks: int, chunk_len: int, block_size: int) -
         return jnp.stack([needed_tokens(src.step(s), chunk_len, block_size, block_size)[1]
                           for s in range(1, num_ranks)])
 
-    with jax.ensure_compile_time_eval():
-        need = jax.jit(jax.vmap(counts))(jnp.arange(num_ranks, dtype=jnp.int32))
-    return capacity_tokens(max(int(need.max()), 1), chunk_len, block_size)
+    with jax.ensure_compile_time_eval():  # evaluated now, also inside a jit / shard_map trace
+        need = int(jax.vmap(counts)(jnp.arange(num_ranks, dtype=jnp.int32)).max())
+    return capacity_tokens(max(need, 1), chunk_len, block_size)
 
 
 def ring_kv_bytes(num_ranks: int, *, batch: int, chunk_len: int, kv_heads: int, head_dim: int, itemsize: int,
-                  backward: bool = True) -> int:
-    """Bytes one rank sends on the K/V-side ring per forward (+ backward): ``P - 1`` K/V hops
-    forward, ``P - 2`` K/V and ``P - 1`` float32 dK/dV hops backward."""
+                  backward: bool = True, num_nodes: int = 1, ring_order: str = "flat") -> dict[str, int]:
+    """``{"inner": bytes, "outer": bytes}`` one rank sends on the K/V-side ring per forward (+
+    backward): ``P - 1`` K/V hops forward, ``P - 2`` K/V and ``P - 1`` float32 dK/dV hops backward;
+    ``outer`` (between nodes) are the hierarchical ring's node hops (``N - 1`` K/V forward, ``N - 1``
+    dK/dV and ``N - 1`` K/V backward, one fewer K/V when a node holds one rank), and the flat ring's
+    hops when it spans several nodes (as ``benchmarks/ring_comm.py`` counts per hop)."""
     n = 2 * batch * chunk_len * kv_heads * head_dim
-    P = num_ranks
-    fwd = (P - 1) * n * itemsize
-    return fwd + (max(P - 2, 0) * n * itemsize + (P - 1) * n * 4 if backward else 0)
+    P, N = num_ranks, num_nodes
+    total = (P - 1) * n * itemsize + ((max(P - 2, 0) * n * itemsize + (P - 1) * n * 4) if backward else 0)
+    if N == 1:
+        return {"inner": total, "outer": 0}
+    if ring_order == "flat":
+        return {"inner": 0, "outer": total}
+    kv_back = N - 1 - (1 if P == N else 0)  # L = 1: the last backward hop would bring the own chunk
+    outer = (N - 1) * n * itemsize + ((kv_back * n * itemsize + (N - 1) * n * 4) if backward else 0)
+    return {"inner": total - outer, "outer": outer}
 
 
 def exchange_bytes(num_ranks: int, *, batch: int, capacity: int, kv_heads: int, head_dim: int, itemsize: int,
-                   backward: bool = True) -> int:
-    """Bytes one rank sends with the sparse exchange per forward (+ K/V-side backward): ``P - 1``
-    compact K/V buffers ``[2, B, capacity, Hkv, D]`` forward, the same again backward and ``P - 1``
-    float32 dK/dV buffers of that shape back to their owners."""
+                   backward: bool = True, num_nodes: int = 1, ring_order: str = "flat") -> dict[str, int]:
+    """``{"inner": bytes, "outer": bytes}`` one rank sends with the sparse exchange per forward (+
+    K/V-side backward): ``P - 1`` compact K/V buffers ``[2, B, capacity, Hkv, D]`` forward (kept for
+    the backward) and ``P - 1`` float32 dK/dV buffers of that shape back to their owners; a step's
+    sends are ``outer`` when one of its (owner, holder) pairs lies on two nodes (hierarchical: steps
+    ``s >= L``; flat on several nodes: every step)."""
     n = 2 * batch * capacity * kv_heads * head_dim
-    per_step = n * itemsize + (n * itemsize + n * 4 if backward else 0)
-    return (num_ranks - 1) * per_step
+    per_step = n * itemsize + (n * 4 if backward else 0)
+    P, N = num_ranks, num_nodes
+    cross = 0 if N == 1 else (P - 1 if ring_order == "flat" else P - P // N)
+    return {"inner": (P - 1 - cross) * per_step, "outer": cross * per_step}
 
 
 def resolve_kv_exchange(mode: str, *, num_ranks: int, chunk_len: int, capacity: int, batch: int, kv_heads: int,
-                        head_dim: int, itemsize: int, backward_side: str = "kv", exchange_ok: bool = True) -> str:
-    """``"ring"`` or ``"sparse"``: ``mode`` itself, or for ``"auto"`` the one whose K/V traffic per
-    forward + backward is smaller (with the query-side backward only the forward's K/V differ);
-    ties, one rank and ``exchange_ok=False`` (no index source with ``for_rank``) give ``"ring"``."""
+                        head_dim: int, itemsize: int, backward_side: str = "kv", exchange_ok: bool = True,
+                        num_nodes: int = 1, ring_order: str = "flat") -> str:
+    """``"ring"`` or ``"sparse"``: ``mode`` itself, or for ``"auto"`` the exchange when it sends
+    fewer bytes in total AND no more between nodes than the ring per forward + backward (with the
+    query-side backward only the forward's K/V differ); ties, one rank and ``exchange_ok=False``
+    (no index source with ``for_rank``) give ``"ring"``."""
     validate_kv_exchange(mode)
     if mode != "auto":
         return mode
     if not exchange_ok or num_ranks == 1:
         return "ring"
-    shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, backward=backward_side == "kv")
+    shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, backward=backward_side == "kv",
+                 num_nodes=num_nodes, ring_order=ring_order)
     sparse = exchange_bytes(num_ranks, capacity=capacity, **shape)
     ring = ring_kv_bytes(num_ranks, chunk_len=chunk_len, **shape)
-    return "sparse" if sparse < ring else "ring"
+    fewer = sum(sparse.values()) < sum(ring.values()) and sparse["outer"] <= ring["outer"]
+    return "sparse" if fewer else "ring"
 
 
 def plan_exchange(mode: str, step_index, capacity, *, num_ranks: int, chunk_len: int, block_size: int, batch: int,
-                  kv_heads: int, head_dim: int, itemsize: int, backward_side: str = "kv") -> tuple[str, int, bool]:
+                  kv_heads: int, head_dim: int, itemsize: int, backward_side: str = "kv", num_nodes: int = 1,
+                  ring_order: str = "flat") -> tuple[str, int, bool]:
     """``(choice, capacity_tokens, guard)`` of one layer call: ``choice`` ``"ring"`` / ``"sparse"``
     (``mode`` resolved by :func:`resolve_kv_exchange`), the static capacity (0 for the ring) and
     whether it must be checked at run time.
@@ -184,5 +203,6 @@ def plan_exchange(mode: str, step_index, capacity, *, num_ranks: int, chunk_len:
     else:
         cap, guard = capacity_tokens(capacity, chunk_len, block_size), True
     choice = resolve_kv_exchange(mode, num_ranks=num_ranks, chunk_len=chunk_len, capacity=cap, batch=batch,
-                                 kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, backward_side=backward_side)
+                                 kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, backward_side=backward_side,
+                                 num_nodes=num_nodes, ring_order=ring_order)
     return (choice, cap, guard) if choice == "sparse" else ("ring", 0, False)

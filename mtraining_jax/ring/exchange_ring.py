@@ -6,18 +6,23 @@ Schedule (same (query rank, K/V chunk) pairs as the ring, :func:`.schedule.sourc
     forward:   own step; for s in 1..P-1:
                  owner r sends kv_own[tokens needed by t = query_rank(r, s)]  --direct-->  t
                  t attends its queries to the compact chunk (compact index, compact positions)
+                 and keeps the compact chunk (a residual of the custom VJP)
     backward:  own step; for s in 1..P-1:
-                 owner r sends the same compact K/V again --direct--> t; t runs the step's backward
+                 t runs the step's backward on the compact chunk it kept
                  t sends the compact float32 dK/dV --direct back--> r, which scatter-adds them
 
 Each send is one collective-permute over ``("node", "local")`` whose pairs are the step's
-(owner, holder) pairs; per forward + backward ``P - 1`` compact K/V buffers forward, ``P - 1``
-backward and ``P - 1`` compact dK/dV buffers (``exchange.exchange_bytes``). The K/V are resent in the
-backward (as the ring does) rather than kept: ``P - 1`` visiting chunks would stay alive otherwise.
+(owner, holder) pairs; per forward + backward ``P - 1`` compact K/V buffers forward and ``P - 1``
+compact dK/dV buffers back (``exchange.exchange_bytes``). The received buffers are kept from the
+forward to the backward, ``(P - 1) * capacity`` tokens of K/V per rank, where the ring keeps one
+chunk and sends K/V again: XLA merges a resend with the forward's identical send anyway (the same
+gather of the same K/V to the same pairs), so keeping them is what the compiled program does;
+making it explicit keeps the bytes and the memory predictable.
 
 With a guarded (configured) capacity, ``ok[s - 1]`` says every rank's need at step ``s`` fits
 (one all-reduce of the ``P - 1`` needs before the ring); a step where it does not sends the whole
-chunk over the same pairs (``lax.cond``, taken alike on every rank). No fused kernel calls.
+chunk over the same pairs (``lax.cond``, taken alike on every rank), keeps nothing, and sends the
+whole chunk again in the backward with its whole dK/dV back. No fused kernel calls.
 
 Shapes as :mod:`.backward`: ``q [B, Sl, Hq, D]``, ``kv_own [2, B, Sl, Hkv, D]``, ``kpos_all int32 [P,
 Sl]``, ``lse [B, Hq, Sl]``; ``step_index`` an index source with ``step`` and ``for_rank``.
@@ -94,15 +99,17 @@ def _branches(ok, s: int, sparse, full, *operands):
 
 
 def forward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None, ok=None):
-    """The forward with the sparse exchange; returns ``(out f32, lse f32, work f32 [P])`` as the
-    ring's forward (``work[s]``: the step's kernel slots)."""
+    """The forward with the sparse exchange; returns ``(out f32, lse f32, work f32 [P], kept)`` as
+    the ring's forward (``work[s]``: the step's kernel slots) and ``kept [P - 1, 2, B, capacity,
+    Hkv, D]`` the compact chunks received (zeros at steps that took the whole chunk)."""
     P, bs, sl = cfg.num_ranks, cfg.block_size, kv_own.shape[2]
     rank = my_rank(cfg)
     own = _Step(cfg, step_index, kpos_all, segs, rank, 0, sl)
     kpos, index, seg_kw = own.kernel_args(False)
     out, lse = block_sparse_attention_fwd(q, kv_own[0], kv_own[1], q_pos, kpos, index, sm_scale=cfg.sm_scale,
                                           block_size=bs, impl=cfg.impl, **seg_kw)
-    work = [chunk_work(index, sl, 1, bs)[0]]
+    work, kept = [chunk_work(index, sl, 1, bs)[0]], []
+    cap_shape = kv_own.shape[:2] + (cfg.exchange_capacity,) + kv_own.shape[3:]
     for s in range(1, P):
         st = _Step(cfg, step_index, kpos_all, segs, rank, s, sl)
 
@@ -111,16 +118,18 @@ def forward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, se
             kpos, index, seg_kw = st.kernel_args(compact)
             o, l = block_sparse_attention_fwd(q, kv[0], kv[1], q_pos, kpos, index, sm_scale=cfg.sm_scale,
                                               block_size=bs, impl=cfg.impl, acc=(out, lse), **seg_kw)
-            return o, l, chunk_work(index, kv.shape[2], 1, bs)[0]
+            return o, l, chunk_work(index, kv.shape[2], 1, bs)[0], kv if compact else jnp.zeros(cap_shape, kv.dtype)
 
-        out, lse, w = _branches(ok, s, lambda o, l: run(True, o, l), lambda o, l: run(False, o, l), out, lse)
+        out, lse, w, kv_s = _branches(ok, s, lambda o, l: run(True, o, l), lambda o, l: run(False, o, l), out, lse)
         work.append(w)
-    return out, lse, jnp.stack(work)
+        kept.append(kv_s)
+    return out, lse, jnp.stack(work), (jnp.stack(kept) if kept else None)
 
 
-def backward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs=None,
+def backward_exchange(cfg: RingConfig, q, kv_own, kept, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs=None,
                       ok=None):
-    """The K/V-side backward with the sparse exchange (module docstring); float32 ``(dq, dk, dv)``."""
+    """The K/V-side backward with the sparse exchange (module docstring) on the chunks ``kept``
+    from the forward; float32 ``(dq, dk, dv)``."""
     P, bs, sl = cfg.num_ranks, cfg.block_size, kv_own.shape[2]
     rank = my_rank(cfg)
     delta = attention_delta(out, do, out_lo)
@@ -137,7 +146,7 @@ def backward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, o
 
         def run(compact, dq, dkv, st=st, s=s):
             tok = st.send_tokens() if compact else None
-            kv = _send(kv_own[:, :, tok] if compact else kv_own, cfg, s)
+            kv = kept[s - 1] if compact else _send(kv_own, cfg, s)
             dq, dk_s, dv_s = bwd(kv, *st.kernel_args(compact), dq)
             back = _send(jnp.stack([dk_s, dv_s]), cfg, s, back=True)
             return dq, (dkv.at[:, :, tok].add(back) if compact else dkv + back)

@@ -53,7 +53,7 @@ def group_index(step_index, steps: tuple[int, ...]):
     if isinstance(step_index, StepIndex):
         (s,) = steps
         return jax.tree.map(lambda a: a[s], step_index)
-    return step_index.steps(steps)
+    return step_index.step(steps[0]) if len(steps) == 1 else step_index.steps(steps)
 
 
 def group_positions(kpos_all, rank, steps: tuple[int, ...], cfg: RingConfig):
