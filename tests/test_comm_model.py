@@ -112,7 +112,7 @@ def test_exchange_need_by_hand():
     assert r["capacity"] == 4 and r["full"] == ring
     assert r["exchange"] == 3 * 4 * 2 * (2 + 4) and r["choice"] == "exchange"
     r2 = exchange_bytes(need2, 1, 4, "flat", **shape)
-    assert r2["capacity"] == 8 and r2["exchange"] == 3 * 8 * 2 * (2 + 4) and r2["choice"] == "exchange"
+    assert r2["capacity"] == 8 and r2["exchange"] == 3 * 8 * 2 * (2 + 4) and r2["choice"] == "ring"  # whole chunk
     r3 = exchange_bytes(need2, 2, 2, "hierarchical", **shape)  # 2 sends of 3 cross nodes, the ring's 1 of 3
     assert r3["outer_exchange"] > r3["outer_full"] and r3["choice"] == "ring"
 

@@ -74,8 +74,10 @@ def test_capacity_and_choice():
     assert exchange.capacity_tokens(1, 256, 64) == 64
     assert exchange.capacity_tokens(1000, 256, 64) == 256
     shape = dict(num_ranks=8, chunk_len=1024, batch=1, kv_heads=2, head_dim=128, itemsize=2)
-    # one node: fewer bytes even at the whole chunk (the K/V are kept for the backward, not resent)
-    assert exchange.resolve_kv_exchange("auto", capacity=1024, **shape) == "sparse"
+    # one node: fewer bytes even at the whole chunk (K/V kept for the backward, not resent), but
+    # nothing left out: the ring; part of the chunk: the exchange
+    assert exchange.resolve_kv_exchange("auto", capacity=1024, **shape) == "ring"
+    assert exchange.resolve_kv_exchange("auto", capacity=960, **shape) == "sparse"
     assert exchange.resolve_kv_exchange("auto", capacity=512, exchange_ok=False, **shape) == "ring"
     assert exchange.resolve_kv_exchange("ring", capacity=64, **shape) == "ring"
     # 2 x 4 hierarchical: the exchange's steps s >= 4 cross nodes (4 sends) where the ring sends 1 chunk

@@ -156,14 +156,17 @@ def exchange_bytes(num_ranks: int, *, batch: int, capacity: int, kv_heads: int, 
 def resolve_kv_exchange(mode: str, *, num_ranks: int, chunk_len: int, capacity: int, batch: int, kv_heads: int,
                         head_dim: int, itemsize: int, backward_side: str = "kv", exchange_ok: bool = True,
                         num_nodes: int = 1, ring_order: str = "flat") -> str:
-    """``"ring"`` or ``"sparse"``: ``mode`` itself, or for ``"auto"`` the exchange when it sends
-    fewer bytes in total AND no more between nodes than the ring per forward + backward (with the
-    query-side backward only the forward's K/V differ); ties, one rank and ``exchange_ok=False``
-    (no index source with ``for_rank``) give ``"ring"``."""
+    """``"ring"`` or ``"sparse"``: ``mode`` itself, or for ``"auto"`` the exchange when it leaves
+    out part of each chunk (``capacity < chunk_len``) and sends fewer bytes in total AND no more
+    between nodes than the ring per forward + backward (with the query-side backward only the
+    forward's K/V differ); ties, one rank and ``exchange_ok=False`` (no index source with
+    ``for_rank``) give ``"ring"``. At the whole chunk the exchange would still send fewer bytes on
+    one node, only because it keeps the ``P - 1`` received chunks for the backward instead of
+    sending K/V again: a memory-for-bytes trade the ring could make too, not a gain of sparsity."""
     validate_kv_exchange(mode)
     if mode != "auto":
         return mode
-    if not exchange_ok or num_ranks == 1:
+    if not exchange_ok or num_ranks == 1 or capacity >= chunk_len:
         return "ring"
     shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, backward=backward_side == "kv",
                  num_nodes=num_nodes, ring_order=ring_order)
