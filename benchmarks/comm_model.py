@@ -242,15 +242,10 @@ def backward_bytes(w: Workload, side: str) -> int:
 # ------------------------------------------------------------------ sparse-aware K/V exchange (item 2)
 
 
-def exchange_need(index, positions, block_size: int, kv_heads: int) -> "np.ndarray":
-    """``int [P, P]``: tokens of rank ``a``'s K/V chunk that rank ``r``'s queries need,
-    ``need[r, a]`` (the blocks its slashes hit + the vertical columns outside those blocks, causal
-    for at least one of its queries), united over batch and heads as the exchange sends them (one
-    token list per pair: the kernels take one ``k_pos`` per chunk; ``mtraining_jax.ring.exchange``).
-    ``kv_heads`` is kept for the callers (the union does not depend on it).
-
-    ``index``: a :class:`~mtraining_jax.sparsity.index.VerticalSlashIndex` (NumPy or JAX arrays);
-    ``positions``: the layout's ``int [P, S/P]`` global positions (block-aligned)."""
+def _need_sets(index, positions, block_size: int):
+    """Per query rank ``r``: ``blk [P, nb]`` the global KV blocks its slashes hit, ``cols[r]`` the
+    vertical columns (global positions, causal for one of its queries) outside those blocks, and
+    ``owner [nb]`` the rank holding each global block; united over batch and heads."""
     import numpy as np
 
     v_idx, v_count, s_idx, s_count = (np.asarray(x) for x in index)
@@ -264,21 +259,91 @@ def exchange_need(index, positions, block_size: int, kv_heads: int) -> "np.ndarr
         owner[qblocks[r]] = r
     qmax = pos.max(axis=1)
     B, H, _ = s_idx.shape
-    need = np.zeros((P, P), np.int64)
+    blk = np.zeros((P, nb), bool)
+    cols_all = []
     for r in range(P):
-        blk = np.zeros(nb, bool)
         cols = []
         for b in range(B):
             for h in range(H):
                 d = s_idx[b, h, :s_count[b, h]]
                 kb = (qblocks[r][:, None] - d[None, :]).ravel()
-                blk[kb[kb >= 0]] = True
+                blk[r, kb[kb >= 0]] = True
                 v = v_idx[b, h, :v_count[b, h]]
                 cols.append(v[v <= qmax[r]])
         cols = np.unique(np.concatenate(cols)) if cols else np.zeros(0, np.int64)
-        cols = cols[~blk[cols // bs]]
-        need[r] = np.bincount(owner[blk], minlength=P) * bs + np.bincount(owner[cols // bs], minlength=P)
+        cols_all.append(cols[~blk[r, cols // bs]])
+    return blk, cols_all, owner
+
+
+def exchange_need(index, positions, block_size: int, kv_heads: int, exclude_blocks=None) -> "np.ndarray":
+    """``int [P, P]``: tokens of rank ``a``'s K/V chunk that rank ``r``'s queries need,
+    ``need[r, a]`` (the blocks its slashes hit + the vertical columns outside those blocks, causal
+    for at least one of its queries), united over batch and heads as the exchange sends them (one
+    token list per pair: the kernels take one ``k_pos`` per chunk; ``mtraining_jax.ring.exchange``).
+    ``kv_heads`` is kept for the callers (the union does not depend on it); ``exclude_blocks``
+    (``bool [nb]`` over global blocks): blocks every rank holds already (hot-block replication),
+    not counted.
+
+    ``index``: a :class:`~mtraining_jax.sparsity.index.VerticalSlashIndex` (NumPy or JAX arrays);
+    ``positions``: the layout's ``int [P, S/P]`` global positions (block-aligned)."""
+    import numpy as np
+
+    blk, cols, owner = _need_sets(index, positions, block_size)
+    P = blk.shape[0]
+    keep = np.ones(blk.shape[1], bool) if exclude_blocks is None else ~np.asarray(exclude_blocks, bool)
+    need = np.zeros((P, P), np.int64)
+    for r in range(P):
+        c = cols[r][keep[cols[r] // block_size]]
+        need[r] = (np.bincount(owner[blk[r] & keep], minlength=P) * block_size
+                   + np.bincount(owner[c // block_size], minlength=P))
     return need
+
+
+def hot_blocks(index, positions, block_size: int, num_nodes: int, num_local: int, ring_order: str = "hierarchical",
+               *, share: float = 0.9, kv_heads: int = 2, head_dim: int = 128, itemsize: int = 2,
+               batch: int = 1) -> dict:
+    """Hot-block replication (issue 22, item 4), modelled on an index: the global KV blocks that at
+    least ``share`` of the other ranks need (attention sinks, first tokens, dense columns) would be
+    all-gathered once per layer and kept resident, their float32 dK/dV reduced to the owners once,
+    and left out of the exchange's per-step capacity.
+
+    Returns the hot block count, the exchange's exact capacity (tokens) without / with replication,
+    its bytes per rank (:func:`exchange_bytes` with the reduced ``need``, plus the replication's
+    ``hot * bs * (P - 1) / P`` tokens of K/V in and float32 dK/dV out), the ring's bytes, and the
+    exchange's per-step padding (``step_imbalance``: mean over steps of the step's max need / mean
+    need over ranks — the waste of one capacity for all pairs) without / with."""
+    import numpy as np
+
+    from mtraining_jax.ring.schedule import source_table
+
+    blk, cols, owner = _need_sets(index, positions, block_size)
+    P, nb = blk.shape
+    sl = np.asarray(positions).shape[1]
+    touch = blk.copy()  # blocks a rank needs anything of: its slash blocks and its columns' blocks
+    for r in range(P):
+        touch[r, cols[r] // block_size] = True
+    others = touch & (owner[None, :] != np.arange(P)[:, None])
+    hot = others.sum(axis=0) >= share * (P - 1)
+    table = source_table(num_nodes, num_local, ring_order)
+    shape = dict(chunk_len=sl, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
+                 batch=batch)
+
+    def imbalance(need):
+        per = [np.array([need[r, table[r, s]] for r in range(P)]) for s in range(1, P)]
+        return float(np.mean([p.max() / max(p.mean(), 1e-9) for p in per]))
+
+    base_need = exchange_need(index, positions, block_size, kv_heads)
+    hot_need = exchange_need(index, positions, block_size, kv_heads, exclude_blocks=hot)
+    base = exchange_bytes(base_need, num_nodes, num_local, ring_order, **shape)
+    red = exchange_bytes(hot_need, num_nodes, num_local, ring_order, **shape)
+    per_token = 2 * batch * kv_heads * head_dim * (itemsize + 4)
+    replicate = int(hot.sum()) * block_size * (P - 1) / P * per_token
+    return {"hot_blocks": int(hot.sum()), "hot_tokens_fraction_of_chunk": hot.sum() * block_size / sl,
+            "capacity": base["capacity"], "capacity_replicated": red["capacity"],
+            "exchange_bytes": base["exchange"], "exchange_bytes_replicated": red["exchange"] + replicate,
+            "ring_bytes": base["full"], "step_imbalance": imbalance(base_need),
+            "step_imbalance_replicated": imbalance(hot_need),
+            "pays": red["exchange"] + replicate < min(base["exchange"], base["full"])}
 
 
 def exchange_bytes(need, num_nodes: int, num_local: int, ring_order: str, *, chunk_len: int, block_size: int,
@@ -343,8 +408,9 @@ def exchange_rows(S: int, meshes=((1, 8), (4, 8)), layouts=("block_striped", "zi
             off = need[~np.eye(n * l, dtype=bool)] / (S // (n * l))
             r = exchange_bytes(need, n, l, "hierarchical", chunk_len=S // (n * l), block_size=block_size, kv_heads=2,
                                head_dim=128, itemsize=2)
+            hb = hot_blocks(index, pos, block_size, n, l)
             rows.append(dict(S=S, mesh=f"{n}x{l}", layout=lay, density=dens, need_mean=float(off.mean()),
-                             need_max=float(off.max()), **r))
+                             need_max=float(off.max()), **r, hot=hb))
     return rows
 
 
@@ -453,7 +519,7 @@ def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
     a.set_ylabel("predicted ms")
     a.set_title("sparse ring: model vs measurement")
     a.legend(fontsize=8)
-    for ring, style in (("sparse", "-o"), ("dense", "--s")):
+    for ring, style in (("sparse", "-o"), ("dense", "--s"), ("exchange@1", ":^"), ("exchange@0.25", ":v")):
         for S in sorted({r["S"] for r in preds}):
             rs = sorted((r for r in preds if r["ring"] == ring and r["S"] == S and r.get("model", "GQA16/2") == "GQA16/2"
                          and r["backward_ring"] == "kv"), key=lambda r: r["gpus"])
@@ -462,7 +528,7 @@ def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
     b.set_yscale("log")
     b.set_xlabel("GPUs (1, one node of 8, 4 nodes x 8 over 400 Gb/s)")
     b.set_ylabel("predicted fwd+bwd ms per layer")
-    b.set_title("predictions (hierarchical ring, GQA 16/2, K/V-side backward)")
+    b.set_title("predictions (hierarchical, GQA 16/2, K/V-side backward; exchange@c: sparse K/V exchange)", fontsize=9)
     b.legend(fontsize=7, ncol=2)
     lengths = sorted({r["S"] for r in preds})
     for (model, side), style in zip([(m, s_) for m in MODELS for s_ in ("kv", "query")], ("-o", "--o", "-s", "--s")):
@@ -506,6 +572,12 @@ def main(argv=None) -> int:
         print(f"exchange {r['S'] // 1024}K {r['mesh']} {r['layout']:>13}: need per pair mean {r['need_mean']:.2f} "
               f"max {r['need_max']:.2f} of a chunk; bytes vs ring {r['fraction']:.3f} (ragged bound "
               f"{r['ideal_fraction']:.3f}) -> {r['choice']}")
+        h = r["hot"]
+        print(f"   hot blocks (>= 90 % of ranks): {h['hot_blocks']} ({h['hot_tokens_fraction_of_chunk']:.3f} of a chunk); "
+              f"capacity {h['capacity']} -> {h['capacity_replicated']} tokens; exchange bytes "
+              f"{h['exchange_bytes'] / 1e6:.1f} -> {h['exchange_bytes_replicated'] / 1e6:.1f} MB (ring "
+              f"{h['ring_bytes'] / 1e6:.1f}); step imbalance {h['step_imbalance']:.3f} -> "
+              f"{h['step_imbalance_replicated']:.3f}; pays: {h['pays']}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "comm_model.json"), "w") as f:

@@ -9,7 +9,7 @@ import pytest
 import numpy as np
 
 from benchmarks.comm_model import (Kernels, Link, Workload, backward_bytes, calibrate, exchange_bytes, exchange_need,
-                                   simulate)
+                                   hot_blocks, simulate)
 from mtraining_jax.layouts import Layout
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from benchmarks import ring_comm
@@ -130,3 +130,18 @@ def test_exchange_bytes_equal_the_schedule_accounting(n, l, side):
     assert (p.bytes_inner, p.bytes_outer) == (want["inner"], want["outer"])
     full = simulate(w, n, l, "hierarchical", backward_ring=side, kv_exchange="sparse", capacity_fraction=1.0)
     assert p.step_s <= full.step_s
+
+
+def test_hot_blocks_by_hand():
+    """The vertical at position 1 (rank 0's block 0) is needed by every other rank: one hot block.
+    Replicating it leaves the exchange's capacity at its one-block minimum and costs the all-gather:
+    it does not pay. Two slashes (d = 0, 2) make each rank's previous chunk needed by one rank only:
+    no hot block."""
+    pos = Layout("contiguous", 32, 4).positions
+    idx = VerticalSlashIndex(np.array([[[1, 32]]]), np.array([[1]]), np.array([[[0, 2]]]), np.array([[1]]))
+    h = hot_blocks(idx, pos, 4, 1, 4, "flat", kv_heads=1, head_dim=1)
+    assert h["hot_blocks"] == 1 and h["capacity"] == h["capacity_replicated"] == 4 and not h["pays"]
+    assert h["exchange_bytes_replicated"] > h["exchange_bytes"]
+    h2 = hot_blocks(idx._replace(v_count=np.array([[0]]), s_count=np.array([[2]])), pos, 4, 1, 4, "flat",
+                    kv_heads=1, head_dim=1)
+    assert h2["hot_blocks"] == 0 and h2["exchange_bytes_replicated"] == h2["exchange_bytes"]
