@@ -146,8 +146,8 @@ def exposed_bound(rec: dict, step_s: float) -> float | None:
     N, L = rec["nodes"], rec["local"]
     if N * L == 1:
         return 0.0
-    if "kv_ppermute_s" not in rec:
-        return None
+    if "kv_ppermute_s" not in rec or rec.get("kv_exchange", "ring") != "ring":
+        return None  # the sparse exchange's bytes depend on its capacity and run-time fallbacks
     side = resolve_backward_ring(rec.get("backward_ring", "kv"), heads=HQ, kv_heads=HKV, head_dim=D, itemsize=2)
     # in bf16 K/V buffers, as timed
     inner, outer = transfer_units(N, L, rec["ring_order"], backward_ring=side, heads_per_kv=HQ // HKV, head_dim=D)
