@@ -313,14 +313,17 @@ def scaling_rows(cases: list[dict]) -> list[dict]:
         causal = c["S"] * (c["S"] + 1) / 2
         return causal * (c["density"] if m == "sparse" else 1.0)
 
-    base = {}
+    base = {}  # the P = 1 record of the same variant (backward side, exchange), else any variant's
     for c in cases:
         if c["gpus"] == 1:
-            base[(c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"])] = c
+            key = (c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"])
+            base.setdefault(key, c)
+            base[key + (c["backward_ring"], c["kv_exchange"])] = c
     rows = []
     for c in sorted(cases, key=lambda c: (c["mode"] != "total", c["S"] // (c["gpus"] if c["mode"] == "per_gpu" else 1),
                                           c["gpus"], c["nodes"], c["ring_order"])):
-        b = base.get((c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"]))
+        key = (c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"])
+        b = base.get(key + (c["backward_ring"], c["kv_exchange"]), base.get(key))
         for m in METHODS:
             t = c.get(f"{m}_fwdbwd_s")
             if t is None:
