@@ -197,3 +197,28 @@ def test_sparse_exchange_accounting_matches_the_compiled_ring(mesh_shape, order,
     np.testing.assert_allclose(val, ref_val, rtol=1e-5)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_sparse_exchange_is_the_same_program():
+    """P = 1: nothing to exchange; kv_exchange="sparse" compiles to the ring's program (same flops,
+    bytes accessed and instructions), so the option costs nothing on one GPU."""
+    mesh = make_mesh((1, 1), jax.devices()[:1])
+    S, bs = 128, 16
+    index = _exchange_index(1, 2, S, bs)
+    spec, pspec = PartitionSpec(None, CP_AXES, None, None), PartitionSpec(CP_AXES)
+    q, kv = jnp.zeros((1, S, 2, 32)), jnp.zeros((1, S, 1, 32))
+
+    def program(mode):
+        def body(q, k, v, pos):
+            idx = StackedStepIndex(index, jax.lax.axis_index(CP_AXES))
+            return ring_attention_shard(q, k, v, pos, pos, num_nodes=1, num_local=1, ring_order="hierarchical",
+                                        step_index=idx, block_size=bs, impl="xla", kv_exchange=mode)
+
+        ring = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec), out_specs=spec, check_vma=False)
+        f = lambda q, k, v: ring(q, k, v, jnp.arange(S)).sum()  # noqa: E731
+        c = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+        ca = c.cost_analysis()
+        ca = ca[0] if isinstance(ca, list) else ca
+        return ca["flops"], ca["bytes accessed"], hlo.op_counts(c.as_text())
+
+    assert program("sparse") == program("ring")
