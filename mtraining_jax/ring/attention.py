@@ -55,6 +55,11 @@ Backward: the custom VJP below runs one of the two exact backward rings of :mod:
 and dQ travel), chosen by ``backward_ring`` (:mod:`.sides`). The static configuration is
 :class:`.config.RingConfig`; the per-step helpers shared by all passes are in :mod:`.steps`.
 
+Sparse-aware K/V exchange (``kv_exchange="sparse"``, :mod:`.exchange`): instead of the ring, every
+step's chunk owner sends its holder only the K/V tokens the holder's index needs (one static capacity,
+exact from a concrete index or guarded at run time); the forward and the K/V-side backward are then
+those of :mod:`.exchange_ring` (no fused calls), the query-side backward unchanged.
+
 All shapes: ``q [B, Sl, Hq, D]``, ``k, v [B, Sl, Hkv, D]``, ``q_pos, k_pos int32 [Sl]``, ``lse
 [B, Hq, Sl]`` float32.
 """
