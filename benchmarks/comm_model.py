@@ -40,7 +40,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from benchmarks.ring_comm import hop_bytes, hop_link, ring_hops
+from benchmarks.ring_comm import exchange_hops, hop_bytes, hop_link, ring_hops
+from mtraining_jax.ring.exchange import capacity_tokens, validate_kv_exchange
 from mtraining_jax.ring.sides import backward_hop_bytes, resolve_backward_ring
 
 GB = 1e9
@@ -120,14 +121,23 @@ def _links(num_nodes: int, ring_order: str, intra: Link, inter: Link):
 
 def simulate(w: Workload, num_nodes: int, num_local: int, ring_order: str = "hierarchical", *,
              kernels: Kernels = Kernels(), intra: Link = NVLINK_H200, inter: Link = IB_400G,
-             backward_ring: str = "kv") -> Prediction:
+             backward_ring: str = "kv", kv_exchange: str = "ring", capacity_fraction: float = 1.0) -> Prediction:
     """Predicted forward + backward time of one attention layer on the ring (module docstring);
-    ``backward_ring``: ``"kv"``, ``"query"`` or ``"auto"`` (resolved as the ring resolves it)."""
+    ``backward_ring``: ``"kv"``, ``"query"`` or ``"auto"`` (resolved as the ring resolves it).
+
+    ``kv_exchange="sparse"``: the sparse-aware K/V exchange with a capacity of ``capacity_fraction``
+    of the chunk (whole blocks of 64): the forward's ``P - 1`` direct sends depend only on the own
+    K/V and the index, so all are posted at the start and queue on their link (inner, or outer when
+    the step's pairs cross nodes: ``ring_comm.hop_link``); a step waits for its buffer. The K/V-side
+    backward runs on the kept buffers and posts each step's float32 dK/dV back at the step's end
+    (queued per link); the pass ends when the last has arrived. With ``backward_ring="query"`` the
+    backward is that ring's."""
     if w.S % (num_nodes * num_local):
         raise ValueError(f"S={w.S} does not divide over {num_nodes} x {num_local} ranks")
     if not 0 < w.density <= 1:
         raise ValueError(f"density must be in (0, 1], got {w.density!r}")
     P = num_nodes * num_local
+    validate_kv_exchange(kv_exchange)
     side = resolve_backward_ring(backward_ring, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim,
                                  itemsize=w.itemsize)
     shape = dict(batch=w.batch, chunk_len=w.S // P, kv_heads=w.kv_heads, heads=w.heads, head_dim=w.head_dim,
@@ -166,12 +176,60 @@ def simulate(w: Workload, num_nodes: int, num_local: int, ring_order: str = "hie
             t = max(t, ready) + step_c[phase]
         return t, exposed
 
-    fwd_end, e1 = run("forward", list(range(P)), index)
-    bwd_order = list(reversed(range(P))) if side == "kv" else [0] + list(reversed(range(1, P)))
-    bwd_end, e2 = run("backward", bwd_order, fwd_end)
+    if kv_exchange == "sparse" and P > 1:
+        cap = capacity_tokens(float(capacity_fraction), w.S // P, 64)
+        fwd_end, e1, bwd_end, e2, sent = _exchange_schedule(
+            dict(shape, chunk_len=cap), num_nodes, num_local, ring_order, links, step_c, index,
+            run if side == "query" else None)
+        if side == "query":  # the query ring's backward hops, counted above in `sent` by ring_hops
+            sent = {k: sent[k] + sum(hop_bytes(h, **shape) for h in hops
+                                     if h.phase == "backward" and hop_link(h, num_nodes, ring_order) == k)
+                    for k in sent}
+    else:
+        fwd_end, e1 = run("forward", list(range(P)), index)
+        bwd_order = list(reversed(range(P))) if side == "kv" else [0] + list(reversed(range(1, P)))
+        bwd_end, e2 = run("backward", bwd_order, fwd_end)
     return Prediction(step_s=bwd_end, compute_s=P * (step_c["forward"] + step_c["backward"]) + index,
                       exposed_comm_s=e1 + e2,
                       bytes_inner=sent["inner"], bytes_outer=sent["outer"], steps=P, backward_ring=side)
+
+
+def _exchange_schedule(shape: dict, num_nodes: int, num_local: int, ring_order: str, links: dict, step_c: dict,
+                       index: float, run_backward=None):
+    """Forward (and K/V-side backward) of the sparse exchange (:func:`simulate`): ``(fwd_end,
+    exposed_fwd, bwd_end, exposed_bwd, {"inner": bytes, "outer": bytes})``; ``run_backward``: the
+    query ring's backward walker instead."""
+    P = num_nodes * num_local
+    sent = {"inner": 0, "outer": 0}
+    free = {"inner": index, "outer": index}
+    arrive = {}
+    for h in exchange_hops(num_nodes, num_local, ring_order, "kv"):
+        if h.phase != "forward":
+            continue
+        link, b = hop_link(h, num_nodes, ring_order, num_local), hop_bytes(h, **shape)
+        sent[link] += b
+        free[link] += links[link].time(b)
+        arrive[h.step] = free[link]
+    t, e1 = index + step_c["forward"], 0.0  # the own step needs nothing
+    for s in range(1, P):
+        e1 += max(0.0, arrive[s] - t)
+        t = max(t, arrive[s]) + step_c["forward"]
+    fwd_end = t
+    if run_backward is not None:
+        bwd_end, e2 = run_backward("backward", [0] + list(reversed(range(1, P))), fwd_end)
+        return fwd_end, e1, bwd_end, e2, sent
+    t = fwd_end + step_c["backward"]
+    free = {"inner": fwd_end, "outer": fwd_end}
+    last = t
+    for h in exchange_hops(num_nodes, num_local, ring_order, "kv"):
+        if h.phase != "backward":
+            continue
+        t += step_c["backward"]
+        link, b = hop_link(h, num_nodes, ring_order, num_local), hop_bytes(h, **shape)
+        sent[link] += b
+        free[link] = max(t, free[link]) + links[link].time(b)
+        last = max(last, free[link])
+    return fwd_end, e1, max(t, last), max(0.0, last - t), sent
 
 
 def backward_bytes(w: Workload, side: str) -> int:
@@ -181,17 +239,13 @@ def backward_bytes(w: Workload, side: str) -> int:
                                   head_dim=w.head_dim, itemsize=w.itemsize).values())
 
 
-# ------------------------------------------------------------------ sparse-aware K/V exchange (item 2, modelled)
+# ------------------------------------------------------------------ sparse-aware K/V exchange (item 2)
 
 
-def exchange_need(index, positions, block_size: int, kv_heads: int) -> "np.ndarray":
-    """``int [P, P]``: tokens of rank ``a``'s K/V chunk that rank ``r``'s queries need,
-    ``need[r, a]`` (the blocks its slashes hit + the vertical columns outside those blocks, causal
-    for at least one of its queries), the max over batch and KV heads (each KV head's query heads
-    united): the static capacity a sparse-aware exchange of that pair would need.
-
-    ``index``: a :class:`~mtraining_jax.sparsity.index.VerticalSlashIndex` (NumPy or JAX arrays);
-    ``positions``: the layout's ``int [P, S/P]`` global positions (block-aligned)."""
+def _need_sets(index, positions, block_size: int):
+    """Per query rank ``r``: ``blk [P, nb]`` the global KV blocks its slashes hit, ``cols[r]`` the
+    vertical columns (global positions, causal for one of its queries) outside those blocks, and
+    ``owner [nb]`` the rank holding each global block; united over batch and heads."""
     import numpy as np
 
     v_idx, v_count, s_idx, s_count = (np.asarray(x) for x in index)
@@ -205,62 +259,129 @@ def exchange_need(index, positions, block_size: int, kv_heads: int) -> "np.ndarr
         owner[qblocks[r]] = r
     qmax = pos.max(axis=1)
     B, H, _ = s_idx.shape
-    group = H // kv_heads
+    blk = np.zeros((P, nb), bool)
+    cols_all = []
+    for r in range(P):
+        cols = []
+        for b in range(B):
+            for h in range(H):
+                d = s_idx[b, h, :s_count[b, h]]
+                kb = (qblocks[r][:, None] - d[None, :]).ravel()
+                blk[r, kb[kb >= 0]] = True
+                v = v_idx[b, h, :v_count[b, h]]
+                cols.append(v[v <= qmax[r]])
+        cols = np.unique(np.concatenate(cols)) if cols else np.zeros(0, np.int64)
+        cols_all.append(cols[~blk[r, cols // bs]])
+    return blk, cols_all, owner
+
+
+def exchange_need(index, positions, block_size: int, kv_heads: int, exclude_blocks=None) -> "np.ndarray":
+    """``int [P, P]``: tokens of rank ``a``'s K/V chunk that rank ``r``'s queries need,
+    ``need[r, a]`` (the blocks its slashes hit + the vertical columns outside those blocks, causal
+    for at least one of its queries), united over batch and heads as the exchange sends them (one
+    token list per pair: the kernels take one ``k_pos`` per chunk; ``mtraining_jax.ring.exchange``).
+    ``kv_heads`` is kept for the callers (the union does not depend on it); ``exclude_blocks``
+    (``bool [nb]`` over global blocks): blocks every rank holds already (hot-block replication),
+    not counted.
+
+    ``index``: a :class:`~mtraining_jax.sparsity.index.VerticalSlashIndex` (NumPy or JAX arrays);
+    ``positions``: the layout's ``int [P, S/P]`` global positions (block-aligned)."""
+    import numpy as np
+
+    blk, cols, owner = _need_sets(index, positions, block_size)
+    P = blk.shape[0]
+    keep = np.ones(blk.shape[1], bool) if exclude_blocks is None else ~np.asarray(exclude_blocks, bool)
     need = np.zeros((P, P), np.int64)
-    for b in range(B):
-        for g in range(kv_heads):
-            hs = range(g * group, (g + 1) * group)
-            for r in range(P):
-                blk = np.zeros(nb, bool)
-                cols = []
-                for h in hs:
-                    d = s_idx[b, h, :s_count[b, h]]
-                    kb = (qblocks[r][:, None] - d[None, :]).ravel()
-                    blk[kb[kb >= 0]] = True
-                    v = v_idx[b, h, :v_count[b, h]]
-                    cols.append(v[v <= qmax[r]])
-                cols = np.unique(np.concatenate(cols)) if cols else np.zeros(0, np.int64)
-                cols = cols[~blk[cols // bs]]
-                n = np.bincount(owner[blk], minlength=P) * bs + np.bincount(owner[cols // bs], minlength=P)
-                need[r] = np.maximum(need[r], n)
+    for r in range(P):
+        c = cols[r][keep[cols[r] // block_size]]
+        need[r] = (np.bincount(owner[blk[r] & keep], minlength=P) * block_size
+                   + np.bincount(owner[c // block_size], minlength=P))
     return need
 
 
-def exchange_bytes(need, num_nodes: int, num_local: int, ring_order: str, *, chunk_len: int, block_size: int,
-                   kv_heads: int, head_dim: int, itemsize: int, batch: int = 1,
-                   full_fraction: float = 0.75) -> dict:
-    """Bytes per rank of a sparse-aware exchange against the full ring's K/V traffic.
+def hot_blocks(index, positions, block_size: int, num_nodes: int, num_local: int, ring_order: str = "hierarchical",
+               *, share: float = 0.9, kv_heads: int = 2, head_dim: int = 128, itemsize: int = 2,
+               batch: int = 1) -> dict:
+    """Hot-block replication (issue 22, item 4), modelled on an index: the global KV blocks that at
+    least ``share`` of the other ranks need (attention sinks, first tokens, dense columns) would be
+    all-gathered once per layer and kept resident, their float32 dK/dV reduced to the owners once,
+    and left out of the exchange's per-step capacity.
 
-    Each forward step ``s >= 1`` sends every rank the tokens its index needs from the chunk it would
-    hold (``source_table``), directly from that chunk's owner, in a static buffer of the max need
-    over ranks rounded up to whole blocks (or the whole chunk where that max exceeds
-    ``full_fraction`` of it: fall back to the full chunk); the backward sends the same K/V again
-    (as the ring does, instead of keeping ``P - 1`` chunks alive) and returns their float32 dK/dV.
-    Returns ``{"exchange": bytes, "full": bytes, "fraction": exchange / full, "steps_full": n,
-    "choice": "exchange" | "ring"}`` with ``full`` the K/V side's K/V + dK/dV bytes of the ring
-    (:func:`benchmarks.ring_comm.ring_bytes`) and ``choice`` the one with fewer bytes;
-    ``ideal_fraction``: the same with every pair sending exactly its own need (a ragged exchange,
-    no static capacity), the bound no uniform-shape permute reaches."""
+    Returns the hot block count, the exchange's exact capacity (tokens) without / with replication,
+    its bytes per rank (:func:`exchange_bytes` with the reduced ``need``, plus the replication's
+    ``hot * bs * (P - 1) / P`` tokens of K/V in and float32 dK/dV out), the ring's bytes, and the
+    exchange's per-step padding (``step_imbalance``: mean over steps of the step's max need / mean
+    need over ranks — the waste of one capacity for all pairs) without / with."""
     import numpy as np
 
-    from benchmarks.ring_comm import ring_bytes
+    from mtraining_jax.ring.schedule import source_table
+
+    blk, cols, owner = _need_sets(index, positions, block_size)
+    P, nb = blk.shape
+    sl = np.asarray(positions).shape[1]
+    touch = blk.copy()  # blocks a rank needs anything of: its slash blocks and its columns' blocks
+    for r in range(P):
+        touch[r, cols[r] // block_size] = True
+    others = touch & (owner[None, :] != np.arange(P)[:, None])
+    hot = others.sum(axis=0) >= share * (P - 1)
+    table = source_table(num_nodes, num_local, ring_order)
+    shape = dict(chunk_len=sl, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
+                 batch=batch)
+
+    def imbalance(need):
+        per = [np.array([need[r, table[r, s]] for r in range(P)]) for s in range(1, P)]
+        return float(np.mean([p.max() / max(p.mean(), 1e-9) for p in per]))
+
+    base_need = exchange_need(index, positions, block_size, kv_heads)
+    hot_need = exchange_need(index, positions, block_size, kv_heads, exclude_blocks=hot)
+    base = exchange_bytes(base_need, num_nodes, num_local, ring_order, **shape)
+    red = exchange_bytes(hot_need, num_nodes, num_local, ring_order, **shape)
+    per_token = 2 * batch * kv_heads * head_dim * (itemsize + 4)
+    replicate = int(hot.sum()) * block_size * (P - 1) / P * per_token
+    return {"hot_blocks": int(hot.sum()), "hot_tokens_fraction_of_chunk": hot.sum() * block_size / sl,
+            "capacity": base["capacity"], "capacity_replicated": red["capacity"],
+            "exchange_bytes": base["exchange"], "exchange_bytes_replicated": red["exchange"] + replicate,
+            "ring_bytes": base["full"], "step_imbalance": imbalance(base_need),
+            "step_imbalance_replicated": imbalance(hot_need),
+            "pays": red["exchange"] + replicate < min(base["exchange"], base["full"])}
+
+
+def exchange_bytes(need, num_nodes: int, num_local: int, ring_order: str, *, chunk_len: int, block_size: int,
+                   kv_heads: int, head_dim: int, itemsize: int, batch: int = 1) -> dict:
+    """Bytes per rank of the sparse-aware exchange as built (``kv_exchange="sparse"``) against the
+    K/V-side ring, for the index whose pair needs are ``need`` (:func:`exchange_need`).
+
+    The exchange has one static capacity per layer call: the max need over every pair ``(r, a != r)``,
+    rounded up to whole blocks (:func:`mtraining_jax.ring.exchange.host_capacity`); per step ``s >= 1``
+    it sends every rank a compact K/V buffer of that capacity straight from the chunk's owner (kept
+    for the backward) and returns its float32 dK/dV (:func:`mtraining_jax.ring.exchange.exchange_bytes`).
+    Returns ``{"exchange": bytes, "full": bytes, "fraction", "capacity": tokens, "capacity_fraction",
+    "outer_exchange", "outer_full", "choice": "exchange" | "ring"}`` (the choice of
+    ``kv_exchange="auto"``: fewer bytes and no more between nodes) and ``ideal_fraction``: every pair
+    sending exactly its own need (a ragged exchange, no static capacity), the bound no uniform-shape
+    permute reaches."""
+    import numpy as np
+
+    from mtraining_jax.ring.exchange import capacity_tokens, exchange_bytes as ring_exchange_bytes
+    from mtraining_jax.ring.exchange import resolve_kv_exchange, ring_kv_bytes
     from mtraining_jax.ring.schedule import source_table
 
     table = source_table(num_nodes, num_local, ring_order)
     P = table.shape[0]
-    per_token = 2 * batch * kv_heads * head_dim
-    total, steps_full, ideal = 0, 0, 0.0
-    for s in range(1, P):
-        ideal += np.mean([need[r, table[r, s]] for r in range(P)]) * per_token * (2 * itemsize + 4)
-        cap = max(int(need[r, table[r, s]]) for r in range(P))
-        cap = -(-cap // block_size) * block_size
-        if cap > full_fraction * chunk_len:
-            cap, steps_full = chunk_len, steps_full + 1
-        total += cap * per_token * (2 * itemsize + 4)  # K/V there (forward, backward), float32 dK/dV back
-    full = sum(ring_bytes(num_nodes, num_local, ring_order, batch=batch, chunk_len=chunk_len, kv_heads=kv_heads,
-                          head_dim=head_dim, itemsize=itemsize).values())
-    return {"exchange": total, "full": full, "fraction": total / full if full else 0.0, "steps_full": steps_full,
-            "choice": "exchange" if total < full else "ring", "ideal_fraction": ideal / full if full else 0.0}
+    off = ~np.eye(P, dtype=bool)
+    cap = capacity_tokens(max(int(need[off].max()) if P > 1 else 1, 1), chunk_len, block_size)
+    shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, num_nodes=num_nodes,
+                 ring_order=ring_order)
+    ex = ring_exchange_bytes(P, capacity=cap, **shape)
+    full = ring_kv_bytes(P, chunk_len=chunk_len, **shape)
+    per_token = 2 * batch * kv_heads * head_dim * (itemsize + 4)
+    ideal = sum(np.mean([need[r, table[r, s]] for r in range(P)]) * per_token for s in range(1, P))
+    tot_ex, tot_full = sum(ex.values()), sum(full.values())
+    choice = resolve_kv_exchange("auto", num_ranks=P, chunk_len=chunk_len, capacity=cap, **shape)
+    return {"exchange": tot_ex, "full": tot_full, "fraction": tot_ex / tot_full if tot_full else 0.0,
+            "capacity": cap, "capacity_fraction": cap / chunk_len, "outer_exchange": ex["outer"],
+            "outer_full": full["outer"], "choice": "exchange" if choice == "sparse" else "ring",
+            "ideal_fraction": ideal / tot_full if tot_full else 0.0}
 
 
 def exchange_rows(S: int, meshes=((1, 8), (4, 8)), layouts=("block_striped", "zigzag", "contiguous"),
@@ -287,8 +408,9 @@ def exchange_rows(S: int, meshes=((1, 8), (4, 8)), layouts=("block_striped", "zi
             off = need[~np.eye(n * l, dtype=bool)] / (S // (n * l))
             r = exchange_bytes(need, n, l, "hierarchical", chunk_len=S // (n * l), block_size=block_size, kv_heads=2,
                                head_dim=128, itemsize=2)
+            hb = hot_blocks(index, pos, block_size, n, l)
             rows.append(dict(S=S, mesh=f"{n}x{l}", layout=lay, density=dens, need_mean=float(off.mean()),
-                             need_max=float(off.max()), **r))
+                             need_max=float(off.max()), **r, hot=hb))
     return rows
 
 
@@ -351,9 +473,11 @@ MODELS = {"GQA16/2": dict(heads=16, kv_heads=2), "MHA16": dict(heads=16, kv_head
 
 def predictions(kernels: Kernels, dense_rate: float, lengths=(262144, 524288, 1048576),
                 meshes=((1, 1), (1, 8), (4, 8)), densities=None, models=MODELS,
-                sides=("kv", "query")) -> list[dict]:
+                sides=("kv", "query"), exchange_capacities=(1.0, 0.25)) -> list[dict]:
     """Dense and sparse ring at each length and mesh (hierarchical; 4 x 8 over :data:`IB_400G`),
-    per attention shape of ``models`` and backward side."""
+    per attention shape of ``models`` and backward side, and the sparse ring with the sparse-aware
+    K/V exchange at each capacity of ``exchange_capacities`` (fraction of a chunk: 1.0 is what the
+    synthetic index needs on every layout, ``exchange_rows``; 0.25 an index of few, short slashes)."""
     densities = densities or {262144: 0.0277, 524288: 0.0144, 1048576: 0.0075}
     rows = []
     for S in lengths:
@@ -366,6 +490,14 @@ def predictions(kernels: Kernels, dense_rate: float, lengths=(262144, 524288, 10
                         rows.append(dict(S=S, mesh=f"{n}x{l}", gpus=n * l, model=model, ring=name, density=dens,
                                          auto=resolve_backward_ring("auto", head_dim=128, itemsize=2, **heads),
                                          **p.as_dict()))
+                # the sparse ring with the sparse-aware K/V exchange (K/V-side backward) at each capacity
+                for cap in exchange_capacities:
+                    p = simulate(Workload(S, densities[S], **heads), n, l, "hierarchical", kernels=kernels,
+                                 backward_ring="kv", kv_exchange="sparse", capacity_fraction=cap)
+                    rows.append(dict(S=S, mesh=f"{n}x{l}", gpus=n * l, model=model, ring=f"exchange@{cap:g}",
+                                     density=densities[S], capacity_fraction=cap,
+                                     auto=resolve_backward_ring("auto", head_dim=128, itemsize=2, **heads),
+                                     **p.as_dict()))
     return rows
 
 
@@ -387,7 +519,7 @@ def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
     a.set_ylabel("predicted ms")
     a.set_title("sparse ring: model vs measurement")
     a.legend(fontsize=8)
-    for ring, style in (("sparse", "-o"), ("dense", "--s")):
+    for ring, style in (("sparse", "-o"), ("dense", "--s"), ("exchange@1", ":^"), ("exchange@0.25", ":v")):
         for S in sorted({r["S"] for r in preds}):
             rs = sorted((r for r in preds if r["ring"] == ring and r["S"] == S and r.get("model", "GQA16/2") == "GQA16/2"
                          and r["backward_ring"] == "kv"), key=lambda r: r["gpus"])
@@ -396,7 +528,7 @@ def _plot(calib: list[dict], preds: list[dict], path: str) -> None:
     b.set_yscale("log")
     b.set_xlabel("GPUs (1, one node of 8, 4 nodes x 8 over 400 Gb/s)")
     b.set_ylabel("predicted fwd+bwd ms per layer")
-    b.set_title("predictions (hierarchical ring, GQA 16/2, K/V-side backward)")
+    b.set_title("predictions (hierarchical, GQA 16/2, K/V-side backward; exchange@c: sparse K/V exchange)", fontsize=9)
     b.legend(fontsize=7, ncol=2)
     lengths = sorted({r["S"] for r in preds})
     for (model, side), style in zip([(m, s_) for m in MODELS for s_ in ("kv", "query")], ("-o", "--o", "-s", "--s")):
@@ -440,6 +572,12 @@ def main(argv=None) -> int:
         print(f"exchange {r['S'] // 1024}K {r['mesh']} {r['layout']:>13}: need per pair mean {r['need_mean']:.2f} "
               f"max {r['need_max']:.2f} of a chunk; bytes vs ring {r['fraction']:.3f} (ragged bound "
               f"{r['ideal_fraction']:.3f}) -> {r['choice']}")
+        h = r["hot"]
+        print(f"   hot blocks (>= 90 % of ranks): {h['hot_blocks']} ({h['hot_tokens_fraction_of_chunk']:.3f} of a chunk); "
+              f"capacity {h['capacity']} -> {h['capacity_replicated']} tokens; exchange bytes "
+              f"{h['exchange_bytes'] / 1e6:.1f} -> {h['exchange_bytes_replicated'] / 1e6:.1f} MB (ring "
+              f"{h['ring_bytes'] / 1e6:.1f}); step imbalance {h['step_imbalance']:.3f} -> "
+              f"{h['step_imbalance_replicated']:.3f}; pays: {h['pays']}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "comm_model.json"), "w") as f:

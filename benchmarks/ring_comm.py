@@ -24,6 +24,13 @@ delta) per transition (``P-1``: the first, into step ``P-1``, is a ``diagonal`` 
 ``(n-1, l-1)``, overlapping the own step) and one float32 dQ accumulator ``dq`` per transition
 (``P-1``: inner hops within an outer step, one outer hop of the node's running total per outer
 step). :func:`ring_hops` checks every one against the table.
+
+The sparse-aware K/V exchange (``kv_exchange="sparse"``, :mod:`mtraining_jax.ring.exchange`) sends at
+every step ``s >= 1`` one compact K/V buffer ``[2, B, capacity, Hkv, D]`` straight from the chunk's
+owner to its holder (axis ``direct``, pairs ``(table[r, s], r)``) in the forward (kept for the
+backward), and in the backward one compact float32 dK/dV buffer back (``direct``, holder to owner):
+:func:`exchange_hops`, with ``chunk_len = capacity`` in :func:`hop_bytes`. A direct hop uses the
+outer (inter-node) link when any of its pairs crosses nodes.
 """
 
 from __future__ import annotations
@@ -35,13 +42,15 @@ import numpy as np
 from mtraining_jax.ring.schedule import source_table, validate_ring_order
 from mtraining_jax.ring.sides import BACKWARD_SIDES, backward_hop_bytes
 
-__all__ = ["Hop", "ring_hops", "hop_bytes", "hop_pairs", "hop_link", "ring_bytes", "transfer_units"]
+__all__ = ["Hop", "ring_hops", "exchange_hops", "hop_bytes", "hop_pairs", "hop_link", "ring_bytes",
+           "exchange_link_bytes", "transfer_units"]
 
 
 class Hop(NamedTuple):
     """One collective-permute of one rank: ``phase`` ``"forward"`` / ``"backward"``; ``step``: the
     ring step whose chunk it delivers; ``axis`` ``"inner"`` / ``"outer"`` / ``"diagonal"`` (the
-    query side's first hop, node and local one place on); ``what`` ``"kv"`` (K/V in the input
+    query side's first hop, node and local one place on) / ``"direct"`` (the sparse exchange: owner
+    to holder, dK/dV back); ``what`` ``"kv"`` (K/V in the input
     dtype), ``"dkv"`` (float32 dK/dV), ``"q"`` (Q, dO, lse, delta) or ``"dq"`` (float32 dQ)."""
 
     phase: str
@@ -142,11 +151,27 @@ def hop_bytes(hop: Hop, *, batch: int, chunk_len: int, kv_heads: int, head_dim: 
                               head_dim=head_dim, itemsize=itemsize)[hop.what]
 
 
+def exchange_hops(num_nodes: int, num_local: int, ring_order: str, backward_ring: str = "kv") -> list[Hop]:
+    """Every collective-permute one rank makes in one forward + backward with the sparse K/V
+    exchange (module docstring): ``P - 1`` direct K/V sends forward; with the K/V-side backward
+    ``P - 1`` direct dK/dV returns, with the query side that ring's hops (:func:`ring_hops`)."""
+    hops = ring_hops(num_nodes, num_local, ring_order, backward_ring)  # validates
+    P = num_nodes * num_local
+    fwd = [Hop("forward", s, "direct", "kv") for s in range(1, P)]
+    if backward_ring == "query":
+        return fwd + [h for h in hops if h.phase == "backward"]
+    return fwd + [Hop("backward", s, "direct", "dkv") for s in range(1, P)]
+
+
 def hop_pairs(hop: Hop, num_nodes: int, num_local: int, ring_order: str) -> frozenset:
     """``(source, target)`` ranks of ``hop`` over all ranks (node-major): forward hops and the query
     side's go one place along their ring (``diagonal``: node and local one place on), the K/V
     side's backward hops one place back."""
     _, inner, outer = _rings(num_nodes, num_local, ring_order)
+    if hop.axis == "direct":  # owner -> holder of step hop.step (dK/dV: back to the owner)
+        table = source_table(num_nodes, num_local, ring_order)
+        pairs = [(int(table[r, hop.step]), r) for r in range(num_nodes * num_local)]
+        return frozenset((b, a) for a, b in pairs) if hop.what == "dkv" else frozenset(pairs)
     d = 1 if hop.phase == "forward" or hop.what in ("q", "dq") else -1
     if hop.axis == "diagonal":
         return frozenset((r, outer(inner(r, d), d)) for r in range(num_nodes * num_local))
@@ -154,9 +179,15 @@ def hop_pairs(hop: Hop, num_nodes: int, num_local: int, ring_order: str) -> froz
     return frozenset((r, step(r, d)) for r in range(num_nodes * num_local))
 
 
-def hop_link(hop: Hop, num_nodes: int, ring_order: str) -> str:
+def hop_link(hop: Hop, num_nodes: int, ring_order: str, num_local: int | None = None) -> str:
     """``"inner"`` or ``"outer"``: the link class ``hop`` uses (the diagonal hop crosses nodes when
-    the hierarchical ring has an outer ring)."""
+    the hierarchical ring has an outer ring; a direct hop when one of its pairs does, which needs
+    ``num_local``)."""
+    if hop.axis == "direct":
+        if num_local is None:
+            raise ValueError(f"{hop}: the link of a direct hop needs num_local")
+        return "outer" if any(a // num_local != b // num_local
+                              for a, b in hop_pairs(hop, num_nodes, num_local, ring_order)) else "inner"
     if hop.axis != "diagonal":
         return hop.axis
     return "outer" if ring_order == "hierarchical" and num_nodes > 1 else "inner"
@@ -168,6 +199,18 @@ def ring_bytes(num_nodes: int, num_local: int, ring_order: str, backward_ring: s
     out = {"inner": 0, "outer": 0}
     for hop in ring_hops(num_nodes, num_local, ring_order, backward_ring):
         out[hop_link(hop, num_nodes, ring_order)] += hop_bytes(hop, **shape)
+    return out
+
+
+def exchange_link_bytes(num_nodes: int, num_local: int, ring_order: str, backward_ring: str = "kv", *,
+                        capacity: int, **shape) -> dict[str, int]:
+    """``{"inner": bytes, "outer": bytes}`` one rank sends per forward + backward with the sparse
+    exchange: its direct hops carry ``capacity`` tokens, the query-side backward's hops whole chunks
+    (``shape``: the keywords of :func:`hop_bytes`, ``chunk_len`` the chunk)."""
+    out = {"inner": 0, "outer": 0}
+    for hop in exchange_hops(num_nodes, num_local, ring_order, backward_ring):
+        n = dict(shape, chunk_len=capacity) if hop.axis == "direct" else shape
+        out[hop_link(hop, num_nodes, ring_order, num_local)] += hop_bytes(hop, **n)
     return out
 
 

@@ -63,6 +63,7 @@ from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attenti
 from pallas_kernels.reference import dense_attention  # noqa: E402
 from mtraining_jax.ring.attention import ring_attention  # noqa: E402
 from mtraining_jax.ring.schedule import RING_ORDERS  # noqa: E402
+from mtraining_jax.ring.exchange import KV_EXCHANGES  # noqa: E402
 from mtraining_jax.ring.sides import BACKWARD_RINGS, resolve_backward_ring  # noqa: E402
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, make_mesh, sequence_sharding  # noqa: E402
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index_shard  # noqa: E402
@@ -145,8 +146,8 @@ def exposed_bound(rec: dict, step_s: float) -> float | None:
     N, L = rec["nodes"], rec["local"]
     if N * L == 1:
         return 0.0
-    if "kv_ppermute_s" not in rec:
-        return None
+    if "kv_ppermute_s" not in rec or rec.get("kv_exchange", "ring") != "ring":
+        return None  # the sparse exchange's bytes depend on its capacity and run-time fallbacks
     side = resolve_backward_ring(rec.get("backward_ring", "kv"), heads=HQ, kv_heads=HKV, head_dim=D, itemsize=2)
     # in bf16 K/V buffers, as timed
     inner, outer = transfer_units(N, L, rec["ring_order"], backward_ring=side, heads_per_kv=HQ // HKV, head_dim=D)
@@ -159,14 +160,15 @@ def exposed_bound(rec: dict, step_s: float) -> float | None:
 FUSE = {"none": (False, False), "backward": (False, True), "forward": (True, False), "both": (True, True)}
 
 
-def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_ring="auto"):
+def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_ring="auto", kv_exchange="ring"):
     N, L = mesh_shape
     P = N * L
     mesh = make_mesh((N, L), jax.devices()[:P])
     sp = SparsityConfig()  # defaults: p = 0.9, verticals <= 4096, slashes <= 64 diagonals
     fuse_fwd, fuse_bwd = FUSE[fuse]
     cfg = MTrainingConfig(sparsity=sp, layout="block_striped", ring_order=ring_order, fuse_forward=fuse_fwd,
-                          fuse_backward=fuse_bwd, backward_ring=backward_ring)
+                          fuse_backward=fuse_bwd, backward_ring=backward_ring, kv_exchange=kv_exchange,
+                          exchange_capacity=args.exchange_capacity)
     layout = cfg.make_layout(S, P)
     q, k, v, cot = make_inputs(S, sharpness=args.sharpness)
     shard = sequence_sharding(mesh)
@@ -188,7 +190,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_rin
     sparse_f = jax.jit(lambda q, k, v: mtraining_attention(q, k, v, mesh, cfg))
     dense_f = jax.jit(lambda q, k, v: ring_attention(q, k, v, perm, mesh, **ring_kw))
     rec = {"S": S, "gpus": P, "mesh": f"{N}x{L}", "nodes": N, "local": L, "ring_order": ring_order, "fuse": fuse,
-           "backward_ring": backward_ring, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+           "backward_ring": backward_ring, "kv_exchange": kv_exchange, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if args.tag:
         rec["run"] = args.tag
     rec["index_s"], _ = timeit(jax.jit(lambda q, k: index_only(q, k, mesh, cfg, layout)), lq, lk, repeat=args.repeat)
@@ -212,7 +214,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_rin
             q, k, v, cot, layout.unpermute(o), layout.unpermute(grads[0]), st.index, rows, cfg.block_size)
     hlo = sparse_fb.lower(lq, lk, lv, lc).compile().as_text() if args.profile or P > 1 else ""
     if args.profile:  # one traced sparse fwd+bwd step: per-GPU kernel breakdown and measured exposed comm
-        tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}")
+        tdir = os.path.join(out_dir, f"profile_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}_{kv_exchange}")
         with jax.profiler.trace(tdir, create_perfetto_trace=True):
             jax.block_until_ready(sparse_fb(lq, lk, lv, lc))
         summary = summarize_dir(tdir, top=60, hlo_text=hlo)
@@ -239,10 +241,10 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_rin
             if f"{m}_fwdbwd_s" in rec:
                 rec[f"{m}_exposed_comm_bound"] = exposed_bound(rec, rec[f"{m}_fwdbwd_s"])
     if P > 1:
-        with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}.hlo.txt"),
+        with open(os.path.join(out_dir, f"sparse_fwdbwd_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}_{kv_exchange}.hlo.txt"),
                   "w") as f:
             f.write(hlo)
-        with open(os.path.join(out_dir, f"schedule_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}.txt"), "w") as f:
+        with open(os.path.join(out_dir, f"schedule_S{S}_{N}x{L}_{ring_order}_{fuse}_{backward_ring}_{kv_exchange}.txt"), "w") as f:
             f.write("\n".join(schedule_outline(hlo)) + "\n")
         ops = op_counts(hlo)
         rec["hlo_collective_permute_starts"] = ops["collective-permute-start"]
@@ -282,6 +284,7 @@ def normalize(rec: dict) -> dict:
     rec.setdefault("mode", "total")
     rec.setdefault("fuse", "pre-v11")  # no fused kernel calls, backward ring in forward order
     rec.setdefault("backward_ring", "kv")  # before issue 22: the K/V side only
+    rec.setdefault("kv_exchange", "ring")  # before issue 22: the ring only
     if rec["gpus"] == 1:
         rec["fuse"] = "n/a"  # one chunk: nothing to fuse, every variant is the same program
     return rec
@@ -293,7 +296,7 @@ def merge(records: list[dict]) -> list[dict]:
     cases: dict[tuple, dict] = {}
     for rec in map(normalize, records):
         key = (rec.get("device"), rec["mode"], rec["S"], rec["mesh"], rec["ring_order"], rec["fuse"],
-               rec["backward_ring"])
+               rec["backward_ring"], rec["kv_exchange"])
         cases.setdefault(key, {}).update(rec)
     return list(cases.values())
 
@@ -310,20 +313,23 @@ def scaling_rows(cases: list[dict]) -> list[dict]:
         causal = c["S"] * (c["S"] + 1) / 2
         return causal * (c["density"] if m == "sparse" else 1.0)
 
-    base = {}
+    base = {}  # the P = 1 record of the same variant (backward side, exchange), else any variant's
     for c in cases:
         if c["gpus"] == 1:
-            base[(c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"])] = c
+            key = (c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"])
+            base.setdefault(key, c)
+            base[key + (c["backward_ring"], c["kv_exchange"])] = c
     rows = []
     for c in sorted(cases, key=lambda c: (c["mode"] != "total", c["S"] // (c["gpus"] if c["mode"] == "per_gpu" else 1),
                                           c["gpus"], c["nodes"], c["ring_order"])):
-        b = base.get((c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"]))
+        key = (c.get("device"), c["mode"], c["S"] if c["mode"] == "total" else c["S"] // c["gpus"])
+        b = base.get(key + (c["backward_ring"], c["kv_exchange"]), base.get(key))
         for m in METHODS:
             t = c.get(f"{m}_fwdbwd_s")
             if t is None:
                 continue
             row = dict(mode=c["mode"], S=c["S"], mesh=c["mesh"], gpus=c["gpus"], ring_order=c["ring_order"],
-                       fuse=c["fuse"],
+                       fuse=c["fuse"], backward_ring=c["backward_ring"], kv_exchange=c["kv_exchange"],
                        method=m, time_s=t, tokens_per_s=c["S"] / t, speedup=None, efficiency=None,
                        worker_imbalance=c.get("worker_imbalance") if m == "sparse" else None,
                        step_imbalance=c.get("step_imbalance") if m == "sparse" else None,
@@ -369,7 +375,8 @@ def markdown_table(rows: list[dict]) -> str:
         mode = "fixed total" if r["mode"] == "total" else f"{_len(r['S'] // r['gpus'])}/GPU"
         lines.append(
             f"| {mode} | {_len(r['S'])} | {r['mesh']} | "
-            f"{r['ring_order'] + ', fused: ' + r['fuse'] if r['gpus'] > 1 else '–'} | "
+            f"{r['ring_order'] + ', fused: ' + r['fuse'] + ', ' if r['gpus'] > 1 else ''}"
+            f"bwd {r['backward_ring']}, {r['kv_exchange']} | "
             f"{r['method']} | "
             f"{r['time_s'] * 1e3:.1f} ms | {_rate(r['tokens_per_s'])} | {_fmt(r['speedup'], '.2f', '×')} | "
             f"{_fmt(None if r['efficiency'] is None else 100 * r['efficiency'], '.0f', ' %')} | "
@@ -507,6 +514,10 @@ def main(argv=None):
                     help="which passes run their first two chunks in one kernel call (MTrainingConfig.fuse_*)")
     ap.add_argument("--backward-ring", nargs="+", default=["auto"], choices=list(BACKWARD_RINGS),
                     help="which side circulates in the backward ring (MTrainingConfig.backward_ring), one run each")
+    ap.add_argument("--kv-exchange", nargs="+", default=["ring"], choices=list(KV_EXCHANGES),
+                    help="how K/V reach the ranks (MTrainingConfig.kv_exchange; the sparse ring only), one run each")
+    ap.add_argument("--exchange-capacity", type=float, default=None,
+                    help="the sparse exchange's capacity, fraction of a chunk (default: exchange.DEFAULT_CAPACITY_FRACTION)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--sharpness", type=float, default=1.0)
     ap.add_argument("--check", action="store_true", help="sampled-row correctness check")
@@ -532,12 +543,12 @@ def main(argv=None):
     records, done = [], {}
     with open(log_path, "a") as log:
         # fusing needs two chunks: on one GPU every variant is the same program, run once
-        cases = [(c, f, b) for c in plan(args) for f in (args.fuse if c[2] != (1, 1) else args.fuse[:1])
-                 for b in args.backward_ring]
-        for (mode, S, mesh_shape, order), fuse, side in cases:
-            key = (S, mesh_shape, order, fuse, side)
+        cases = [(c, f, b, x) for c in plan(args) for f in (args.fuse if c[2] != (1, 1) else args.fuse[:1])
+                 for b in args.backward_ring for x in args.kv_exchange]
+        for (mode, S, mesh_shape, order), fuse, side, exchange in cases:
+            key = (S, mesh_shape, order, fuse, side, exchange)
             if key not in done:  # the same case in both modes is measured once
-                done[key] = run_case(S, mesh_shape, order, args, args.out, fuse, side)
+                done[key] = run_case(S, mesh_shape, order, args, args.out, fuse, side, exchange)
             rec = dict(done[key], mode=mode)
             records.append(rec)
             log.write(json.dumps(rec) + "\n")

@@ -9,9 +9,10 @@ import pytest
 import numpy as np
 
 from benchmarks.comm_model import (Kernels, Link, Workload, backward_bytes, calibrate, exchange_bytes, exchange_need,
-                                   simulate)
+                                   hot_blocks, simulate)
 from mtraining_jax.layouts import Layout
 from mtraining_jax.sparsity.index import VerticalSlashIndex
+from benchmarks import ring_comm
 from benchmarks.ring_comm import ring_bytes
 
 W = Workload(S=65536, density=0.05)
@@ -105,8 +106,42 @@ def test_exchange_need_by_hand():
     need2 = exchange_need(idx2, pos, 4, 1)
     assert [need2[r, r - 1] for r in range(1, 4)] == [8, 8, 8]  # d = 2 blocks: the whole previous chunk
     shape = dict(chunk_len=8, block_size=4, kv_heads=1, head_dim=1, itemsize=2)
+    ring = (3 + 2) * 8 * 2 * 2 + 3 * 8 * 2 * 4  # K/V forward + backward (bf16), dK/dV (float32)
     r = exchange_bytes(need, 1, 4, "flat", **shape)
-    # step 1: max need 1 token -> one block of 4; steps 2, 3 likewise (rank 2 / 3 need the vertical of chunk 0)
-    assert r["exchange"] == 3 * 4 * 2 * (2 * 2 + 4) and r["choice"] == "exchange" and r["steps_full"] == 0
+    # one capacity for every step: the max need of a pair (1 token) -> one block of 4, K/V once + dK/dV
+    assert r["capacity"] == 4 and r["full"] == ring
+    assert r["exchange"] == 3 * 4 * 2 * (2 + 4) and r["choice"] == "exchange"
     r2 = exchange_bytes(need2, 1, 4, "flat", **shape)
-    assert r2["steps_full"] == 1 and r2["exchange"] == (8 + 4 + 4) * 2 * (2 * 2 + 4)
+    assert r2["capacity"] == 8 and r2["exchange"] == 3 * 8 * 2 * (2 + 4) and r2["choice"] == "ring"  # whole chunk
+    r3 = exchange_bytes(need2, 2, 2, "hierarchical", **shape)  # 2 sends of 3 cross nodes, the ring's 1 of 3
+    assert r3["outer_exchange"] > r3["outer_full"] and r3["choice"] == "ring"
+
+
+@pytest.mark.parametrize("n, l, side", [(1, 8, "kv"), (4, 8, "kv"), (2, 4, "query")])
+def test_exchange_bytes_equal_the_schedule_accounting(n, l, side):
+    """The simulated exchange sends what ``ring_comm.exchange_link_bytes`` (checked against the
+    compiled HLO) says, per link; a smaller capacity is never slower."""
+    w = Workload(262144, 0.03)
+    P = n * l
+    cap = 0.25 * (w.S // P)
+    p = simulate(w, n, l, "hierarchical", backward_ring=side, kv_exchange="sparse", capacity_fraction=0.25)
+    want = ring_comm.exchange_link_bytes(n, l, "hierarchical", side, capacity=int(cap), batch=1, chunk_len=w.S // P,
+                                         kv_heads=2, heads=16, head_dim=128, itemsize=2)
+    assert (p.bytes_inner, p.bytes_outer) == (want["inner"], want["outer"])
+    full = simulate(w, n, l, "hierarchical", backward_ring=side, kv_exchange="sparse", capacity_fraction=1.0)
+    assert p.step_s <= full.step_s
+
+
+def test_hot_blocks_by_hand():
+    """The vertical at position 1 (rank 0's block 0) is needed by every other rank: one hot block.
+    Replicating it leaves the exchange's capacity at its one-block minimum and costs the all-gather:
+    it does not pay. Two slashes (d = 0, 2) make each rank's previous chunk needed by one rank only:
+    no hot block."""
+    pos = Layout("contiguous", 32, 4).positions
+    idx = VerticalSlashIndex(np.array([[[1, 32]]]), np.array([[1]]), np.array([[[0, 2]]]), np.array([[1]]))
+    h = hot_blocks(idx, pos, 4, 1, 4, "flat", kv_heads=1, head_dim=1)
+    assert h["hot_blocks"] == 1 and h["capacity"] == h["capacity_replicated"] == 4 and not h["pays"]
+    assert h["exchange_bytes_replicated"] > h["exchange_bytes"]
+    h2 = hot_blocks(idx._replace(v_count=np.array([[0]]), s_count=np.array([[2]])), pos, 4, 1, 4, "flat",
+                    kv_heads=1, head_dim=1)
+    assert h2["hot_blocks"] == 0 and h2["exchange_bytes_replicated"] == h2["exchange_bytes"]

@@ -178,9 +178,10 @@ def test_dense_ring_documents(docs, mesh_shape, layout_name, order, side):
 SPARSE = SparsityConfig(vertical_p=0.6, slash_p=0.6, vertical_min=4, vertical_max=24, slash_min=1, slash_max=4)
 
 
-@pytest.mark.parametrize("docs, window, side", [(DOCS[0], "sequence", "kv"), (DOCS[3], "sequence", "kv"),
-                                                (DOCS[3], "sequence", "query"), (DOCS[0], "per_document", "kv")])
-def test_sparse_ring_documents_match_masked_reference(docs, window, side):
+@pytest.mark.parametrize("docs, window, side, exchange", [
+    (DOCS[0], "sequence", "kv", "ring"), (DOCS[3], "sequence", "kv", "ring"), (DOCS[3], "sequence", "query", "ring"),
+    (DOCS[0], "per_document", "kv", "ring"), (DOCS[3], "sequence", "kv", "sparse")])
+def test_sparse_ring_documents_match_masked_reference(docs, window, side, exchange):
     """The sparse ring with documents = dense reference under (index mask AND document mask), the
     index being the one estimated under the document mask (from the sequence's last queries or
     every document's own)."""
@@ -189,7 +190,7 @@ def test_sparse_ring_documents_match_masked_reference(docs, window, side):
     seg = _segments(docs * B, S)
     mesh = make_mesh((2, 2), jax.devices()[:4])
     sparse = dataclasses.replace(SPARSE, window=window, window_blocks=4)
-    cfg = MTrainingConfig(sparsity=sparse, impl="xla", backward_ring=side)
+    cfg = MTrainingConfig(sparsity=sparse, impl="xla", backward_ring=side, kv_exchange=exchange)
     lay = cfg.make_layout(S, 4)
     p = lay.permute
 

@@ -181,7 +181,7 @@ def pytest_generate_tests(metafunc):
     """``ring_case``: the cases of the suite subclass being collected."""
     if "ring_case" in metafunc.fixturenames:
         cases = metafunc.cls.CASES
-        metafunc.parametrize("ring_case", cases, ids=[f"{m[0]}x{m[1]}-{lay}-{o}-fuse={f}" + "".join(side)
+        metafunc.parametrize("ring_case", cases, ids=[f"{m[0]}x{m[1]}-{lay}-{o}-fuse={f}" + "-".join(side)
                                                       for m, lay, o, f, *side in cases])
 
 
@@ -198,7 +198,10 @@ class _SparseRingSuite:
     CASES = ([c + ((True, True),) for c in CASES] + FUSED_CASES
              + [(m, lay, o, (True, True), "query") for m, (lay, o) in zip(MESHES * 2, itertools.product(
                  ["block_striped", "zigzag", "contiguous"], ["hierarchical", "flat"]))]
-             + [((2, 1), "zigzag", "hierarchical", (True, True), "query")])
+             + [((2, 1), "zigzag", "hierarchical", (True, True), "query")]
+             # the sparse K/V exchange (traced index: guarded default capacity), with either backward side
+             + [((2, 4), "zigzag", "hierarchical", (True, True), "kv", "sparse"),
+                ((4, 2), "contiguous", "flat", (True, True), "query", "sparse")])
 
     def test_impl_is_a_registry_backend(self):
         assert self.impl in registry.BACKENDS
@@ -208,7 +211,8 @@ class _SparseRingSuite:
         q, k, v, cot = _inputs(hash((mesh_shape, layout, order)) % 1000, self.dtype, self.head_dim)
         mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
         cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl=self.impl,
-                              fuse_forward=fuse[0], fuse_backward=fuse[1], backward_ring=(side or ["auto"])[0])
+                              fuse_forward=fuse[0], fuse_backward=fuse[1], backward_ring=(side or ["auto"])[0],
+                              kv_exchange=side[1] if len(side) > 1 else "ring")
         P = mesh_shape[0] * mesh_shape[1]
         lay = cfg.make_layout(S, P)
 

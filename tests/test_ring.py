@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from pallas_kernels.reference import dense_attention
-from mtraining_jax.ring.attention import RingConfig, ring_attention, ring_attention_shard
+from mtraining_jax.ring.attention import RingConfig, StackedStepIndex, ring_attention, ring_attention_shard
 from mtraining_jax.layouts import LAYOUTS, Layout
 from mtraining_jax.mesh import CP_AXES, make_mesh, sequence_sharding
 from mtraining_jax.ring.schedule import RING_ORDERS, source_rank
@@ -118,7 +118,7 @@ def _case_id(case) -> str:
 
 def pytest_generate_tests(metafunc):
     """``ring_case`` / ``step_case``: the cases of the suite subclass being collected."""
-    for name, attr in (("ring_case", "RING_CASES"), ("step_case", "STEP_CASES")):
+    for name, attr in (("ring_case", "RING_CASES"), ("step_case", "STEP_CASES"), ("exchange_case", "EXCHANGE_CASES")):
         if name in metafunc.fixturenames:
             cases = getattr(metafunc.cls, attr)
             metafunc.parametrize(name, cases, ids=[_case_id(c) for c in cases])
@@ -171,6 +171,12 @@ class _RingSuite:
     STEP_CASES = [((2, 4), "hierarchical", "block_striped"), ((4, 2), "flat", "zigzag")]
     STEP_SHAPES = dict(B=1, S=256, Hq=4, Hkv=1, D=64, bs=16)  # the shapes of the float32 layout tests
     STEP_DTYPE = "float32"  # q/k/v of the step-index tests (the Mosaic kernels take bf16 / f16 only)
+    # (mesh, order, layouts, (kv_exchange, exchange_capacity, backward_ring)) of the sparse exchange
+    # each mesh: two layouts per order, all four layouts over its two orders
+    EXCHANGE_CASES = [(m, o, LAYOUTS[:2] if o == "flat" else LAYOUTS[2:], dict(kv_exchange="auto" if m == (4, 2) else "sparse", exchange_capacity=0.5,
+                                           backward_ring="query" if (m, o) == ((2, 4), "flat") else "kv"))
+                      for m in MESHES[1:] for o in RING_ORDERS]
+    EXCHANGE_SHAPES = dict(B=1, S=512, Hq=2, Hkv=1, D=32, bs=16)
 
     def test_impl_is_a_registry_backend(self):
         assert self.impl in registry.BACKENDS
@@ -194,6 +200,22 @@ class _RingSuite:
         ref_out, ref_grads = _reference(q, k, v, cot, mask)
         _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.dtype(self.STEP_DTYPE),
                                  self.tol[self.STEP_DTYPE], f"random StepIndex {order} impl={self.impl}")
+
+    def test_sparse_exchange_matches_masked_reference(self, exchange_case):
+        """kv_exchange="sparse" (each rank receives only the K/V tokens its index needs, dK/dV of
+        those sent back) with a configured capacity: equal to dense attention under the union mask
+        of a random index whose need fits the capacity at most steps and is the whole chunk at every
+        third (those steps take the guarded whole-chunk path), every layout."""
+        mesh_shape, order, layouts, exchange = exchange_case
+        make = functools.partial(_random_step_index, max_cols=3, empty_rows=True, pool=1)
+        dt = self.STEP_DTYPE
+        for layout_name in layouts:
+            lay, (q, k, v, cot), mask, out, grads = _run_step_index(
+                mesh_shape, order, layout_name, make, 7, self.impl, dtype=dt, exchange=tuple(sorted(exchange.items())),
+                **self.EXCHANGE_SHAPES)
+            ref_out, ref_grads = _reference(q, k, v, cot, mask)
+            _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.dtype(dt), self.tol[dt],
+                                     f"sparse exchange {exchange} {layout_name} mesh={mesh_shape} {order} impl={self.impl}")
 
     def test_step_index_full_equals_dense_ring(self):
         """full_step_index for each step's (q_pos, visiting k_pos) reproduces the dense ring exactly."""
@@ -226,6 +248,8 @@ class TestTritonInterpret(_RingSuite):
                   ((1, 2), "flat", ("block_striped",), dict(S=128, Hq=2, Hkv=1, D=32, backward_ring="query"))]
     STEP_CASES = [((1, 2), "flat", "zigzag")]
     STEP_SHAPES = dict(B=1, S=128, Hq=2, Hkv=1, D=32, bs=32)
+    # the exchange adds no kernel code (gathers, permutes, the same per-step kernels): the XLA twin covers it
+    test_sparse_exchange_matches_masked_reference = None
 
 
 @pytest.mark.gpu
@@ -239,6 +263,7 @@ class TestTritonGPU(_RingSuite):
                   for dt in ("float32", "bfloat16") for b in ("kv", "query")]
     STEP_CASES = [((1, 1), "hierarchical", "block_striped")]
     STEP_SHAPES = dict(B=1, S=1024, Hq=4, Hkv=1, D=64, bs=64)
+    test_sparse_exchange_matches_masked_reference = None  # one rank: nothing to exchange (it is the ring)
 
 
 @pytest.mark.gpu
@@ -277,9 +302,12 @@ def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
 
 # --------------------------------------------------------------------------- step_index plumbing
 
-def _random_step_index(rng, P, B, H, sl, bs, q_pos, k_pos, max_cols, empty_rows):
+def _random_step_index(rng, P, B, H, sl, bs, q_pos, k_pos, max_cols, empty_rows, pool=None):
     """Random valid StepIndex with leading ``[P_rank, P_step]`` axes; ``q_pos [P, Sl]``,
-    ``k_pos [P, P, Sl]``. With ``empty_rows``, query block 0 of rank 0, head 0 gets nothing."""
+    ``k_pos [P, P, Sl]``. With ``empty_rows``, query block 0 of rank 0, head 0 gets nothing.
+    ``pool``: rows of (rank, step) pick their blocks among ``pool`` random KV blocks of that pair
+    (every block at steps ``step % 3 == 0``): a sparse-exchange need below the whole chunk at
+    most steps and the whole chunk at some."""
     nqb = nkb = sl // bs
     bidx = np.zeros((P, P, B, H, nqb, nkb), np.int32)
     bcnt = np.zeros((P, P, B, H, nqb), np.int32)
@@ -289,8 +317,11 @@ def _random_step_index(rng, P, B, H, sl, bs, q_pos, k_pos, max_cols, empty_rows)
         n = int(rng.integers(0, max_cols + 1))
         cidx[head][:n] = rng.choice(sl, size=n, replace=False)
         ccnt[head] = rng.integers(0, n + 1, size=nqb)
+    pools = {(r, t): np.arange(nkb) if pool is None or t % 3 == 0 else rng.choice(nkb, pool, replace=False)
+             for r in range(P) for t in range(P)}
     for row in np.ndindex(P, P, B, H, nqb):
-        blocks = np.sort(rng.choice(nkb, size=rng.integers(0, nkb + 1), replace=False))
+        avail = pools[row[:2]]
+        blocks = np.sort(rng.choice(avail, size=rng.integers(0, len(avail) + 1), replace=False))
         bidx[row][: len(blocks)] = blocks
         bcnt[row] = len(blocks)
     if empty_rows:
@@ -324,19 +355,26 @@ def _laid_mask(index, sl, bs, src):
 
 
 @functools.lru_cache(maxsize=None)
-def _sparse_ring_vg(mesh_shape, order, bs, impl):
+def _sparse_ring_vg(mesh_shape, order, bs, impl, exchange=None):
+    """``exchange``: ``None`` (each rank gets its own ``[P_step]`` index) or keyword items of
+    ``ring_attention_shard`` (``kv_exchange``, ...): every rank gets the whole ``[P_rank, P_step]``
+    index as a ``StackedStepIndex`` (the exchange converts the receiver's index)."""
     mesh = _mesh(mesh_shape)
     nodes, local = mesh_shape
     spec = PartitionSpec(None, CP_AXES, None, None)
     pspec = PartitionSpec(CP_AXES)
 
     def body(q, k, v, pos, idx):
-        idx = jax.tree.map(lambda a: a[0], idx)  # [1, P_step, ...] -> [P_step, ...]
+        if exchange is None:
+            idx, kw = jax.tree.map(lambda a: a[0], idx), {}  # [1, P_step, ...] -> [P_step, ...]
+        else:
+            idx = StackedStepIndex(idx, jax.lax.axis_index(CP_AXES))
+            kw = dict(exchange)
         return ring_attention_shard(q, k, v, pos, pos, num_nodes=nodes, num_local=local, ring_order=order,
-                                    step_index=idx, block_size=bs, impl=impl)
+                                    step_index=idx, block_size=bs, impl=impl, **kw)
 
-    ring = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec, pspec), out_specs=spec,
-                         check_vma=False)
+    ring = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec, pspec if exchange is None else
+                                                     PartitionSpec()), out_specs=spec, check_vma=False)
 
     def loss(q, k, v, pos, idx, cot):
         out = ring(q, k, v, pos, idx)
@@ -346,7 +384,7 @@ def _sparse_ring_vg(mesh_shape, order, bs, impl):
 
 
 def _run_step_index(mesh_shape, order, layout_name, make_index, seed, impl, *, B, S, Hq, Hkv, D, bs,
-                    dtype=jnp.float32):
+                    dtype=jnp.float32, exchange=None):
     nodes, local = mesh_shape
     P = nodes * local
     sl = S // P
@@ -356,7 +394,7 @@ def _run_step_index(mesh_shape, order, layout_name, make_index, seed, impl, *, B
     index = make_index(np.random.default_rng(seed), P, B, Hq, sl, bs, lay.positions, kpos)
     mask_nat = _laid_mask(index, sl, bs, src)[:, :, lay.inverse][:, :, :, lay.inverse]
     q, k, v, cot = _inputs(seed, B, S, Hq, Hkv, D, jnp.float32)
-    fn = _sparse_ring_vg(mesh_shape, order, bs, impl)
+    fn = _sparse_ring_vg(mesh_shape, order, bs, impl, exchange)
     args = [jnp.asarray(lay.permute(x), dtype) for x in (q, k, v)]
     (_, out), grads = fn(*args, jnp.asarray(lay.perm), index, jnp.asarray(lay.permute(cot), jnp.float32))
     return lay, (q, k, v, cot), mask_nat, out, grads

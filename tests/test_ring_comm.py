@@ -7,11 +7,15 @@ import collections
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from benchmarks import hlo, ring_comm
-from mtraining_jax.ring.attention import ring_attention
-from mtraining_jax.mesh import make_mesh
+from mtraining_jax.ring import exchange
+from mtraining_jax.ring.attention import StackedStepIndex, ring_attention, ring_attention_shard
+from mtraining_jax.mesh import CP_AXES, make_mesh
+from pallas_kernels.index_format import StepIndex
 
 
 @pytest.mark.parametrize("mesh_shape, order, inner, outer", [
@@ -129,3 +133,92 @@ def test_one_rank_query_side_is_the_same_program():
         return ca["flops"], ca["bytes accessed"], hlo.op_counts(c.as_text())
 
     assert program("kv") == program("query")
+
+
+def _exchange_index(P, Hq, sl, bs):
+    """A ``[P_rank, P_step]`` StepIndex where every row attends KV block 0 of the visiting chunk
+    and one column of block 1: each step needs ``bs + 1`` tokens (two blocks of capacity)."""
+    nqb = nkb = sl // bs
+    shape = (P, P, 1, Hq, nqb)
+    bidx = np.zeros(shape + (nkb,), np.int32)
+    cidx = np.full((P, P, 1, Hq, 1), bs + 1, np.int32)
+    return StepIndex(jnp.asarray(bidx), jnp.ones(shape, jnp.int32), jnp.ones(shape + (nkb,), jnp.int32),
+                     jnp.asarray(cidx), jnp.ones(shape, jnp.int32))
+
+
+@pytest.mark.parametrize("mesh_shape, order, side", [
+    ((2, 4), "hierarchical", "kv"),
+    ((2, 2), "flat", "query"),
+], ids=str)
+def test_sparse_exchange_accounting_matches_the_compiled_ring(mesh_shape, order, side):
+    """kv_exchange="sparse" with a concrete index: the capacity is exact (host-computed, no run-time
+    guard), every collective-permute is one predicted direct hop (bytes of the capacity, pairs
+    owner -> holder and back), their sum is the byte count "auto" chooses by
+    (``ring.exchange.exchange_bytes``), and the result equals the ring's."""
+    (N, L), P = mesh_shape, mesh_shape[0] * mesh_shape[1]
+    mesh = make_mesh((N, L), jax.devices()[:P])
+    B, Sl, Hq, Hkv, D, bs = 1, 64, 2, 1, 32, 16
+    S = Sl * P
+    index = _exchange_index(P, Hq, Sl, bs)
+    spec, pspec = PartitionSpec(None, CP_AXES, None, None), PartitionSpec(CP_AXES)
+
+    def loss(mode):
+        def body(q, k, v, pos):
+            idx = StackedStepIndex(index, jax.lax.axis_index(CP_AXES))  # closed over: concrete
+            return ring_attention_shard(q, k, v, pos, pos, num_nodes=N, num_local=L, ring_order=order, step_index=idx,
+                                        block_size=bs, impl="xla", backward_ring=side, kv_exchange=mode)
+
+        ring = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec), out_specs=spec, check_vma=False)
+        return lambda q, k, v, c: jnp.sum(ring(q, k, v, jnp.arange(S)) * c)
+
+    rng = np.random.default_rng(0)
+    q, k, v, c = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                  for s in ((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, Hq, D)))
+    fn = jax.jit(jax.value_and_grad(loss("sparse"), argnums=(0, 1, 2)))
+    text = fn.lower(q, k, v, c).compile().as_text()
+    got = collections.Counter(hlo.permutes(text))
+    cap = 2 * bs
+    shape = dict(batch=B, chunk_len=Sl, kv_heads=Hkv, heads=Hq, head_dim=D, itemsize=4)
+    hops = ring_comm.exchange_hops(N, L, order, side)
+    want = collections.Counter(
+        hlo.Permute(ring_comm.hop_bytes(h, **dict(shape, chunk_len=cap if h.axis == "direct" else Sl)),
+                    ring_comm.hop_pairs(h, N, L, order)) for h in hops)
+    assert got == want
+    ring_fn = jax.jit(jax.value_and_grad(loss("ring"), argnums=(0, 1, 2)))
+    ring_text = ring_fn.lower(q, k, v, c).compile().as_text()
+    # exact capacity: no run-time guard (the loss's sum is the one all-reduce of both programs)
+    assert hlo.op_counts(text)["all-reduce"] == hlo.op_counts(ring_text)["all-reduce"]
+    total = sum(ring_comm.exchange_link_bytes(N, L, order, side, capacity=cap, **shape).values())
+    assert sum(p.nbytes for p in got.elements()) == total
+    if side == "kv":
+        assert ring_comm.exchange_link_bytes(N, L, order, side, capacity=cap, **shape) == exchange.exchange_bytes(
+            P, batch=B, capacity=cap, kv_heads=Hkv, head_dim=D, itemsize=4, num_nodes=N, ring_order=order)
+    (val, grads), (ref_val, ref_grads) = fn(q, k, v, c), ring_fn(q, k, v, c)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_sparse_exchange_is_the_same_program():
+    """P = 1: nothing to exchange; kv_exchange="sparse" compiles to the ring's program (same flops,
+    bytes accessed and instructions), so the option costs nothing on one GPU."""
+    mesh = make_mesh((1, 1), jax.devices()[:1])
+    S, bs = 128, 16
+    index = _exchange_index(1, 2, S, bs)
+    spec, pspec = PartitionSpec(None, CP_AXES, None, None), PartitionSpec(CP_AXES)
+    q, kv = jnp.zeros((1, S, 2, 32)), jnp.zeros((1, S, 1, 32))
+
+    def program(mode):
+        def body(q, k, v, pos):
+            idx = StackedStepIndex(index, jax.lax.axis_index(CP_AXES))
+            return ring_attention_shard(q, k, v, pos, pos, num_nodes=1, num_local=1, ring_order="hierarchical",
+                                        step_index=idx, block_size=bs, impl="xla", kv_exchange=mode)
+
+        ring = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec), out_specs=spec, check_vma=False)
+        f = lambda q, k, v: ring(q, k, v, jnp.arange(S)).sum()  # noqa: E731
+        c = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+        ca = c.cost_analysis()
+        ca = ca[0] if isinstance(ca, list) else ca
+        return ca["flops"], ca["bytes accessed"], hlo.op_counts(c.as_text())
+
+    assert program("sparse") == program("ring")

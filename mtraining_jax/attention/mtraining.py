@@ -34,6 +34,7 @@ from mtraining_jax.ring.attention import ring_attention_shard
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
 from mtraining_jax.ring.schedule import validate_ring_order
+from mtraining_jax.ring.exchange import capacity_tokens, validate_kv_exchange
 from mtraining_jax.ring.sides import validate_backward_ring
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.convert import RankStepIndex
@@ -66,6 +67,11 @@ class MTrainingConfig:
       backward_ring: which side circulates in the backward ring (:mod:`mtraining_jax.ring.sides`):
         ``"kv"`` (K/V + dK/dV), ``"query"`` (Q, dO, lse, delta + dQ; each visiting rank's step index
         is converted from the identical global index) or ``"auto"`` (fewer bytes per hop).
+      kv_exchange: ``"ring"`` (default), ``"sparse"`` (each rank receives only the K/V tokens its
+        index needs from each chunk, :mod:`mtraining_jax.ring.exchange`) or ``"auto"`` (fewer bytes).
+      exchange_capacity: the sparse exchange's static capacity, a fraction of the chunk or tokens
+        (``None``: ``exchange.DEFAULT_CAPACITY_FRACTION``; the index is estimated under ``jit``, so
+        the capacity is checked at run time and a step that needs more sends the whole chunk).
     """
 
     sparsity: SparsityConfig = SparsityConfig()
@@ -76,6 +82,8 @@ class MTrainingConfig:
     fuse_forward: bool = True
     fuse_backward: bool = True
     backward_ring: str = "auto"
+    kv_exchange: str = "ring"
+    exchange_capacity: float | int | None = None
 
     def __post_init__(self):
         if not isinstance(self.sparsity, SparsityConfig):
@@ -86,6 +94,9 @@ class MTrainingConfig:
         validate_ring_order(self.ring_order)
         validate_impl(self.impl)
         validate_backward_ring(self.backward_ring)
+        validate_kv_exchange(self.kv_exchange)
+        if self.exchange_capacity is not None:
+            capacity_tokens(self.exchange_capacity, 1 << 30, 1)  # a token count or a fraction in (0, 1]
         for name in ("force_full", "fuse_forward", "fuse_backward"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -197,7 +208,8 @@ def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(),
                                          sm_scale=sparsity.sm_scale, impl=cfg.impl, block_size=bs,
                                          return_work=True, fuse_forward=cfg.fuse_forward,
                                          fuse_backward=cfg.fuse_backward, segment_ids=seg_l,
-                                         backward_ring=cfg.backward_ring)  # work: [P steps]
+                                         backward_ring=cfg.backward_ring, kv_exchange=cfg.kv_exchange,
+                                         exchange_capacity=cfg.exchange_capacity)  # work: [P steps]
         if batch_axis is not None:
             work = jax.lax.psum(work, batch_axis)
         return out, work[None], index

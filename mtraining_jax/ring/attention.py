@@ -50,42 +50,15 @@ the whole forward is then one kernel call over this rank's queries, as on one GP
 the queries and reads and rewrites the float32 accumulators, per-row work that a ring otherwise pays
 once per step (``benchmarks/sparse_ring_results.md``, v11).
 
-Backward (custom VJP, FlashAttention-2 style, reusing the forward's final ``lse`` and
-``delta = rowsum(dO * O)``; nothing of the forward ring is recomputed beyond the per-step
-probabilities a flash backward needs). Queries, ``dO``, ``lse``, ``delta`` and the ``dQ``
-accumulator stay home. The backward runs the forward's steps in REVERSE order, starting from the
-chunk of the last forward step (saved as a residual: one chunk per rank), so K/V move the other way
-(-1 along each ring). The own chunk is the last one visited and never travels home; with
-``fuse_backward`` its kernel call is fused with the first one (the saved chunk and the own chunk
-are both here from the start). The float32 dK/dV accumulators travel with their chunks and end at
-their owner without a send-home. Each step's kernels compute dK/dV before dQ
-(``pallas_kernels.triton_backward.pallas_bwd``), so the transfer of the step's dK/dV overlaps the
-dQ kernel:
+Backward: the custom VJP below runs one of the two exact backward rings of :mod:`.backward`
+(the K/V side: K/V and their float32 dK/dV travel; or BurstEngine's query side: Q, dO, lse, delta
+and dQ travel), chosen by ``backward_ring`` (:mod:`.sides`). The static configuration is
+:class:`.config.RingConfig`; the per-step helpers shared by all passes are in :mod:`.steps`.
 
-* inner ring: the accumulator ``acc`` of the chunk being visited follows it hop by hop (sent after
-  the step's dK/dV kernels, so it overlaps the dQ kernel and the next step);
-* end of reverse outer step ``i``: ``acc`` holds node ``n``'s sum for chunk ``(n-i, l)`` (the chunk
-  held at step ``(i, 0)``). It is added to ``tot``, that chunk's total over the nodes already
-  visited (arrived from node ``n+1``), and ``tot`` is sent one node back, to the rank that sees the
-  chunk at step ``(i-1, 0)``; it has the whole inner loop to arrive, like the outer K/V hop, which
-  is posted at the start of each reverse outer step;
-* at step ``(0, 0)`` the rank holds its own chunk: own contribution + ``acc`` (the rest of its
-  node) + ``tot`` (the other nodes) is the chunk's whole dK/dV::
-
-      reverse outer step i:  acc --inner -1--> acc --inner -1--> ... acc ─┐
-                                                            tot_in ─────┴─(+)─ tot ──outer -1──> step i-1
-      step (0, 0):           own + acc + tot = dK/dV of this rank's chunk
-
-  Per forward + backward: ``P-1`` K/V hops forward, ``P-2`` backward (the hop that would bring the
-  own chunk back is not made) and ``P-1`` accumulator hops; on 2 ranks the backward moves one
-  float32 dK/dV chunk and nothing else.
-
-Query-side backward (``backward_ring="query"``, BurstEngine; :func:`_backward_query`): the
-roles swap — K, V and the float32 dK/dV stay at their owner while the visiting ranks' Q, dO, lse
-and delta (one packed buffer) and their float32 dQ accumulator travel ``+1`` along the rings, over
-the same (query rank, K/V chunk) pairs as the forward (the own step first, then the forward's steps
-in reverse). ``"auto"`` picks the side whose hop moves fewer bytes (:mod:`.sides`): K/V for GQA,
-query for MHA. ``P - 1`` buffer hops and ``P - 1`` dQ hops per backward; no fused call.
+Sparse-aware K/V exchange (``kv_exchange="sparse"``, :mod:`.exchange`): instead of the ring, every
+step's chunk owner sends its holder only the K/V tokens the holder's index needs (one static capacity,
+exact from a concrete index or guarded at run time); the forward and the K/V-side backward are then
+those of :mod:`.exchange_ring` (no fused calls), the query-side backward unchanged.
 
 All shapes: ``q [B, Sl, Hq, D]``, ``k, v [B, Sl, Hkv, D]``, ``q_pos, k_pos int32 [Sl]``, ``lse
 [B, Hq, Sl]`` float32.
@@ -93,161 +66,31 @@ All shapes: ``q [B, Sl, Hq, D]``, ``k, v [B, Sl, Hkv, D]``, ``q_pos, k_pos int32
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
 from pallas_kernels.inputs import check_qkv
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
-from mtraining_jax.ring.schedule import source_rank, validate_ring_order
+from mtraining_jax.ring.backward import backward_kv, backward_query
+from mtraining_jax.ring.config import RingConfig, dense_block
+from mtraining_jax.ring.exchange import plan_exchange
+from mtraining_jax.ring.exchange_ring import backward_exchange, exchange_guard, forward_exchange
+from mtraining_jax.ring.schedule import validate_ring_order
 from mtraining_jax.ring.sides import resolve_backward_ring, validate_backward_ring
-from pallas_kernels.api import attention_delta, block_sparse_attention_bwd, block_sparse_attention_fwd, split_output
+from mtraining_jax.ring.steps import (StackedStepIndex, can_fuse, gather_positions, group_index, group_kv, group_positions,
+                                      group_segments, my_rank, narrow, shift)
+from pallas_kernels.api import block_sparse_attention_fwd, split_output
 from pallas_kernels.registry import validate_impl
-from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, chunk_work
+from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, chunk_work
 
-__all__ = ["RingConfig", "ring_attention", "ring_attention_shard"]
-
-
-@dataclasses.dataclass(frozen=True)
-class RingConfig:
-    """Static description of one ring (hashable: it is the custom VJP's non-differentiable arg).
-
-    Attributes:
-      num_nodes: ``N``, size of the ``node`` mesh axis.
-      num_local: ``L``, size of the ``local`` mesh axis.
-      ring_order: ``"flat"`` or ``"hierarchical"`` (see module docstring).
-      sm_scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
-      impl: per-step kernel implementation passed to ``pallas_kernels.api``.
-      block_size: block size of the per-step ``StepIndex`` (when one is given).
-      fuse_forward: the forward's first kernel call covers the own chunk AND the chunk of step 1
-        (it waits for the first hop, which then overlaps whatever precedes the ring, e.g. the index
-        estimate, instead of a kernel call; one call fewer over this rank's queries).
-      fuse_backward: the backward's first kernel call covers the chunk saved from the forward's
-        last step AND the own chunk (both already here; one call fewer, one hop fewer).
-      Fusing needs the index of two chunks at once: it applies to the dense ring and to index
-      sources with ``steps`` (``RankStepIndex``), not to a ``[P]``-stacked ``StepIndex``; the
-      query-side backward has no fused call (its chunks are other ranks' queries).
-      backward_ring: which side circulates in the backward (:data:`.sides.BACKWARD_RINGS`):
-        ``"kv"`` (K/V + dK/dV travel), ``"query"`` (Q, dO, lse, delta + dQ travel; BurstEngine) or
-        ``"auto"`` (the side with fewer bytes per hop, :func:`.sides.resolve_backward_ring`).
-    """
-
-    num_nodes: int
-    num_local: int
-    ring_order: str = "hierarchical"
-    sm_scale: float | None = None
-    impl: str = "auto"
-    block_size: int = DEFAULT_BLOCK
-    fuse_forward: bool = True
-    fuse_backward: bool = True
-    backward_ring: str = "auto"
-
-    def __post_init__(self):
-        for name in ("num_nodes", "num_local", "block_size"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        for name in ("fuse_forward", "fuse_backward"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        validate_ring_order(self.ring_order)
-        validate_impl(self.impl)
-        validate_backward_ring(self.backward_ring)
-
-    @property
-    def num_ranks(self) -> int:
-        return self.num_nodes * self.num_local
-
-    @property
-    def outer(self) -> tuple[str | tuple[str, ...], int]:
-        """``(axis, size)`` of the outer ring (size 1: no outer ring)."""
-        if self.ring_order == "flat":
-            return CP_AXES, 1
-        return NODE_AXIS, self.num_nodes
-
-    @property
-    def inner(self) -> tuple[str | tuple[str, ...], int]:
-        """``(axis, size)`` of the inner ring."""
-        if self.ring_order == "flat":
-            return CP_AXES, self.num_ranks
-        return LOCAL_AXIS, self.num_local
+__all__ = ["RingConfig", "StackedStepIndex", "ring_attention", "ring_attention_shard"]
 
 
-# ----------------------------------------------------------------------------- communication
-
-def _shift(x, axis, size: int, direction: int = 1):
-    """Send ``x`` one position along the ring on ``axis`` (rank ``a`` -> ``a + direction mod size``)."""
-    if size == 1:
-        return x
-    return lax.ppermute(x, axis, perm=[(a, (a + direction) % size) for a in range(size)])
-
-
-def _my_rank(cfg: RingConfig):
-    return lax.axis_index(NODE_AXIS) * cfg.num_local + lax.axis_index(LOCAL_AXIS)
-
-
-def _gather_positions(k_pos, cfg: RingConfig):
-    """``int32 [P, Sl]``: every rank's key positions (node-major), from one all-gather."""
-    if cfg.num_ranks == 1:
-        return k_pos[None]
-    return lax.all_gather(k_pos, CP_AXES, axis=0, tiled=False)
-
-
-# ----------------------------------------------------------------------------- one kernel call
-
-def _can_fuse(step_index) -> bool:
-    """Fused steps need the index of several chunks at once: dense (``None``) or an index source
-    with ``steps`` (a ``[P]``-stacked ``StepIndex`` holds one chunk per entry)."""
-    return step_index is None or callable(getattr(step_index, "steps", None))
-
-
-def _group_index(step_index, steps: tuple[int, ...]):
-    """The :class:`StepIndex` of one kernel call over the chunks of ring ``steps`` (concatenated in
-    that order): a slice of a ``[P]``-stacked index, or converted on demand by an index source
-    (``step_index.steps(steps)``, e.g. ``sparsity.convert.RankStepIndex``)."""
-    if step_index is None:
-        return None
-    if isinstance(step_index, StepIndex):
-        (s,) = steps
-        return jax.tree.map(lambda a: a[s], step_index)
-    return step_index.steps(steps)
-
-
-def _group_positions(kpos_all, rank, steps: tuple[int, ...], cfg: RingConfig):
-    """``int32 [..., len(steps) * Sl]``: key positions ``kpos_all [P, ..., Sl]`` (or segment ids) of
-    the chunks held at ``steps``, concatenated."""
-    pos = [lax.dynamic_index_in_dim(kpos_all, source_rank(rank, s, cfg.num_nodes, cfg.num_local, cfg.ring_order),
-                                    axis=0, keepdims=False) for s in steps]
-    return pos[0] if len(pos) == 1 else jnp.concatenate(pos, axis=-1)
-
-
-def _group_segments(segs, rank, steps: tuple[int, ...], cfg: RingConfig) -> dict:
-    """Keyword arguments ``q_seg, k_seg`` of the kernel call over the chunks of ``steps`` (``{}``
-    without packed documents); ``segs = (q_seg [B, Sl], kseg_all [P, B, Sl])``."""
-    if segs is None:
-        return {}
-    return {"q_seg": segs[0], "k_seg": _group_positions(segs[1], rank, steps, cfg)}
-
-
-def _narrow(index_g, seg_kw: dict, block_size: int):
-    """The grouped index without the tiles that lie across a document boundary (so the work
-    statistics count what the kernels run); unchanged without packed documents."""
-    if index_g is None or not seg_kw:
-        return index_g
-    return apply_segments(index_g, seg_kw["q_seg"], seg_kw["k_seg"], block_size)
-
-
-def _group_kv(chunks):
-    """Stacked ``[2, B, Sl, Hkv, D]`` chunks -> one ``[2, B, len * Sl, Hkv, D]`` K/V buffer."""
-    return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=2)
-
-
-# ----------------------------------------------------------------------------- forward / backward
+# ----------------------------------------------------------------------------- forward
 
 def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None):
     """The forward ring. ``kv_own [2, B, Sl, Hkv, D]`` is this rank's K/V, stacked.
@@ -258,31 +101,31 @@ def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None)
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner
     P = cfg.num_ranks
-    fuse = cfg.fuse_forward and P > 1 and _can_fuse(step_index)
-    rank = _my_rank(cfg)
+    fuse = cfg.fuse_forward and P > 1 and can_fuse(step_index)
+    rank = my_rank(cfg)
     kv = kv_last = kv_own
     out = lse = None
     work = []
     held = []  # chunks whose kernel call waits to be fused with the next step's
     for i in range(n_outer):
-        kv_outer = _shift(kv, outer_axis, n_outer) if i < n_outer - 1 else None
+        kv_outer = shift(kv, outer_axis, n_outer) if i < n_outer - 1 else None
         for j in range(n_inner):
-            kv_next = _shift(kv, inner_axis, n_inner) if j < n_inner - 1 else None
+            kv_next = shift(kv, inner_axis, n_inner) if j < n_inner - 1 else None
             s = i * n_inner + j
             if s == P - 1:
                 kv_last = kv
             held.append((s, kv))
             if not (fuse and s == 0):
                 steps = tuple(t for t, _ in held)
-                kvs = _group_kv([c for _, c in held])
+                kvs = group_kv([c for _, c in held])
                 held = []
-                seg_kw = _group_segments(segs, rank, steps, cfg)
-                index_g = _narrow(_group_index(step_index, steps), seg_kw, cfg.block_size)
+                seg_kw = group_segments(segs, rank, steps, cfg)
+                index_g = narrow(group_index(step_index, steps), seg_kw, cfg.block_size)
                 sk = kvs.shape[2]
                 work.extend([jnp.float32(0)] * len(steps) if index_g is None else
                             list(chunk_work(index_g, sk, len(steps), cfg.block_size)))
                 out, lse = block_sparse_attention_fwd(
-                    q, kvs[0], kvs[1], q_pos, _group_positions(kpos_all, rank, steps, cfg), index_g,
+                    q, kvs[0], kvs[1], q_pos, group_positions(kpos_all, rank, steps, cfg), index_g,
                     sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
                     acc=None if out is None else (out, lse), **seg_kw)
             kv = kv_next
@@ -290,189 +133,11 @@ def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None)
     return out, lse, jnp.stack(work), kv_last
 
 
-def _backward(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs=None):
-    """The backward ring (see module docstring): the forward's steps in reverse order, starting
-    from ``kv_last``; ``out + out_lo`` is the forward's float32 output (``split_output``); returns
-    float32 ``(dq, dk, dv)``."""
-    outer_axis, n_outer = cfg.outer
-    inner_axis, n_inner = cfg.inner
-    P = cfg.num_ranks
-    sl = kv_own.shape[2]
-    fuse = cfg.fuse_backward and P > 1 and _can_fuse(step_index)
-    rank = _my_rank(cfg)
-    delta = attention_delta(out, do, out_lo)
-
-    def attend(steps, kvs, dq, dkv_acc):
-        seg_kw = _group_segments(segs, rank, steps, cfg)
-        return block_sparse_attention_bwd(
-            q, kvs[0], kvs[1], q_pos, _group_positions(kpos_all, rank, steps, cfg), _group_index(step_index, steps),
-            do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
-            dq_acc=dq, dkv_acc=dkv_acc, **seg_kw)
-
-    def moved(x, axis, size, dest_step):
-        # the chunk of step 0 is this rank's own: it never travels home, it is already here
-        return kv_own if dest_step == 0 else _shift(x, axis, size, -1)
-
-    kv, dq, own, tot = kv_last, None, None, None
-    for i in reversed(range(n_outer)):
-        # chunk of step (i-1, n_inner-1) = the one held now, one node back (posted first: overlaps the inner loop)
-        kv_outer = moved(kv, outer_axis, n_outer, i * n_inner - 1) if i > 0 else None
-        acc = None  # f32 dK/dV of the chunk held now, summed over the ranks of this node that saw it
-        for j in reversed(range(n_inner)):
-            s = i * n_inner + j
-            if fuse and s == 0:
-                break  # computed with step P-1 in the first kernel call
-            kv_next = moved(kv, inner_axis, n_inner, s - 1) if j > 0 else None
-            if fuse and s == P - 1:
-                dq, dk_g, dv_g = attend((0, s), _group_kv([kv_own, kv]), dq, None)
-                own = (dk_g[:, :sl], dv_g[:, :sl])
-                acc = (dk_g[:, sl:], dv_g[:, sl:])
-            else:
-                dq, dk_s, dv_s = attend((s,), kv, dq, acc)
-                acc = (dk_s, dv_s)
-            if j > 0:
-                acc = tuple(_shift(jnp.stack(acc), inner_axis, n_inner, -1))  # travels with its chunk
-                kv = kv_next
-        if i > 0:
-            # acc: this node's sum for the chunk held at step (i, 0); tot: the nodes before us
-            tot = acc if tot is None else jax.tree.map(jnp.add, tot, acc)
-            tot = tuple(_shift(jnp.stack(tot), outer_axis, n_outer, -1))
-            kv = kv_outer
-    # here every contribution to this rank's own chunk has arrived (own: fused first call)
-    parts = [p for p in (own, acc, tot) if p is not None]
-    dk, dv = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), parts)
-    return dq, dk, dv
-
-
-# ----------------------------------------------------------------------------- query-side backward
-
-def _query_rank(rank, step: int, cfg: RingConfig):
-    """Rank whose QUERIES kv owner ``rank`` holds at backward ``step`` of the query-side ring: the
-    ``t`` with ``source_rank(t, step) == rank`` (flat: ``rank + step``; hierarchical: ``(n + i,
-    l + j)``)."""
-    P, L = cfg.num_ranks, cfg.num_local
-    if cfg.ring_order == "flat":
-        return (rank + step) % P
-    i, j = step // L, step % L
-    n, l = rank // L, rank % L
-    return ((n + i) % cfg.num_nodes) * L + (l + j) % L
-
-
-def _first_visit(rank: int, cfg: RingConfig) -> int:
-    """Rank that holds ``rank``'s queries at the query-side ring's first non-own step ``P - 1``
-    (node and local position one place on: ``(n + 1, l + 1)``; flat: ``rank + 1``)."""
-    P, L = cfg.num_ranks, cfg.num_local
-    if cfg.ring_order == "flat":
-        return (rank + 1) % P
-    return ((rank // L + 1) % cfg.num_nodes) * L + (rank % L + 1) % L
-
-
-def _uint(dtype):
-    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
-
-
-def _pack_queries(q, do, lse, delta):
-    """Q, dO ``[B, Sl, Hq, D]`` and float32 ``lse``, ``delta`` ``[B, Hq, Sl]`` as ONE flat buffer of
-    unsigned integers of q's itemsize (bit-exact through any permute: no float canonicalisation),
-    so each hop of the query-side ring is one collective-permute."""
-    u = _uint(q.dtype)
-    stats = lax.bitcast_convert_type(jnp.stack([lse, delta]).astype(jnp.float32), u)
-    parts = [lax.bitcast_convert_type(q, u), lax.bitcast_convert_type(do.astype(q.dtype), u), stats]
-    return jnp.concatenate([x.reshape(-1) for x in parts])
-
-
-def _unpack_queries(buf, q_shape, dtype):
-    """Inverse of :func:`_pack_queries`: ``(q, do, lse, delta)``."""
-    n = int(np.prod(q_shape))
-    B, Sl, Hq, _ = q_shape
-    q = lax.bitcast_convert_type(buf[:n].reshape(q_shape), dtype)
-    do = lax.bitcast_convert_type(buf[n:2 * n].reshape(q_shape), dtype)
-    ratio = 4 // jnp.dtype(dtype).itemsize
-    stats = buf[2 * n:].reshape((2, B, Hq, Sl) + ((ratio,) if ratio > 1 else ()))
-    stats = lax.bitcast_convert_type(stats, jnp.float32)
-    return q, do, stats[0], stats[1]
-
-
-def _backward_query(cfg: RingConfig, q, kv_own, qpos_all, kpos_all, step_index, out, out_lo, lse, do, segs=None):
-    """The query-side backward ring (BurstEngine, paper 004 §3): K, V and the float32 dK/dV
-    accumulators stay at their owner; Q, dO, lse and delta (one packed buffer) and the float32 dQ
-    accumulator of the queries being visited travel. At backward step ``s`` kv owner ``r`` holds the
-    queries of ``_query_rank(r, s)``, i.e. exactly the (query rank, K/V chunk) pairs of the forward's
-    step ``s``, so the step's index is the visiting rank's (``step_index.for_rank(t).step(s)``:
-    every rank holds the identical global index).
-
-    Order: the own step ``(0, 0)`` first (its dQ stays home; the first bundle's hop overlaps it), then
-    the forward's other steps in reverse, as the K/V-side ring, with the roles of queries and K/V
-    swapped and everything moving ``+1`` along its ring::
-
-        own step:              bundle <-- diagonal hop from (n-1, l-1)   (overlaps the own step)
-        reverse outer step i:  bundle --inner +1--> ... ; acc (dQ) --inner +1--> ... acc ─┐
-                               bundle at step (i, L-1) --outer +1--> step (i-1, L-1)       │
-                                                          tot_in ───────────────────────┴─(+)─ tot ──outer +1──>
-        end:                   dQ = own + acc (rest of this node, arrived after step (0, 1)) + tot
-
-    Per backward: ``P - 1`` bundle hops (one diagonal, the rest inner / outer) and ``P - 1`` dQ hops
-    (``N (L - 1)`` inner, ``N - 1`` outer); nothing is sent home. Returns float32 ``(dq, dk, dv)``.
-    """
-    outer_axis, n_outer = cfg.outer
-    inner_axis, n_inner = cfg.inner
-    P = cfg.num_ranks
-    rank = _my_rank(cfg)
-    delta = attention_delta(out, do, out_lo)
-    k, v = kv_own[0], kv_own[1]
-    k_pos = lax.dynamic_index_in_dim(kpos_all, rank, axis=0, keepdims=False)
-
-    def attend(s, parts, dq_acc, dkv_acc):
-        qq, dd, ll, de = parts
-        t = _query_rank(rank, s, cfg)
-        index = None if step_index is None else step_index.for_rank(t).step(s)
-        seg_kw = {} if segs is None else {
-            "q_seg": lax.dynamic_index_in_dim(segs[1], t, axis=0, keepdims=False), "k_seg": segs[0]}
-        return block_sparse_attention_bwd(
-            qq, k, v, lax.dynamic_index_in_dim(qpos_all, t, axis=0, keepdims=False), k_pos, index, dd, ll, de,
-            sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, dq_acc=dq_acc, dkv_acc=dkv_acc,
-            **seg_kw)
-
-    def unpack(buf):
-        return _unpack_queries(buf, q.shape, q.dtype)
-
-    bundle = None
-    if P > 1:  # posted before the own step, which it overlaps
-        bundle = lax.ppermute(_pack_queries(q, do, lse, delta), CP_AXES,
-                              perm=[(r, _first_visit(r, cfg)) for r in range(P)])
-    dq_own, dk, dv = attend(0, (q, do, lse, delta), None, None)
-    dkv = (dk, dv)
-    acc = tot = None
-    for i in reversed(range(n_outer)):
-        # the bundle of step (i-1, n_inner-1) is the one held now (step (i, n_inner-1)), one node on
-        bundle_outer = None
-        if i > 0 and (i - 1) * n_inner + n_inner - 1 != 0:
-            bundle_outer = _shift(bundle, outer_axis, n_outer, +1)
-        acc = None  # f32 dQ of the queries held now, summed over the ranks of this node that saw them
-        for j in reversed(range(n_inner)):
-            s = i * n_inner + j
-            if s == 0:
-                break  # the own step, done first
-            bundle_next = _shift(bundle, inner_axis, n_inner, +1) if j > 0 and s - 1 != 0 else None
-            acc, dk, dv = attend(s, unpack(bundle), acc, dkv)
-            dkv = (dk, dv)
-            if j > 0:
-                acc = _shift(acc, inner_axis, n_inner, +1)  # travels with its queries (home after step (0, 1))
-                bundle = bundle_next
-        if i > 0:
-            # acc: this node's sum for the queries held at step (i, 0); tot: the nodes before us
-            tot = acc if tot is None else tot + acc
-            tot = _shift(tot, outer_axis, n_outer, +1)
-            bundle = bundle_outer
-    dq = functools.reduce(jnp.add, [p for p in (dq_own, acc, tot) if p is not None])
-    return dq, dkv[0], dkv[1]
-
-
 # ----------------------------------------------------------------------------- custom VJP
 
 def _gather_segments(seg, cfg: RingConfig):
     """``None`` or ``(q_seg [B, Sl], kseg_all [P, B, Sl])`` from this rank's ``seg [B, Sl]``."""
-    return None if seg is None else (seg, _gather_positions(seg, cfg))
+    return None if seg is None else (seg, gather_positions(seg, cfg))
 
 
 def _side(cfg: RingConfig, q, k) -> str:
@@ -481,36 +146,51 @@ def _side(cfg: RingConfig, q, k) -> str:
                                  itemsize=jnp.dtype(q.dtype).itemsize)
 
 
+def _passes_forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs):
+    """``(out, lse, work, kv_last, ok)`` of the ring's forward or the sparse exchange's (``kv_last``:
+    the K/V-side ring's backward start, or the exchange's received chunks; ``ok``: the exchange's
+    run-time capacity check)."""
+    if cfg.kv_exchange == "sparse":
+        ok = exchange_guard(cfg, step_index, kv_own.shape[2])
+        out, lse, work, kept = forward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, ok)
+        return out, lse, work, kept, ok
+    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
+    return out, lse, work, kv_last, None
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     """``(out [B, Sl, Hq, D] in q's dtype, work f32 [P])``; ``work`` is not differentiated."""
-    out, _, work, _ = _forward(cfg, q, jnp.stack([k, v]), q_pos, _gather_positions(k_pos, cfg), step_index,
-                               _gather_segments(seg, cfg))
+    out, _, work, _, _ = _passes_forward(cfg, q, jnp.stack([k, v]), q_pos, gather_positions(k_pos, cfg), step_index,
+                                         _gather_segments(seg, cfg))
     return out.astype(q.dtype), work
 
 
 def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
-    kpos_all = _gather_positions(k_pos, cfg)
+    kpos_all = gather_positions(k_pos, cfg)
     kv_own = jnp.stack([k, v])  # one permute per hop (see module docstring)
     segs = _gather_segments(seg, cfg)
-    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
+    out, lse, work, kv_last, ok = _passes_forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
     # O is returned in q's dtype; its rounding error is kept beside it (split_output) so that
     # delta = rowsum(dO * O) is formed from the float32 O (bf16 gradients at the bf16 floor).
     # An on-demand index source (RankStepIndex) is saved as its compact global index only.
     out, out_lo = split_output(out, q.dtype)
     if _side(cfg, q, k) == "query":
         # the visiting queries' positions instead of the chunk saved from the forward's last step
-        kv_last, q_pos = None, _gather_positions(q_pos, cfg)
-    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs)
+        kv_last, q_pos = None, gather_positions(q_pos, cfg)
+    return (out, work), (q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs, ok)
 
 
 def _ring_bwd(cfg: RingConfig, res, cotangents):
     do = cotangents[0]  # work carries no gradient
-    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs = res
+    q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, segs, ok = res
     if _side(cfg, q, kv_own[0]) == "query":
-        dq, dk, dv = _backward_query(cfg, q, kv_own, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
+        dq, dk, dv = backward_query(cfg, q, kv_own, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
+    elif cfg.kv_exchange == "sparse":
+        dq, dk, dv = backward_exchange(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs,
+                                       ok)
     else:
-        dq, dk, dv = _backward(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
+        dq, dk, dv = backward_kv(cfg, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs)
     # positions, segment ids and the sparse index are integer data: zero cotangents (None).
     return dq.astype(q.dtype), dk.astype(kv_own.dtype), dv.astype(kv_own.dtype), None, None, None, None
 
@@ -519,14 +199,6 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ----------------------------------------------------------------------------- validation
-
-def _dense_block(sl: int) -> int:
-    """Largest power of two ``<= DEFAULT_BLOCK`` dividing ``sl`` (tile size of the dense ring)."""
-    b = DEFAULT_BLOCK
-    while b > 1 and sl % b:
-        b //= 2
-    return b
-
 
 def _check_step_index(step_index, num_ranks: int) -> None:
     if step_index is None:
@@ -560,7 +232,7 @@ def _check_axis_sizes(cfg: RingConfig) -> None:
 def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_order, step_index=None,
                          sm_scale=None, impl="auto", block_size: int | None = None, return_work: bool = False,
                          fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None,
-                         backward_ring: str = "auto"):
+                         backward_ring: str = "auto", kv_exchange: str = "ring", exchange_capacity=None):
     """Per-rank ring attention body, to be called INSIDE ``shard_map`` over ``("node", "local")``.
 
     Args:
@@ -592,6 +264,13 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
       backward_ring: ``"auto"`` / ``"kv"`` / ``"query"`` (:mod:`mtraining_jax.ring.sides`): which side
         circulates in the backward. The query side needs every rank's index (an index source with
         ``for_rank``, or none); ``"auto"`` with a ``[P]``-stacked ``StepIndex`` is the K/V side.
+      kv_exchange: ``"ring"`` (default), ``"sparse"`` or ``"auto"`` (:mod:`mtraining_jax.ring.exchange`):
+        whole K/V chunks around the ring, or each rank receiving only the K/V tokens its index needs
+        (needs an index source with ``for_rank``; no fused calls), or the one with fewer bytes.
+      exchange_capacity: static capacity of the sparse exchange: ``None`` (exact, computed on the
+        host from a concrete index; with a traced index ``exchange.DEFAULT_CAPACITY_FRACTION`` of the
+        chunk), tokens, or a fraction of the chunk; a configured capacity is checked at run time and
+        a step whose need exceeds it sends the whole chunk (exact either way).
 
     Returns:
       ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
@@ -600,7 +279,7 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
     check_qkv(q, k, v)
     sl = q.shape[1]
     if block_size is None:
-        block_size = DEFAULT_BLOCK if step_index is not None else _dense_block(sl)
+        block_size = DEFAULT_BLOCK if step_index is not None else dense_block(sl)
     validate_backward_ring(backward_ring)
     query_ok = step_index is None or callable(getattr(step_index, "for_rank", None))
     if backward_ring == "query" and not query_ok:
@@ -608,10 +287,15 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
                          f"for_rank, e.g. RankStepIndex); got {type(step_index).__name__}")
     side = resolve_backward_ring(backward_ring, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
                                  itemsize=jnp.dtype(q.dtype).itemsize, query_ok=query_ok)
-    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward, side)
+    _check_step_index(step_index, num_nodes * num_local)
+    exchange, capacity, guard = plan_exchange(
+        kv_exchange, step_index, exchange_capacity, num_ranks=num_nodes * num_local, chunk_len=sl,
+        block_size=block_size, batch=q.shape[0], kv_heads=k.shape[2], head_dim=q.shape[3],
+        itemsize=jnp.dtype(q.dtype).itemsize, backward_side=side, num_nodes=num_nodes, ring_order=ring_order)
+    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward, side,
+                     exchange, capacity, guard)
     if tuple(q_pos.shape) != (sl,) or tuple(k_pos.shape) != (sl,):
         raise ValueError(f"q_pos {tuple(q_pos.shape)} and k_pos {tuple(k_pos.shape)} must both be [Sl] = [{sl}]")
-    _check_step_index(step_index, cfg.num_ranks)
     _check_axis_sizes(cfg)
     q_pos = jnp.asarray(q_pos, jnp.int32)
     k_pos = jnp.asarray(k_pos, jnp.int32)
