@@ -84,14 +84,13 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
         dq = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
         def tile(t, dq, masked: bool, thr):
-            slot = w * stages + lax.rem(t, jnp.int32(stages))
-            plgpu.barrier_wait(k_bar.at[slot])
+            slot = w * stages + lax.rem(t, jnp.int32(stages))  # its K: waited for under the last dS K
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem.at[w], _transposed(k_smem.at[slot]))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32)) * qk_scale
+            s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32))  # unscaled: qk_scale folds into the FMA
             plgpu.barrier_wait(i_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
 
@@ -105,7 +104,7 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
                     if segs:
                         ok = ok & _segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs)
                     sm = jnp.where(ok, sm, _NEG_INF)
-                return acc_ref[...], jnp.exp2(sm - lse2_b)
+                return acc_ref[...], jnp.exp2(sm * qk_scale - lse2_b)
 
             dp, p = pl.run_scoped(dov, plgpu.ACC((bs, bs), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
@@ -114,9 +113,17 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
             def dsk(acc_ref):
                 plgpu.wgmma(acc_ref, ds, k_smem.at[slot])
 
+                @pl.when(t + 1 < ntiles)
+                def _():  # wait for the next tile's K while this dS K runs
+                    plgpu.barrier_wait(k_bar.at[w * stages + lax.rem(t + 1, jnp.int32(stages))])
+
             dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
+
+        @pl.when(ntiles > 0)
+        def _():  # the first tile's K (each later one is waited for under the dS K before it)
+            plgpu.barrier_wait(k_bar.at[w * stages])
 
         dq = lax.fori_loop(0, n_free, functools.partial(tile, masked=False, thr=None), dq)
         dq = lax.fori_loop(n_free, n_blk, functools.partial(tile, masked=True, thr=ncol), dq)

@@ -79,14 +79,16 @@ def _tile_transforms(dtype):
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _online_softmax(carry, s, masked: bool):
-    """One online-softmax step on log2-domain scores ``s [64, n]`` (``-inf`` = masked).
-    Returns ``(p, alpha, m_new, l_new)`` for ``acc = acc * alpha + p @ V``."""
+def _online_softmax(carry, s, masked: bool, scale: float):
+    """One online-softmax step on raw scores ``s [64, n]`` (``-inf`` = masked) whose log2-domain
+    value is ``s * scale`` (``scale > 0``: the maximum is taken before scaling and the scale folds
+    into the exponent's FMA). Returns ``(p, alpha, m_new, l_new)`` for ``acc = acc * alpha + p @ V``,
+    with ``m`` in the log2 domain."""
     m, l = carry
-    m_new = jnp.maximum(m, s.max(axis=1))
+    m_new = jnp.maximum(m, s.max(axis=1) * scale)
     m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
     alpha = jnp.exp2(m - m_safe)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_safe, s.shape, [0]))
     l_new = l * alpha + p.sum(axis=1)
     return p, alpha, m_new, l_new
 
@@ -180,15 +182,14 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
 
         def tile(t, carry, masked: bool, thr):
             acc, m, l = carry
-            slot = w * stages + lax.rem(t, jnp.int32(stages))
-            plgpu.barrier_wait(k_bar.at[slot])
+            slot = w * stages + lax.rem(t, jnp.int32(stages))  # its K: waited for under the last P V
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem.at[w], _transposed(k_smem.at[slot]))
                 schedule()  # the other consumer's softmax runs under this wgmma
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32)) * qk_scale
+            s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32))  # unscaled: qk_scale folds into FMAs
             plgpu.barrier_wait(i_bar.at[slot])
             if masked:
                 pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
@@ -198,9 +199,11 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
                     ok = ok & _segment_ok(info_smem, slot, row_smem.at[2 + w], bs)
                 s = jnp.where(ok, s, _NEG_INF)
             plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m, l = _online_softmax((m, l), s, masked)
+            p, alpha, m, l = _online_softmax((m, l), s, masked, qk_scale)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
+            # the softmax's results are complete before the turn passes (as in JAX's attention_mgpu)
+            acc, l, m, p16 = lax.optimization_barrier((acc, l, m, p16))
             plgpu.barrier_arrive(sched_bar)  # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
@@ -208,11 +211,20 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
+                @pl.when(t + 1 < ntiles)
+                def _():  # wait for the next tile's K while this P V runs
+                    plgpu.barrier_wait(k_bar.at[w * stages + lax.rem(t + 1, jnp.int32(stages))])
+
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l
 
         carry = (acc, m, l)
+
+        @pl.when(ntiles > 0)
+        def _():  # the first tile's K (each later one is waited for under the P V before it)
+            plgpu.barrier_wait(k_bar.at[w * stages])
+
         pl.when(w == 1)(schedule)  # consumer 0 goes first
         carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False, thr=None), carry)
         carry = lax.fori_loop(n_free, n_blk, functools.partial(tile, masked=True, thr=ncol), carry)
