@@ -5,9 +5,11 @@ the final ``lse`` and ``delta = rowsum(dO * O)``): for every tile the forward at
 ``P = exp(S - lse)``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ += scale * dS K``; the result
 is added to ``dq_acc`` when given (ring steps). Same CTA structure and tile operands as the forward
 (:mod:`pallas_kernels.mosaic_fwd`, :mod:`pallas_kernels.mosaic_index`): two consumer warpgroups,
-one 64-row query block each, with ``Q`` and ``dO`` resident in shared memory; one producer
-warpgroup TMA-loading K, V and ``info`` tiles. Three ``wgmma`` per tile (``Q K^T``, ``dO V^T``,
-``dS K``); the K slot is released after the third, the V slot after the second.
+one 64-row query block each, with ``Q`` and ``dO`` resident in shared memory, walking the CTA's
+ONE shared stream of K/V steps (``pair_stream``; 64-key steps by default: 128-key steps measured
+slower here, `benchmarks/kernels_results.md` run 10); one producer warpgroup TMA-loading K, V and
+``info`` tiles. Three ``wgmma`` per step (``Q K^T``, ``dO V^T``, ``dS K``); the K slot is released
+after the third, the V slot after the second.
 
 The dK/dV block pass (:func:`mosaic_dkv_blocks`, contract of
 :func:`pallas_kernels.triton_backward.dkv_block_pass`) is KV-stationary over
@@ -42,14 +44,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_fwd import (LOG2E, _NEG_INF, _col_layout, _load, _producer_loop, _query_pair_ids,
-                                       _row_layout, _row_walk, _segment_ok, _tile_transforms, _transposed)
+from pallas_kernels.mosaic_fwd import (LOG2E, _NEG_INF, _col_layout, _consumer_row, _load, _query_pair_ids, _row_layout,
+                                       _segment_ok, _stream_producer, _stream_walk, _tile_transforms, _transposed,
+                                       _walk_stream, stream_barriers, stream_operands, stream_smem)
 from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
 
 
-def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
-            kinfo_ref, cinfo_ref, *refs, accumulate: bool, stages: int, g: int, bs: int, qk_scale: float,
-            scale: float, npairs: int, segs: bool = False):
+def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
+            kinfo_ref, cinfo_ref, null_ref, *refs, accumulate: bool, slots: int, halves: int, g: int, bs: int,
+            qk_scale: float, scale: float, npairs: int, segs: bool = False):
     *ins, dq_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     dqacc_ref = ins[0] if accumulate else None
@@ -57,13 +60,15 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free = bars
     b, h, pair, wg = _query_pair_ids(npairs)
     dtype = q_ref.dtype
-    row_counts = _row_walk(cnt_ref, b, h, pair, bs)
+    bounds, n_union, total, rows_w = _stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
+    kv = bs * halves  # keys per step
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        i, n_free, n_blk, ncol, ntiles, n_cfree = row_counts(w)
+        i = 2 * pair + w
+        row = _consumer_row(w, rows_w)
         rows = pl.ds(i * bs, bs)
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[w], q_bar.at[w])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[w], q_bar.at[2 + w])
@@ -76,21 +81,26 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
             plgpu.barrier_wait(row_bar.at[2 * j + w])
         plgpu.barrier_wait(q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[2 + w])
-        qpos_b = lax.broadcast_in_dim(_load(qpos_smem.at[w], _row_layout()), (bs, bs), [0])
+        qpos_b = lax.broadcast_in_dim(_load(qpos_smem.at[w], _row_layout()), (bs, kv), [0])
         lse = _load(lse_smem.at[w], _row_layout())
-        lse2_b = lax.broadcast_in_dim(jnp.where(lse == _NEG_INF, 0.0, lse * LOG2E), (bs, bs), [0])
-        delta_b = lax.broadcast_in_dim(_load(delta_smem.at[w], _row_layout()), (bs, bs), [0])
+        lse2_b = lax.broadcast_in_dim(jnp.where(lse == _NEG_INF, 0.0, lse * LOG2E), (bs, kv), [0])
+        delta_b = lax.broadcast_in_dim(_load(delta_smem.at[w], _row_layout()), (bs, kv), [0])
         d = q_smem.shape[-1]
         dq = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+        def wait_next_k(t):
+            @pl.when(t + 1 < total)
+            def _():
+                plgpu.barrier_wait(k_bar.at[lax.rem(t + 1, jnp.int32(slots))])
+
         def tile(t, dq, masked: bool, thr):
-            slot = w * stages + lax.rem(t, jnp.int32(stages))  # its K: waited for under the last dS K
+            slot = lax.rem(t, jnp.int32(slots))  # its K: waited for under the last dS K
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem.at[w], _transposed(k_smem.at[slot]))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32))  # unscaled: qk_scale folds into the FMA
+            s = pl.run_scoped(qk, plgpu.ACC((bs, kv), jnp.float32))  # unscaled: qk_scale folds into the FMA
             plgpu.barrier_wait(i_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
 
@@ -98,37 +108,40 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
                 plgpu.wgmma(acc_ref, do_smem.at[w], _transposed(v_smem.at[slot]))
                 sm = s
                 if masked:
-                    pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
-                    aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+                    pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, kv), [1])
+                    aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, kv), [1])
                     ok = (pos <= qpos_b) & (aux >= thr)
                     if segs:
-                        ok = ok & _segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs)
+                        ok = ok & _segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, kv)
                     sm = jnp.where(ok, sm, _NEG_INF)
                 return acc_ref[...], jnp.exp2(sm * qk_scale - lse2_b)
 
-            dp, p = pl.run_scoped(dov, plgpu.ACC((bs, bs), jnp.float32))
+            dp, p = pl.run_scoped(dov, plgpu.ACC((bs, kv), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             ds = (p * (dp - delta_b)).astype(dtype)
 
             def dsk(acc_ref):
                 plgpu.wgmma(acc_ref, ds, k_smem.at[slot])
-
-                @pl.when(t + 1 < ntiles)
-                def _():  # wait for the next tile's K while this dS K runs
-                    plgpu.barrier_wait(k_bar.at[w * stages + lax.rem(t + 1, jnp.int32(stages))])
+                wait_next_k(t)  # the next step's K, while this dS K runs
 
             dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        @pl.when(ntiles > 0)
-        def _():  # the first tile's K (each later one is waited for under the dS K before it)
-            plgpu.barrier_wait(k_bar.at[w * stages])
+        def skip(t, dq):  # not this row's step: same waits and arrivals, no math
+            slot = lax.rem(t, jnp.int32(slots))
+            plgpu.barrier_wait(i_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            wait_next_k(t)
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
 
-        dq = lax.fori_loop(0, n_free, functools.partial(tile, masked=False, thr=None), dq)
-        dq = lax.fori_loop(n_free, n_blk, functools.partial(tile, masked=True, thr=ncol), dq)
-        dq = lax.fori_loop(n_blk, n_blk + n_cfree, functools.partial(tile, masked=False, thr=None), dq)
-        dq = lax.fori_loop(n_blk + n_cfree, ntiles, functools.partial(tile, masked=True, thr=1 - ncol), dq)
+        @pl.when(total > 0)
+        def _():  # the first step's K (each later one is waited for under the dS K before it)
+            plgpu.barrier_wait(k_bar.at[0])
+
+        dq = _walk_stream(w, bounds, n_union, total, row, tile, skip, dq)
         dq = dq * scale
         if accumulate:
             dq = dq + _load(dqacc_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False)
@@ -137,45 +150,40 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_re
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        _producer_loop([row_counts(w) for w in range(2)], b, h, lax.div(h, jnp.array(g, h.dtype)), bs, stages,
-                       bidx_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
-                       k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
+        _stream_producer(b, h, lax.div(h, jnp.array(g, h.dtype)), pair, bs, halves, slots, n_union, total, sidx_ref,
+                         k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem,
+                         k_bar, v_bar, i_bar, k_free, v_free)
 
 
 _STATIC = ("sm_scale", "block_size", "stages")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step"))
 def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
-              block_size: int = 64, stages: int = 2, segs=None):
+              block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None):
     """``dq f32 [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given.
     ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed
-    documents (module docstring)."""
+    documents (module docstring); ``kv_step`` / ``slots`` as in :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd`."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
+    ops, stream, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step, slots)
     accumulate = dq_acc is not None
     sg = segs is not None
-    kernel = functools.partial(_kernel, accumulate=accumulate, stages=stages, g=H // k.shape[2], bs=bs,
+    kernel = functools.partial(_kernel, accumulate=accumulate, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
                                qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2, segs=sg)
     tr = _tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
          plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2 * stages, 2 + sg, bs), jnp.int32),
+         *stream_smem(slots, kv_step, d, q.dtype, sg),
          plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
          plgpu.SMEM((2, bs), jnp.float32),
          plgpu.SMEM((2, bs), jnp.float32)),
-        (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg),
-         plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
-         plgpu.Barrier(num_barriers=2 * stages),
-         plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages)),
+        (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg), *stream_barriers(slots, halves, sg)),
     ]
-    args = [ops.counts, ops.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype), lse.astype(jnp.float32),
-            delta.astype(jnp.float32), k, v, ops.kc, ops.vc, ops.k_info, ops.c_info]
+    args = [ops.counts, stream.bounds, stream.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype),
+            lse.astype(jnp.float32), delta.astype(jnp.float32), k, v, ops.kc, ops.vc, ops.k_info, ops.c_info, null_info]
     if sg:
         args.append(segs[0].astype(jnp.int32))
     if accumulate:
@@ -190,8 +198,6 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(*args)
-
-
 
 
 def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,

@@ -9,16 +9,22 @@ Structure (FlashAttention-3 style, one CTA = 3 warpgroups):
 
 * CTA ``(p, h, b)`` owns query blocks ``2p`` and ``2p + 1`` of head ``h`` (pairs walked from the
   last: causal rows get heavier with position, so the heavy ones start first);
-* warpgroups 0 and 1 are consumers, one 64-row query block each, with its own tile walk:
-  free block tiles (no mask), masked block tiles, free column tiles (whole tile in the row's prefix
-  and causal), then masked column tiles; ``S = q K^T`` by ``wgmma``
-  from shared memory, online softmax in float32 (``exp2``, log2-domain running max), ``P V`` by
-  ``wgmma`` with ``P`` from registers; the two take turns on the tensor cores (a shared
-  "schedule" barrier, FlashAttention-3's ping-pong): one's softmax runs under the other's
-  ``wgmma``, and the one whose walk ends first keeps taking turns until the other's ends;
-* warpgroup 2 is the producer: it TMA-loads each consumer's K, V and ``info`` tiles, at offsets
-  read from the index at run time, into a ``stages``-deep ring of shared-memory slots per consumer,
-  and waits on the consumer's "slot free" barriers before reusing a slot.
+* the CTA walks ONE stream of K/V steps shared by its two consumers
+  (:func:`pallas_kernels.mosaic_index.pair_stream`): the union of the two rows' block tiles, grouped
+  by each row's class (free: no mask; masked; skipped: not in that row's walk), then the column
+  tiles of the longer column prefix. A step is two 64-key tiles (128 keys: one softmax update and
+  one accumulator rescale per 128 keys; the two halves are TMA-loaded from any two blocks); a
+  group's odd last tile is paired with a NULL tile whose keys are all masked;
+* warpgroups 0 and 1 are consumers, one 64-row query block each: ``S = q K^T`` by ``wgmma`` from
+  shared memory, online softmax in float32 (``exp2``, log2-domain running max), ``P V`` by
+  ``wgmma`` with ``P`` from registers; the two take turns on the tensor cores (a shared "schedule"
+  barrier, FlashAttention-3's ping-pong): one's softmax runs under the other's ``wgmma``. A
+  consumer waits for every step of the stream (barrier phases are tracked per thread) and frees it;
+  on a step outside its walk it does no math but still takes its two turns;
+* warpgroup 2 is the producer: it TMA-loads each step's K, V and ``info`` tiles, at offsets read from
+  the stream at run time, into a ring of ``slots`` shared-memory slots, and waits until BOTH
+  consumers freed a slot (2-arrival barriers) before reusing it. Sharing halves the CTA's K/V
+  traffic against one walk per consumer, and leaves the shared memory for 128-key steps.
 
 Packed documents (``segs``, index narrowed by ``apply_segments``): ``info`` tiles carry the keys'
 segment ids as a third row and each consumer TMA-loads its 64 queries' segment ids; masked tiles
@@ -43,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_index import MosaicOperands, prepare
+from pallas_kernels.mosaic_index import POS_PAD, STREAM_SEGMENTS, pair_stream, prepare
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -122,28 +128,71 @@ def _query_pair_ids(npairs: int):
     return lax.axis_index("b"), lax.axis_index("h"), npairs - 1 - lax.axis_index("p"), lax.axis_index("wg")
 
 
-def _row_walk(cnt_ref, b, h, pair, bs: int):
-    """``walk(w)``: consumer ``w``'s query block ``i`` and its walk ``(i, n_free, n_blocks, col_count,
-    n_tiles, n_free_col_tiles)`` from :class:`~pallas_kernels.mosaic_index.MosaicOperands` ``counts``."""
-
-    def walk(w):
-        i = 2 * pair + w
-        n_free, n_blk, ncol = cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], cnt_ref[b, h, i, 2]
-        return i, n_free, n_blk, ncol, n_blk + lax.div(ncol + jnp.int32(bs - 1), jnp.int32(bs)), cnt_ref[b, h, i, 3]
-
-    return walk
-
-
-def _segment_ok(info_smem, slot, qseg_smem, bs: int):
-    """``bool [64, bs]`` of a masked tile with packed documents: the tile's keys (segment row 2 of
+def _segment_ok(info_smem, slot, qseg_smem, bs: int, kv: int | None = None):
+    """``bool [64, kv]`` of a masked tile with packed documents: the tile's keys (segment row 2 of
     its ``info``) lie in the document of the consumer's query rows (``qseg_smem [bs]``)."""
-    kseg = lax.broadcast_in_dim(_load(info_smem.at[slot, 2], _col_layout()), (bs, bs), [1])
-    qseg = lax.broadcast_in_dim(_load(qseg_smem, _row_layout()), (bs, bs), [0])
+    kv = kv or bs
+    kseg = lax.broadcast_in_dim(_load(info_smem.at[slot, 2], _col_layout()), (bs, kv), [1])
+    qseg = lax.broadcast_in_dim(_load(qseg_smem, _row_layout()), (bs, kv), [0])
     return kseg == qseg
 
 
-def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref, *refs,
-            merge: bool, stages: int, g: int, bs: int, qk_scale: float, npairs: int, segs: bool = False):
+def _stream_walk(bnd_ref, cnt_ref, b, h, pair, bs: int, halves: int = 1):
+    """The CTA's shared tile stream (:func:`pallas_kernels.mosaic_index.pair_stream`): ``(bounds,
+    n_union, total, rows)`` with ``bounds`` the 9 segment starts of the union's block tiles,
+    ``n_union`` their number of steps, ``total`` the stream length in steps (block steps, then the
+    column steps of the longer column prefix) and ``rows[w] = (query block, col_count,
+    n_col_steps, n_free_col_steps)``; a step is ``halves`` tiles of 64 keys."""
+    bounds = [bnd_ref[b, h, pair, s] for s in range(len(STREAM_SEGMENTS) + 1)]
+    rows = []
+    for w in range(2):
+        i = 2 * pair + w
+        ncol = cnt_ref[b, h, i, 2]
+        span = jnp.int32(bs * halves)
+        rows.append((i, ncol, lax.div(ncol + span - 1, span), lax.div(cnt_ref[b, h, i, 3], jnp.int32(halves))))
+    n_union = bounds[-1]
+    return bounds, n_union, n_union + jnp.maximum(rows[0][2], rows[1][2]), rows
+
+
+def _stream_segments(w, bounds, n_union, row):
+    """Consumer ``w``'s walk of the stream as ``(lo, hi, kind, col)`` loops in stream order; ``kind``
+    0 free, 1 masked, 2 skipped (not in its row's walk); ``col``: a column tile (threshold
+    ``1 - col_count``, else ``col_count``). A segment whose class differs between the consumers is
+    two loops, one of them empty for each consumer."""
+    loops = []
+    for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
+        lo, hi = bounds[s], bounds[s + 1]
+        if c0 == c1:
+            loops.append((lo, hi, c0, False))
+            continue
+        for kind, owner in ((c0, 0), (c1, 1)):
+            loops.append((lo, jnp.where(w == owner, hi, lo), kind, False))
+    _, _, nct, ncf = row
+    loops += [(n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
+    return loops
+
+
+def _walk_stream(w, bounds, n_union, total, row, tile, skip, carry):
+    """Run consumer ``w``'s loops over the CTA's stream (:func:`_stream_segments`, then the skipped
+    column steps of the other row's longer prefix). ``tile(t, carry, masked, thr)``, ``skip(t, carry)``."""
+    ncol, nct = row[1], row[2]
+    for lo, hi, kind, col in _stream_segments(w, bounds, n_union, row):
+        if kind == 2:
+            body = skip
+        else:
+            body = functools.partial(tile, masked=kind == 1, thr=(1 - ncol if col else ncol) if kind else None)
+        carry = lax.fori_loop(lo, hi, body, carry)
+    return lax.fori_loop(n_union + nct, total, skip, carry)
+
+
+def _consumer_row(w, rows_w):
+    """Consumer ``w``'s ``(query block, col_count, n_col_steps, n_free_col_steps)``."""
+    return tuple(jnp.where(w == 0, a, c) for a, c in zip(rows_w[0], rows_w[1]))
+
+
+def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
+            null_ref, *refs, merge: bool, slots: int, halves: int, g: int, bs: int, qk_scale: float, npairs: int,
+            segs: bool = False):
     *ins, out_ref, lse_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     oprev_ref, lprev_ref = ins if merge else (None, None)
@@ -151,13 +200,15 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free, sched_bar = bars
     b, h, pair, wg = _query_pair_ids(npairs)
     dtype = q_ref.dtype
-    row_counts = _row_walk(cnt_ref, b, h, pair, bs)
+    bounds, n_union, total, rows_w = _stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
+    kv = bs * halves  # keys per step
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        i, n_free, n_blk, ncol, ntiles, n_cfree = row_counts(w)
+        i = 2 * pair + w
+        row = _consumer_row(w, rows_w)
         rows = pl.ds(i * bs, bs)
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[w], q_bar.at[w])
         plgpu.copy_gmem_to_smem(qpos_ref.at[rows], row_smem.at[w], row_bar.at[w])
@@ -170,7 +221,7 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
         if segs:
             plgpu.barrier_wait(row_bar.at[4 + w])
         qpos = _load(row_smem.at[w], _row_layout())
-        qpos_b = lax.broadcast_in_dim(qpos, (bs, bs), [0])
+        qpos_b = lax.broadcast_in_dim(qpos, (bs, kv), [0])
         d = q_smem.shape[-1]
         acc = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((bs,), _NEG_INF, jnp.float32), _row_layout())
@@ -180,23 +231,28 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
             plgpu.barrier_arrive(sched_bar)
             plgpu.barrier_wait(sched_bar)
 
+        def wait_next_k(t):
+            @pl.when(t + 1 < total)
+            def _():
+                plgpu.barrier_wait(k_bar.at[lax.rem(t + 1, jnp.int32(slots))])
+
         def tile(t, carry, masked: bool, thr):
             acc, m, l = carry
-            slot = w * stages + lax.rem(t, jnp.int32(stages))  # its K: waited for under the last P V
+            slot = lax.rem(t, jnp.int32(slots))  # its K: waited for under the last P V
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem.at[w], _transposed(k_smem.at[slot]))
                 schedule()  # the other consumer's softmax runs under this wgmma
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bs, bs), jnp.float32))  # unscaled: qk_scale folds into FMAs
+            s = pl.run_scoped(qk, plgpu.ACC((bs, kv), jnp.float32))  # unscaled: qk_scale folds into FMAs
             plgpu.barrier_wait(i_bar.at[slot])
             if masked:
-                pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
-                aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+                pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, kv), [1])
+                aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, kv), [1])
                 ok = (pos <= qpos_b) & (aux >= thr)
                 if segs:
-                    ok = ok & _segment_ok(info_smem, slot, row_smem.at[2 + w], bs)
+                    ok = ok & _segment_ok(info_smem, slot, row_smem.at[2 + w], bs, kv)
                 s = jnp.where(ok, s, _NEG_INF)
             plgpu.barrier_arrive(k_free.at[slot])
             p, alpha, m, l = _online_softmax((m, l), s, masked, qk_scale)
@@ -210,32 +266,32 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                @pl.when(t + 1 < ntiles)
-                def _():  # wait for the next tile's K while this P V runs
-                    plgpu.barrier_wait(k_bar.at[w * stages + lax.rem(t + 1, jnp.int32(stages))])
+                wait_next_k(t)  # the next tile's K, while this P V runs
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l
 
+        def skip(t, carry):  # not this row's tile: same waits, arrivals and turns, no math
+            slot = lax.rem(t, jnp.int32(slots))
+            schedule()
+            plgpu.barrier_wait(i_bar.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched_bar)
+            wait_next_k(t)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return carry
+
         carry = (acc, m, l)
 
-        @pl.when(ntiles > 0)
+        @pl.when(total > 0)
         def _():  # the first tile's K (each later one is waited for under the P V before it)
-            plgpu.barrier_wait(k_bar.at[w * stages])
+            plgpu.barrier_wait(k_bar.at[0])
 
         pl.when(w == 1)(schedule)  # consumer 0 goes first
-        carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False, thr=None), carry)
-        carry = lax.fori_loop(n_free, n_blk, functools.partial(tile, masked=True, thr=ncol), carry)
-        carry = lax.fori_loop(n_blk, n_blk + n_cfree, functools.partial(tile, masked=False, thr=None), carry)
-        carry = lax.fori_loop(n_blk + n_cfree, ntiles, functools.partial(tile, masked=True, thr=1 - ncol), carry)
-
-        @pl.loop(ntiles, jnp.maximum(ntiles, row_counts(1 - w)[4]))
-        def _(t):  # keep the turn-taking in step while the other consumer's walk is longer
-            schedule()
-            schedule()
-
+        carry = _walk_stream(w, bounds, n_union, total, row, tile, skip, carry)
         pl.when(w == 0)(schedule)
         acc, m, l = carry
         prev = None
@@ -253,88 +309,126 @@ def _kernel(cnt_ref, bidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, ki
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        _producer_loop([row_counts(w) for w in range(2)], b, h, lax.div(h, jnp.array(g, h.dtype)), bs, stages,
-                       bidx_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
-                       k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
+        hk = lax.div(h, jnp.array(g, h.dtype))
+
+        _stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref, k_ref, v_ref, kc_ref, vc_ref,
+                         kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
 
 
-def _producer_loop(walks, b, h, hk, bs, stages, bidx_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
-                   k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free):
-    """The producer warpgroup's loop, shared by the forward and the dQ pass: for tile ``t`` of each
-    consumer ``w`` (``walks[w] = (query block, n_free, n_blocks, col_count, n_tiles, n_free_col_tiles)``), wait until the
-    consumer has freed slot ``w * stages + t % stages`` (from ``t >= stages`` on), then TMA-load the
-    tile's K (+ its ``info``) and V: block ``bidx[t]`` of ``k/v`` for ``t < n_blocks``, else column tile
-    ``t - n_blocks`` of ``kc/vc``."""
+def _stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref, k_ref, v_ref, kc_ref, vc_ref,
+                     kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free):
+    """The producer warpgroup of the query-side kernels (forward, dQ): for step ``t`` of the CTA's
+    stream, wait until both consumers freed slot ``t % slots`` (from ``t >= slots`` on), then
+    TMA-load the step's K (+ ``info``) and V halves: block ``sidx[.., t, half]`` of ``k/v`` (a NULL
+    half loads block 0 with the all-masked ``null`` info) for the union's block steps, then column
+    tiles of ``kc/vc``."""
+    rows_i = info_smem.shape[1]
 
-    def load(t, i, n_blk, ref_blk, ref_col, info, dst, bar):
-        @pl.when(t < n_blk)
-        def _():
-            kb = bidx_ref[b, h, i, t]
-            plgpu.copy_gmem_to_smem(ref_blk.at[b, pl.ds(kb * bs, bs), hk], dst, bar)
-            if info is not None:
-                plgpu.copy_gmem_to_smem(kinfo_ref.at[b, h, kb], info[0], info[1])
+    def load(t, ref_blk, ref_col, info, dst, bar):
+        for hf in range(halves):
+            half = dst.at[pl.ds(hf * bs, bs)] if halves > 1 else dst
 
-        @pl.when(t >= n_blk)
-        def _():
-            c = t - n_blk
-            plgpu.copy_gmem_to_smem(ref_col.at[b, h, pl.ds(c * bs, bs)], dst, bar)
-            if info is not None:
-                plgpu.copy_gmem_to_smem(cinfo_ref.at[b, h, c], info[0], info[1])
+            def info_copy(src, hf=hf):
+                if halves == 1:
+                    plgpu.copy_gmem_to_smem(src, info[0], info[1])
+                else:  # one 64-key row at a time into the slot's [rows, 128] info tile
+                    for r in range(rows_i):
+                        plgpu.copy_gmem_to_smem(src.at[r], info[0].at[r, pl.ds(hf * bs, bs)], info[1])
 
-    @pl.loop(0, jnp.maximum(walks[0][4], walks[1][4]))
+            @pl.when(t < n_union)
+            def _(hf=hf, half=half, info_copy=info_copy):
+                kb = sidx_ref[b, h, pair, t, hf]
+                plgpu.copy_gmem_to_smem(ref_blk.at[b, pl.ds(jnp.maximum(kb, 0) * bs, bs), hk], half, bar)
+                if info is not None:
+                    pl.when(kb >= 0)(lambda: info_copy(kinfo_ref.at[b, h, jnp.maximum(kb, 0)]))
+                    pl.when(kb < 0)(lambda: info_copy(null_ref))
+
+            @pl.when(t >= n_union)
+            def _(hf=hf, half=half, info_copy=info_copy):
+                c = (t - n_union) * halves + hf
+                plgpu.copy_gmem_to_smem(ref_col.at[b, h, pl.ds(c * bs, bs)], half, bar)
+                if info is not None:
+                    info_copy(cinfo_ref.at[b, h, c])
+
+    @pl.loop(0, total)
     def _(t):
-        for w in range(2):
-            i, _, n_blk, _, ntiles, _ = walks[w]
+        slot = lax.rem(t, jnp.int32(slots))
 
-            @pl.when(t < ntiles)
-            def _():
-                slot = w * stages + lax.rem(t, jnp.int32(stages))
+        @pl.when(t >= slots)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot])
 
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
+        load(t, k_ref, kc_ref, (info_smem.at[slot], i_bar.at[slot]), k_smem.at[slot], k_bar.at[slot])
 
-                load(t, i, n_blk, k_ref, kc_ref, (info_smem.at[slot], i_bar.at[slot]), k_smem.at[slot], k_bar.at[slot])
+        @pl.when(t >= slots)
+        def _():
+            plgpu.barrier_wait(v_free.at[slot])
 
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-
-                load(t, i, n_blk, v_ref, vc_ref, None, v_smem.at[slot], v_bar.at[slot])
+        load(t, v_ref, vc_ref, None, v_smem.at[slot], v_bar.at[slot])
 
 
-_STATIC = ("sm_scale", "block_size", "stages")
+def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None):
+    """``(ops, stream, null_info, halves, slots)`` of a query-side kernel (forward, dQ) walking the
+    CTA's shared stream in steps of ``kv_step`` keys; ``slots`` defaults to what fits beside the
+    resident query tiles (4 at ``kv_step * head_dim <= 8192``, else 2)."""
+    if kv_step not in (bs, 2 * bs):
+        raise ValueError(f"kv_step must be {bs} or {2 * bs}, got {kv_step!r}")
+    halves = kv_step // bs
+    if slots is None:
+        slots = 4 if kv_step * k.shape[-1] <= 64 * 128 else 2
+    if not isinstance(slots, int) or slots < 2:
+        raise ValueError(f"slots must be an int >= 2, got {slots!r}")
+    ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
+    null_info = jnp.full((2 + (segs is not None), bs), POS_PAD, jnp.int32)
+    return ops, pair_stream(ops, halves), null_info, halves, slots
+
+
+def stream_smem(slots: int, kv_step: int, d: int, dtype, segs: bool):
+    """Shared memory of the stream's ring: K, V ``[slots, kv_step, d]`` and ``info``."""
+    tr = _tile_transforms(dtype)
+    return (plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr), plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr),
+            plgpu.SMEM((slots, 2 + segs, kv_step), jnp.int32))
+
+
+def stream_barriers(slots: int, halves: int, segs: bool):
+    """Barriers of the stream's ring: K, V, ``info`` loaded (one arrival per TMA copy), K and V
+    freed (one arrival per consumer)."""
+    return (plgpu.Barrier(num_arrivals=halves, num_barriers=slots), plgpu.Barrier(num_arrivals=halves, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=1 if halves == 1 else halves * (2 + segs), num_barriers=slots),
+            plgpu.Barrier(num_arrivals=2, num_barriers=slots), plgpu.Barrier(num_arrivals=2, num_barriers=slots))
+
+
+_STATIC = ("sm_scale", "block_size", "slots", "kv_step")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
-               stages: int = 2, segs=None):
+               slots: int | None = None, kv_step: int = 128, segs=None):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
     lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given. ``segs = (q_seg
-    [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``."""
+    [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``.
+    ``kv_step``: keys per step (64 or 128: two 64-key tiles of the stream in one softmax step);
+    ``slots``: depth of the CTA's shared K/V ring (default: as many as fit, 2-4)."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops: MosaicOperands = prepare(index, k, v, k_pos, bs, q_pos, segs)
+    ops, stream, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step, slots)
     merge = acc is not None
     sg = segs is not None
-    kernel = functools.partial(_kernel, merge=merge, stages=stages, g=H // k.shape[2], bs=bs,
+    kernel = functools.partial(_kernel, merge=merge, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
                                qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg)
     tr = _tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2 * stages, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2 * stages, 2 + sg, bs), jnp.int32),
+         *stream_smem(slots, kv_step, d, q.dtype, sg),
          plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
          plgpu.SMEM((2, bs), jnp.float32)),
         (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4 + 2 * sg),
-         plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
-         plgpu.Barrier(num_barriers=2 * stages),
-         plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=2 * stages),
+         *stream_barriers(slots, halves, sg),
          plgpu.Barrier(num_arrivals=2)),
     ]
-    args = [ops.counts, ops.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc, ops.k_info, ops.c_info]
+    args = [ops.counts, stream.bounds, stream.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc,
+            ops.k_info, ops.c_info, null_info]
     if sg:
         args.append(segs[0].astype(jnp.int32))
     if merge:

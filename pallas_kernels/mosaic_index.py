@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.index_format import StepIndex
 
@@ -152,6 +153,84 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
         n_cfree = jnp.cumprod(free_c.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
     counts = jnp.concatenate([counts, n_cfree[..., None]], axis=-1)
     return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info.astype(jnp.int32))
+
+
+# The query-side kernels' CTA owns query blocks 2p and 2p + 1 and walks ONE stream of K/V steps shared
+# by its two consumers: the union of the two rows' block tiles, then the column tiles both rows use
+# (the longer prefix). Per consumer a step is free (F), masked (M) or skipped (S, not in its row's
+# walk); the union's block tiles are grouped by that pair of classes, in this order:
+STREAM_SEGMENTS = ((0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (1, 2), (2, 0), (2, 1))
+# A step of two tiles (128 keys) pairs two tiles of one group; a group's odd last tile is paired with
+# a NULL tile (every key masked) and its step joins the group where both classes are M or S:
+_LEFTOVER = (3, 3, 3, 3, 5, 5, 7, 7)
+NULL_BLOCK = -1  # block id of a NULL half: the kernels load block 0 with an info tile at POS_PAD
+
+
+class PairStream(NamedTuple):
+    """The block steps of each CTA (query blocks ``2p, 2p + 1``) of the query-side kernels."""
+
+    block_idx: jax.Array  # int32 [B, H, nQB // 2, L, halves]: KV block of each half of step t (NULL_BLOCK)
+    bounds: jax.Array  # int32 [B, H, nQB // 2, 9]: segment s of STREAM_SEGMENTS is steps [bounds[s], bounds[s + 1])
+
+
+def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
+    """Merge the block walks of query blocks ``2p`` and ``2p + 1`` (:class:`MosaicOperands`
+    ``block_idx`` / ``counts``) into one stream of steps of ``halves`` tiles (1: 64 keys, 2: 128
+    keys) per CTA: every KV block either row lists appears once, grouped by its (row ``2p`` class,
+    row ``2p + 1`` class) in :data:`STREAM_SEGMENTS` order, ascending block id inside a group; with
+    two halves a group's odd last tile is paired with a :data:`NULL_BLOCK` half and that step is
+    counted in group ``_LEFTOVER[group]`` (a free tile there is masked: the same keys survive). A
+    row's walk over the stream (its F and M tiles) is the same multiset of blocks as its own list."""
+    if halves not in (1, 2):
+        raise ValueError(f"halves must be 1 or 2, got {halves!r}")
+    B, H, nqb, mb = ops.block_idx.shape
+    npair, nseg = nqb // 2, len(STREAM_SEGMENTS)
+    big = jnp.int32(1 << 30)
+    j = jnp.arange(mb, dtype=jnp.int32)
+    n_free, n_blk = ops.counts[..., 0:1], ops.counts[..., 1:2]
+    cls = jnp.where(j < n_free, 0, jnp.where(j < n_blk, 1, 2)).astype(jnp.int32)  # [B, H, nQB, MB]
+    kb = jnp.where(cls < 2, ops.block_idx, big)
+    kb = kb.reshape(B, H, npair, 2 * mb)  # row 2p's list, then row 2p + 1's
+    cls = cls.reshape(B, H, npair, 2 * mb)
+    tag = jnp.broadcast_to((jnp.arange(2 * mb, dtype=jnp.int32) >= mb).astype(jnp.int32), kb.shape)
+    kb, tag, cls = jax.lax.sort((kb, tag, cls), dimension=3, num_keys=2)
+    nxt = lambda x, fill: jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)  # noqa: E731
+    prv = lambda x, fill: jnp.concatenate([jnp.full_like(x[..., :1], fill), x[..., :-1]], axis=-1)  # noqa: E731
+    real = kb < big
+    with_next = real & (nxt(kb, -1) == kb)  # row 2p's entry whose block row 2p + 1 lists too
+    dup = real & (prv(kb, -1) == kb)  # row 2p + 1's entry of such a block: dropped
+    c0 = jnp.where(tag == 0, cls, 2)
+    c1 = jnp.where(tag == 1, cls, jnp.where(with_next, nxt(cls, 2), 2))
+    seg_of = jnp.full((9,), nseg, jnp.int32)
+    for s, (a, c) in enumerate(STREAM_SEGMENTS):
+        seg_of = seg_of.at[3 * a + c].set(s)
+    seg = jnp.where(real & ~dup, seg_of[3 * c0 + c1], nseg)
+    seg, kb = jax.lax.sort((seg, kb), dimension=3, num_keys=2)
+    starts = (seg[..., None] < jnp.arange(nseg + 1, dtype=jnp.int32)).sum(-2, dtype=jnp.int32)  # [..., 9]
+    if halves == 1:
+        return PairStream(jnp.where(kb < big, kb, 0)[..., None].astype(jnp.int32), starts)
+    n = starts[..., 1:] - starts[..., :-1]  # tiles per group [..., 8]
+    odd = n % 2
+    into = (jnp.asarray(_LEFTOVER, jnp.int32)[:, None] == jnp.arange(nseg, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [src, dst]
+    steps = n // 2 + odd @ into  # steps per group
+    sbound = jnp.concatenate([jnp.zeros_like(steps[..., :1]), jnp.cumsum(steps, -1, dtype=jnp.int32)], -1)
+    # leftover of group s: after group target(s)'s paired steps and the earlier groups' leftovers
+    lower = (jnp.arange(nseg)[:, None] < jnp.arange(nseg)[None, :]).astype(jnp.int32)
+    prior = jnp.einsum("...a,ab,ad->...bd", odd, lower, into)  # [..., src, dst]
+    tgt = np.asarray(_LEFTOVER)
+    left_step = sbound[..., tgt] + (n // 2)[..., tgt] + prior[..., np.arange(nseg), tgt]
+    segc = jnp.minimum(seg, nseg - 1)
+    r = jnp.arange(2 * mb, dtype=jnp.int32) - jnp.take_along_axis(starts, segc, -1)
+    n_e = jnp.take_along_axis(n, segc, -1)
+    paired = r < n_e - n_e % 2
+    step = jnp.where(paired, jnp.take_along_axis(sbound, segc, -1) + r // 2, jnp.take_along_axis(left_step, segc, -1))
+    half = jnp.where(paired, r % 2, 0)
+    L = mb + 8  # steps: at most ceil(2 MB / 2) + one leftover per group
+    step = jnp.where(seg < nseg, step, L)  # dropped entries -> spill row
+    out = jnp.full((B, H, npair, L + 1, 2), NULL_BLOCK, jnp.int32)
+    ix = [jnp.arange(x)[(slice(None),) + (None,) * (3 - d)] for d, x in enumerate((B, H, npair))]
+    out = out.at[ix[0], ix[1], ix[2], step, half].set(jnp.where(seg < nseg, kb, NULL_BLOCK))
+    return PairStream(out[..., :L, :], sbound)
 
 
 def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):

@@ -64,6 +64,81 @@ def test_prepared_tile_walk_equals_masked_reference(B, S, Sk, H, Hkv, permuted, 
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=2e-5)
 
 
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb, mc, documents", [
+    (1, 256, 256, 2, 2, False, 3, 70, False),    # ragged column tail, odd groups (NULL halves)
+    (2, 256, 384, 4, 1, True, 4, 12, False),     # GQA 4, ring-like positions, Sq != Sk
+    (1, 512, 512, 2, 1, False, 6, 200, False),   # causal columns: free column steps
+    (1, 512, 512, 2, 1, False, 5, 90, True),     # packed documents
+])
+def test_shared_stream_walk_equals_masked_reference(halves, B, S, Sk, H, Hkv, permuted, mb, mc, documents):
+    """The query-side kernels' CTA stream (``pair_stream`` + the consumers' loop bounds of
+    ``mosaic_fwd``), walked step by step in numpy as each consumer does: every step in exactly one
+    of its loops, free steps unmasked, masked steps by the ``info`` rule (a NULL half all masked),
+    skipped steps not used. Softmax over the keys gathered that way equals the masked reference."""
+    from pallas_kernels.mosaic_fwd import _consumer_row, _stream_segments, _stream_walk
+    from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, pair_stream
+
+    rng = np.random.default_rng(S + mb + halves)
+    q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, mb, mc)
+    segs = (qp[None].repeat(B, 0) // 150, kp[None].repeat(B, 0) // 150) if documents else None
+    if documents:
+        idx = apply_segments(idx, *segs, BS)
+    ops = mosaic_index.prepare(idx, k, v, kp, BS, qp, segs)
+    st = pair_stream(ops, halves)
+    cnt, bnd, sidx = (np.asarray(x) for x in (ops.counts, st.bounds, st.block_idx))
+    kinfo, cinfo = np.asarray(ops.k_info), np.asarray(ops.c_info)
+    kf, vf = np.asarray(k, np.float64), np.asarray(v, np.float64)
+    kcf, vcf = np.asarray(ops.kc, np.float64), np.asarray(ops.vc, np.float64)
+    qf, qpos = np.asarray(q, np.float64), np.asarray(qp)
+    ref_out, _ = dense_attention(q, k, v, qp, kp, step_index_to_mask(idx, S, Sk, BS),
+                                 q_seg=segs[0] if documents else None, k_seg=segs[1] if documents else None)
+    g = H // Hkv
+    out = np.zeros(qf.shape)
+    for b, h, p in np.ndindex(B, H, S // (2 * BS)):
+        bounds, n_union, total, rows_w = _stream_walk(bnd, cnt, b, h, p, BS, halves)
+        total, n_union = int(total), int(n_union)
+        for w in range(2):
+            row = _consumer_row(w, rows_w)
+            i, ncol = int(row[0]), int(row[1])
+            loops = [(int(lo), int(hi), kind, col) for lo, hi, kind, col in _stream_segments(w, bounds, n_union, row)]
+            loops.append((n_union + int(row[2]), total, 2, True))
+            seen = sorted(t for lo, hi, _, _ in loops for t in range(lo, hi))
+            assert seen == list(range(total))  # every step once, in some loop
+            keys, vals, keep = [], [], []
+            rq = slice(i * BS, (i + 1) * BS)
+            for lo, hi, kind, col in loops:
+                for t in range(lo, hi):
+                    for hf in range(halves):
+                        if t < n_union:
+                            kb = sidx[b, h, p, t, hf]
+                            kr = kf[b, max(kb, 0) * BS:(max(kb, 0) + 1) * BS, h // g]
+                            vr = vf[b, max(kb, 0) * BS:(max(kb, 0) + 1) * BS, h // g]
+                            info = kinfo[b, h, max(kb, 0)] if kb != NULL_BLOCK else np.full_like(kinfo[0, 0, 0], POS_PAD)
+                            assert kb != NULL_BLOCK or kind != 0  # a NULL half is never in a free step
+                        else:
+                            c = (t - n_union) * halves + hf
+                            kr, vr, info = kcf[b, h, c * BS:(c + 1) * BS], vcf[b, h, c * BS:(c + 1) * BS], cinfo[b, h, c]
+                        if kind == 2:
+                            continue
+                        ok = np.ones((BS, BS), bool)
+                        if kind == 1:
+                            thr = 1 - ncol if col else ncol
+                            ok = (info[0][None, :] <= qpos[rq][:, None]) & (info[1][None, :] >= thr)
+                            if documents:
+                                ok &= info[2][None, :] == np.asarray(segs[0])[b, rq][:, None]
+                        keys.append(kr), vals.append(vr), keep.append(ok)
+            if not keys:
+                continue
+            s_ = qf[b, rq, h] @ np.concatenate(keys).T * 64 ** -0.5
+            s_ = np.where(np.concatenate(keep, axis=1), s_, -np.inf)
+            m = s_.max(1, keepdims=True)
+            pr = np.exp(s_ - np.where(np.isfinite(m), m, 0))
+            l = pr.sum(1, keepdims=True)
+            out[b, rq, h] = (pr @ np.concatenate(vals)) / np.where(l == 0, 1, l)
+    np.testing.assert_allclose(out, np.asarray(ref_out, np.float64), atol=2e-5)
+
+
 def test_position_ordered_columns_get_free_column_tiles():
     """Column lists in position order (as the index builds them): every row's leading column tiles
     are mask-free, and the walk with them equals the masked reference."""
@@ -240,6 +315,14 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
                                                                          sm_scale=0.1, segs=segs))
     text = g.trace(q, k, k, idx, q, lse, lse, dq_acc, segs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    if not merge and not documents:  # the other step width of each query-side kernel
+        f = jax.jit(lambda q, k, v, idx: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, kv_step=64))
+        assert "mosaic_gpu" in f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()
+        g = jax.jit(lambda q, k, v, idx, do, lse, delta: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta,
+                                                                   sm_scale=0.1, kv_step=128))
+        assert "mosaic_gpu" in g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+        with pytest.raises(ValueError, match="kv_step must be 64 or 128, got 96"):
+            mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.1, kv_step=96)
     if not merge:  # the dK/dV block pass has no accumulator variant
         from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks
 
