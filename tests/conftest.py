@@ -9,8 +9,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu") if os.environ.get("MTRAINING_TEST_
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+# Property tests draw the same examples on every run (CI must not pass or fail by chance);
+# HYPOTHESIS_PROFILE=explore draws new ones.
+settings.register_profile("repro", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repro"))
 
 
 @pytest.fixture(scope="module")
