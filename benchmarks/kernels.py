@@ -235,12 +235,12 @@ def plot_passes(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    indices = list(dict.fromkeys(r["index"] for r in rows))
+    indices = list(dict.fromkeys((r["seq"], r["index"]) for r in rows))
     order = list(dict.fromkeys(r["pass_"] for r in rows))
     fig, axes = plt.subplots(1, len(indices), figsize=(5.5 * len(indices), 4), squeeze=False)
-    for ax, name in zip(axes[0], indices):
+    for ax, (seq, name) in zip(axes[0], indices):
         for j, impl in enumerate(("triton", "mosaic")):
-            got = {r["pass_"]: r for r in rows if r["index"] == name and r["impl"] == impl}
+            got = {r["pass_"]: r for r in rows if (r["seq"], r["index"]) == (seq, name) and r["impl"] == impl}
             xs = [i + (j - 0.5) * 0.4 for i, p in enumerate(order) if p in got]
             ms = [got[p]["ms"] for p in order if p in got]
             err = [[got[p]["ms"] - got[p]["spread_ms"][0] for p in order if p in got],
@@ -251,7 +251,7 @@ def plot_passes(rows, path):
                             ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(order)), order)
         ax.set_ylabel("ms (label: active TFLOP/s)")
-        ax.set_title(f"{rows[0]['seq'] // 1024}K tokens, index {name}")
+        ax.set_title(f"{seq // 1024}K tokens, index {name}")
         ax.legend(fontsize=8)
     fig.suptitle("kernel passes alone, min-max bars")
     fig.tight_layout()
