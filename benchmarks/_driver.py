@@ -71,3 +71,32 @@ def run_child(cmd, cwd: str, timeout: float, fail: Callable) -> dict:
                 break
     tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-15:]
     return fail(f"child exited with status {proc.returncode}: " + "\n".join(tail))
+
+
+def provenance(argv=None) -> dict:
+    """``commit``, ``date``, ``command`` and (where JAX is imported) ``jax`` / ``device`` of a
+    results row. The commit is ``git rev-parse HEAD`` of the repository, or ``$MTRAINING_COMMIT``
+    where the tree travels without its ``.git`` (the device machine): set it in the command line."""
+    import datetime
+    import shlex
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = os.environ.get("MTRAINING_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    args = sys.argv if argv is None else [sys.argv[0], *argv]
+    row = {"commit": commit or "unknown",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(shlex.quote(a) for a in args)}
+    if "jax" in sys.modules:
+        jax = sys.modules["jax"]
+        row["jax"] = jax.__version__
+        try:
+            row["device"] = jax.devices()[0].device_kind
+        except RuntimeError:
+            pass
+    return row

@@ -55,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+from benchmarks._driver import provenance  # noqa: E402
 from benchmarks._timing import steady_state, timeit  # noqa: E402
 from benchmarks.hlo import op_counts, schedule_outline  # noqa: E402
 from benchmarks.ring_comm import transfer_units  # noqa: E402
@@ -189,7 +190,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_rin
     sparse_fb = jax.jit(jax.value_and_grad(sparse_loss, argnums=(0, 1, 2), has_aux=True))
     sparse_f = jax.jit(lambda q, k, v: mtraining_attention(q, k, v, mesh, cfg))
     dense_f = jax.jit(lambda q, k, v: ring_attention(q, k, v, perm, mesh, **ring_kw))
-    rec = {"S": S, "gpus": P, "mesh": f"{N}x{L}", "nodes": N, "local": L, "ring_order": ring_order, "fuse": fuse,
+    rec = {**provenance(), "S": S, "gpus": P, "mesh": f"{N}x{L}", "nodes": N, "local": L, "ring_order": ring_order, "fuse": fuse,
            "backward_ring": backward_ring, "kv_exchange": kv_exchange, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if args.tag:
         rec["run"] = args.tag
@@ -200,7 +201,7 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_rin
     rec["sparse_fwdbwd_s"], _ = timeit(sparse_fb, lq, lk, lv, lc, repeat=args.repeat)
     # back-to-back calls, one sync at the end: per-step time as a training loop sees it
     rec["sparse_fwdbwd_steady_s"], _ = steady_state(sparse_fb, lq, lk, lv, lc, repeat=args.repeat)
-    if not args.skip_dense:
+    if not args.skip_dense and (args.dense_meshes is None or f"{N}x{L}" in args.dense_meshes):
         rec["dense_fwd_s"], _ = timeit(dense_f, lq, lk, lv, repeat=args.repeat)
         rec["dense_fwdbwd_s"], _ = timeit(dense_fb, lq, lk, lv, lc, repeat=args.repeat)
         rec["speedup_fwdbwd"] = rec["dense_fwdbwd_s"] / rec["sparse_fwdbwd_s"]
@@ -522,6 +523,8 @@ def main(argv=None):
     ap.add_argument("--sharpness", type=float, default=1.0)
     ap.add_argument("--check", action="store_true", help="sampled-row correctness check")
     ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--dense-meshes", nargs="+", metavar="NxL",
+                    help="time the dense ring only on these meshes (default: every mesh, unless --skip-dense)")
     ap.add_argument("--index-only", action="store_true", help="time only index estimation + conversion")
     ap.add_argument("--profile", action="store_true",
                     help="trace one sparse fwd+bwd step per case: per-GPU kernel breakdown, measured exposed comm")

@@ -79,7 +79,7 @@ BASELINE = "cudnn"
 GIB = 2.0**30
 #: keys of a successful row (error rows: seq_len, backend, batch, error, + what the child knew)
 ROW_KEYS = (
-    "seq_len", "backend", "batch", "tokens_per_step", "step_ms", "step_ms_all", "tokens_per_s",
+    "commit", "seq_len", "backend", "batch", "mesh", "gpus", "num_processes", "tokens_per_step", "step_ms", "step_ms_all", "tokens_per_s",
     "compile_s", "peak_bytes", "peak_gib", "memory_analysis", "losses", "loss_finite", "metrics",
     "work_fraction", "num_params", "model", "layer_backends", "layout", "remat", "dtype",
     "loss_chunk_size", "overrides", "device_kind", "platform", "jax_version", "profile", "error",
@@ -89,30 +89,47 @@ ROW_KEYS = (
 # ------------------------------------------------------------------------------ configuration
 
 
-def backend_overrides(backend: str, model_cfg) -> list[str]:
+def backend_overrides(backend: str, model_cfg, ranks: int = 1) -> list[str]:
     """The overrides ``backend`` needs beyond ``model.attention_backend`` (module docstring);
-    ``model_cfg`` is the model config already built with that backend."""
+    ``model_cfg`` is the model config already built with that backend. On several context-parallel
+    ranks (``ranks > 1``) the dense layers run on the dense ring (cuDNN needs one rank)."""
     if backend == "cudnn":
+        if ranks > 1:
+            raise ValueError(f"backend 'cudnn' runs on one device; on {ranks} ranks use 'ring' (the dense ring)")
         return ["model.dense_backend=cudnn"]
-    if backend == "mtraining":
-        return ["model.dense_backend=cudnn"]  # the loader's layout derives from the model's
+    if backend == "mtraining":  # the loader's layout derives from the model's
+        return ["model.dense_backend=" + ("cudnn" if ranks == 1 else "ring")]
     return [f"model.dense_backend={backend}"]
 
 
-def bench_config(config: str, sets: Sequence[str], seq_len: int, backend: str, batch: int = 1):
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"NODExLOCAL"`` -> ``(node, local)``; ``ValueError`` naming the text otherwise."""
+    try:
+        n, l = (int(t) for t in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"mesh must be NODExLOCAL, e.g. 1x4, got {text!r}") from None
+    if n < 1 or l < 1:
+        raise ValueError(f"mesh sizes must be >= 1, got {text!r}")
+    return n, l
+
+
+def bench_config(config: str, sets: Sequence[str], seq_len: int, backend: str, batch: int = 1,
+                 mesh: str = "1x1"):
     """``(TrainConfig, overrides)`` of one benchmark configuration: ``config`` + ``sets`` + the
-    benchmark's keys (which win). Two passes: the backend's layout needs the model config."""
+    benchmark's keys (which win). Two passes: the backend's layout needs the model config.
+    ``mesh``: ``"NODExLOCAL"`` context-parallel mesh (default one device)."""
     from mtraining_jax.train.state import build_model_config
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    n, l = parse_mesh(mesh)
     base = list(sets) + [
         f"data.seq_len={int(seq_len)}", f"data.batch_size={int(batch)}", "optim.grad_accum=1",
-        "mesh.shape=[1,1]", "mesh.data=1", f"model.attention_backend={backend}",
+        f"mesh.shape=[{n},{l}]", "mesh.data=1", f"model.attention_backend={backend}",
     ]
     cfg = load_config(config, base)
     _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
-    overrides = base + backend_overrides(backend, model_cfg)
+    overrides = base + backend_overrides(backend, model_cfg, n * l)
     return load_config(config, overrides), overrides
 
 
@@ -146,14 +163,14 @@ def _memory_analysis(compiled) -> Optional[dict]:
 
 
 def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, batch: int = 1,
-            warmup: int = 2, steps: int = 5, seed: int = 0, profile: bool = False) -> dict:
+            warmup: int = 2, steps: int = 5, seed: int = 0, profile: bool = False, mesh: str = "1x1") -> dict:
     """Build, compile and time one configuration in this process; returns its row (raises on
     error — the ``--one`` entry point turns exceptions into error rows). ``profile``: trace one more
     step and add its per-kernel breakdown (:mod:`benchmarks.trace_summary`, kernels attributed to
     JAX ops and source lines) as the row's ``profile``."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    cfg, overrides = bench_config(config, sets, seq_len, backend, batch)
+    cfg, overrides = bench_config(config, sets, seq_len, backend, batch, mesh)
     from mtraining_jax.train.cli import _setup_platform
 
     _setup_platform(cfg.mesh.cpu_devices)  # as the CLI does (CPU configs); no-op on GPU configs
@@ -208,12 +225,22 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
                 jax.block_until_ready(compiled(state, batches[0]))
             prof = next(iter(summarize_dir(tdir, top=30, hlo_text=compiled.as_text()).values()), None)
     tokens = cfg.data.seq_len * cfg.data.batch_size
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    peak = int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+    peaks = []
+    for dev in mesh.devices.flat:  # the largest peak over the mesh's devices
+        stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    peak = max(peaks) if peaks else None
+    from benchmarks._driver import provenance
+
     return {
+        "commit": provenance()["commit"],
         "seq_len": cfg.data.seq_len,
         "backend": backend,
         "batch": cfg.data.batch_size,
+        "mesh": "x".join(str(x) for x in cfg.mesh.shape),
+        "gpus": int(mesh.devices.size),
+        "num_processes": jax.process_count(),
         "tokens_per_step": tokens,
         "step_ms": 1e3 * step_s,
         "step_ms_all": [1e3 * t for t in times],
@@ -260,7 +287,7 @@ def error_row(seq_len: int, backend: str, batch: int, message: str, **extra) -> 
 def _one_main(args) -> int:
     try:
         row = run_one(args.config, args.set, args.seq_len, args.backend, batch=args.batch,
-                      warmup=args.warmup, steps=args.steps, seed=args.seed, profile=args.profile)
+                      warmup=args.warmup, steps=args.steps, seed=args.seed, profile=args.profile, mesh=args.mesh)
     except Exception as e:  # noqa: BLE001  (OOM, compile errors, bad config: all become rows)
         extra = {}
         try:
@@ -281,7 +308,7 @@ def _one_main(args) -> int:
 def child_command(args, seq_len: int, backend: str) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--one", "--config", args.config,
            "--seq-len", str(seq_len), "--backend", backend, "--batch", str(args.batch),
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed), "--mesh", args.mesh]
     if args.set:
         cmd += ["--set", *args.set]
     if args.profile:
@@ -303,22 +330,24 @@ def _fmt(x, spec: str) -> str:
 def format_table(rows: Sequence[dict]) -> str:
     """Markdown table: one line per row, speed-up = tokens/s over the ``cudnn`` row of the same
     length and batch."""
-    base = {(r["seq_len"], r.get("batch", 1)): r["tokens_per_s"] for r in rows
-            if r.get("backend") == BASELINE and not r.get("error")}
-    head = ("| seq | backend | step ms | tokens/s | vs cudnn | peak GiB | compile s | work frac "
+    base = {}  # per (length, batch, mesh): cuDNN on one device, the dense ring on several
+    for want in ("ring", BASELINE):
+        base.update({(r["seq_len"], r.get("batch", 1), r.get("mesh", "1x1")): r["tokens_per_s"] for r in rows
+                     if r.get("backend") == want and not r.get("error")})
+    head = ("| seq | mesh | backend | step ms | tokens/s | vs dense | peak GiB | compile s | work frac "
             "| loss (first -> last) |")
-    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [head, "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["seq_len"], BACKENDS.index(r["backend"]) if r["backend"] in BACKENDS else 99)):
         if r.get("error"):
             msg = " ".join(str(r["error"]).split())[:160].replace("|", "/")
-            lines.append(f"| {r['seq_len']} | {r['backend']} | error: {msg} | | | | | | |")
+            lines.append(f"| {r['seq_len']} | {r.get('mesh', '1x1')} | {r['backend']} | error: {msg} | | | | | | |")
             continue
-        b = base.get((r["seq_len"], r.get("batch", 1)))
+        b = base.get((r["seq_len"], r.get("batch", 1), r.get("mesh", "1x1")))
         speed = f"{r['tokens_per_s'] / b:.2f}x" if b else "-"
         losses = r.get("losses") or []
         loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
         lines.append(
-            f"| {r['seq_len']} | {r['backend']} | {_fmt(r['step_ms'], '.1f')} | {_fmt(r['tokens_per_s'], ',.0f')} "
+            f"| {r['seq_len']} | {r.get('mesh', '1x1')} | {r['backend']} | {_fmt(r['step_ms'], '.1f')} | {_fmt(r['tokens_per_s'], ',.0f')} "
             f"| {speed} | {_fmt(r.get('peak_gib'), '.2f')} | {_fmt(r.get('compile_s'), '.1f')} "
             f"| {_fmt(r.get('work_fraction'), '.3f')} | {loss} |"
         )
@@ -361,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=_int_list, default=[65536, 131072], help="comma-separated")
     p.add_argument("--backends", type=_backend_list, default=["cudnn", "mtraining"], help="comma-separated")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--mesh", default="1x1", help="NODExLOCAL context-parallel mesh (default one device); "
+                   "on several ranks the dense layers and the 'ring' backend use the dense ring")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -389,6 +420,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit("--one needs --seq-len and --backend")
         return _one_main(args)
     load_config(args.config, args.set)  # bad config / override: fail before spawning anything
+    parse_mesh(args.mesh)
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(os.path.abspath(__file__), REPO)] +
                        list(sys.argv[1:] if argv is None else argv))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

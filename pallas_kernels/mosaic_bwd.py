@@ -347,7 +347,7 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
 
         def at(j):
             def f(t):
-                e = sched_ref[b, hk, j, t]
+                e = sched_ref[cnt_ref[b, hk, j, 2] + t]
                 jq = lax.div(e, jnp.int32(nqb))
                 return hk * g + jq, e - jq * nqb, pl.ds(j * bs, bs)
             return f

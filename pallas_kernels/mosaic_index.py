@@ -49,6 +49,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from pallas_kernels.index_format import StepIndex
 
@@ -233,35 +234,53 @@ def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
     return PairStream(out[..., :L, :], sbound)
 
 
+#: largest key range sorted as one uint32 key (above it: a two-key sort; tests lower it)
+_ONE_KEY_LIMIT = 2**32
+
+
 def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     """KV-stationary schedule of the dK/dV block pass, one list per (batch, KV head, KV block) over
-    the ``g = H // hkv`` query heads of the group.
+    the ``g = H // hkv`` query heads of the group, stored compactly (CSR): its size is the index's
+    ``B * H * nQB * MB`` entries, not the ``B * H * nKB * nQB`` tile map.
 
-    Returns ``(sched int32 [B, Hkv, nKB, g * nQB], counts int32 [B, Hkv, nKB, 2])``: entry
-    ``e = j * nQB + qb`` is query block ``qb`` of query head ``hk * g + j``; the first
-    ``counts[..., 0]`` entries are free tiles (every pair causal and no listed column of the row's
-    prefix in the block: no mask), then masked ones up to ``counts[..., 1]``, each group in
-    (head, query block) order; the rest is padding (in range). Built from a dense
-    ``[B, H, nKB, nQB]`` int8 tile map, like :func:`pallas_kernels.triton_backward.transpose_block_index`."""
+    Returns ``(entries int32 [B * H * nQB * MB], counts int32 [B, Hkv, nKB, 3])``: the list of
+    ``(b, hk, kb)`` is ``entries[off : off + n_all]`` with ``(n_free, n_all, off) = counts[b, hk,
+    kb]``; entry ``e = j * nQB + qb`` is query block ``qb`` of query head ``hk * g + j``; the first
+    ``n_free`` entries are free tiles (every pair causal and no listed column of the row's prefix in
+    the block: no mask), then the masked ones, each group in (head, query block) order; entries past
+    the last list are padding (in range). One sort of the index's entries by (list, class, entry)."""
     bs = block_size
     B, H, nqb, mb = index.block_idx.shape
     nkb, g = sk // bs, H // hkv
     valid = jnp.arange(mb) < index.block_count[..., None]
-    kb = jnp.where(valid, jnp.clip(index.block_idx, 0, nkb - 1), nkb)  # invalid -> spill row
+    kb = jnp.clip(index.block_idx, 0, nkb - 1)
     b_ix = jnp.arange(B)[:, None, None, None]
     h_ix = jnp.arange(H)[None, :, None, None]
-    q_ix = jnp.broadcast_to(jnp.arange(nqb, dtype=jnp.int32)[None, None, :, None], kb.shape)
     first_slot = column_slots(index, sk).reshape(B, H, nkb, bs).min(axis=-1)
-    has_col = first_slot[b_ix, h_ix, jnp.minimum(kb, nkb - 1)] < index.col_count[..., None]
-    code = (1 + ((index.block_causal != 0) | has_col)).astype(jnp.int8)
-    tiles = jnp.zeros((B, H, nkb + 1, nqb), jnp.int8).at[b_ix, h_ix, kb, q_ix].set(code)[:, :, :nkb]
-    tiles = tiles.reshape(B, hkv, g, nkb, nqb).transpose(0, 1, 3, 2, 4).reshape(B, hkv, nkb, g * nqb)
-    dst, n_free, n_all = _partition(tiles == 1, tiles == 2)
-    entries = jnp.broadcast_to(jnp.arange(g * nqb, dtype=jnp.int32), dst.shape)
-    sched = jnp.zeros_like(dst).at[
-        jnp.arange(B)[:, None, None, None], jnp.arange(hkv)[None, :, None, None],
-        jnp.arange(nkb)[None, None, :, None], dst].set(entries)
-    return sched, jnp.stack([n_free, n_all], axis=-1).astype(jnp.int32)
+    has_col = first_slot[b_ix, h_ix, kb] < index.col_count[..., None]
+    masked = ((index.block_causal != 0) | has_col).astype(jnp.int32)
+    nrows = B * hkv * nkb
+    row = ((b_ix * hkv + h_ix // g) * nkb + kb) * 2 + masked  # [B, H, nQB, MB]: (list, class)
+    row = jnp.where(valid, row, 2 * nrows).reshape(-1)  # padding sorts last
+    e = jnp.broadcast_to((h_ix % g) * nqb + jnp.arange(nqb)[None, None, :, None], kb.shape).reshape(-1)
+    L = g * nqb
+    if (2 * nrows + 1) * L <= _ONE_KEY_LIMIT:  # one uint32 key: the radix sort path
+        key = row.astype(jnp.uint32) * jnp.uint32(L) + e.astype(jnp.uint32)
+        entries = (lax.sort(key) % jnp.uint32(L)).astype(jnp.int32)
+    else:
+        _, entries = lax.sort((row, e.astype(jnp.int32)), num_keys=2)
+    per = jnp.zeros((2 * nrows + 1,), jnp.int32).at[row].add(1)[:2 * nrows].reshape(nrows, 2)
+    n_free, n_all = per[:, 0], per[:, 0] + per[:, 1]
+    off = jnp.cumsum(n_all) - n_all
+    counts = jnp.stack([n_free, n_all, off], axis=-1).astype(jnp.int32).reshape(B, hkv, nkb, 3)
+    return entries, counts
+
+
+def dense_kv_schedule(entries, counts, length: int):
+    """``int32 [B, Hkv, nKB, length]``: each list of :func:`kv_schedule` padded to ``length`` (the
+    emulation's and tests' view; entries past a list's end are arbitrary)."""
+    t = jnp.arange(length, dtype=jnp.int32)
+    return entries[jnp.minimum(counts[..., 2:3] + t, entries.shape[0] - 1)]
 
 
 def column_ranges(col_count, nchunks: int, bs: int, range_blocks: int):
@@ -288,8 +307,9 @@ def emulate_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, 
     sk, hkv = k.shape[1], k.shape[2]
     nqb, nkb, g = sq // bs, sk // bs, H // hkv
     f32 = jnp.float32
-    sched, counts = kv_schedule(index, sk, hkv, bs)
-    L = sched.shape[-1]
+    entries, counts = kv_schedule(index, sk, hkv, bs)
+    L = g * nqb
+    sched = dense_kv_schedule(entries, counts, L)
     qb = sched % nqb
     t = jnp.arange(L)
     used = t < counts[..., 1:2]

@@ -228,6 +228,19 @@ def test_free_column_tiles_with_documents_lie_in_one_document():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
 
 
+def test_kv_schedule_two_key_sort_equals_one_key(monkeypatch):
+    """Past ``2**32`` keys the schedule is built by a two-key sort: the same entries and counts."""
+    rng = np.random.default_rng(3)
+    *_, idx = _case(rng, 2, 256, 384, 4, 1, 64, True, 4, 20)
+    one = mosaic_index.kv_schedule(idx, 384, 1, BS)
+    monkeypatch.setattr(mosaic_index, "_ONE_KEY_LIMIT", 0)
+    two = mosaic_index.kv_schedule(idx, 384, 1, BS)
+    n = int(np.asarray(one[1])[..., 1].sum())
+    assert n > 0
+    np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(two[1]))
+    np.testing.assert_array_equal(np.asarray(one[0])[:n], np.asarray(two[0])[:n])
+
+
 @pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb, documents", [
     (1, 256, 256, 2, 2, False, 3, False),   # MHA, causal diagonal
     (2, 256, 384, 4, 1, True, 4, False),    # GQA 4, ring-like positions, Sq != Sk
@@ -251,8 +264,13 @@ def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permute
     out, lse = dense_attention(q, k, v, qp, kp, allowed, sm_scale=scale, **seg_kw)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     delta = jnp.einsum("bshd,bshd->bhs", do, out)
-    sched, counts = (np.asarray(x) for x in mosaic_index.kv_schedule(idx, Sk, Hkv, BS))
+    entries, counts3 = mosaic_index.kv_schedule(idx, Sk, Hkv, BS)
     g, nqb, nkb = H // Hkv, S // BS, Sk // BS
+    counts = np.asarray(counts3)[..., :2]
+    off = np.asarray(counts3)[..., 2]
+    # the lists lie back to back in entries, in (b, hk, kb) order
+    np.testing.assert_array_equal(off.reshape(-1), np.concatenate([[0], np.cumsum(counts[..., 1].reshape(-1))[:-1]]))
+    sched = np.asarray(mosaic_index.dense_kv_schedule(entries, counts3, g * nqb))
     bidx, bcnt, bcau, ccnt = (np.asarray(x) for x in (idx.block_idx, idx.block_count, idx.block_causal,
                                                       idx.col_count))
     slot = np.asarray(mosaic_index.column_slots(idx, Sk)).reshape(B, H, nkb, BS).min(-1)

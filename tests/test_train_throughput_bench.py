@@ -91,8 +91,8 @@ def test_one_measures_a_real_train_step_and_the_table_prints(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, cud]))
     assert tt.main(["--report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("| seq | backend | step ms | tokens/s | vs cudnn | peak GiB | compile s")
-    lines = {l.split("|")[2].strip(): l for l in out.splitlines() if l.startswith(f"| {S} ")}
+    assert out.startswith("| seq | mesh | backend | step ms | tokens/s | vs dense | peak GiB | compile s")
+    lines = {l.split("|")[3].strip(): l for l in out.splitlines() if l.startswith(f"| {S} ")}
     assert set(lines) == {"reference", "cudnn", "mtraining"}
     assert "| 2.00x |" in lines["reference"] and "| 1.00x |" in lines["cudnn"]
     assert f"| {sp['work_fraction']:.3f} |" in lines["mtraining"]
@@ -120,3 +120,16 @@ def test_driver_records_child_failures_as_rows(tmp_path, capsys):
     assert crash["error"].startswith("child exited with status 3") and "boom" in crash["error"]
     hang = tt.run_child([sys.executable, "-c", "import time; time.sleep(30)"], S, "cudnn", 1, timeout=0.5)
     assert hang["error"].startswith("timeout")
+
+
+def test_mesh_option_picks_the_dense_ring_on_several_ranks():
+    assert tt.parse_mesh("2x2") == (2, 2) and tt.parse_mesh("1X4") == (1, 4)
+    for bad in ("4", "0x2", "ax2"):
+        with pytest.raises(ValueError, match=repr(bad).replace("'", ".")):
+            tt.parse_mesh(bad)
+    assert tt.backend_overrides("mtraining", None, 4) == ["model.dense_backend=ring"]
+    assert tt.backend_overrides("mtraining", None, 1) == ["model.dense_backend=cudnn"]
+    with pytest.raises(ValueError, match="'cudnn' runs on one device"):
+        tt.backend_overrides("cudnn", None, 4)
+    cfg, overrides = tt.bench_config(CONFIG, TINY, S, "mtraining", mesh="1x2")
+    assert list(cfg.mesh.shape) == [1, 2] and "model.dense_backend=ring" in overrides
