@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The multi-GPU measurements of one 4-GPU host (issue 33), in phases that each fit one device call:
+#
+#   bash benchmarks/multigpu.sh OUT PHASE...      (from the repo root; PYTHONPATH=. is set here)
+#
+# Phases (each bounded by its own timeout; rows are appended and flushed as they come):
+#   gputests   the Mosaic kernel GPU suite (test_kernels.py TestMosaicGPU), before any timing
+#   scaling    sparse ring fwd+bwd at 512K on 1x4 1x1 2x2 (both ring orders) 1x2, traced, dense ring at 1x4
+#   long       sparse ring at 1M on 1x4 and 1x1 (no dense ring: ~45 s a step on one GPU)
+#   train      the trainer at 512K on 4 GPUs (1x4): MTraining vs the dense ring, Qwen2.5-0.5B shape
+#   multiproc  the README's multi-host recipe on one box: 2 processes x 2 GPUs (CUDA_VISIBLE_DEVICES),
+#              mesh [2, 2], vs one process on the same [2, 2] mesh and on [1, 4]; 256K, 2 steps
+# Set MTRAINING_COMMIT to the commit the tree is (the device copy has no .git).
+set -uo pipefail
+OUT=${1:?usage: multigpu.sh OUT PHASE...}; shift
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT"
+CFG=configs/qwen2.5-0.5b-128k.yaml
+
+for phase in "$@"; do
+  echo "=== phase $phase $(date -u +%T)"
+  case $phase in
+    gputests)
+      MTRAINING_TEST_GPU=1 timeout 200 python -m pytest -q -x -m gpu tests/test_kernels.py -k TestMosaicGPU -p no:cacheprovider 2>&1 | tail -4 ;;
+    scaling)
+      timeout 480 python -m benchmarks.sparse_ring --lengths 524288 --meshes 1x4 1x1 2x2 1x2 \
+        --ring-orders hierarchical flat --repeat 3 --profile --check --dense-meshes 1x4 --tag v12 \
+        --out "$OUT/scaling" 2>&1 | grep -v '^{' | grep -v '^    ' ;
+      rm -rf "$OUT"/scaling/*.hlo.txt "$OUT"/scaling/profile_* "$OUT"/scaling/schedule_* ;;
+    long)
+      timeout 300 python -m benchmarks.sparse_ring --lengths 1048576 --meshes 1x4 1x1 --repeat 3 --skip-dense \
+        --tag v12 --out "$OUT/long" 2>&1 | grep -v '^{' ;
+      rm -rf "$OUT"/long/*.hlo.txt "$OUT"/long/schedule_* ;;
+    train)
+      timeout 420 python -m benchmarks.train_throughput --config $CFG --mesh 1x4 --seq-lens 524288 \
+        --backends mtraining --warmup 1 --steps 2 --timeout 240 --out "$OUT/train_mt" 2>&1 | tail -6
+      timeout 300 python -m benchmarks.train_throughput --config $CFG --mesh 1x4 --seq-lens 524288 \
+        --backends ring --warmup 0 --steps 1 --timeout 280 --out "$OUT/train_ring" 2>&1 | tail -6 ;;
+    multiproc)
+      common=(--config $CFG data.seq_len=262144 steps=2 eval.every=0 checkpoint.every=0 logging.every=1
+              optim.grad_accum=1 model.dense_backend=ring)
+      CUDA_VISIBLE_DEVICES=0,1 timeout 300 python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,2] \
+        run_dir="$OUT/runs/mp" --coordinator-address localhost:12355 --num-processes 2 --process-id 0 > "$OUT/mp0.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=2,3 timeout 300 python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,2] \
+        run_dir="$OUT/runs/mp" --coordinator-address localhost:12355 --num-processes 2 --process-id 1 > "$OUT/mp1.log" 2>&1
+      wait
+      tail -3 "$OUT/mp0.log"
+      timeout 240 python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,2] run_dir="$OUT/runs/sp22" 2>&1 | tail -3
+      timeout 240 python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[1,4] run_dir="$OUT/runs/sp14" 2>&1 | tail -3
+      for r in mp sp22 sp14; do
+        [ -f "$OUT/runs/$r/metrics.jsonl" ] && sed "s/^/{\"run\": \"$r\", \"row\": /; s/\$/}/" "$OUT/runs/$r/metrics.jsonl"
+      done > "$OUT/multiproc_metrics.jsonl"
+      rm -rf "$OUT/runs" ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+echo "=== done $(date -u +%T)"
