@@ -36,7 +36,7 @@ for phase in "$@"; do
     train)
       timeout ${TRAIN_TIMEOUT:-300} python -m benchmarks.train_throughput --config $CFG --mesh 1x4 --seq-lens 524288 \
         --backends mtraining --warmup 1 --steps 2 --timeout ${TRAIN_TIMEOUT:-300} --out "$OUT/train_mt" 2>&1 | tail -6
-      [ -n "${TRAIN_DENSE:-1}" ] && timeout 300 python -m benchmarks.train_throughput --config $CFG --mesh 1x4 --seq-lens 524288 \
+      [ "${TRAIN_DENSE:-1}" = 1 ] && timeout 300 python -m benchmarks.train_throughput --config $CFG --mesh 1x4 --seq-lens 524288 \
         --backends ring --warmup 0 --steps 1 --timeout 280 --out "$OUT/train_ring" 2>&1 | tail -6 ;;
     multiproc)
       common=(--config $CFG data.seq_len=262144 steps=2 eval.every=0 checkpoint.every=0 logging.every=1
@@ -48,7 +48,7 @@ for phase in "$@"; do
       wait
       tail -3 "$OUT/mp0.log"
       timeout ${MP_TIMEOUT:-240} python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,2] run_dir="$OUT/runs/sp22" 2>&1 | tail -3
-      [ -n "${MP_1X4:-1}" ] && timeout 240 python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[1,4] run_dir="$OUT/runs/sp14" 2>&1 | tail -3
+      [ "${MP_1X4:-1}" = 1 ] && timeout 240 python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[1,4] run_dir="$OUT/runs/sp14" 2>&1 | tail -3
       for r in mp sp22 sp14; do
         [ -f "$OUT/runs/$r/metrics.jsonl" ] && sed "s/^/{\"run\": \"$r\", \"row\": /; s/\$/}/" "$OUT/runs/$r/metrics.jsonl"
       done > "$OUT/multiproc_metrics.jsonl"
