@@ -203,7 +203,9 @@ def test_saved_config_is_reusable_with_config(tmp_path, capsys):
     rd = tmp_path / "run"
     assert _main(capsys, f"run_dir={rd}", "steps=1", "checkpoint.every=0")[0] == 0
     saved = rd / "config.yaml"
-    rc = cli.main(["--config", str(saved), "--overwrite", "steps=2"])
+    # a new run from it (--overwrite of its own run_dir is refused: tests/test_train_faults.py)
+    rc = cli.main(["--config", str(saved), f"run_dir={tmp_path / 'again'}", "steps=2"])
     out = capsys.readouterr().out
     assert rc == 0 and "done: step 2" in out and "compiling the training step" in out
     assert load_config(str(saved)).model.fields["hidden_size"] == 32
+    assert load_config(str(tmp_path / "again" / "config.yaml")).model.fields["hidden_size"] == 32

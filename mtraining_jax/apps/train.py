@@ -13,20 +13,26 @@ import sys
 from types import MappingProxyType
 from typing import Sequence
 
-from mtraining_jax.eval.hook import LongContextHook
-from mtraining_jax.train import cli, loop
+from mtraining_jax.train import cli
 
 
 def long_context_hooks(cfg, model_cfg, mesh, tokenizer) -> list:
     """``eval.long_context`` -> ``[LongContextHook]`` (settings checked against model and mesh)."""
-    return [LongContextHook(cfg, model_cfg, mesh, tokenizer)] if cfg.eval.long_context.every else []
+    if not cfg.eval.long_context.every:
+        return []
+    from mtraining_jax.eval.hook import LongContextHook  # imported late: the command starts (and
+    # catches SIGTERM, mtraining_jax.train.cli.main) before JAX is imported
+
+    return [LongContextHook(cfg, model_cfg, mesh, tokenizer)]
 
 
 HOOK_FACTORIES = MappingProxyType({"eval.long_context": long_context_hooks})
 
 
-def run(cfg, hooks: Sequence = (), *, overwrite: bool = False) -> loop.RunResult:
-    """:func:`mtraining_jax.train.loop.run` with :data:`HOOK_FACTORIES`."""
+def run(cfg, hooks: Sequence = (), *, overwrite: bool = False):
+    """:func:`mtraining_jax.train.loop.run` with :data:`HOOK_FACTORIES` (returns its ``RunResult``)."""
+    from mtraining_jax.train import loop
+
     return loop.run(cfg, hooks, overwrite=overwrite, hook_factories=HOOK_FACTORIES)
 
 

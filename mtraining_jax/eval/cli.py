@@ -11,7 +11,8 @@ CHECKPOINT is a training run dir (newest step), a run's ``checkpoints/<step>``, 
 dir or a Hugging Face Qwen2 dir (:mod:`mtraining_jax.eval.checkpoints`). The sequence runs in the
 model's layout, sharded over the ``--mesh`` (default: the run's) as in training. Writes
 ``results.json`` + PNGs into ``--out`` (``--compare``: ``compare.md`` + side-by-side PNGs).
-Exit status: 0 done, 2 bad arguments / checkpoint / length (one line on stderr).
+Exit status: 0 done, 2 bad arguments / checkpoint / length / output folder (one line on stderr),
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -22,6 +23,25 @@ import sys
 from typing import Sequence
 
 from pallas_kernels.registry import IMPLS as KERNEL_IMPLS
+
+
+EXIT_CODES = """exit status:
+  0    done
+  2    bad arguments, checkpoint, length or --out folder (one line on stderr)
+  130  interrupted (Ctrl-C)"""
+
+
+def check_out(out: str) -> None:
+    """``ValueError`` naming ``--out`` unless it is (or can be created as) a writable folder."""
+    path = os.path.abspath(out)
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = "is a file" if probe == path else f"cannot be created: {probe} is a file"
+        raise ValueError(f"--out {out} {what}, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} is not writable (no write permission on {probe})")
 
 
 def _ints(s: str) -> list[int]:
@@ -52,7 +72,7 @@ def _mesh(s: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mtraining-eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_CODES)
     p.add_argument("checkpoint", nargs="?", help="run dir, checkpoints/<step>, converter output or HF dir")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="compare two results dirs / results.json")
     p.add_argument("--labels", type=_words, help="labels of the compared runs (default: folder names)")
@@ -167,10 +187,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.checkpoint is None) == (args.compare is None):
         p.error("give either CHECKPOINT or --compare RUN_A RUN_B")
     try:
+        check_out(args.out)  # before any work
         return _compare(args) if args.compare else _evaluate(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"mtraining-eval: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("mtraining-eval: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

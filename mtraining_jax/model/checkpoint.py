@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,9 @@ from mtraining_jax.model.hf_io import model_from_params, model_params
 from mtraining_jax.model.qwen2 import Qwen2ForCausalLM, abstract_model
 
 CONFIG_NAME = "model.yaml"
+_HOST = socket.gethostname().replace("-", "_") or "localhost"
+# .<dst name>.tmp-<host>-<pid> (and .old-): staged_dir's folders; without a host: older versions
+_STAGED = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?:(?P<host>[^-/]+)-)?(?P<pid>[0-9]+)")
 PARAMS_NAME = "params"
 STATE_NAME = "state"  # the array item of a training checkpoint step (train/checkpoint.py)
 
@@ -95,15 +100,47 @@ def _need_config(cfg: Path, where: Path) -> Path:
     return cfg
 
 
-def stored_shapes(params_dir: str | os.PathLike) -> dict:
-    """Nested dict of ``(shape, dtype)`` per stored array (from the Orbax metadata, no data read)."""
-    import orbax.checkpoint as ocp
+class DamagedCheckpointError(ValueError):
+    """A checkpoint folder whose files are missing or unreadable (not a model mismatch)."""
 
-    meta = ocp.PyTreeCheckpointer().metadata(str(params_dir))
+
+def stored_shapes(params_dir: str | os.PathLike) -> dict:
+    """Nested dict of ``(shape, dtype)`` per stored array (from the Orbax metadata, no data read).
+    :class:`DamagedCheckpointError` naming the folder when the metadata is missing or unreadable
+    (Orbax itself returns ``None`` there, which would read as "every array is missing")."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    params_dir = os.path.abspath(os.fspath(params_dir))  # Orbax reads no metadata from relative paths
+    if not os.path.isdir(params_dir):
+        raise DamagedCheckpointError(f"checkpoint folder {params_dir} does not exist")
+    if not os.path.isfile(os.path.join(params_dir, "_METADATA")):
+        raise DamagedCheckpointError(f"checkpoint {params_dir} is damaged: its _METADATA file is missing")
+    try:
+        # the handler's metadata (not PyTreeCheckpointer's): no absl warning about the step-level
+        # _CHECKPOINT_METADATA, which lives one folder up in a training checkpoint
+        meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(params_dir))
+    except Exception as e:  # noqa: BLE001  (JSON, TensorStore and OS errors alike)
+        raise DamagedCheckpointError(f"checkpoint {params_dir} is damaged: cannot read its _METADATA "
+                                     f"({_first_line(e)})") from None
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
+    if not isinstance(tree, dict):
+        raise DamagedCheckpointError(f"checkpoint {params_dir} is damaged: its _METADATA holds no array tree")
     return jax.tree.map(lambda m: (tuple(m.shape), np.dtype(m.dtype)), tree,
                         is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+
+
+def _root(e: BaseException) -> BaseException:
+    """The innermost cause of ``e`` (Orbax wraps TensorStore's precise error)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def check_shapes(stored: Any, target: Any, where: str, prefix: str = "") -> None:
@@ -132,7 +169,10 @@ def read_params(ref: ModelCheckpointRef, target: Any) -> Any:
     and shardings of ``target`` (``ShapeDtypeStruct`` pytree; ``sharding=None``: host NumPy)."""
     import orbax.checkpoint as ocp
 
-    shapes = stored_shapes(ref.params_dir)
+    try:
+        shapes = stored_shapes(ref.params_dir)
+    except DamagedCheckpointError as e:
+        raise DamagedCheckpointError(f"{e}{_other_step(ref)}") from None
     stored = shapes[ref.subtree] if ref.subtree is not None else shapes
     check_shapes(stored, target, str(ref.params_dir.parent if ref.subtree else ref.params_dir),
                  prefix=f"{ref.subtree}/" if ref.subtree else "")
@@ -149,9 +189,22 @@ def read_params(ref: ModelCheckpointRef, target: Any) -> Any:
         item = {ref.subtree: item}
     args = ocp.args.PyTreeRestore(item=item, restore_args=jax.tree.map(restore_arg, item),
                                   partial_restore=ref.subtree is not None)
-    out = ocp.PyTreeCheckpointer().restore(str(ref.params_dir), args=args)
+    try:
+        out = ocp.PyTreeCheckpointer().restore(os.path.abspath(ref.params_dir), args=args)
+    except Exception as e:  # noqa: BLE001  (truncated or missing array files: TensorStore errors)
+        raise DamagedCheckpointError(
+            f"checkpoint {ref.params_dir} is damaged: {_first_line(_root(e))}{_other_step(ref)}") from None
     out = out[ref.subtree] if ref.subtree is not None else out
     return jax.tree.map(lambda a, t: a.astype(t.dtype) if a.dtype != t.dtype else a, out, target)
+
+
+def _other_step(ref: ModelCheckpointRef) -> str:
+    """``"; name another step, e.g. <dir>/6"`` for a damaged training checkpoint with siblings."""
+    if ref.step is None:
+        return ""
+    ckpt_dir = ref.params_dir.parent.parent
+    others = [n for n in _step_dirs(ckpt_dir) if n != ref.step]
+    return f"; name another step, e.g. {ckpt_dir / str(others[-1])}" if others else ""
 
 
 def save_model_checkpoint(model: Qwen2ForCausalLM, path: str | os.PathLike, *, force: bool = False) -> Path:
@@ -168,41 +221,99 @@ def save_model_checkpoint(model: Qwen2ForCausalLM, path: str | os.PathLike, *, f
     return path
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's) or cannot tell: keep
+    return True
+
+
+_ACTIVE_STAGED: dict = {}  # the staged_dir blocks now open in this process, by temporary folder
+
+
+def remove_staged() -> list[Path]:
+    """Undo the open :class:`staged_dir` blocks (a signal handler about to end the process calls
+    it): remove their temporary folders, put a destination moved aside back; return the folders."""
+    import time
+
+    out = sorted(_ACTIVE_STAGED)
+    for p in out:
+        st = _ACTIVE_STAGED.pop(p)
+        for _ in range(20):  # Orbax's writer threads may still create files in it for a moment
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():
+                break
+            time.sleep(0.05)
+        if st.old.exists() and not st.dst.exists():
+            st.old.rename(st.dst)
+    return out
+
+
 class staged_dir:
-    """``with staged_dir(dst, force) as tmp:`` write into ``tmp`` (a fresh folder next to ``dst``);
-    on success ``tmp`` replaces ``dst``, on any error it is removed and ``dst`` is untouched.
+    """``with staged_dir(dst, force) as tmp:`` write into ``tmp`` (a fresh folder next to ``dst``,
+    ``.<name>.tmp-<host>-<pid>``); on success ``tmp`` replaces ``dst``, on any error (Ctrl-C and
+    SIGTERM included, see ``mtraining-convert``) it is removed and ``dst`` is untouched. Temporary
+    folders of killed conversions (this host, process gone) are removed on the next one.
     ``FileExistsError`` up front when ``dst`` is a non-empty folder and not ``force``; a file
     (or a file in the way) is always refused."""
 
     def __init__(self, dst: str | os.PathLike, force: bool = False):
         self.dst = Path(dst).absolute()
+        parent = self.dst.parent
+        self.tmp = parent / f".{self.dst.name}.tmp-{_HOST}-{os.getpid()}"
+        self.old = parent / f".{self.dst.name}.old-{_HOST}-{os.getpid()}"
+        self.clean_stale()
         if self.dst.exists() and not self.dst.is_dir():
             raise FileExistsError(f"destination {self.dst} is a file, not a directory")
         if self.dst.is_dir() and any(self.dst.iterdir()) and not force:
             raise FileExistsError(f"destination {self.dst} exists and is not empty; pass --force to replace it")
-        parent = self.dst.parent
         for p in (parent, *parent.parents):
             if p.exists():
                 if not p.is_dir():
                     raise FileExistsError(f"cannot create {self.dst}: {p} is a file")
                 break
-        self.tmp = parent / f".{self.dst.name}.tmp-{os.getpid()}"
+
+    def clean_stale(self) -> list[Path]:
+        """Remove the temporary folders next to ``dst`` left by killed conversions on this host
+        (a conversion killed between its two renames left ``dst`` as ``.old-``: put back)."""
+        if not self.dst.parent.is_dir():
+            return []
+        out = []
+        for p in sorted(self.dst.parent.iterdir(), key=lambda p: ".old-" not in p.name):  # .old- first
+            m = _STAGED.fullmatch(p.name)
+            if m is None or m.group("name") != self.dst.name or p in (self.tmp, self.old):
+                continue
+            host, pid = m.group("host"), int(m.group("pid"))
+            if host not in (None, _HOST) or _pid_alive(pid):
+                continue
+            if ".old-" in p.name and not self.dst.exists():
+                p.rename(self.dst)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+            out.append(p)
+        return out
 
     def __enter__(self) -> Path:
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir()
+        _ACTIVE_STAGED[self.tmp] = self
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
+            _ACTIVE_STAGED.pop(self.tmp, None)
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
         old = None
         if self.dst.exists():
-            old = self.dst.parent / f".{self.dst.name}.old-{os.getpid()}"
+            old = self.old
             self.dst.rename(old)
         self.tmp.rename(self.dst)
+        _ACTIVE_STAGED.pop(self.tmp, None)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return False

@@ -366,20 +366,31 @@ class ModelConfig:
             scaling["original_max_position_embeddings"] = hf.get(
                 "original_max_position_embeddings", hf.get("max_position_embeddings", 32768)
             )
+
+        def num(key, default=None, kind=int):  # config.json values: one line naming key and value
+            v = hf.get(key, default)
+            try:
+                if isinstance(v, bool) or (kind is int and isinstance(v, float) and not v.is_integer()):
+                    raise TypeError
+                return kind(v)
+            except (TypeError, ValueError):
+                what = "an integer" if kind is int else "a number"
+                raise ValueError(f"config.json {key} must be {what}, got {v!r}") from None
+
         kw = dict(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=int(hf["num_attention_heads"]),
-            num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+            vocab_size=num("vocab_size"),
+            hidden_size=num("hidden_size"),
+            intermediate_size=num("intermediate_size"),
+            num_layers=num("num_hidden_layers"),
+            num_heads=num("num_attention_heads"),
+            num_kv_heads=num("num_key_value_heads") if hf.get("num_key_value_heads") else num("num_attention_heads"),
             head_dim=hf.get("head_dim"),
             rope_theta=float(rope_theta if rope_theta is not None else 10_000.0),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=num("rms_norm_eps", 1e-6, float),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            max_position_embeddings=num("max_position_embeddings", 32768),
             rope_scaling=scaling,
-            initializer_range=float(hf.get("initializer_range", 0.02)),
+            initializer_range=num("initializer_range", 0.02, float),
             name=str(hf.get("_name_or_path", "") or ""),
         )
         kw.update(overrides)

@@ -18,10 +18,16 @@ every projection is transposed; per-layer tensors are stacked on a leading ``[nu
 MSA index branch (``msa`` layers; not part of Qwen2, so never in ``model.safetensors``): saved
 beside the checkpoint in ``msa_index.safetensors`` (:data:`MSA_INDEX_FILE`; transformers ignores
 it) as ``model.layers.{i}.self_attn.index_q.weight [Hkv * d_idx, H]`` and
-``...index_k.weight [d_idx, H]``. Loading a model whose config has ``msa`` layers reads that file
-when present (names and shapes checked) and otherwise INITIALISES the index branch like a fresh
-model's projections: ``normal(0, initializer_range)`` from ``numpy.random.default_rng(0)`` — the
-indexer warm-up then trains it (MSA paper §3.2, converting a dense checkpoint).
+``...index_k.weight [d_idx, H]``, with the model's MSA settings (:data:`MSA_SETTINGS`: which layers
+are ``msa``, the layout and the ``msa`` mapping) as JSON under the file's metadata key
+``mtraining_msa`` (``config.json`` stays a plain Qwen2 config). :func:`load_hf_checkpoint` (the
+converter's ``hf-to-ours``, the evaluation) applies those settings, so the branch survives a round
+trip; a file without them is refused (which layers are ``msa`` is unknown) unless the caller's
+overrides name them. Loading for a model whose
+config has ``msa`` layers (``model.init_from: hf:``) reads that file when present (names and shapes
+checked) and otherwise INITIALISES the index branch like a fresh model's projections:
+``normal(0, initializer_range)`` from ``numpy.random.default_rng(0)`` — the indexer warm-up then
+trains it (MSA paper §3.2, converting a dense checkpoint).
 
 Errors: a missing file names its path (``FileNotFoundError``); an unsupported
 ``model_type``/``architectures`` is a ``ValueError``; tensors that are missing, unexpected or
@@ -190,6 +196,53 @@ def params_to_hf(params: Mapping, cfg: ModelConfig, dtype: str | None = None) ->
 
 # --------------------------------------------------------------------------- MSA index branch
 _MSA_TENSORS = (("self_attn.index_q.weight", "index_q"), ("self_attn.index_k.weight", "index_k"))
+#: ModelConfig fields saved in the metadata of msa_index.safetensors (which layers are msa, and how)
+MSA_SETTINGS = ("attention_backend", "attention_backends", "dense_layers", "dense_backend", "layout", "msa")
+MSA_METADATA_KEY = "mtraining_msa"
+
+
+def msa_settings(cfg: ModelConfig) -> dict:
+    """The :data:`MSA_SETTINGS` of ``cfg`` as JSON-ready values (the ``msa`` mapping with its defaults)."""
+    from mtraining_jax.model.config import MSA_DEFAULTS
+
+    d = cfg.to_dict()
+    out = {k: d[k] for k in MSA_SETTINGS}
+    out["msa"] = {**MSA_DEFAULTS, **(cfg.msa or {})}
+    return out
+
+
+class MissingMSASettings(ValueError):
+    """``msa_index.safetensors`` without the MSA settings in its metadata."""
+
+
+def read_msa_settings(path: str | os.PathLike) -> dict | None:
+    """The MSA settings stored in ``<path>/msa_index.safetensors`` (``None``: no such file);
+    ``ValueError`` naming the file when it is unreadable or carries no settings."""
+    f = Path(path) / MSA_INDEX_FILE
+    if not f.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="np") as fh:
+            meta = fh.metadata() or {}
+    except Exception as e:  # noqa: BLE001  (safetensors' Rust errors)
+        raise ValueError(f"cannot read {f} (corrupt or not a safetensors file): {e}") from None
+    text = meta.get(MSA_METADATA_KEY)
+    if text is None:
+        raise MissingMSASettings(f"{f} holds an MSA index branch but not the model's MSA settings (metadata key "
+                         f"{MSA_METADATA_KEY!r}), so which layers are msa is unknown; re-export it with "
+                         f"`mtraining-convert ours-to-hf`, or delete the file to import the dense model only")
+    try:
+        settings = json.loads(text)
+        if not isinstance(settings, dict):
+            raise ValueError(f"a JSON object, got {type(settings).__name__}")
+    except ValueError as e:
+        raise ValueError(f"{f}: metadata {MSA_METADATA_KEY!r} is not valid: {e}") from None
+    unknown = sorted(set(settings) - set(MSA_SETTINGS))
+    if unknown:
+        raise ValueError(f"{f}: unknown MSA setting(s) {unknown}; known: {list(MSA_SETTINGS)}")
+    return settings
 
 
 def msa_index_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -285,6 +338,10 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     missing = [k for k in _HF_REQUIRED if k not in hf]
     if missing:
         raise ValueError(f"{f} lacks required key(s) {missing}")
+    for k in (*_HF_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = hf.get(k)
+        if (v is not None or k in _HF_REQUIRED) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{f}: {k} must be a positive integer, got {v!r}")
     try:
         check_hf_architecture(hf)
     except ValueError as e:
@@ -360,9 +417,21 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
     """Read a transformers Qwen2 checkpoint directory into ``(ModelConfig, Qwen2ForCausalLM)``.
 
     ``overrides`` set ModelConfig fields (e.g. ``param_dtype="bfloat16"``,
-    ``attention_backend="ring"``); parameters are converted to ``param_dtype``.
+    ``attention_backend="ring"``); parameters are converted to ``param_dtype``. A checkpoint with
+    ``msa_index.safetensors`` gets the MSA settings stored there (before ``overrides``) and its
+    index branch (module docstring).
     """
-    cfg = ModelConfig.from_hf_config(read_hf_config(path), **overrides)
+    hf = read_hf_config(path)
+    try:
+        msa = read_msa_settings(path) or {}
+    except MissingMSASettings:
+        if not any(k in overrides for k in MSA_SETTINGS):
+            raise
+        msa = {}  # the caller says which layers are msa
+    try:
+        cfg = ModelConfig.from_hf_config(hf, **{**msa, **overrides})
+    except ValueError as e:
+        raise ValueError(f"{Path(path) / CONFIG_FILE}: {e}") from None
     params = add_msa_index(hf_to_params(read_hf_tensors(path), cfg, where=str(path)), cfg, path)
     return cfg, model_from_params(cfg, params)
 
@@ -393,7 +462,8 @@ def save_hf_checkpoint(
     extra = []
     if cfg.has_msa:
         extra = [path / MSA_INDEX_FILE]
-        save_file(msa_index_to_hf(params, cfg, dtype), str(extra[0]), metadata={"format": "pt"})
+        save_file(msa_index_to_hf(params, cfg, dtype), str(extra[0]),
+                  metadata={"format": "pt", MSA_METADATA_KEY: json.dumps(msa_settings(cfg))})
     with open(path / CONFIG_FILE, "w") as fh:
         json.dump(cfg.to_hf_config(torch_dtype=dtype), fh, indent=2)
     shards: list[dict[str, np.ndarray]] = [{}]

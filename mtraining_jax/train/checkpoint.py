@@ -10,6 +10,12 @@ mid-save leaves that folder unfinalised and :meth:`latest_step` still returns th
 ``ValueError`` naming each parameter and both shapes; Orbax alone restores mis-shaped arrays).
 The run's ``model.yaml`` sits next to the step folders, so ``mtraining-convert ours-to-hf`` and
 ``model.init_from: ckpt:`` read these checkpoints (:mod:`mtraining_jax.model.checkpoint`).
+
+A finalised step can still be damaged afterwards (a file truncated by a full disk or a bad copy, a
+deleted ``_METADATA``): :meth:`restore_newest` (``--resume``) restores the newest step that reads
+back, one line per newer step it skipped (why); a model mismatch is no damage and stops at once.
+Skipped steps are moved aside to ``<step>.damaged`` (:meth:`set_aside`) so the resumed run can
+write those steps again.
 """
 
 from __future__ import annotations
@@ -19,7 +25,25 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from mtraining_jax.model.checkpoint import STATE_NAME, check_shapes, stored_shapes
+from mtraining_jax.model.checkpoint import (STATE_NAME, DamagedCheckpointError, ParamShapeError, check_shapes,
+                                           stored_shapes)
+
+
+class NoRestorableCheckpoint(ValueError):
+    """Every checkpoint of the folder failed to restore (one line naming the folder and why)."""
+
+
+def _reason(e: BaseException) -> str:
+    """One line: the innermost cause of ``e`` (Orbax wraps TensorStore's precise error)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    text = lines[0] if lines else ""
+    if isinstance(e, DamagedCheckpointError):
+        text = text.split(" is damaged: ", 1)[-1]
+    else:
+        text = f"{type(e).__name__}: {text}"
+    return text if len(text) <= 240 else text[:237] + "..."
 
 
 class Checkpointer:
@@ -79,6 +103,37 @@ class Checkpointer:
             ),
         )
         return out["state"], dict(out["data"]), dict(out["meta"] or {})
+
+    def restore_newest(self, target) -> tuple[int, tuple, list[tuple[int, str]]] | None:
+        """``(step, (state, data_state, meta), skipped)`` of the newest step that restores into
+        ``target``; ``skipped``: ``(step, reason)`` of the newer ones that did not (module
+        docstring). ``None`` without checkpoints; :class:`NoRestorableCheckpoint` when none restores;
+        a :class:`~mtraining_jax.model.checkpoint.ParamShapeError` (the model changed) at once."""
+        steps = self.all_steps()
+        if not steps:
+            return None
+        skipped = []
+        for step in reversed(steps):
+            try:
+                return step, self.restore(step, target), skipped
+            except ParamShapeError:
+                raise
+            except Exception as e:  # noqa: BLE001  (TensorStore, JSON and OS errors alike)
+                skipped.append((step, _reason(e)))
+        raise NoRestorableCheckpoint(
+            f"no checkpoint in {self.directory} restores (" + "; ".join(f"step {s}: {r}" for s, r in skipped)
+            + "); start again with --overwrite, or restore the folder from a backup")
+
+    def set_aside(self, step: int) -> str:
+        """Rename the (damaged) ``step`` folder to ``<step>.damaged`` (a free name) and return it."""
+        src = os.path.join(self.directory, str(int(step)))
+        dst, n = src + ".damaged", 1
+        while os.path.exists(dst):
+            n += 1
+            dst = f"{src}.damaged{n}"
+        os.rename(src, dst)
+        self._mgr.reload()
+        return dst
 
     def run_info(self, step: int) -> dict:
         """The JSON ``meta`` item of ``step`` (loss at that step, model name)."""

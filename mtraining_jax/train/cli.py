@@ -6,18 +6,19 @@ Examples::
     mtraining-train --config configs/tiny_cpu.yaml
     mtraining-train --config configs/tiny_cpu.yaml steps=20 data.seq_len=2048 optim.lr=1e-3
     mtraining-train --config configs/tiny_cpu.yaml --resume          # or: steps=40 --resume eval.every=0
-    mtraining-train --config runs/tiny_cpu/config.yaml --overwrite   # a run's saved config, started again
+    mtraining-train --config runs/tiny_cpu/config.yaml run_dir=runs/tiny_cpu_2   # a run's saved config, a new run
     mtraining-train --config configs/qwen2.5-3b-512k.yaml --plan      # per-device memory; does it fit?
+    mtraining-train --config configs/qwen2.5-0.5b-128k.yaml --plan --device h100   # for a named GPU's memory
     # a plain multi-process launch (one process per host):
     mtraining-train --config configs/qwen2.5-3b-512k.yaml --coordinator-address host0:1234 \\
         --num-processes 4 --process-id $RANK
 
 Overrides and flags mix in any order. A new run refuses a ``run_dir`` that holds another run:
-``--resume`` continues it, ``--overwrite`` deletes its artefacts first.
+``--resume`` continues it, ``--overwrite`` deletes its artefacts first (refused when the ``--config``
+file is that run's own saved ``config.yaml``: pass ``run_dir=<new>`` to start a new run from it).
+One invocation per ``run_dir`` at a time (``run_dir/.lock``).
 
-Exit status: 0 done (``--plan``: fits, or the device memory is unknown), 1 non-finite loss or
-gradient (``optim.max_bad_steps`` steps in a row; the last good checkpoint is kept), 2 bad
-config/input (``--plan``: does not fit), 130 interrupted (Ctrl-C; a checkpoint is saved).
+See :data:`EXIT_CODES` (also in ``--help``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ import dataclasses
 import os
 import sys
 import typing
+
+
+EXIT_CODES = """exit status:
+  0    done (--plan: it fits, or the device memory is unknown)
+  1    non-finite loss or gradient in optim.max_bad_steps steps in a row (the last good checkpoint is kept)
+  2    bad config, path or input; run_dir holds another run or is in use by another launch (run_dir/.lock);
+       --resume found no checkpoint that restores; --plan: it does not fit (one line on stderr each)
+  130  interrupted by SIGINT (Ctrl-C): the current step finished and a checkpoint saved (a second
+       Ctrl-C aborts at once, also during compilation, keeping the newest saved checkpoint)
+  143  interrupted by SIGTERM (Slurm, Kubernetes): as for SIGINT"""
 
 
 def _keys_help() -> str:
@@ -47,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtraining-train",
         description="Train a Qwen-style LLM on long sequences with (sparse) ring attention.",
-        epilog=_keys_help(),
+        epilog=_keys_help() + "\n\n" + EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=True, help="training YAML (e.g. configs/tiny_cpu.yaml)")
@@ -63,8 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the training step, print its per-device memory plan (parameters, gradients, "
                         "optimizer state, activations) and whether it fits the device, and exit (status 2 if not)")
     p.add_argument("--device-memory", metavar="SIZE",
-                   help="device memory for --plan where the backend reports none (e.g. CPU): 80GiB, 141G, ...")
+                   help="--plan for a device with this much memory (instead of what this host's device reports): "
+                        "80GiB, 141G, ...")
+    p.add_argument("--device", metavar="NAME",
+                   help="--plan for this GPU's memory: " + ", ".join(
+                       f"{k} ({v})" for k, v in sorted(_device_choices().items())))
     return p
+
+
+def _device_choices() -> dict:
+    from mtraining_jax.train.plan import DEVICE_MEMORY
+
+    return {k: d.describe() for k, d in DEVICE_MEMORY.items()}
 
 
 def _setup_platform(cpu_devices: int | None, num_processes: int | None = None) -> None:
@@ -95,11 +116,11 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def _plan(cfg, device_memory: int | None) -> int:
+def _plan(cfg, device_memory: int | None, device: str | None) -> int:
     """``--plan``: print the memory plan; status 2 with what to change when it does not fit."""
     from mtraining_jax.train.plan import check_fits, memory_plan
 
-    plan = memory_plan(cfg, device_memory)
+    plan = memory_plan(cfg, device_memory, device=device)
     print(plan.table())
     check_fits(plan, cfg)  # DoesNotFit is a ValueError: exit 2 with the message
     return 0
@@ -107,7 +128,23 @@ def _plan(cfg, device_memory: int | None) -> int:
 
 def main(argv: typing.Sequence[str] | None = None, hook_factories: typing.Mapping | None = None) -> int:
     """The command line; ``hook_factories``: the config hooks the layers above provide
-    (:func:`mtraining_jax.train.loop.config_hooks`; ``mtraining-train`` passes the evaluation's)."""
+    (:func:`mtraining_jax.train.loop.config_hooks`; ``mtraining-train`` passes the evaluation's).
+    Returns the exit status (:data:`EXIT_CODES`). SIGINT / SIGTERM are caught from here on
+    (:class:`~mtraining_jax.train.signals.StopSignals`, before JAX is imported)."""
+    from mtraining_jax.train.signals import StopSignals
+
+    with StopSignals() as signals:
+        return _main(argv, hook_factories, signals)
+
+
+def _stopped_early(signals) -> int:
+    from mtraining_jax.train.signals import signal_name
+
+    return _fail(f"{signal_name(signals.received, short=True)}: interrupted before training started; nothing saved",
+                 signals.exit_code)
+
+
+def _main(argv, hook_factories, signals) -> int:
     args = build_parser().parse_intermixed_args(argv)  # overrides before and after flags
     from mtraining_jax.train.config import load_config
 
@@ -126,6 +163,15 @@ def main(argv: typing.Sequence[str] | None = None, hook_factories: typing.Mappin
     except ValueError as e:
         return _fail(str(e))
     device_memory = None
+    if (args.device_memory is not None or args.device is not None) and not args.plan:
+        return _fail("--device-memory and --device go with --plan")
+    if args.device is not None and args.device.lower() not in _device_choices():
+        return _fail(f"--device must be one of {', '.join(sorted(_device_choices()))} (or pass --device-memory SIZE), "
+                     f"got {args.device!r}")
+    if args.device is not None:
+        args.device = args.device.lower()
+    if args.device_memory is not None and args.device is not None:
+        return _fail("--device-memory and --device exclude each other: name the GPU or its memory")
     if args.device_memory is not None:
         from mtraining_jax.train.plan import parse_bytes
 
@@ -133,6 +179,13 @@ def main(argv: typing.Sequence[str] | None = None, hook_factories: typing.Mappin
             device_memory = parse_bytes(args.device_memory)
         except ValueError as e:
             return _fail(str(e))
+    if args.overwrite:
+        from mtraining_jax.train.rundir import deleted_by_overwrite
+
+        if deleted_by_overwrite(cfg.run_dir, args.config):
+            return _fail(f"--overwrite would delete {args.config}, the config being read (the saved config of the "
+                         f"run in {cfg.run_dir}); to start a new run from it add run_dir=<another folder> "
+                         f"(its checkpoints stay), or pass --resume to continue that run")
     if args.print_config:
         import yaml
 
@@ -143,15 +196,18 @@ def main(argv: typing.Sequence[str] | None = None, hook_factories: typing.Mappin
     from mtraining_jax.train.loop import Interrupted, NonFiniteLossError, run
 
     try:
+        if signals.received:
+            return _stopped_early(signals)
         _setup_platform(cfg.mesh.cpu_devices, cfg.distributed.num_processes)
         maybe_initialize(cfg.distributed)
         if args.plan:
-            return _plan(cfg, device_memory)
-        result = run(cfg, overwrite=args.overwrite, hook_factories=hook_factories or {})
+            rc = _plan(cfg, device_memory, args.device)
+            return _stopped_early(signals) if signals.received else rc
+        result = run(cfg, overwrite=args.overwrite, hook_factories=hook_factories or {}, signals=signals)
     except NonFiniteLossError as e:
         return _fail(str(e), 1)
     except Interrupted as e:
-        return _fail(str(e), 130)
+        return _fail(str(e), e.exit_code)
     except (ValueError, OSError) as e:
         return _fail(str(e))
     last = result.train_losses[-1][1] if result.train_losses else float("nan")

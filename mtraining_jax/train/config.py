@@ -507,7 +507,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as e:
-        raise ValueError(f"override {item!r}: cannot parse value {text!r}: {e}") from None
+        problem = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+        context = getattr(e, "context", None)
+        mark = getattr(e, "problem_mark", None)
+        at = f" at column {mark.column + 1}" if mark is not None else ""
+        why = f"{context}: {problem}" if context else problem
+        raise ValueError(f"override {key}={text}: cannot parse the value {text!r} as YAML ({why}{at}); "
+                         f"quote it or fix the brackets") from None
     # YAML 1.1 does not read "3e-4" as a float; accept it.
     if isinstance(value, str):
         try:

@@ -168,12 +168,22 @@ def text_stream(path: str, tokenizer, text_key: str = "text") -> np.ndarray:
     docs = []
     with open(path, encoding="utf-8", errors="replace") as f:
         if path.endswith(".jsonl"):
-            for i, line in enumerate(f):
+            for i, line in enumerate(f, start=1):  # line numbers as an editor shows them
                 if not line.strip():
                     continue
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}:{e.colno}: not valid JSON: {e.msg}") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}:{i}: expected a JSON object with a {text_key!r} field (data.text_key), "
+                                     f"got {type(rec).__name__}")
                 if text_key not in rec:
-                    raise ValueError(f"{path}:{i + 1}: JSON record has no field {text_key!r}")
+                    raise ValueError(f"{path}:{i}: JSON record has no field {text_key!r} (data.text_key); "
+                                     f"it has {sorted(rec)[:8]}")
+                if not isinstance(rec[text_key], str):
+                    raise ValueError(f"{path}:{i}: field {text_key!r} must be a string, got "
+                                     f"{type(rec[text_key]).__name__}")
                 docs.append(tokenizer.encode(rec[text_key]))
         else:
             docs.append(tokenizer.encode(f.read()))

@@ -13,8 +13,14 @@ devices with ``mesh.fsdp``). A step whose loss
 or gradient is not finite leaves the state unchanged (a skipped update, warned about and counted
 in ``skipped_updates``); ``optim.max_bad_steps`` of them in a row stop the run with
 :class:`NonFiniteLossError` before anything is saved, so the last good checkpoint stays the newest.
-Ctrl-C (SIGINT) finishes the current step, saves a checkpoint and raises :class:`Interrupted`.
-Checkpoints hold the state and the loader state, so ``--resume`` continues exactly.
+SIGINT (Ctrl-C) and SIGTERM (what Slurm and Kubernetes send before they kill a job) are caught for
+the whole run (:class:`StopSignals`): the first finishes the current step (one arriving during the
+setup stops the run before its first step), saves a checkpoint and raises :class:`Interrupted`
+(``exit_code`` 130 / 143); a second one aborts at once (exit 130 / 143, also while XLA compiles),
+keeping the newest saved checkpoint. Checkpoints hold the state and the loader state, so
+``--resume`` continues exactly; it falls back to the newest checkpoint that restores
+(:meth:`Checkpointer.restore_newest`) and names the schedule keys that changed since
+(:func:`~.rundir.schedule_changes`). One invocation per ``run_dir`` (:class:`~.rundir.RunLock`).
 
 A hook is ``hook(run: Run, step: int, metrics: dict) -> None``, called after every good step
 (``run.state`` is the state after it), in this order: :func:`eval_hook` (held-out loss, passkey),
@@ -31,8 +37,8 @@ import dataclasses
 import functools
 import math
 import os
+import contextlib
 import signal
-import threading
 import time
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
@@ -48,8 +54,10 @@ from mtraining_jax.train.config import TrainConfig
 from mtraining_jax.train.metrics import MetricsWriter, Progress, plot_losses
 from mtraining_jax.train.offload import check_host_memory, offloaded_keys, streamed_update, whole_update
 from mtraining_jax.train.optim import build_adamw, build_optimizer
-from mtraining_jax.train.rundir import prepare_run_dir, truncate_metrics
+from mtraining_jax.train.rundir import (RunLock, check_dir, missing_top, prepare_run_dir, remove_created,
+                                        saved_config, schedule_changes, schedule_values, truncate_metrics)
 from mtraining_jax.train.sharding import resolve_fsdp
+from mtraining_jax.train.signals import SIGNAL_NAMES, StopSignals, signal_name  # noqa: F401  (re-exported)
 from mtraining_jax.train.state import (abstract_train_state, build_model_config, load_init_params, num_params,
                                        split_model, train_state_fn, train_state_from_params)
 from mtraining_jax.train.step import batch_shardings, make_eval_step, make_train_step
@@ -61,7 +69,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """SIGINT: the run stopped after a step (a checkpoint was saved when checkpointing is on)."""
+    """SIGINT / SIGTERM: the run stopped after a step (a checkpoint was saved when checkpointing
+    is on) or before its first one; ``exit_code`` is 128 + the signal's number (130, 143)."""
+
+    def __init__(self, msg: str, signum: int = signal.SIGINT):
+        super().__init__(msg)
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
 
 
 @dataclasses.dataclass
@@ -104,19 +118,31 @@ class Run:
     skipped_updates: int = 0
     train_losses: list = dataclasses.field(default_factory=list)
     eval_metrics: list = dataclasses.field(default_factory=list)
-    interrupted: bool = False
+    interrupted: int = 0  # the signal that stops the run (StopSignals.received when run() installs them)
     hooks: list = dataclasses.field(default_factory=list)  # the config's own (:func:`config_hooks`)
+    lock: RunLock | None = None  # run_dir's lock (process 0), released by close()
+    signals: StopSignals | None = None
+
+    @property
+    def stop_signal(self) -> int:
+        """The signal asking this run to stop (0: none)."""
+        return int(self.interrupted or (self.signals.received if self.signals is not None else 0))
 
     def save(self, step: int, loss: float) -> None:
         if self.ckpt is not None:
             self.ckpt.save(step, self.state, self.loader.get_state(),
-                           {"loss": loss, "model": self.model_cfg.name, "skipped_updates": self.skipped_updates})
+                           {"loss": loss, "model": self.model_cfg.name, "skipped_updates": self.skipped_updates,
+                            "schedule": schedule_values(self.cfg)})
 
     def close(self) -> None:
         self.bar.close()
-        if self.ckpt is not None:
-            self.ckpt.wait()
-        self.writer.close()
+        try:
+            if self.ckpt is not None:
+                self.ckpt.wait()
+            self.writer.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 def to_global(x: np.ndarray, sharding):
@@ -285,9 +311,13 @@ def build_training(cfg: TrainConfig, mesh, model_cls, model_cfg) -> Training:
 
 
 def setup(cfg: TrainConfig, *, overwrite: bool = False,
-          hook_factories: Mapping[str, HookFactory] = MappingProxyType({})) -> Run:
+          hook_factories: Mapping[str, HookFactory] = MappingProxyType({}),
+          signals: StopSignals | None = None) -> Run:
     """Check the inputs, prepare ``run_dir``, build data, steps, the config's hooks (from
-    ``hook_factories``) and the state (module docstring)."""
+    ``hook_factories``) and the state (module docstring). Every check that reads no state runs
+    before ``run_dir`` is touched; folders created for a run whose setup then fails, or that a
+    signal (``signals``: an active :class:`StopSignals`) stops before its files are written, are
+    removed again."""
     t_setup = time.time()
     resume = cfg.checkpoint.resume
     mesh = build_mesh(cfg.mesh)
@@ -295,13 +325,11 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False,
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     layout = check_run_config(cfg, model_cfg, mesh, tokenizer)
     extra_hooks = config_hooks(cfg, model_cfg, mesh, tokenizer, hook_factories)
-    prepare_run_dir(cfg.run_dir, cfg.checkpoint_dir, resume=resume, overwrite=overwrite,
-                    checkpoint_key="checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints",
-                    is_main=_is_main())
-    _sync("mtraining_run_dir")
+    check_dir("run_dir", cfg.run_dir, create=False)  # paths first: nothing is created yet
+    check_dir("checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints", cfg.checkpoint_dir, create=False)
 
     A = cfg.optim.grad_accum
-    train_stream, held_stream = data_lib.build_streams(cfg.data, tokenizer, model_cfg.vocab_size)
+    train_stream, held_stream = data_lib.build_streams(cfg.data, tokenizer, model_cfg.vocab_size)  # token files checked
     loader = data_lib.build_train_loader(cfg.data, tokenizer, layout, train_stream, accum=A)
     held = data_lib.heldout_batches(cfg.data, layout, held_stream, cfg.eval.batches, tokenizer.eos_id)
     passkey = []
@@ -312,37 +340,83 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False,
             data_lib.passkey_batch(tokenizer, cfg.data.seq_len, bs, rng, layout, cfg.eval.passkey_digits),
             cfg.data.pack, cfg.data.positions) for _ in range(math.ceil(cfg.eval.passkey_samples / bs))]
 
-    t = build_training(cfg, mesh, model_cls, model_cfg)
-    optimizer, state_fn, abstract = t.optimizer, t.state_fn, t.abstract
-    train_step, eval_step = t.train_step, t.eval_step
+    created = [missing_top(cfg.run_dir), missing_top(cfg.checkpoint_dir)]
+    lock = ckpt = None
+    msgs = []
 
-    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.every else None
-    start, state, skipped, msgs = 0, None, 0, []
-    if resume:
-        latest = ckpt.latest_step() if ckpt is not None else None
-        if latest is not None:  # restore straight into the target shardings, no fresh init
-            state, data_state, meta = ckpt.restore(latest, abstract)
-            loader.set_state(data_state)
-            start, skipped = latest, int(meta.get("skipped_updates", 0))
-            msgs.append(f"resumed from step {latest} in {ckpt.directory}"
-                        + (" (model.init_from ignored)" if cfg.model.init_from else ""))
-        else:
-            where = ckpt.directory if ckpt is not None else "this run (checkpoint.every=0)"
-            msgs.append(f"no checkpoint in {where}; starting from scratch")
-    if state is None and cfg.model.init_from:
-        params = load_init_params(cfg.model, model_cfg, abstract["params"], to_global)
-        state = train_state_from_params(params, optimizer, mesh, cfg.seed, t.fsdp, offloaded_keys(cfg.optim.offload))
-        msgs.append(f"initialised from {cfg.model.init_from} (fresh optimizer, step 0)")
-    if state is None:
-        state = state_fn()
+    def stop_here() -> None:  # a signal during the setup: stop before the run's files are written
+        signum = _any_signal(signals.received if signals is not None else 0)
+        if signum:
+            newest = f"; the newest checkpoint is step {start}" if start else ""
+            raise Interrupted(f"{signal_name(signum, short=True)}: interrupted during the setup, before step "
+                              f"{start + 1}; nothing written{newest}", signum)
 
-    if _is_main():
-        _write_run_files(cfg, model_cfg, ckpt)
+    start = 0
+    try:
+        if _is_main():
+            check_dir("run_dir", cfg.run_dir)
+            lock = RunLock(cfg.run_dir)
+            note = lock.acquire()  # before the guard looks: one invocation per run_dir
+            if note:
+                msgs.append(note)
+        prepare_run_dir(cfg.run_dir, cfg.checkpoint_dir, resume=resume, overwrite=overwrite,
+                        checkpoint_key="checkpoint.dir" if cfg.checkpoint.dir else "run_dir/checkpoints",
+                        is_main=_is_main())
+        _sync("mtraining_run_dir")
+        stop_here()
+
+        t = build_training(cfg, mesh, model_cls, model_cfg)
+        optimizer, state_fn, abstract = t.optimizer, t.state_fn, t.abstract
+        train_step, eval_step = t.train_step, t.eval_step
+
+        if cfg.checkpoint.every:
+            ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+        start, state, skipped = 0, None, 0
         if resume:
-            dropped = truncate_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), start)
-            if dropped:
-                msgs.append(f"dropped {dropped} metrics record(s) after step {start} from metrics.jsonl")
-    writer = MetricsWriter(cfg.run_dir, cfg.logging.tensorboard, purge_step=start + 1 if resume else None)
+            found = ckpt.restore_newest(abstract) if ckpt is not None else None
+            if found is not None:  # restore straight into the target shardings, no fresh init
+                latest, (state, data_state, meta), damaged = found
+                for step, why in damaged:
+                    where = ckpt.set_aside(step) if _is_main() else ""
+                    msgs.append(f"skipped checkpoint {step}: damaged ({why})"
+                                + (f"; moved to {os.path.basename(where)}" if where else ""))
+                if damaged:
+                    _sync("mtraining_set_aside")
+                    ckpt.all_steps()  # reload the step list on every process
+                loader.set_state(data_state)
+                start, skipped = latest, int(meta.get("skipped_updates", 0))
+                msgs.append(f"resumed from step {latest} in {ckpt.directory}"
+                            + (" (model.init_from ignored)" if cfg.model.init_from else ""))
+                before = meta.get("schedule") or schedule_values(saved_config(cfg.run_dir) or {})
+                msgs.extend(schedule_changes(before, schedule_values(cfg)))
+            else:
+                where = ckpt.directory if ckpt is not None else "this run (checkpoint.every=0)"
+                msgs.append(f"no checkpoint in {where}; starting from scratch")
+        if state is None and cfg.model.init_from:
+            params = load_init_params(cfg.model, model_cfg, abstract["params"], to_global)
+            state = train_state_from_params(params, optimizer, mesh, cfg.seed, t.fsdp,
+                                            offloaded_keys(cfg.optim.offload))
+            msgs.append(f"initialised from {cfg.model.init_from} (fresh optimizer, step 0)")
+        if state is None:
+            state = state_fn()
+
+        stop_here()
+        if _is_main():
+            _write_run_files(cfg, model_cfg, ckpt)
+            if resume:
+                dropped = truncate_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), start)
+                if dropped:
+                    msgs.append(f"dropped {dropped} metrics record(s) after step {start} from metrics.jsonl")
+        writer = MetricsWriter(cfg.run_dir, cfg.logging.tensorboard, purge_step=start + 1 if resume else None)
+    except BaseException:
+        if ckpt is not None:
+            _close_quietly(ckpt)
+        if lock is not None:
+            lock.release()
+        if _is_main():
+            for top in created:
+                remove_created(top)
+        raise
     bar = Progress(cfg.steps, start, cfg.logging.progress)
     for m in msgs:
         bar.write(m)
@@ -355,7 +429,16 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False,
     docs = dict(segments=cfg.data.pack == "documents", rope_positions=cfg.data.positions == "per_document")
     return Run(cfg, mesh, model_cfg, layout, loader, train_step, eval_step, batch_shardings(mesh, True, **docs),
                batch_shardings(mesh, False, **docs), held, passkey, ckpt, writer, bar, state, start, stop, skipped,
-               hooks=extra_hooks)
+               hooks=extra_hooks, lock=lock)
+
+
+def _close_quietly(ckpt: Checkpointer) -> None:
+    """Close ``ckpt`` after a failed setup (its background threads would otherwise print
+    "Event loop is closed" tracebacks at exit)."""
+    try:
+        ckpt.close()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _write_run_files(cfg: TrainConfig, model_cfg, ckpt) -> None:
@@ -373,81 +456,79 @@ def _write_run_files(cfg: TrainConfig, model_cfg, ckpt) -> None:
         model_cfg.to_yaml(os.path.join(ckpt.directory, "model.yaml"))
 
 
-class _SigintFlag:
-    """While active: the first SIGINT sets ``run.interrupted`` (the loop stops after the step),
-    a second one raises ``KeyboardInterrupt`` at once. Only in the main thread."""
-
-    def __init__(self, run: Run):
-        self.run, self.old = run, None
-
-    def _handler(self, signum, frame):
-        if self.run.interrupted:
-            raise KeyboardInterrupt
-        self.run.interrupted = True
-        self.run.bar.write("interrupt: stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.old = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGINT, self.old)
-        return False
-
-
-def _any_process(flag: bool) -> bool:
-    """Whether ``flag`` is set on any process (all processes must stop at the same step)."""
+def _any_signal(signum: int) -> int:
+    """The largest stop signal over all processes (0: none; all processes must stop at the same step)."""
     if jax.process_count() == 1:
-        return flag
+        return int(signum)
     from jax.experimental import multihost_utils
 
-    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+    return int(np.max(multihost_utils.process_allgather(np.asarray(signum, np.int32))))
+
+
+def _stop_message(run: Run, signum: int, done: int | None) -> str:
+    name = signal_name(signum, short=True)
+    if done is None:  # before the first step: the state is the restored / initial one
+        last = run.ckpt.latest_step() if run.ckpt is not None else None
+        newest = (f"the newest checkpoint is step {last} in {run.ckpt.directory}" if last is not None
+                  else "no checkpoint")
+        return f"{name}: interrupted before step {run.start + 1}; nothing new to save; {newest}"
+    saved = "no checkpoint (checkpoint.every=0)"
+    if run.ckpt is not None:
+        run.ckpt.wait()
+        saved = f"checkpoint saved in {run.ckpt.directory}; continue with --resume"
+    return f"{name}: interrupted after step {done}; {saved}"
 
 
 def train(run: Run, hooks: Sequence[Hook] = ()) -> RunResult:
-    """The step loop from ``run.start`` to ``run.stop`` (module docstring)."""
+    """The step loop from ``run.start`` to ``run.stop`` (module docstring). SIGINT / SIGTERM are
+    caught here unless :func:`run` already catches them (:class:`StopSignals`)."""
+    if run.signals is None:
+        with StopSignals(run.bar.write) as sig:
+            if run.lock is not None:
+                sig.on_abort.append(run.lock.release)
+            run.signals = sig
+            try:
+                return train(run, hooks)
+            finally:
+                run.signals = None
     cfg, bar = run.cfg, run.bar
     hooks = [eval_hook, *run.hooks, *hooks]
     tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.optim.grad_accum
     bad_in_a_row = 0
-    with _SigintFlag(run):
-        for step in range(run.start, run.stop):
-            if step == run.start:
-                bar.write("compiling the training step (the first step includes compilation)...")
-            t0 = time.time()
-            host = next(run.loader)
-            batch = jax.tree.map(to_global, host, run.batch_sharding) if run.batch_sharding is not None else host
-            done = step + 1
-            log = done % cfg.logging.every == 0 or done == run.stop
-            run.state, metrics = run.train_step(run.state, batch, log)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            dt = time.time() - t0
-            if step == run.start:
-                bar.write(f"first step done in {dt:.1f}s")
-            if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-                bad_in_a_row += 1
-                run.skipped_updates += 1
-                _bad_step(run, done, metrics, bad_in_a_row)
-                continue
-            bad_in_a_row = 0
-            metrics.update(step_time=dt, tokens_per_s=tokens_per_step / dt, skipped_updates=run.skipped_updates)
-            run.train_losses.append((done, metrics["loss"]))
-            if log:
-                run.writer.write(done, metrics)
-            bar.update(metrics["loss"], metrics["tokens_per_s"], dt, metrics)
-            for hook in hooks:
-                hook(run, done, metrics)
-            stopping = _any_process(run.interrupted)
-            if run.ckpt is not None and (done % cfg.checkpoint.every == 0 or done == run.stop or stopping):
-                run.save(done, metrics["loss"])
+    for step in range(run.start, run.stop):
+        if step == run.start:
+            stopping = _any_signal(run.stop_signal)  # a signal during the setup: no step at all
             if stopping:
-                saved = "no checkpoint (checkpoint.every=0)"
-                if run.ckpt is not None:
-                    run.ckpt.wait()
-                    saved = f"checkpoint saved in {run.ckpt.directory}; continue with --resume"
-                raise Interrupted(f"interrupted after step {done}; {saved}")
+                raise Interrupted(_stop_message(run, stopping, None), stopping)
+            bar.write("compiling the training step (the first step includes compilation)...")
+        t0 = time.time()
+        host = next(run.loader)
+        batch = jax.tree.map(to_global, host, run.batch_sharding) if run.batch_sharding is not None else host
+        done = step + 1
+        log = done % cfg.logging.every == 0 or done == run.stop
+        run.state, metrics = run.train_step(run.state, batch, log)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        dt = time.time() - t0
+        if step == run.start:
+            bar.write(f"first step done in {dt:.1f}s")
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            bad_in_a_row += 1
+            run.skipped_updates += 1
+            _bad_step(run, done, metrics, bad_in_a_row)
+            continue
+        bad_in_a_row = 0
+        metrics.update(step_time=dt, tokens_per_s=tokens_per_step / dt, skipped_updates=run.skipped_updates)
+        run.train_losses.append((done, metrics["loss"]))
+        if log:
+            run.writer.write(done, metrics)
+        bar.update(metrics["loss"], metrics["tokens_per_s"], dt, metrics)
+        for hook in hooks:
+            hook(run, done, metrics)
+        stopping = _any_signal(run.stop_signal)
+        if run.ckpt is not None and (done % cfg.checkpoint.every == 0 or done == run.stop or stopping):
+            run.save(done, metrics["loss"])
+        if stopping:
+            raise Interrupted(_stop_message(run, stopping, done), stopping)
     return _result(run)
 
 
@@ -486,16 +567,29 @@ def _result(run: Run) -> RunResult:
 
 
 def run(cfg: TrainConfig, hooks: Sequence[Hook] = (), *, overwrite: bool = False,
-        hook_factories: Mapping[str, HookFactory] = MappingProxyType({})) -> RunResult:
+        hook_factories: Mapping[str, HookFactory] = MappingProxyType({}),
+        signals: StopSignals | None = None) -> RunResult:
     """Train according to ``cfg`` (see module docstring); ``overwrite``: delete an earlier run's
-    artefacts in ``run_dir`` first (``--overwrite``); ``hook_factories``: see :func:`config_hooks`."""
-    r = setup(cfg, overwrite=overwrite, hook_factories=hook_factories)
-    try:
-        result = train(r, hooks)
-    finally:
-        r.close()
-    if r.ckpt is not None:
-        r.ckpt.close()
-    if cfg.logging.plot and _is_main() and os.path.exists(r.writer.path):
-        plot_losses(r.writer.path, os.path.join(cfg.run_dir, "loss.png"))
+    artefacts in ``run_dir`` first (``--overwrite``); ``hook_factories``: see :func:`config_hooks`;
+    ``signals``: an active :class:`StopSignals` (``mtraining-train`` installs one before it imports
+    JAX), else the run installs its own."""
+    ctx = contextlib.nullcontext(signals) if signals is not None else StopSignals()
+    with ctx as sig:  # from the start: a SIGTERM during the setup stops before the first step
+        r = setup(cfg, overwrite=overwrite, hook_factories=hook_factories, signals=sig)
+        r.signals = sig
+        lock, r.lock = r.lock, None  # held until the plot is written too
+        if lock is not None:
+            sig.on_abort.append(lock.release)
+        try:
+            try:
+                result = train(r, hooks)
+            finally:
+                r.close()
+                if r.ckpt is not None:
+                    r.ckpt.close()
+            if cfg.logging.plot and _is_main() and os.path.exists(r.writer.path):
+                plot_losses(r.writer.path, os.path.join(cfg.run_dir, "loss.png"))
+        finally:
+            if lock is not None:
+                lock.release()
     return result

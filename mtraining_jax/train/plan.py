@@ -20,14 +20,20 @@ the compiled step's ``memory_analysis`` — the partitioned, per-device program.
   analysis lumps all memories together (CPU) the offloaded bytes are subtracted
   (:func:`device_peak`).
 
-The device's memory is ``memory_stats()["bytes_limit"]`` of the mesh's first device where the
-backend reports it (GPUs), else the ``--device-memory`` value; when neither is known the plan
-says so and does not judge. :class:`DoesNotFit` names what to change.
+The plan is compiled for THIS host's devices (the table's first line names them). The memory it
+is judged against is, in this order: ``--device h100|h200`` (:data:`DEVICE_MEMORY`: what JAX
+reports for that GPU), ``--device-memory SIZE``, else ``memory_stats()["bytes_limit"]`` of the
+mesh's first device where the backend reports it (GPUs); when none is known (CPU) the plan says
+so and does not judge. A GPU's usable memory scales with ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+(JAX's default 0.75), read from the environment for a named device. A plan compiled on a CPU for a
+GPU target says that its peak is the CPU program's (other kernels, other buffer assignment): run
+``--plan`` on the GPU for that GPU's plan. :class:`DoesNotFit` names what to change.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax
@@ -46,6 +52,46 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2 ** 10, "m": 1e6, "mb": 1e
 def fmt_bytes(b: float) -> str:
     """``"1.50 GiB"`` from 1 GiB up, else ``"12.3 MiB"``."""
     return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / MIB:.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetDevice:
+    """A GPU ``--plan`` can be judged against: ``full_bytes`` is ``memory_stats()["bytes_limit"]``
+    under ``XLA_PYTHON_CLIENT_MEM_FRACTION=1.0`` (all but the CUDA context); JAX gives a process
+    ``fraction x full_bytes`` (default fraction 0.75)."""
+
+    name: str
+    kind: str  # jax device_kind
+    full_bytes: int
+
+    def bytes(self, fraction: float) -> int:
+        return int(self.full_bytes * fraction)
+
+    def describe(self) -> str:
+        return f"{self.kind}, {self.full_bytes / GIB:.2f} GiB x XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+#: measured with JAX 0.11.2 (CUDA 13) on the two GPUs this project runs on (2026-11-26):
+#: ``bytes_limit`` at XLA_PYTHON_CLIENT_MEM_FRACTION=1.0; at 0.95 / the default 0.75 the H100 reports
+#: 80,767,614,976 / 63,763,906,560 bytes (75.22 / 59.38 GiB), the H200 142,606,336,000 /
+#: 112,583,507,968 (132.81 / 104.85 GiB)
+DEVICE_MEMORY = {
+    "h100": TargetDevice("h100", "NVIDIA H100 80GB HBM3", 85_018_542_080),  # 79.18 GiB
+    "h200": TargetDevice("h200", "NVIDIA H200", 150_109_945_856),  # 139.80 GiB
+}
+DEFAULT_MEM_FRACTION = 0.75  # JAX's XLA_PYTHON_CLIENT_MEM_FRACTION default
+
+
+def mem_fraction() -> float:
+    """``XLA_PYTHON_CLIENT_MEM_FRACTION`` of this environment (JAX's default 0.75 when unset)."""
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "").strip()
+    try:
+        f = float(text) if text else DEFAULT_MEM_FRACTION
+    except ValueError:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a number in (0, 1], got {text!r}") from None
+    if not 0 < f <= 1:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a number in (0, 1], got {text!r}")
+    return f
 
 
 class DoesNotFit(ValueError):
@@ -82,6 +128,11 @@ class MemoryPlan:
     host: int = 0  # per-device bytes of the state kept in pinned_host memory (optim.offload)
     offload: str = "none"
     saved_layers: int | None = None  # remat selective: layers keeping their attention residuals
+    platform: str = "cpu"  # of the devices the step was compiled for (this host's)
+    device_kind: str = ""
+    target: str | None = None  # what device_memory is: "h100 (...)", "--device-memory", None: this host's device
+    target_gpu: bool = False  # the target is a GPU (named, or this host's GPU)
+    fraction: float | None = None  # XLA_PYTHON_CLIENT_MEM_FRACTION behind device_memory (named GPU)
 
     @property
     def peak(self) -> int:
@@ -106,16 +157,30 @@ class MemoryPlan:
         head = (f"memory plan per device ({self.num_devices} device(s), "
                 f"{'FSDP-sharded' if self.fsdp else 'replicated'} state, remat={remat}, "
                 f"optim.offload={self.offload}):")
-        lines = [head] + [f"  {k:<50}{g(v)}" for k, v in rows]
+        lines = [head, f"  compiled for this host's devices: {self.num_devices} x {self.device_kind or self.platform} "
+                       f"({self.platform})"]
+        lines += [f"  {k:<50}{g(v)}" for k, v in rows]
         lines.append(f"  {'  of which per layer':<50}{g(self.activations / max(self.num_layers, 1))}")
         lines.append(f"  {'peak (compiled step: argument+output-alias+temp)':<50}{g(self.peak)}")
         if self.device_memory is None:
-            lines.append("  device memory unknown (this backend reports none): pass --device-memory, e.g. 80GiB")
+            lines.append(f"  device memory unknown: this plan is for this host's {self.platform} devices, which report "
+                         f"no memory limit; pass --device h100|h200 or --device-memory SIZE to judge it against a "
+                         f"GPU's memory")
         else:
             verdict = "fits" if self.fits else "does NOT fit"
+            what = f" [{self.target}]" if self.target else " [reported by this host's device]"
             lines.append(f"  {'device memory':<50}{g(self.device_memory)}  -> {verdict} "
-                         f"({100 * self.peak / self.device_memory:.0f}% used)")
+                         f"({100 * self.peak / self.device_memory:.0f}% used){what}")
+        if self.cpu_for_gpu:
+            lines.append(f"  note: compiled on this host's {self.platform}, not on the GPU: the attention kernels (XLA "
+                         f"twins instead of Pallas / cuDNN) and XLA's buffer assignment differ there, so this peak is "
+                         f"not the GPU's; run --plan on the GPU for its plan")
         return "\n".join(lines)
+
+    @property
+    def cpu_for_gpu(self) -> bool:
+        """Compiled on a CPU but judged against a GPU's memory."""
+        return self.platform == "cpu" and self.target_gpu
 
     def advice(self, cfg: TrainConfig) -> list[str]:
         """Config changes that shrink the largest parts of the peak, biggest first."""
@@ -135,6 +200,12 @@ class MemoryPlan:
         if cfg.data.batch_size > 1:
             out.append(f"a smaller data.batch_size (now {cfg.data.batch_size}) with a larger optim.grad_accum")
         out.append(f"a shorter data.seq_len (now {cfg.data.seq_len}) or more devices (mesh.shape / mesh.data)")
+        frac = self.fraction if self.fraction is not None else (mem_fraction() if self.platform == "gpu" else None)
+        if self.target_gpu and frac is not None and frac < 0.95 and self.device_memory:
+            more = self.device_memory / frac * 0.95
+            if self.peak <= more:
+                out.append(f"XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (now {frac:g}: {fmt_bytes(more)} instead of "
+                           f"{fmt_bytes(self.device_memory)})")
         return out
 
 
@@ -155,9 +226,12 @@ def device_memory_limit(device) -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def memory_plan(cfg: TrainConfig, device_memory: int | None = None) -> MemoryPlan:
-    """Compile ``cfg``'s training step for abstract inputs and return its :class:`MemoryPlan`.
-    ``device_memory`` (bytes) is used where the device does not report its own."""
+def memory_plan(cfg: TrainConfig, device_memory: int | None = None, device: str | None = None) -> MemoryPlan:
+    """Compile ``cfg``'s training step for abstract inputs and return its :class:`MemoryPlan`,
+    judged against ``device`` (a :data:`DEVICE_MEMORY` name), else ``device_memory`` (bytes), else
+    what this host's device reports (module docstring)."""
+    if device is not None and device not in DEVICE_MEMORY:
+        raise ValueError(f"--device must be one of {sorted(DEVICE_MEMORY)}, got {device!r}")
     from mtraining_jax.train.loop import build_mesh, build_training, check_run_config
     from mtraining_jax.train.state import build_model_config
     from mtraining_jax.train.step import batch_shardings
@@ -174,14 +248,25 @@ def memory_plan(cfg: TrainConfig, device_memory: int | None = None) -> MemoryPla
     params = shard_bytes(t.abstract["params"])
     host = host_state_bytes(t.abstract)
     argument, output, alias, temp = device_sizes(ma, host)
-    limit = device_memory_limit(mesh.devices.flat[0])
+    dev0 = mesh.devices.flat[0]
+    limit = device_memory_limit(dev0)
+    target, target_gpu, fraction = None, dev0.platform == "gpu", None
+    if device is not None:
+        fraction = mem_fraction()
+        d = DEVICE_MEMORY[device]
+        limit, target_gpu = d.bytes(fraction), True
+        target = f"{device}: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:g} x {fmt_bytes(d.full_bytes)}"
+    elif device_memory is not None:
+        limit, target, target_gpu = device_memory, "--device-memory", False
     return MemoryPlan(
         params=params, grads=params, opt_state=shard_bytes(t.abstract["opt_state"]), batch=shard_bytes(batch),
         activations=max(temp - params, 0), num_layers=model_cfg.num_layers,
         argument=argument, output=output, alias=alias, temp=temp,
-        device_memory=limit if limit is not None else device_memory, fsdp=t.fsdp,
+        device_memory=limit, fsdp=t.fsdp,
         num_devices=int(mesh.size), remat=model_cfg.remat, host=host, offload=cfg.optim.offload,
-        saved_layers=len(model_cfg.remat_saved_layers) if model_cfg.remat == "selective" else None)
+        saved_layers=len(model_cfg.remat_saved_layers) if model_cfg.remat == "selective" else None,
+        platform=dev0.platform, device_kind=getattr(dev0, "device_kind", ""), target=target, target_gpu=target_gpu,
+        fraction=fraction)
 
 
 def host_state_bytes(abstract_state) -> int:
@@ -213,6 +298,8 @@ def predicted_peak(ma, host: int = 0) -> int:
 def check_fits(plan: MemoryPlan, cfg: TrainConfig) -> None:
     """:class:`DoesNotFit` naming the peak, the device memory and what to change."""
     if plan.fits is False:
+        what = f" ({plan.target})" if plan.target and plan.target != "--device-memory" else ""
+        where = (f" (the {plan.platform} program's peak: run --plan on the GPU to confirm)" if plan.cpu_for_gpu else "")
         raise DoesNotFit(
-            f"the training step needs {fmt_bytes(plan.peak)} per device but the device has "
-            f"{fmt_bytes(plan.device_memory)}; change: " + "; or ".join(plan.advice(cfg)))
+            f"the training step needs {fmt_bytes(plan.peak)} per device{where} but the device has "
+            f"{fmt_bytes(plan.device_memory)}{what}; change: " + "; or ".join(plan.advice(cfg)))

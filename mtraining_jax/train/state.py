@@ -83,13 +83,35 @@ def build_model_config(section: ModelSection, config_dir: str | None = None):
 
 
 def _dotted_model_message(msg: str, names) -> str:
-    """Prefix a model-config message that starts with a field name by ``model.``."""
+    """Prefix a model-config message that starts with a field name by ``model.`` (a sparsity field:
+    ``model.sparsity.``; an ``msa <key>`` message: ``model.msa.<key>``)."""
+    import re
+
+    from mtraining_jax.model.config import MSA_DEFAULTS
+
     head = msg.split(" ", 1)[0]
+    if head == "msa" and msg.count(" ") >= 2 and msg.split(" ", 2)[1] in MSA_DEFAULTS:
+        return f"model.msa.{msg.split(' ', 1)[1]}"
     if head in names:
         return "model." + msg
-    if msg.startswith(("unknown sparsity keys", "missing", "unknown ModelConfig keys")):
+    m = re.fullmatch(r"unknown (sparsity|msa) keys (\[.*?\]); known keys: (\[.*\])", msg)
+    if m:
+        keys = ", ".join(f"model.{m.group(1)}.{k}" for k in re.findall(r"'([^']*)'", m.group(2)))
+        return f"unknown config key(s) {keys}; model.{m.group(1)} accepts {m.group(3)}"
+    field = re.split(r"[ =]", msg, maxsplit=1)[0]
+    if field in _sparsity_fields():
+        return "model.sparsity." + msg
+    if msg.startswith(("missing", "unknown ModelConfig keys")):
         return "model: " + msg
     return msg if msg.startswith("model") else f"model config: {msg}"
+
+
+def _sparsity_fields() -> set:
+    try:
+        from mtraining_jax.sparsity.config import SparsityConfig
+    except ImportError:  # pragma: no cover
+        return set()
+    return {f.name for f in dataclasses.fields(SparsityConfig)}
 
 
 def replicated(mesh: Mesh | None):
