@@ -1,15 +1,19 @@
-"""The ring cost model (benchmarks/comm_model.py): bytes from the schedule, overlap, calibration."""
+"""The ring cost model (benchmarks/comm_model.py): bytes from the schedule, overlap, calibration (the earlier
+rate-only rule and the traced per-step model of issue 33)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import pytest
 
 import numpy as np
 
-from benchmarks.comm_model import (Kernels, Link, Workload, backward_bytes, calibrate, exchange_bytes, exchange_need,
-                                   hot_blocks, simulate)
+from benchmarks.comm_model import (BWD_SHARE, DQ_SHARE, Kernels, Link, RingCosts, Workload, backward_bytes, calibrate,
+                                   calibrate_traced, exchange_bytes, exchange_need, fit_step_terms, held_out_error,
+                                   hot_blocks, main, simulate, simulate_fused)
 from mtraining_jax.layouts import Layout
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from benchmarks import ring_comm
@@ -145,3 +149,216 @@ def test_hot_blocks_by_hand():
     h2 = hot_blocks(idx._replace(v_count=np.array([[0]]), s_count=np.array([[2]])), pos, 4, 1, 4, "flat",
                     kv_heads=1, head_dim=1)
     assert h2["hot_blocks"] == 0 and h2["exchange_bytes_replicated"] == h2["exchange_bytes"]
+
+
+# ------------------------------------------------------------------ the fused ring with per-step costs (issue 33)
+
+FAST = Link(bandwidth=1e18, latency=0.0)
+TRUE = RingCosts(rate=300e12, call_row_s=2e-8, index_token_s=1e-8, xla_token_s=3e-8, step_fixed_s=0.5e-3,
+                 step_row_s=1e-8, host_s=2e-3)
+SYN_S, SYN_DENSITY = 65536, 0.05
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _trace(kernels_ms, index_ms, rest_ms, step_ops=()):
+    """A ``sparse_trace`` of one traced device as ``benchmarks/trace_summary.py`` writes it."""
+    top = [dict(name="anonymous_mosaic_gpu_kernel", ms=kernels_ms, count=4),
+           dict(name="input_reduce_fusion", ms=index_ms, count=1, op="jit(f)/jvp()/reduce_sum",
+                src="estimate.py:179 < mtraining.py:202"),
+           dict(name="wrapped_convert", ms=rest_ms, count=1, op="jit(f)/transpose(jvp())/convert_element_type",
+                src="attention.py:306 < mtraining.py:206"),
+           dict(name="ncclDevKernel_SendRecv", ms=1.0, count=2)]
+    top += [dict(name=f"fusion_{op}", ms=ms, count=n, op=f"jit(f)/jvp()/{op}", src="steps.py:85")
+            for op, ms, n in step_ops]
+    compute = kernels_ms + index_ms + rest_ms + sum(ms for _, ms, _ in step_ops)
+    return {"/device:GPU:0": dict(kernels=100, span_ms=compute, compute_ms=compute, comm_ms=1.0, exposed_comm_ms=0.0,
+                                  idle_ms=0.0, top=top),
+            "/device:GPU:1": dict(kernels=0)}
+
+
+def _synthetic(n, l, order="hierarchical", run="syn"):
+    """A traced record generated from :data:`TRUE` (no exposed communication: a fast link): its
+    measured time is the model's own prediction, its trace the model's parts."""
+    P, w = n * l, Workload(SYN_S, SYN_DENSITY)
+    rows = SYN_S // P
+    calls = 1 if P == 1 else P - 1  # per pass, both passes fused
+    kernels = (w.flops / P / TRUE.rate + TRUE.call_row_s * rows * calls) * 1e3
+    steps = [] if P == 1 else [("stack", (P - 1) * TRUE.step_row_s * rows * 1e3, P - 1),  # >= 0.1 ms a launch
+                               ("sort", (P - 1) * TRUE.step_fixed_s * 1e3, 100 * (P - 1))]  # 5 us a launch
+    t = simulate_fused(w, n, l, order, costs=TRUE, intra=FAST, inter=FAST).step_s
+    return dict(run=run, S=SYN_S, mesh=f"{n}x{l}", nodes=n, local=l, gpus=P, ring_order=order, fuse="both",
+                density=SYN_DENSITY, sparse_fwdbwd_s=t, hlo_collective_permute_sync=0,
+                sparse_trace=_trace(kernels, TRUE.index_token_s * rows * 1e3, TRUE.xla_token_s * rows * 1e3, steps))
+
+
+def test_fused_one_rank_is_the_sum_of_its_costs():
+    w = Workload(SYN_S, SYN_DENSITY)
+    p = simulate_fused(w, 1, 1, costs=TRUE)
+    want = (w.flops / TRUE.rate + TRUE.call_row_s * SYN_S + (TRUE.index_token_s + TRUE.xla_token_s) * SYN_S
+            + TRUE.host_s)
+    assert p.step_s == pytest.approx(want, rel=1e-12) and p.exposed_comm_s == 0 and p.xla_step_s == 0
+    assert p.calls == 1 and p.bytes_inner == p.bytes_outer == 0
+
+
+def test_fused_two_ranks_by_hand():
+    """P = 2, fused: ONE forward call waits for the K/V hop (posted at time 0, overlapping the index
+    estimate); ONE backward call (steps 1 and 0), after which the float32 dK/dV of the own chunk comes
+    home while the remaining XLA work runs. A slow link exposes both hops."""
+    link = Link(bandwidth=1e9, latency=0.0)
+    w = Workload(S=8192, density=1.0)
+    c = RingCosts(rate=300e12, call_row_s=1e-8, index_token_s=1e-8, xla_token_s=2e-8, step_fixed_s=0.2e-3, host_s=1e-3)
+    p = simulate_fused(w, 1, 2, costs=c, intra=link)
+    rows = 4096
+    work, call, prep = w.flops / 4 / c.rate, c.call_row_s * rows, c.step_fixed_s / 2
+    index, post = c.index_token_s * rows, c.xla_token_s * rows
+    kv = 2 * rows * 2 * 128 * 2 / 1e9  # one bf16 K/V chunk
+    dkv = 2 * rows * 2 * 128 * 4 / 1e9  # its float32 dK/dV
+    assert kv > index + prep and dkv > post
+    t = kv + (2 * work + call) * (1 - BWD_SHARE)  # the forward call starts when the hop has arrived
+    t += prep + (2 * work + call) * BWD_SHARE  # one backward call, no K/V hop (it holds both chunks)
+    exposed = (kv - index - prep) + (dkv - post)
+    assert p.step_s == pytest.approx(t + dkv + c.host_s, rel=1e-12)
+    assert p.exposed_comm_s == pytest.approx(exposed, rel=1e-12) and p.calls == 1
+    assert p.xla_step_s == pytest.approx(2 * prep)  # one step beyond the first, half per pass
+
+
+def test_fused_dkv_hop_waits_only_for_the_dkv_kernels():
+    """The dK/dV hop into a backward call is waited for after the call's dQ kernel: a hop shorter than
+    the step's XLA work + dQ kernel is hidden; a longer one shows exactly the difference."""
+    w = Workload(S=65536, density=0.05)
+    c = dataclasses.replace(TRUE, host_s=0.0, index_token_s=1e-6)  # a long index estimate hides the first hop
+    rows = w.S // 4
+    work, call, prep = w.flops / 16 / c.rate, c.call_row_s * rows, c.step_xla(rows) / 2
+    before_dkv = prep + (work + call) * BWD_SHARE * DQ_SHARE
+    dkv_bytes = 2 * rows * 2 * 128 * 4
+    hidden = simulate_fused(w, 1, 4, costs=c, intra=Link(dkv_bytes / (0.5 * before_dkv), 0.0))
+    assert hidden.exposed_comm_s == pytest.approx(0.0, abs=1e-12)
+    slow = Link(dkv_bytes / (before_dkv + 1e-3), 0.0)  # every dK/dV hop 1 ms longer than what hides it
+    p = simulate_fused(w, 1, 4, costs=dataclasses.replace(c, index_token_s=1e-3), intra=slow)
+    assert p.exposed_comm_s >= 2 * 1e-3 - 1e-9  # the two dK/dV hops into backward calls at least
+
+
+@pytest.mark.parametrize("n, l, order", [(1, 2, "hierarchical"), (1, 8, "flat"), (2, 4, "hierarchical"),
+                                         (2, 4, "flat"), (4, 8, "hierarchical")])
+def test_fused_bytes_equal_the_schedule_accounting(n, l, order):
+    p = simulate_fused(W, n, l, order, costs=TRUE)
+    want = ring_bytes(n, l, order, "kv", batch=1, chunk_len=W.S // (n * l), kv_heads=2, heads=16, head_dim=128,
+                      itemsize=2)
+    assert (p.bytes_inner, p.bytes_outer) == (want["inner"], want["outer"])
+    assert p.calls == n * l - 1 and p.steps == n * l
+
+
+@pytest.mark.parametrize("n, l, order", [(1, 4, "hierarchical"), (2, 4, "hierarchical"), (4, 8, "hierarchical"),
+                                         (4, 8, "flat")])
+def test_fused_more_bandwidth_is_never_slower(n, l, order):
+    times = [simulate_fused(W, n, l, order, costs=TRUE, intra=Link(bw, 5e-6), inter=Link(bw / 8, 10e-6)).step_s
+             for bw in (1e9, 1e10, 1e11, 1e12)]
+    assert all(a >= b for a, b in zip(times, times[1:])) and times[0] > times[-1]
+
+
+def test_step_forms_agree_at_the_fitted_chunk():
+    rows = 16384
+    forms = {f: TRUE.with_form(f, rows) for f in ("split", "fixed", "chunk")}
+    assert all(c.step_xla(rows) == pytest.approx(TRUE.step_xla(rows)) for c in forms.values())
+    assert forms["fixed"].step_xla(rows / 4) == pytest.approx(TRUE.step_xla(rows))
+    assert forms["chunk"].step_xla(rows / 4) == pytest.approx(TRUE.step_xla(rows) / 4)
+    assert forms["chunk"].step_xla(rows / 4) < TRUE.step_xla(rows / 4) < forms["fixed"].step_xla(rows / 4)
+    with pytest.raises(ValueError, match="form must be"):
+        TRUE.with_form("length", rows)
+
+
+def test_traced_fit_recovers_the_costs_it_was_generated_from():
+    """Synthetic traced records generated from known costs: the per-call and per-step terms fitted on
+    the 1x4 trace and the one-GPU record give back every cost, and the model then reproduces the
+    held-out records (1x2, 1x8, 2x4 flat) it never saw."""
+    recs = [_synthetic(1, 1), _synthetic(1, 4), _synthetic(1, 2), _synthetic(1, 8), _synthetic(2, 4, "flat")]
+    rows, terms, costs = calibrate_traced(recs, fit=("syn", "1x4", "hierarchical"), intra=FAST)
+    got = costs["syn"]
+    for f in ("rate", "call_row_s", "index_token_s", "xla_token_s", "step_fixed_s", "step_row_s", "host_s"):
+        assert getattr(got, f) == pytest.approx(getattr(TRUE, f), rel=1e-9), f
+    assert terms["row_fraction"] == pytest.approx(TRUE.step_row_s * 16384 / TRUE.step_xla(16384), rel=1e-9)
+    roles = {r["mesh"] + " " + r["ring_order"]: r["role"] for r in rows}
+    assert roles == {"1x1 hierarchical": "fit: 1 GPU", "1x4 hierarchical": "fit: per-step terms",
+                     "1x2 hierarchical": "held out", "1x8 hierarchical": "held out", "2x4 flat": "held out"}
+    for r in rows:
+        assert r["rel_err"] == pytest.approx(0.0, abs=1e-9), r["mesh"]
+        assert r["rel_err"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1, abs=1e-15)
+    # a record 10 % slower than the model shows up as -1/11 on the held-out side, and only there
+    slow = [dict(r, sparse_fwdbwd_s=r["sparse_fwdbwd_s"] * 1.1) if r["mesh"] == "1x8" else r for r in recs]
+    err = held_out_error(calibrate_traced(slow, fit=("syn", "1x4", "hierarchical"), intra=FAST)[0])
+    assert err["lo"] == pytest.approx(1 / 1.1 - 1, rel=1e-9) and err["hi"] == pytest.approx(0.0, abs=1e-9)
+    assert err["n"] == 3 and err["max_abs"] == pytest.approx(1 - 1 / 1.1, rel=1e-9)
+
+
+def test_held_out_error_uses_only_held_out_rows():
+    rows = [dict(role="fit: 1 GPU", rel_err=0.5), dict(role="fit: per-step terms", rel_err=-0.3),
+            dict(role="held out", rel_err=0.04), dict(role="held out", rel_err=0.021),
+            dict(role="held out", rel_err=-0.002)]
+    assert held_out_error(rows) == dict(lo=-0.002, hi=0.04, max_abs=0.04, n=3)
+    assert held_out_error(rows[:2]) == dict(lo=0.0, hi=0.0, max_abs=0.0, n=0)
+    assert held_out_error([dict(role="held out", rel_err=0.07)]) == dict(lo=0.0, hi=0.07, max_abs=0.07, n=1)
+
+
+def test_two_rank_fused_record_cannot_fit_the_per_call_cost():
+    with pytest.raises(ValueError, match="not identifiable"):
+        fit_step_terms(_synthetic(1, 1), _synthetic(1, 2))
+
+
+def test_committed_h100_records_within_ten_percent():
+    """The committed 4-GPU H100 measurements (scaling_v12a / scaling_v12): per-step terms from v12a 1x4
+    only; the 2x2 records (both orders), v12a 1x2 and v12 1x4 are held out; every 2- and 4-GPU record
+    within 10 %, the one-GPU records reproduced exactly."""
+    from benchmarks.comm_model import _records
+    recs = _records([os.path.join(HERE, "benchmarks", f) for f in ("scaling_v12a.jsonl", "scaling_v12.jsonl")])
+    rows, terms, _ = calibrate_traced(recs)
+    assert (terms["run"], terms["mesh"], terms["P"]) == ("v12a", "1x4", 4)
+    assert 9.0 < terms["per_call_ms_at_S"] < 11.0 and 1.5e-3 < terms["step_s"] < 2.5e-3
+    held = {(r["run"], r["mesh"], r["ring_order"]) for r in rows if r["role"] == "held out"}
+    assert held == {("v12a", "1x2", "hierarchical"), ("v12a", "2x2", "hierarchical"), ("v12a", "2x2", "flat"),
+                    ("v12", "1x4", "hierarchical")}
+    for r in rows:
+        if r["mesh"] == "1x1":
+            assert r["rel_err"] == pytest.approx(0.0, abs=1e-12)
+        else:
+            assert abs(r["rel_err"]) < 0.10, (r["run"], r["mesh"], r["rel_err"])
+    # the earlier rate-only rule is 17-24 % optimistic on the same 4-GPU records
+    old = [r for r in calibrate(recs) if r["mesh"] in ("1x4", "2x2")]
+    assert len(old) == 4 and all(-0.30 < r["rel_err"] < -0.12 for r in old)
+
+
+def test_main_defaults_to_the_traced_records(tmp_path):
+    assert main(["--out", str(tmp_path), "--earlier-records"]) == 0
+    res = json.loads((tmp_path / "comm_model.json").read_text())
+    assert {r["run"] for r in res["calibration"]} == {"v12a", "v12"}
+    assert res["model"]["current"] == "v12" and res["model"]["fit_record"]["run"] == "v12a"
+    sparse = {(r["S"], r["mesh"], r["ring_order"]): r for r in res["predictions"] if r["ring"] == "sparse"}
+    for key in ((524288, "1x8", "hierarchical"), (524288, "2x4", "flat"), (1048576, "4x8", "hierarchical")):
+        r = sparse[key]
+        assert r["band_lo_s"] <= r["step_s"] <= r["band_hi_s"]
+    assert sparse[(1048576, "4x8", "hierarchical")]["inter"] == "400G"
+    assert sparse[(524288, "2x4", "flat")]["inter"] == "NVLink"
+    assert (tmp_path / "comm_model.png").stat().st_size > 0
+    assert "| v12 | 512K | 1x4 hierarchical | held out |" in (tmp_path / "comm_model_current.md").read_text()
+
+
+def test_main_keeps_the_older_records_usable(tmp_path):
+    old = [os.path.join(HERE, "benchmarks", f) for f in ("sparse_ring_results.jsonl", "scaling_results.jsonl")]
+    assert main(["--records", *old, "--earlier-records", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "comm_model.json").read_text())
+    assert "calibration" not in res and len(res["earlier"]["calibration"]) > 30
+    assert {"x4a", "v11"} <= {r["run"] for r in res["earlier"]["calibration"]}
+
+
+def test_earlier_traced_family_checks_the_structure():
+    """The same fit on an earlier traced family (x4c: H200, unfused calls, 4 GPUs at 256K and 512K):
+    per-step terms from its 512K 1x4 trace only, every other record within 5 % -- the 256K ones at
+    half the chunk too, where the per-step cost scaled with the chunk (the all-fixed form overshoots)."""
+    from benchmarks.comm_model import NVLINK_H200, _records
+    recs = [r for r in _records([os.path.join(HERE, "benchmarks", "scaling_results.jsonl")]) if r.get("run") == "x4c"]
+    rows, terms, _ = calibrate_traced(recs, ("x4c", "1x4", "hierarchical", 524288), intra=NVLINK_H200)
+    assert terms["S"] == 524288 and 0.5 < terms["row_fraction"] < 0.9
+    assert sum(r["role"] == "held out" for r in rows) == 7
+    assert all(abs(r["rel_err"]) < 0.05 for r in rows)
+    r = next(r for r in rows if (r["S"], r["mesh"], r["ring_order"]) == (262144, "1x4", "hierarchical"))
+    fixed, chunk = (r["forms"][f] / r["measured_s"] - 1 for f in ("fixed", "chunk"))
+    assert abs(chunk) < abs(r["rel_err"]) < abs(fixed) and fixed > 0.05
