@@ -1,4 +1,6 @@
-"""Vertical-slash block-sparse flash attention: Pallas (Triton) GPU kernels and their XLA twin."""
+"""Vertical-slash block-sparse flash attention: Pallas Mosaic GPU (Hopper) and Triton kernels, their XLA
+twin, the dense float32 reference, and the per-step index format they share (:mod:`pallas_kernels.api`
+chooses the backend through :mod:`pallas_kernels.registry`)."""
 
 from pallas_kernels.api import (
     attention_delta,

@@ -4,7 +4,7 @@ Supports: compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128; b
 ``Sq`` a multiple of 128 (two query blocks per CTA); packed documents (segment ids: a third
 ``info`` row, checked only on masked tiles, :mod:`pallas_kernels.mosaic_index`).
 Forward: :mod:`pallas_kernels.mosaic_fwd`.
-Backward (:func:`pallas_kernels.triton_backward.pallas_bwd`'s three passes): all Mosaic
+Backward (:func:`pallas_kernels.three_pass.three_pass_bwd`): all Mosaic
 (:mod:`pallas_kernels.mosaic_bwd`); when ``Sk`` is not a multiple of 128 (two KV blocks per CTA) the
 two dK/dV passes are Triton's. Mosaic GPU's CPU interpret mode (JAX 0.10)
 cannot run these kernels (no transposed-operand or register-operand ``wgmma``), so they are tested
@@ -43,8 +43,12 @@ def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None):
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None):
     from pallas_kernels import triton_backward
     from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dkv_cols, mosaic_dq
+    from pallas_kernels.three_pass import three_pass_bwd
 
-    dkv = (mosaic_dkv_blocks, mosaic_dkv_cols) if k.shape[1] % 128 == 0 else None
-    return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
-                                      dq_kernel=mosaic_dq, dkv_kernels=dkv, sm_scale=sm_scale,
-                                      block_size=block_size, segs=segs)
+    opts = dict(sm_scale=sm_scale, block_size=block_size)
+    if k.shape[1] % 128 == 0:
+        dkv = (mosaic_dkv_blocks, mosaic_dkv_cols)
+    else:  # the Triton dK/dV passes (their own tuning defaults)
+        dkv = (triton_backward.dkv_block_pass, triton_backward.dkv_col_pass)
+    return three_pass_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, dq_kernel=mosaic_dq,
+                          dkv_kernels=dkv, kernel_options=opts, segs=segs)

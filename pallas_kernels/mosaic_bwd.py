@@ -44,10 +44,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_fwd import (LOG2E, _NEG_INF, _col_layout, _consumer_row, _load, _query_pair_ids, _row_layout,
-                                       _segment_ok, _stream_producer, _stream_walk, _tile_transforms, _transposed,
-                                       _walk_stream, stream_barriers, stream_operands, stream_smem)
+from pallas_kernels.mosaic_common import LOG2E, NEG_INF, col_layout, load_smem, row_layout, tile_transforms, transposed
+from pallas_kernels.mosaic_stream import (consumer_row, query_pair_ids, segment_ok, stream_barriers, stream_operands,
+                                          stream_producer, stream_smem, stream_walk, walk_stream)
 from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
+from pallas_kernels.three_pass import add_column_grads
 
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
@@ -58,9 +59,9 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
     dqacc_ref = ins[0] if accumulate else None
     q_smem, do_smem, k_smem, v_smem, info_smem, qpos_smem, lse_smem, delta_smem = smems
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free = bars
-    b, h, pair, wg = _query_pair_ids(npairs)
+    b, h, pair, wg = query_pair_ids(npairs)
     dtype = q_ref.dtype
-    bounds, n_union, total, rows_w = _stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
+    bounds, n_union, total, rows_w = stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
     kv = bs * halves  # keys per step
 
     @pl.when(wg < 2)
@@ -68,7 +69,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
         plgpu.set_max_registers(232, action="increase")
         w = wg
         i = 2 * pair + w
-        row = _consumer_row(w, rows_w)
+        row = consumer_row(w, rows_w)
         rows = pl.ds(i * bs, bs)
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[w], q_bar.at[w])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[w], q_bar.at[2 + w])
@@ -81,10 +82,10 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             plgpu.barrier_wait(row_bar.at[2 * j + w])
         plgpu.barrier_wait(q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[2 + w])
-        qpos_b = lax.broadcast_in_dim(_load(qpos_smem.at[w], _row_layout()), (bs, kv), [0])
-        lse = _load(lse_smem.at[w], _row_layout())
-        lse2_b = lax.broadcast_in_dim(jnp.where(lse == _NEG_INF, 0.0, lse * LOG2E), (bs, kv), [0])
-        delta_b = lax.broadcast_in_dim(_load(delta_smem.at[w], _row_layout()), (bs, kv), [0])
+        qpos_b = lax.broadcast_in_dim(load_smem(qpos_smem.at[w], row_layout()), (bs, kv), [0])
+        lse = load_smem(lse_smem.at[w], row_layout())
+        lse2_b = lax.broadcast_in_dim(jnp.where(lse == NEG_INF, 0.0, lse * LOG2E), (bs, kv), [0])
+        delta_b = lax.broadcast_in_dim(load_smem(delta_smem.at[w], row_layout()), (bs, kv), [0])
         d = q_smem.shape[-1]
         dq = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -97,7 +98,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             slot = lax.rem(t, jnp.int32(slots))  # its K: waited for under the last dS K
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[w], _transposed(k_smem.at[slot]))
+                plgpu.wgmma(acc_ref, q_smem.at[w], transposed(k_smem.at[slot]))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bs, kv), jnp.float32))  # unscaled: qk_scale folds into the FMA
@@ -105,15 +106,15 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             plgpu.barrier_wait(v_bar.at[slot])
 
             def dov(acc_ref):  # P is computed while the dP wgmma runs
-                plgpu.wgmma(acc_ref, do_smem.at[w], _transposed(v_smem.at[slot]))
+                plgpu.wgmma(acc_ref, do_smem.at[w], transposed(v_smem.at[slot]))
                 sm = s
                 if masked:
-                    pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, kv), [1])
-                    aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, kv), [1])
+                    pos = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 0], col_layout()), (bs, kv), [1])
+                    aux = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 1], col_layout()), (bs, kv), [1])
                     ok = (pos <= qpos_b) & (aux >= thr)
                     if segs:
-                        ok = ok & _segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, kv)
-                    sm = jnp.where(ok, sm, _NEG_INF)
+                        ok = ok & segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, kv)
+                    sm = jnp.where(ok, sm, NEG_INF)
                 return acc_ref[...], jnp.exp2(sm * qk_scale - lse2_b)
 
             dp, p = pl.run_scoped(dov, plgpu.ACC((bs, kv), jnp.float32))
@@ -141,16 +142,16 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
         def _():  # the first step's K (each later one is waited for under the dS K before it)
             plgpu.barrier_wait(k_bar.at[0])
 
-        dq = _walk_stream(w, bounds, n_union, total, row, tile, skip, dq)
+        dq = walk_stream(w, bounds, n_union, total, row, tile, skip, dq)
         dq = dq * scale
         if accumulate:
-            dq = dq + _load(dqacc_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False)
+            dq = dq + load_smem(dqacc_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False)
         dq_ref[b, rows, h] = dq
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        _stream_producer(b, h, lax.div(h, jnp.array(g, h.dtype)), pair, bs, halves, slots, n_union, total, sidx_ref,
+        stream_producer(b, h, lax.div(h, jnp.array(g, h.dtype)), pair, bs, halves, slots, n_union, total, sidx_ref,
                          k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem,
                          k_bar, v_bar, i_bar, k_free, v_free)
 
@@ -172,7 +173,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     sg = segs is not None
     kernel = functools.partial(_kernel, accumulate=accumulate, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
                                qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2, segs=sg)
-    tr = _tile_transforms(q.dtype)
+    tr = tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
          plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
@@ -218,7 +219,7 @@ def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, 
         plgpu.barrier_wait(q_bar.at[slot])
 
         def kq(acc_ref):
-            plgpu.wgmma(acc_ref, kres.at[w], _transposed(q_smem.at[slot]))
+            plgpu.wgmma(acc_ref, kres.at[w], transposed(q_smem.at[slot]))
             return acc_ref[...]
 
         st = pl.run_scoped(kq, plgpu.ACC((bs, bs), jnp.float32)) * qk_scale  # [kv, q], log2 domain
@@ -229,19 +230,19 @@ def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, 
         plgpu.barrier_wait(do_bar.at[slot])
 
         def vdo(acc_ref):  # P^T is computed while the dP^T wgmma runs
-            plgpu.wgmma(acc_ref, vres.at[w], _transposed(do_smem.at[slot]))
+            plgpu.wgmma(acc_ref, vres.at[w], transposed(do_smem.at[slot]))
             sm = st
             if masked:
-                qpos = lax.broadcast_in_dim(_load(qi_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
-                thr = lax.broadcast_in_dim(_load(qi_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+                qpos = lax.broadcast_in_dim(load_smem(qi_smem.at[slot, 0], col_layout()), (bs, bs), [1])
+                thr = lax.broadcast_in_dim(load_smem(qi_smem.at[slot, 1], col_layout()), (bs, bs), [1])
                 aux = kaux_b if kaux_b is not None else lax.broadcast_in_dim(
-                    _load(ka_smem.at[slot], _row_layout()), (bs, bs), [0])
+                    load_smem(ka_smem.at[slot], row_layout()), (bs, bs), [0])
                 ok = (kpos_b <= qpos) & (aux >= thr)
                 if kseg_smem is not None:
-                    qseg = lax.broadcast_in_dim(_load(qi_smem.at[slot, 2], _col_layout()), (bs, bs), [1])
-                    ok = ok & (lax.broadcast_in_dim(_load(kseg_smem, _row_layout()), (bs, bs), [0]) == qseg)
-                sm = jnp.where(ok, sm, _NEG_INF)
-            lse2 = lax.broadcast_in_dim(_load(r_smem.at[slot, 0], _col_layout()), (bs, bs), [1])
+                    qseg = lax.broadcast_in_dim(load_smem(qi_smem.at[slot, 2], col_layout()), (bs, bs), [1])
+                    ok = ok & (lax.broadcast_in_dim(load_smem(kseg_smem, row_layout()), (bs, bs), [0]) == qseg)
+                sm = jnp.where(ok, sm, NEG_INF)
+            lse2 = lax.broadcast_in_dim(load_smem(r_smem.at[slot, 0], col_layout()), (bs, bs), [1])
             return acc_ref[...], jnp.exp2(sm - lse2)
 
         dpt, pt = pl.run_scoped(vdo, plgpu.ACC((bs, bs), jnp.float32))
@@ -249,7 +250,7 @@ def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, 
         def dvdk(refs):  # dS^T is computed while the dV wgmma runs
             dv_ref, dk_ref = refs
             plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
-            delta = lax.broadcast_in_dim(_load(r_smem.at[slot, 1], _col_layout()), (bs, bs), [1])
+            delta = lax.broadcast_in_dim(load_smem(r_smem.at[slot, 1], col_layout()), (bs, bs), [1])
             plgpu.wgmma(dk_ref, (pt * (dpt - delta)).astype(dtype), q_smem.at[slot])
 
         dv, dk = pl.run_state(dvdk)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
@@ -334,7 +335,7 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
         if segs:
             copies.append((kseg_ref.at[b, rows], kp_smem.at[2 + w]))
         _resident(w, copies, kv_bar)
-        kpos_b = lax.broadcast_in_dim(_load(kp_smem.at[w], _row_layout()), (bs, bs), [0])
+        kpos_b = lax.broadcast_in_dim(load_smem(kp_smem.at[w], row_layout()), (bs, bs), [0])
         dk, dv = _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, None, tile_smems, tile_bars, stages=stages,
                                bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
                                kseg_smem=kp_smem.at[2 + w] if segs else None)
@@ -382,8 +383,8 @@ def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, 
         rows = pl.ds(c * bs, bs)
         _resident(w, [(kc_ref.at[b, h, rows], kres.at[w]), (vc_ref.at[b, h, rows], vres.at[w]),
                       (cinfo_ref.at[b, h, c], ci_smem.at[w])], kv_bar)
-        kpos_b = lax.broadcast_in_dim(_load(ci_smem.at[w, 0], _row_layout()), (bs, bs), [0])
-        kaux_b = lax.broadcast_in_dim(_load(ci_smem.at[w, 1], _row_layout()), (bs, bs), [0])
+        kpos_b = lax.broadcast_in_dim(load_smem(ci_smem.at[w, 0], row_layout()), (bs, bs), [0])
+        kaux_b = lax.broadcast_in_dim(load_smem(ci_smem.at[w, 1], row_layout()), (bs, bs), [0])
         dk, dv = _dkv_consumer(w, jnp.int32(0), n, kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,
                                stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
                                kseg_smem=ci_smem.at[w, 2] if segs else None)
@@ -409,7 +410,7 @@ def _row_infos(q_pos, lse, delta, thr, bs: int, q_seg=None):
     B, H, sq = lse.shape
     nqb = sq // bs
     lse = lse.astype(jnp.float32)
-    lse2 = jnp.where(lse == _NEG_INF, 0.0, lse * LOG2E)
+    lse2 = jnp.where(lse == NEG_INF, 0.0, lse * LOG2E)
     rinfo = jnp.stack([lse2.reshape(B, H, nqb, bs), delta.astype(jnp.float32).reshape(B, H, nqb, bs)], axis=3)
     qpos = jnp.broadcast_to(q_pos.astype(jnp.int32).reshape(1, 1, nqb, bs), (B, H, nqb, bs))
     thr = jnp.broadcast_to(thr.astype(jnp.int32)[..., None], (B, H, nqb, bs))
@@ -423,7 +424,7 @@ def _dkv_scratch(dtype, bs: int, d: int, stages: int, kv_info, segs: bool = Fals
     """Shared memory of both dK/dV passes: resident K/V of the two consumers, their KV rows' info
     ``kv_info``, and ``stages`` slots per consumer of the per-tile operands (``qinfo`` with the
     segment row when ``segs``); barriers likewise (two per ``resident`` copy, :func:`_resident`)."""
-    tr = _tile_transforms(dtype)
+    tr = tile_transforms(dtype)
     nb = 2 * stages
     smem = (plgpu.SMEM((2, bs, d), dtype, transforms=tr), plgpu.SMEM((2, bs, d), dtype, transforms=tr), kv_info,
             plgpu.SMEM((nb, bs, d), dtype, transforms=tr), plgpu.SMEM((nb, bs, d), dtype, transforms=tr),
@@ -469,8 +470,6 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
     chunk, summed in XLA, then one scatter-add by list slot
     (:func:`pallas_kernels.triton_backward.add_column_grads`)."""
-    from pallas_kernels.triton_backward import add_column_grads
-
     B, sq, H, d = q.shape
     sk = k.shape[1]
     bs = block_size

@@ -39,9 +39,6 @@ compute capability 9.x (see :mod:`pallas_kernels.backend_mosaic`).
 from __future__ import annotations
 
 import functools
-import inspect
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -49,41 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_index import POS_PAD, STREAM_SEGMENTS, pair_stream, prepare
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-_NEG_INF = float("-inf")
-
-
-def _row_layout():
-    """Layout of a per-row vector of a ``[64, n]`` wgmma tile (name differs across JAX versions)."""
-    return getattr(plgpu.Layout, "WGMMA_ROW", None) or plgpu.Layout.WGMMA.reduce(1)
-
-
-def _col_layout():
-    """Layout of a per-column vector of a ``[64, n]`` wgmma tile."""
-    return getattr(plgpu.Layout, "WGMMA_COL", None) or plgpu.Layout.WGMMA.reduce(0)
-
-
-_LOAD_HAS_OPTIMIZED = "optimized" in inspect.signature(plgpu.load).parameters
-
-
-def _load(ref, layout, optimized: bool = True):
-    if _LOAD_HAS_OPTIMIZED and not optimized:
-        return plgpu.load(ref, (), layout=layout, optimized=False)
-    return plgpu.load(ref, (), layout=layout)
-
-
-def _transposed(ref):
-    fn = getattr(plgpu, "transpose_ref", None)
-    return fn(ref, (1, 0)) if fn is not None else ref.transpose((1, 0))
-
-
-def _tile_transforms(dtype):
-    swizzle = 128
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
+from pallas_kernels.mosaic_common import LOG2E, LN2, NEG_INF, row_layout, col_layout, load_smem, transposed, tile_transforms
+from pallas_kernels.mosaic_stream import query_pair_ids, segment_ok, stream_walk, walk_stream, consumer_row, stream_producer, stream_operands, stream_smem, stream_barriers
 
 def _online_softmax(carry, s, masked: bool, scale: float):
     """One online-softmax step on raw scores ``s [64, n]`` (``-inf`` = masked) whose log2-domain
@@ -92,7 +56,7 @@ def _online_softmax(carry, s, masked: bool, scale: float):
     with ``m`` in the log2 domain."""
     m, l = carry
     m_new = jnp.maximum(m, s.max(axis=1) * scale)
-    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
     alpha = jnp.exp2(m - m_safe)
     p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_safe, s.shape, [0]))
     l_new = l * alpha + p.sum(axis=1)
@@ -103,14 +67,14 @@ def _finish(acc, m, l, merge_prev):
     """Normalise (or merge with the earlier steps' ``(out_prev, lse_prev)``): ``(out, lse)``."""
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
-    lse2 = jnp.where(nonempty, m + jnp.log(l_safe) * LOG2E, _NEG_INF)
+    lse2 = jnp.where(nonempty, m + jnp.log(l_safe) * LOG2E, NEG_INF)
     if merge_prev is None:
         out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
         return out, lse2 * LN2
     out_prev, lse_prev = merge_prev
     lp = lse_prev * LOG2E
     mm = jnp.maximum(lp, lse2)
-    mm = jnp.where(mm == _NEG_INF, 0.0, mm)
+    mm = jnp.where(mm == NEG_INF, 0.0, mm)
     wp = jnp.exp2(lp - mm)
     wn = jnp.where(nonempty, jnp.exp2(m - mm), 0.0)
     den = wp + wn * l
@@ -118,76 +82,8 @@ def _finish(acc, m, l, merge_prev):
     inv = 1.0 / jnp.where(empty, 1.0, den)
     out = (out_prev * lax.broadcast_in_dim(wp * inv, acc.shape, [0])
            + acc * lax.broadcast_in_dim(wn * inv, acc.shape, [0]))
-    lse = jnp.where(empty, _NEG_INF, (mm + jnp.log(jnp.where(empty, 1.0, den)) * LOG2E) * LN2)
+    lse = jnp.where(empty, NEG_INF, (mm + jnp.log(jnp.where(empty, 1.0, den)) * LOG2E) * LN2)
     return out, lse
-
-
-def _query_pair_ids(npairs: int):
-    """``(b, h, pair, wg)`` of a query-side kernel's CTA (forward, dQ): pairs of query blocks are
-    walked from the last, since causal rows get heavier with position (heavy CTAs start first)."""
-    return lax.axis_index("b"), lax.axis_index("h"), npairs - 1 - lax.axis_index("p"), lax.axis_index("wg")
-
-
-def _segment_ok(info_smem, slot, qseg_smem, bs: int, kv: int | None = None):
-    """``bool [64, kv]`` of a masked tile with packed documents: the tile's keys (segment row 2 of
-    its ``info``) lie in the document of the consumer's query rows (``qseg_smem [bs]``)."""
-    kv = kv or bs
-    kseg = lax.broadcast_in_dim(_load(info_smem.at[slot, 2], _col_layout()), (bs, kv), [1])
-    qseg = lax.broadcast_in_dim(_load(qseg_smem, _row_layout()), (bs, kv), [0])
-    return kseg == qseg
-
-
-def _stream_walk(bnd_ref, cnt_ref, b, h, pair, bs: int, halves: int = 1):
-    """The CTA's shared tile stream (:func:`pallas_kernels.mosaic_index.pair_stream`): ``(bounds,
-    n_union, total, rows)`` with ``bounds`` the 9 segment starts of the union's block tiles,
-    ``n_union`` their number of steps, ``total`` the stream length in steps (block steps, then the
-    column steps of the longer column prefix) and ``rows[w] = (query block, col_count,
-    n_col_steps, n_free_col_steps)``; a step is ``halves`` tiles of 64 keys."""
-    bounds = [bnd_ref[b, h, pair, s] for s in range(len(STREAM_SEGMENTS) + 1)]
-    rows = []
-    for w in range(2):
-        i = 2 * pair + w
-        ncol = cnt_ref[b, h, i, 2]
-        span = jnp.int32(bs * halves)
-        rows.append((i, ncol, lax.div(ncol + span - 1, span), lax.div(cnt_ref[b, h, i, 3], jnp.int32(halves))))
-    n_union = bounds[-1]
-    return bounds, n_union, n_union + jnp.maximum(rows[0][2], rows[1][2]), rows
-
-
-def _stream_segments(w, bounds, n_union, row):
-    """Consumer ``w``'s walk of the stream as ``(lo, hi, kind, col)`` loops in stream order; ``kind``
-    0 free, 1 masked, 2 skipped (not in its row's walk); ``col``: a column tile (threshold
-    ``1 - col_count``, else ``col_count``). A segment whose class differs between the consumers is
-    two loops, one of them empty for each consumer."""
-    loops = []
-    for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
-        lo, hi = bounds[s], bounds[s + 1]
-        if c0 == c1:
-            loops.append((lo, hi, c0, False))
-            continue
-        for kind, owner in ((c0, 0), (c1, 1)):
-            loops.append((lo, jnp.where(w == owner, hi, lo), kind, False))
-    _, _, nct, ncf = row
-    loops += [(n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
-    return loops
-
-
-def _walk_stream(w, bounds, n_union, total, row, tile, skip, carry):
-    """Run consumer ``w``'s loops over the CTA's stream (:func:`_stream_segments`, then the skipped
-    column steps of the other row's longer prefix). ``tile(t, carry, masked, thr)``, ``skip(t, carry)``."""
-    ncol, nct = row[1], row[2]
-    for lo, hi, kind, col in _stream_segments(w, bounds, n_union, row):
-        if kind == 2:
-            body = skip
-        else:
-            body = functools.partial(tile, masked=kind == 1, thr=(1 - ncol if col else ncol) if kind else None)
-        carry = lax.fori_loop(lo, hi, body, carry)
-    return lax.fori_loop(n_union + nct, total, skip, carry)
-
-
-def _consumer_row(w, rows_w):
-    """Consumer ``w``'s ``(query block, col_count, n_col_steps, n_free_col_steps)``."""
-    return tuple(jnp.where(w == 0, a, c) for a, c in zip(rows_w[0], rows_w[1]))
 
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
@@ -198,9 +94,9 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
     oprev_ref, lprev_ref = ins if merge else (None, None)
     q_smem, k_smem, v_smem, info_smem, row_smem, lse_smem = smems
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free, sched_bar = bars
-    b, h, pair, wg = _query_pair_ids(npairs)
+    b, h, pair, wg = query_pair_ids(npairs)
     dtype = q_ref.dtype
-    bounds, n_union, total, rows_w = _stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
+    bounds, n_union, total, rows_w = stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
     kv = bs * halves  # keys per step
 
     @pl.when(wg < 2)
@@ -208,7 +104,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
         plgpu.set_max_registers(232, action="increase")
         w = wg
         i = 2 * pair + w
-        row = _consumer_row(w, rows_w)
+        row = consumer_row(w, rows_w)
         rows = pl.ds(i * bs, bs)
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[w], q_bar.at[w])
         plgpu.copy_gmem_to_smem(qpos_ref.at[rows], row_smem.at[w], row_bar.at[w])
@@ -220,12 +116,12 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
         plgpu.barrier_wait(row_bar.at[w])
         if segs:
             plgpu.barrier_wait(row_bar.at[4 + w])
-        qpos = _load(row_smem.at[w], _row_layout())
+        qpos = load_smem(row_smem.at[w], row_layout())
         qpos_b = lax.broadcast_in_dim(qpos, (bs, kv), [0])
         d = q_smem.shape[-1]
         acc = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(jnp.full((bs,), _NEG_INF, jnp.float32), _row_layout())
-        l = plgpu.layout_cast(jnp.full((bs,), 0.0, jnp.float32), _row_layout())
+        m = plgpu.layout_cast(jnp.full((bs,), NEG_INF, jnp.float32), row_layout())
+        l = plgpu.layout_cast(jnp.full((bs,), 0.0, jnp.float32), row_layout())
 
         def schedule():  # both consumers' turn-taking (FlashAttention-3 "ping-pong")
             plgpu.barrier_arrive(sched_bar)
@@ -241,19 +137,19 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             slot = lax.rem(t, jnp.int32(slots))  # its K: waited for under the last P V
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[w], _transposed(k_smem.at[slot]))
+                plgpu.wgmma(acc_ref, q_smem.at[w], transposed(k_smem.at[slot]))
                 schedule()  # the other consumer's softmax runs under this wgmma
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bs, kv), jnp.float32))  # unscaled: qk_scale folds into FMAs
             plgpu.barrier_wait(i_bar.at[slot])
             if masked:
-                pos = lax.broadcast_in_dim(_load(info_smem.at[slot, 0], _col_layout()), (bs, kv), [1])
-                aux = lax.broadcast_in_dim(_load(info_smem.at[slot, 1], _col_layout()), (bs, kv), [1])
+                pos = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 0], col_layout()), (bs, kv), [1])
+                aux = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 1], col_layout()), (bs, kv), [1])
                 ok = (pos <= qpos_b) & (aux >= thr)
                 if segs:
-                    ok = ok & _segment_ok(info_smem, slot, row_smem.at[2 + w], bs, kv)
-                s = jnp.where(ok, s, _NEG_INF)
+                    ok = ok & segment_ok(info_smem, slot, row_smem.at[2 + w], bs, kv)
+                s = jnp.where(ok, s, NEG_INF)
             plgpu.barrier_arrive(k_free.at[slot])
             p, alpha, m, l = _online_softmax((m, l), s, masked, qk_scale)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -291,14 +187,14 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             plgpu.barrier_wait(k_bar.at[0])
 
         pl.when(w == 1)(schedule)  # consumer 0 goes first
-        carry = _walk_stream(w, bounds, n_union, total, row, tile, skip, carry)
+        carry = walk_stream(w, bounds, n_union, total, row, tile, skip, carry)
         pl.when(w == 0)(schedule)
         acc, m, l = carry
         prev = None
         if merge:
             plgpu.barrier_wait(row_bar.at[2 + w])
-            prev = (_load(oprev_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False),
-                    _load(lse_smem.at[w], _row_layout()))
+            prev = (load_smem(oprev_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False),
+                    load_smem(lse_smem.at[w], row_layout()))
         out, lse = _finish(acc, m, l, prev)
         out_ref[b, rows, h] = out
         lse_smem.at[w][...] = lse
@@ -311,91 +207,8 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
         plgpu.set_max_registers(40, action="decrease")
         hk = lax.div(h, jnp.array(g, h.dtype))
 
-        _stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref, k_ref, v_ref, kc_ref, vc_ref,
+        stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref, k_ref, v_ref, kc_ref, vc_ref,
                          kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
-
-
-def _stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref, k_ref, v_ref, kc_ref, vc_ref,
-                     kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free):
-    """The producer warpgroup of the query-side kernels (forward, dQ): for step ``t`` of the CTA's
-    stream, wait until both consumers freed slot ``t % slots`` (from ``t >= slots`` on), then
-    TMA-load the step's K (+ ``info``) and V halves: block ``sidx[.., t, half]`` of ``k/v`` (a NULL
-    half loads block 0 with the all-masked ``null`` info) for the union's block steps, then column
-    tiles of ``kc/vc``."""
-    rows_i = info_smem.shape[1]
-
-    def load(t, ref_blk, ref_col, info, dst, bar):
-        for hf in range(halves):
-            half = dst.at[pl.ds(hf * bs, bs)] if halves > 1 else dst
-
-            def info_copy(src, hf=hf):
-                if halves == 1:
-                    plgpu.copy_gmem_to_smem(src, info[0], info[1])
-                else:  # one 64-key row at a time into the slot's [rows, 128] info tile
-                    for r in range(rows_i):
-                        plgpu.copy_gmem_to_smem(src.at[r], info[0].at[r, pl.ds(hf * bs, bs)], info[1])
-
-            @pl.when(t < n_union)
-            def _(hf=hf, half=half, info_copy=info_copy):
-                kb = sidx_ref[b, h, pair, t, hf]
-                plgpu.copy_gmem_to_smem(ref_blk.at[b, pl.ds(jnp.maximum(kb, 0) * bs, bs), hk], half, bar)
-                if info is not None:
-                    pl.when(kb >= 0)(lambda: info_copy(kinfo_ref.at[b, h, jnp.maximum(kb, 0)]))
-                    pl.when(kb < 0)(lambda: info_copy(null_ref))
-
-            @pl.when(t >= n_union)
-            def _(hf=hf, half=half, info_copy=info_copy):
-                c = (t - n_union) * halves + hf
-                plgpu.copy_gmem_to_smem(ref_col.at[b, h, pl.ds(c * bs, bs)], half, bar)
-                if info is not None:
-                    info_copy(cinfo_ref.at[b, h, c])
-
-    @pl.loop(0, total)
-    def _(t):
-        slot = lax.rem(t, jnp.int32(slots))
-
-        @pl.when(t >= slots)
-        def _():
-            plgpu.barrier_wait(k_free.at[slot])
-
-        load(t, k_ref, kc_ref, (info_smem.at[slot], i_bar.at[slot]), k_smem.at[slot], k_bar.at[slot])
-
-        @pl.when(t >= slots)
-        def _():
-            plgpu.barrier_wait(v_free.at[slot])
-
-        load(t, v_ref, vc_ref, None, v_smem.at[slot], v_bar.at[slot])
-
-
-def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None):
-    """``(ops, stream, null_info, halves, slots)`` of a query-side kernel (forward, dQ) walking the
-    CTA's shared stream in steps of ``kv_step`` keys; ``slots`` defaults to what fits beside the
-    resident query tiles (4 at ``kv_step * head_dim <= 8192``, else 2)."""
-    if kv_step not in (bs, 2 * bs):
-        raise ValueError(f"kv_step must be {bs} or {2 * bs}, got {kv_step!r}")
-    halves = kv_step // bs
-    if slots is None:
-        slots = 4 if kv_step * k.shape[-1] <= 64 * 128 else 2
-    if not isinstance(slots, int) or slots < 2:
-        raise ValueError(f"slots must be an int >= 2, got {slots!r}")
-    ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
-    null_info = jnp.full((2 + (segs is not None), bs), POS_PAD, jnp.int32)
-    return ops, pair_stream(ops, halves), null_info, halves, slots
-
-
-def stream_smem(slots: int, kv_step: int, d: int, dtype, segs: bool):
-    """Shared memory of the stream's ring: K, V ``[slots, kv_step, d]`` and ``info``."""
-    tr = _tile_transforms(dtype)
-    return (plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr), plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr),
-            plgpu.SMEM((slots, 2 + segs, kv_step), jnp.int32))
-
-
-def stream_barriers(slots: int, halves: int, segs: bool):
-    """Barriers of the stream's ring: K, V, ``info`` loaded (one arrival per TMA copy), K and V
-    freed (one arrival per consumer)."""
-    return (plgpu.Barrier(num_arrivals=halves, num_barriers=slots), plgpu.Barrier(num_arrivals=halves, num_barriers=slots),
-            plgpu.Barrier(num_arrivals=1 if halves == 1 else halves * (2 + segs), num_barriers=slots),
-            plgpu.Barrier(num_arrivals=2, num_barriers=slots), plgpu.Barrier(num_arrivals=2, num_barriers=slots))
 
 
 _STATIC = ("sm_scale", "block_size", "slots", "kv_step")
@@ -417,7 +230,7 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     sg = segs is not None
     kernel = functools.partial(_kernel, merge=merge, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
                                qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg)
-    tr = _tile_transforms(q.dtype)
+    tr = tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
          *stream_smem(slots, kv_step, d, q.dtype, sg),

@@ -37,24 +37,15 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import atomic_add, dot, triton_compiler_params
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.triton_kernels import (
-    _STATIC,
-    LOG2E,
-    _add_seg_operands,
-    _col_rows,
-    _for_blocks,
-    _outside_blocks,
-    _pair_ok,
-    _pow2,
-    _query_specs,
-    _split_seg_refs,
-    prepare_index,
-)
+from pallas_kernels.triton_common import (LOG2E, STATIC, add_seg_operands, col_rows, for_blocks, outside_blocks, pair_ok,
+                                          pow2, query_specs, split_seg_refs)
+from pallas_kernels.three_pass import add_column_grads, three_pass_bwd
+from pallas_kernels.triton_kernels import prepare_index
 
 
 def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref, *refs, qk_scale, scale, bs, cc, accumulate: bool, segs: bool = False):
-    seg_refs, refs = _split_seg_refs(refs, segs)
+    seg_refs, refs = split_seg_refs(refs, segs)
     dq_prev_ref, dq_ref = refs if accumulate else (None, refs[0])  # aliased: read before writing
     q = q_ref[...]
     do = do_ref[...]
@@ -74,18 +65,18 @@ def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_
         return dq + dot(ds.astype(k.dtype), k)
 
     def masked(rows, dq, valid=None):
-        ok = _pair_ok(kpos_ref, rows, qp, seg)
+        ok = pair_ok(kpos_ref, rows, qp, seg)
         return tile(rows, dq, ok if valid is None else ok & valid[None, :])
 
     n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
     block_at = lambda j: bidx_ref[j]  # noqa: E731
     dq = jnp.zeros(q.shape, jnp.float32)
-    dq = _for_blocks(block_at, 0, n_free, bs, tile, dq)
-    dq = _for_blocks(block_at, n_free, n_blk, bs, masked, dq)
+    dq = for_blocks(block_at, 0, n_free, bs, tile, dq)
+    dq = for_blocks(block_at, n_free, n_blk, bs, masked, dq)
 
     def col_body(c, dq):
-        ids, valid = _col_rows(cidx_ref, c, n_col, cc)
-        return masked(ids, dq, valid & _outside_blocks(ids, bidx_ref[...], n_blk, bs))
+        ids, valid = col_rows(cidx_ref, c, n_col, cc)
+        return masked(ids, dq, valid & outside_blocks(ids, bidx_ref[...], n_blk, bs))
 
     dq = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, dq) * scale
     if accumulate:
@@ -104,7 +95,7 @@ def transpose_block_index(index: StepIndex, sk: int, bs: int):
     """
     B, H, nqb, mb = index.block_idx.shape
     nkb = sk // bs
-    mtp = _pow2(nqb)
+    mtp = pow2(nqb)
     valid = jnp.arange(mb) < index.block_count[..., None]
     kb = jnp.where(valid, jnp.clip(index.block_idx, 0, nkb - 1), nkb)  # invalid -> spill row
     b_ix = jnp.arange(B)[:, None, None, None]
@@ -171,7 +162,7 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref,
     from the LAST one down, and store (one range) or atomically add (several) the chunk's dK/dV
     into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
     query rows at the same time (they share them in L2); ranges go heaviest (last) first."""
-    seg_refs, refs = _split_seg_refs(refs, segs)
+    seg_refs, refs = split_seg_refs(refs, segs)
     dk_ref, dv_ref = refs[-2:]  # with several ranges, refs[:2] are the zero buffers aliased to them
     c = pl.program_id(1)
     rows_per = -(-nqb // splits)
@@ -191,7 +182,7 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref,
 
         def tile(carry):
             blocks = bidx_ref[pl.ds(pl.multiple_of(i * mbp, mbp), mbp)]
-            keep = ((off + lane) < n_col) & _outside_blocks(ids, blocks, nblk_ref[i], bs)
+            keep = ((off + lane) < n_col) & outside_blocks(ids, blocks, nblk_ref[i], bs)
             rows = pl.ds(pl.multiple_of(i * bs, bs), bs)
             q, do, qp, lse2, delta = _query_rows(rows, q_ref, do_ref, qpos_ref, lse_ref, delta_ref)
             ok = keep[:, None] & (kp[:, None] <= qp[None, :])
@@ -260,7 +251,7 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
     in_specs = [pl.BlockSpec((sq,), lambda i, c, r: (0,)), pl.BlockSpec((sk,), lambda i, c, r: (0,)),
                 per_head(mcp), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb),
                 full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq)]
-    _add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda i, c, r: (i // H, 0)),
+    add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda i, c, r: (i // H, 0)),
                                                  kseg=pl.BlockSpec((None, sk), lambda i, c, r: (i // H, 0))))
     n_in = len(args)
     if splits > 1:  # ranges add into zero-initialised slots
@@ -282,29 +273,11 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
     return dkc, dvc, cidx
 
 
-def add_column_grads(dk, dv, dkc, dvc, col_idx, col_count):
-    """``dk[b, col_idx[b, h, m], h // g] += dkc[b, h, m]`` (and ``dv``) for every query head ``h``
-    and list slot ``m`` some query block uses (``m < max_i col_count[b, h, i]``): one XLA
-    scatter-add of the column pass's per-slot gradients into the KV heads' ``dk, dv f32
-    [B, Sk, Hkv, D]`` (a column listed by several heads of a group adds up).
-
-    Unused slots (list padding: on a ring step, the verticals the visiting chunk does not hold)
-    are dropped, not added as zeros: padding points at key 0, and thousands of zero adds into one
-    row serialise the scatter's atomics (``benchmarks/sparse_ring_results.md``, v9)."""
-    B, H, mcp = col_idx.shape
-    g = H // dk.shape[2]
-    used = jnp.arange(mcp, dtype=jnp.int32) < jnp.max(col_count, axis=-1, initial=0)[..., None]
-    rows = jnp.where(used, col_idx, dk.shape[1])  # out of range: dropped
-    b_ix = jnp.arange(B)[:, None, None]
-    hk_ix = (jnp.arange(H) // g)[None, :, None]
-    return (dk.at[b_ix, rows, hk_ix].add(dkc, mode="drop"), dv.at[b_ix, rows, hk_ix].add(dvc, mode="drop"))
-
-
 def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 *refs, qk_scale, scale, bs, g, segs=False):
     """One program per (KV block, KV head, batch): the ``g`` query heads of the group in turn,
     each over the query blocks that list this KV block (free tiles, then masked ones)."""
-    seg_refs, (dk_ref, dv_ref) = _split_seg_refs(refs, segs)
+    seg_refs, (dk_ref, dv_ref) = split_seg_refs(refs, segs)
     k = k_ref[...]
     v = v_ref[...]
     kp = kpos_ref[...]
@@ -320,8 +293,8 @@ def _dkv_kernel(qpos_ref, kpos_ref, tidx_ref, tcnt_ref, q_ref, k_ref, v_ref, do_
 
         block_at = lambda j: tidx_ref[t, j]  # noqa: E731
         n_free, n_all = tcnt_ref[t, 0], tcnt_ref[t, 1]
-        carry = _for_blocks(block_at, 0, n_free, bs, tile, carry)
-        return _for_blocks(block_at, n_free, n_all, bs, functools.partial(tile, masked=True), carry)
+        carry = for_blocks(block_at, 0, n_free, bs, tile, carry)
+        return for_blocks(block_at, n_free, n_all, bs, functools.partial(tile, masked=True), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, g, head, (zeros, zeros))
@@ -334,7 +307,7 @@ def _bwd_inputs(q, q_pos, k_pos, do, lse, delta):
             delta.astype(jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=STATIC)
 def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
             block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
             segs=None):
@@ -346,12 +319,12 @@ def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None
     bs = block_size
     q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
     bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
-    sp = _query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
+    sp = query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
     accumulate = dq_acc is not None
     args = [q_pos, k_pos, bidx, cnt, cidx, q, k, v, do, lse, delta]
     in_specs = [sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"],
                 sp["q"], sp["kv"], sp["kv"], sp["q"], sp["row"], sp["row"]]
-    _add_seg_operands(args, in_specs, segs, sp)
+    add_seg_operands(args, in_specs, segs, sp)
     n_in = len(args)
     if accumulate:
         args.append(dq_acc.astype(jnp.float32))
@@ -370,7 +343,7 @@ def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None
     )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=STATIC)
 def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
                    block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
                    interpret: bool = False, segs=None):
@@ -392,7 +365,7 @@ def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, s
                 pl.BlockSpec((None, g, None, mtp), lambda j, hk, b: (b, hk, j, 0)),
                 pl.BlockSpec((None, g, None, 2), lambda j, hk, b: (b, hk, j, 0)),
                 group_q, kv_blk, kv_blk, group_q, group_row, group_row]
-    _add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda j, hk, b: (b, 0)),
+    add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda j, hk, b: (b, 0)),
                                                  kseg=pl.BlockSpec((None, bs), lambda j, hk, b: (b, j))))
     return pl.pallas_call(
         functools.partial(_dkv_kernel, qk_scale=sm_scale * LOG2E, scale=sm_scale, bs=bs, g=g, segs=segs is not None),
@@ -406,7 +379,7 @@ def dkv_block_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, s
     )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("col_splits",))
+@functools.partial(jax.jit, static_argnames=STATIC + ("col_splits",))
 def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
                  block_size: int, col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2,
                  interpret: bool = False, col_splits: int | None = None, segs=None):
@@ -422,34 +395,12 @@ def dkv_col_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv
     return add_column_grads(dk, dv, dkc, dvc, cidx, index.col_count)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("dq_kernel", "dkv_kernels"))
-def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, *,
-               dq_kernel=None, dkv_kernels=None, segs=None, **options):
-    """Backward kernels (module docstring: three passes, dK/dV first, dQ last); returns f32
-    ``(dq, dk, dv)``, added to ``dq_acc`` (in place, in the dQ kernel) and ``dkv_acc = (dk, dv)``
-    when given (ring steps). ``dkv_acc`` is added after the block pass, in the column scatter's
-    operand: in a ring it arrives from the neighbour, and making the step's first dK/dV kernel wait
-    for it exposed the transfer (``benchmarks/sparse_ring_results.md``, v7).
-    ``options``: ``sm_scale``, ``block_size`` and the tuning options of :func:`pallas_fwd`.
-    ``dq_kernel``: another dQ pass with :func:`dq_pass`'s contract; ``dkv_kernels``: another
-    ``(block pass, column pass)`` pair with :func:`dkv_block_pass`'s / :func:`dkv_col_pass`'s
-    contracts (they must split the pairs between them the same way); the Mosaic GPU ones, or None.
-    ``segs = (q_seg, k_seg)``: packed documents (module docstring), passed to every pass (custom
-    ones too, as keyword ``segs``, only when given)."""
-    args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
-    block_pass, col_pass = (dkv_block_pass, dkv_col_pass) if dkv_kernels is None else dkv_kernels
-    seg_kw = {} if segs is None else {"segs": segs}
-    kw = options if dkv_kernels is None else dict(sm_scale=options["sm_scale"], block_size=options["block_size"])
-    kw = {**kw, **seg_kw}
-    dk, dv = block_pass(*args, **kw)
-    if dkv_acc is not None:
-        dk, dv = dk + dkv_acc[0], dv + dkv_acc[1]
-    dk, dv = col_pass(*args, dk, dv, **kw)
-    # dQ last: in a ring, dK/dV leave for the neighbour (or home) while the dQ kernel runs, instead
-    # of waiting behind it (the barrier makes the order a data dependence XLA keeps).
-    dk, dv, q = lax.optimization_barrier((dk, dv, q))
-    if dq_kernel is None:
-        dq = dq_pass(q, *args[1:], dq_acc, **options, **seg_kw)
-    else:
-        dq = dq_kernel(q, *args[1:], dq_acc, sm_scale=options["sm_scale"], block_size=options["block_size"], **seg_kw)
-    return dq, dk, dv
+@functools.partial(jax.jit, static_argnames=STATIC)
+def pallas_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, *, segs=None,
+               **options):
+    """The Triton backward: :func:`pallas_kernels.three_pass.three_pass_bwd` with this module's
+    passes (:func:`dkv_block_pass`, :func:`dkv_col_pass`, :func:`dq_pass`); returns f32 ``(dq, dk,
+    dv)``. ``options``: ``sm_scale``, ``block_size`` and the tuning options of
+    :func:`pallas_kernels.triton_kernels.pallas_fwd`, passed to every pass."""
+    return three_pass_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, dq_kernel=dq_pass,
+                          dkv_kernels=(dkv_block_pass, dkv_col_pass), segs=segs, kernel_options=options)

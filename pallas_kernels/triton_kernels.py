@@ -10,10 +10,10 @@ Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
   then the few tiles that need the token-level causal mask by global position; then the row's
   prefix of the head's column list in chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``),
   masked by count, by position and where a column lies in one of the row's active blocks
-  (:func:`_outside_blocks`). Packed documents (``segs``): the index has been narrowed by
+  (:func:`outside_blocks`). Packed documents (``segs``): the index has been narrowed by
   :func:`~pallas_kernels.index_format.apply_segments`, so a free tile lies inside ONE document and
   stays mask-free; the masked tiles (the causal ones and those straddling a boundary) and the
-  columns add the token-level ``k_seg == q_seg`` check to their mask (:func:`_pair_ok`). Online
+  columns add the token-level ``k_seg == q_seg`` check to their mask (:func:`pair_ok`). Online
   softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled scale (FlashAttention-2, Dao 2023,
   Alg. 1). Writes ``out`` (f32) and the natural-log ``lse``;
   rows with no allowed key get out 0, lse -inf. Given the ``(out, lse)`` of earlier ring steps
@@ -29,7 +29,6 @@ The same source runs on the GPU and in interpret mode on CPU (tests).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -38,14 +37,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import dot, triton_compiler_params
 from pallas_kernels.index_format import StepIndex
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
+from pallas_kernels.triton_common import (LN2, LOG2E, STATIC, add_seg_operands, col_rows, for_blocks, outside_blocks,
+                                          pair_ok, pow2, query_specs, split_seg_refs)
 
 def _partition_slots(first, second):
     """Destination slot of every entry when the ``first`` entries are moved to the front and the
@@ -78,8 +71,8 @@ def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
     ``MBp`` is a power of two, ``MCp`` a multiple of ``col_chunk``.
     """
     mb, mc = index.max_blocks, index.max_cols
-    mbp = _pow2(mb)
-    mcp = max(col_chunk, _pow2(-(-mc // col_chunk) * col_chunk))
+    mbp = pow2(mb)
+    mcp = max(col_chunk, pow2(-(-mc // col_chunk) * col_chunk))
     valid = jnp.arange(mb) < index.block_count[..., None]
     free = valid & (index.block_causal == 0)
     dst, n_free, n_blk = _partition_slots(free, valid & ~free)
@@ -88,47 +81,6 @@ def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
     cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1).astype(jnp.int32), [(0, 0), (0, 0), (0, mcp - mc)])
     counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1).astype(jnp.int32)
     return bidx, counts, cidx
-
-
-def _for_blocks(block_at, lo, hi, bs: int, body, carry):
-    """``carry = body(rows, carry)`` over the blocks ``block_at(j)`` (a block id read from the
-    index) for ``j`` in ``[lo, hi)``, one tile of ``bs`` contiguous rows each."""
-
-    def step(j, c):
-        return body(pl.ds(pl.multiple_of(block_at(j) * bs, bs), bs), c)
-
-    return lax.fori_loop(lo, hi, step, carry)
-
-
-def _col_rows(cidx_ref, c, ncols, cc):
-    """Gathered row ids of the ``c``-th chunk of ``cc`` vertical columns and their validity."""
-    off = pl.multiple_of(c * cc, cc)
-    return cidx_ref[pl.ds(off, cc)], (off + jnp.arange(cc, dtype=jnp.int32)) < ncols
-
-
-def _outside_blocks(ids, blocks, n_blk, bs: int):
-    """``bool [cc]``: the column ``ids`` whose block is NOT among the row's active ``blocks[:n_blk]``
-    (a column inside an active block is that block's key: the column phase must skip it)."""
-    live = jnp.arange(blocks.shape[0], dtype=jnp.int32) < n_blk
-    hit = ((ids // bs)[:, None] == blocks[None, :]) & live[None, :]
-    return jnp.max(hit.astype(jnp.int32), axis=1) == 0
-
-
-def _pair_ok(kpos_ref, rows, qp, seg=None):
-    """``bool [bq, n]``: the pairs of the query rows (positions ``qp [bq]``) and the key ``rows``
-    that are causal by global position and, given ``seg = (kseg_ref, q_seg [bq])`` (packed
-    documents), in the same document."""
-    ok = kpos_ref[rows][None, :] <= qp[:, None]
-    if seg is not None:
-        kseg_ref, qs = seg
-        ok = ok & (kseg_ref[rows][None, :] == qs[:, None])
-    return ok
-
-
-def _split_seg_refs(refs, segs: bool):
-    """``(seg refs (q_seg, k_seg) or None, the other refs)`` of a kernel whose operands after the
-    fixed ones start with the two segment-id refs when ``segs``."""
-    return (refs[:2], refs[2:]) if segs else (None, refs)
 
 
 def _softmax_update(carry, s, v, masked: bool):
@@ -165,7 +117,7 @@ def _merge_rows(acc, m, l, out_prev, lse_prev):
 
 def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_ref, *refs, qk_scale, bs, cc,
                 merge: bool, segs: bool = False):
-    seg_refs, refs = _split_seg_refs(refs, segs)
+    seg_refs, refs = split_seg_refs(refs, segs)
     if merge:  # out_prev / lse_prev are aliased to o_ref / lse_ref: read before writing
         oprev_ref, lprev_ref, o_ref, lse_ref = refs
     else:
@@ -181,19 +133,19 @@ def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v
         return _softmax_update(carry, s, v_ref[rows, :], masked=False)
 
     def masked(rows, carry, valid=None):
-        ok = _pair_ok(kpos_ref, rows, qp, seg)
+        ok = pair_ok(kpos_ref, rows, qp, seg)
         ok = ok if valid is None else ok & valid[None, :]
         s = jnp.where(ok, dot(q, k_ref[rows, :], trans_b=True) * qk_scale, -jnp.inf)
         return _softmax_update(carry, s, v_ref[rows, :], masked=True)
 
     def col_body(c, carry):
-        ids, valid = _col_rows(cidx_ref, c, n_col, cc)
-        return masked(ids, carry, valid & _outside_blocks(ids, bidx_ref[...], n_blk, bs))
+        ids, valid = col_rows(cidx_ref, c, n_col, cc)
+        return masked(ids, carry, valid & outside_blocks(ids, bidx_ref[...], n_blk, bs))
 
     n_free, n_blk, n_col = cnt_ref[0], cnt_ref[1], cnt_ref[2]
     block_at = lambda j: bidx_ref[j]  # noqa: E731
-    carry = _for_blocks(block_at, 0, n_free, bs, free, carry)
-    carry = _for_blocks(block_at, n_free, n_blk, bs, masked, carry)
+    carry = for_blocks(block_at, 0, n_free, bs, free, carry)
+    carry = for_blocks(block_at, n_free, n_blk, bs, masked, carry)
     carry = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, carry)
     acc, m, l = carry
     if merge:
@@ -207,37 +159,7 @@ def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v
     lse_ref[...] = lse
 
 
-def _query_specs(H, g, sq, sk, d, bs, mbp, mcp):
-    """BlockSpecs of the query-stationary passes, grid ``(nQB, H, B)``: program ``i`` takes query
-    block ``nQB - 1 - i`` (heaviest causal rows first, so the last wave is the light rows)."""
-    nqb = sq // bs
-    r = lambda i: nqb - 1 - i  # noqa: E731
-    return dict(
-        qpos=pl.BlockSpec((bs,), lambda i, h, b: (r(i),)),
-        kpos=pl.BlockSpec((sk,), lambda i, h, b: (0,)),
-        bidx=pl.BlockSpec((None, None, None, mbp), lambda i, h, b: (b, h, r(i), 0)),
-        cnt=pl.BlockSpec((None, None, None, 3), lambda i, h, b: (b, h, r(i), 0)),
-        cidx=pl.BlockSpec((None, None, mcp), lambda i, h, b: (b, h, 0)),
-        q=pl.BlockSpec((None, bs, None, d), lambda i, h, b: (b, r(i), h, 0)),
-        kv=pl.BlockSpec((None, sk, None, d), lambda i, h, b: (b, 0, h // g, 0)),
-        row=pl.BlockSpec((None, None, bs), lambda i, h, b: (b, h, r(i))),
-        qseg=pl.BlockSpec((None, bs), lambda i, h, b: (b, r(i))),
-        kseg=pl.BlockSpec((None, sk), lambda i, h, b: (b, 0)),
-    )
-
-
-def _add_seg_operands(args, in_specs, segs, specs):
-    """Append the segment ids ``segs = (q_seg, k_seg)`` (or nothing for ``None``) to a kernel's
-    operands with the ``qseg`` / ``kseg`` BlockSpecs of ``specs``."""
-    if segs is not None:
-        args += [segs[0].astype(jnp.int32), segs[1].astype(jnp.int32)]
-        in_specs += [specs["qseg"], specs["kseg"]]
-
-
-_STATIC = ("sm_scale", "block_size", "col_chunk", "num_warps", "num_stages", "interpret")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=STATIC)
 def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int,
                col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False, segs=None):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32, lse f32)``;
@@ -250,13 +172,13 @@ def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
     bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
-    sp = _query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
+    sp = query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
     merge = acc is not None
     kernel = functools.partial(_fwd_kernel, qk_scale=sm_scale * LOG2E, bs=bs, cc=col_chunk, merge=merge,
                                segs=segs is not None)
     args = [q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), bidx, cnt, cidx, q, k, v]
     in_specs = [sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"], sp["q"], sp["kv"], sp["kv"]]
-    _add_seg_operands(args, in_specs, segs, sp)
+    add_seg_operands(args, in_specs, segs, sp)
     n_in = len(args)
     if merge:
         args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import triton_backward as tb
+from pallas_kernels import triton_common
 from pallas_kernels import triton_kernels as tk
 from pallas_kernels.index_format import row_columns
 from pallas_kernels.testing import random_step_index
@@ -65,7 +66,7 @@ def test_row_columns_are_the_prefix_outside_active_blocks(seed):
             assert valid[0, h, i].tolist() == want, (h, i)
             assert ids[0, h, i].tolist() == cidx[0, h].tolist()
             blocks = jnp.asarray(np.r_[bidx[0, h, i], np.zeros(8 - bidx.shape[-1], np.int32)])  # padded slots
-            got = tk._outside_blocks(jnp.asarray(cidx[0, h]), blocks, int(bcnt[0, h, i]), BS)
+            got = triton_common.outside_blocks(jnp.asarray(cidx[0, h]), blocks, int(bcnt[0, h, i]), BS)
             assert np.asarray(got).tolist() == [cidx[0, h, m] // BS not in active for m in range(cidx.shape[-1])]
 
 
@@ -74,7 +75,7 @@ def test_row_columns_are_the_prefix_outside_active_blocks(seed):
 def test_prepare_index_puts_free_blocks_first_pads_and_clips(seed):
     index, sq, sk = _index(seed, 3, 5, 2, 7)
     bidx, cnt, cidx = (np.asarray(x) for x in tk.prepare_index(index, sk, BS, col_chunk=BS))
-    assert bidx.shape[-1] == tk._pow2(index.max_blocks)
+    assert bidx.shape[-1] == triton_common.pow2(index.max_blocks)
     assert cidx.shape[-1] % BS == 0 and cidx.shape[:2] == (1, 2)
     np.testing.assert_array_equal(cidx[..., : index.max_cols], np.asarray(index.col_idx))
     assert int(bidx.max()) < sk // BS and int(cidx.max()) < sk

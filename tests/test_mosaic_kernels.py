@@ -76,7 +76,9 @@ def test_shared_stream_walk_equals_masked_reference(halves, B, S, Sk, H, Hkv, pe
     ``mosaic_fwd``), walked step by step in numpy as each consumer does: every step in exactly one
     of its loops, free steps unmasked, masked steps by the ``info`` rule (a NULL half all masked),
     skipped steps not used. Softmax over the keys gathered that way equals the masked reference."""
-    from pallas_kernels.mosaic_fwd import _consumer_row, _stream_segments, _stream_walk
+    from pallas_kernels.mosaic_stream import consumer_row as _consumer_row
+    from pallas_kernels.mosaic_stream import stream_segments as _stream_segments
+    from pallas_kernels.mosaic_stream import stream_walk as _stream_walk
     from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, pair_stream
 
     rng = np.random.default_rng(S + mb + halves)

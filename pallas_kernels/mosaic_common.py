@@ -1,0 +1,44 @@
+"""What every Pallas Mosaic GPU kernel of this package shares: the exp2 constants, the register
+layouts of a 64-row tile's rows and columns, the SMEM -> register load with that layout (across JAX
+versions), and the shared-memory transforms of a 64-key tile (swizzle, transpose)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+
+
+def row_layout():
+    """Layout of a per-row vector of a ``[64, n]`` wgmma tile (name differs across JAX versions)."""
+    return getattr(plgpu.Layout, "WGMMA_ROW", None) or plgpu.Layout.WGMMA.reduce(1)
+
+
+def col_layout():
+    """Layout of a per-column vector of a ``[64, n]`` wgmma tile."""
+    return getattr(plgpu.Layout, "WGMMA_COL", None) or plgpu.Layout.WGMMA.reduce(0)
+
+
+_LOAD_HAS_OPTIMIZED = "optimized" in inspect.signature(plgpu.load).parameters
+
+
+def load_smem(ref, layout, optimized: bool = True):
+    if _LOAD_HAS_OPTIMIZED and not optimized:
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+    return plgpu.load(ref, (), layout=layout)
+
+
+def transposed(ref):
+    fn = getattr(plgpu, "transpose_ref", None)
+    return fn(ref, (1, 0)) if fn is not None else ref.transpose((1, 0))
+
+
+def tile_transforms(dtype):
+    swizzle = 128
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))

@@ -1,0 +1,168 @@
+"""The K/V tile stream the query-side Mosaic kernels (forward and dQ) walk: one stream per CTA shared
+by its two consumer warpgroups (:func:`pallas_kernels.mosaic_index.pair_stream`), its producer
+(TMA loads of K, V and ``info`` tiles into a ring of slots), the consumers' walk over its segments
+(free / masked / not in the row's walk, then the column tiles), and the operands, shared memory and
+barriers it needs."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.index_format import StepIndex
+from pallas_kernels.mosaic_common import row_layout, col_layout, load_smem, tile_transforms
+from pallas_kernels.mosaic_index import POS_PAD, STREAM_SEGMENTS, pair_stream, prepare
+
+def query_pair_ids(npairs: int):
+    """``(b, h, pair, wg)`` of a query-side kernel's CTA (forward, dQ): pairs of query blocks are
+    walked from the last, since causal rows get heavier with position (heavy CTAs start first)."""
+    return lax.axis_index("b"), lax.axis_index("h"), npairs - 1 - lax.axis_index("p"), lax.axis_index("wg")
+
+
+def segment_ok(info_smem, slot, qseg_smem, bs: int, kv: int | None = None):
+    """``bool [64, kv]`` of a masked tile with packed documents: the tile's keys (segment row 2 of
+    its ``info``) lie in the document of the consumer's query rows (``qseg_smem [bs]``)."""
+    kv = kv or bs
+    kseg = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 2], col_layout()), (bs, kv), [1])
+    qseg = lax.broadcast_in_dim(load_smem(qseg_smem, row_layout()), (bs, kv), [0])
+    return kseg == qseg
+
+
+def stream_walk(bnd_ref, cnt_ref, b, h, pair, bs: int, halves: int = 1):
+    """The CTA's shared tile stream (:func:`pallas_kernels.mosaic_index.pair_stream`): ``(bounds,
+    n_union, total, rows)`` with ``bounds`` the 9 segment starts of the union's block tiles,
+    ``n_union`` their number of steps, ``total`` the stream length in steps (block steps, then the
+    column steps of the longer column prefix) and ``rows[w] = (query block, col_count,
+    n_col_steps, n_free_col_steps)``; a step is ``halves`` tiles of 64 keys."""
+    bounds = [bnd_ref[b, h, pair, s] for s in range(len(STREAM_SEGMENTS) + 1)]
+    rows = []
+    for w in range(2):
+        i = 2 * pair + w
+        ncol = cnt_ref[b, h, i, 2]
+        span = jnp.int32(bs * halves)
+        rows.append((i, ncol, lax.div(ncol + span - 1, span), lax.div(cnt_ref[b, h, i, 3], jnp.int32(halves))))
+    n_union = bounds[-1]
+    return bounds, n_union, n_union + jnp.maximum(rows[0][2], rows[1][2]), rows
+
+
+def stream_segments(w, bounds, n_union, row):
+    """Consumer ``w``'s walk of the stream as ``(lo, hi, kind, col)`` loops in stream order; ``kind``
+    0 free, 1 masked, 2 skipped (not in its row's walk); ``col``: a column tile (threshold
+    ``1 - col_count``, else ``col_count``). A segment whose class differs between the consumers is
+    two loops, one of them empty for each consumer."""
+    loops = []
+    for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
+        lo, hi = bounds[s], bounds[s + 1]
+        if c0 == c1:
+            loops.append((lo, hi, c0, False))
+            continue
+        for kind, owner in ((c0, 0), (c1, 1)):
+            loops.append((lo, jnp.where(w == owner, hi, lo), kind, False))
+    _, _, nct, ncf = row
+    loops += [(n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
+    return loops
+
+
+def walk_stream(w, bounds, n_union, total, row, tile, skip, carry):
+    """Run consumer ``w``'s loops over the CTA's stream (:func:`stream_segments`, then the skipped
+    column steps of the other row's longer prefix). ``tile(t, carry, masked, thr)``, ``skip(t, carry)``."""
+    ncol, nct = row[1], row[2]
+    for lo, hi, kind, col in stream_segments(w, bounds, n_union, row):
+        if kind == 2:
+            body = skip
+        else:
+            body = functools.partial(tile, masked=kind == 1, thr=(1 - ncol if col else ncol) if kind else None)
+        carry = lax.fori_loop(lo, hi, body, carry)
+    return lax.fori_loop(n_union + nct, total, skip, carry)
+
+
+def consumer_row(w, rows_w):
+    """Consumer ``w``'s ``(query block, col_count, n_col_steps, n_free_col_steps)``."""
+    return tuple(jnp.where(w == 0, a, c) for a, c in zip(rows_w[0], rows_w[1]))
+
+
+def stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref, k_ref, v_ref, kc_ref, vc_ref,
+                     kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free):
+    """The producer warpgroup of the query-side kernels (forward, dQ): for step ``t`` of the CTA's
+    stream, wait until both consumers freed slot ``t % slots`` (from ``t >= slots`` on), then
+    TMA-load the step's K (+ ``info``) and V halves: block ``sidx[.., t, half]`` of ``k/v`` (a NULL
+    half loads block 0 with the all-masked ``null`` info) for the union's block steps, then column
+    tiles of ``kc/vc``."""
+    rows_i = info_smem.shape[1]
+
+    def load(t, ref_blk, ref_col, info, dst, bar):
+        for hf in range(halves):
+            half = dst.at[pl.ds(hf * bs, bs)] if halves > 1 else dst
+
+            def info_copy(src, hf=hf):
+                if halves == 1:
+                    plgpu.copy_gmem_to_smem(src, info[0], info[1])
+                else:  # one 64-key row at a time into the slot's [rows, 128] info tile
+                    for r in range(rows_i):
+                        plgpu.copy_gmem_to_smem(src.at[r], info[0].at[r, pl.ds(hf * bs, bs)], info[1])
+
+            @pl.when(t < n_union)
+            def _(hf=hf, half=half, info_copy=info_copy):
+                kb = sidx_ref[b, h, pair, t, hf]
+                plgpu.copy_gmem_to_smem(ref_blk.at[b, pl.ds(jnp.maximum(kb, 0) * bs, bs), hk], half, bar)
+                if info is not None:
+                    pl.when(kb >= 0)(lambda: info_copy(kinfo_ref.at[b, h, jnp.maximum(kb, 0)]))
+                    pl.when(kb < 0)(lambda: info_copy(null_ref))
+
+            @pl.when(t >= n_union)
+            def _(hf=hf, half=half, info_copy=info_copy):
+                c = (t - n_union) * halves + hf
+                plgpu.copy_gmem_to_smem(ref_col.at[b, h, pl.ds(c * bs, bs)], half, bar)
+                if info is not None:
+                    info_copy(cinfo_ref.at[b, h, c])
+
+    @pl.loop(0, total)
+    def _(t):
+        slot = lax.rem(t, jnp.int32(slots))
+
+        @pl.when(t >= slots)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot])
+
+        load(t, k_ref, kc_ref, (info_smem.at[slot], i_bar.at[slot]), k_smem.at[slot], k_bar.at[slot])
+
+        @pl.when(t >= slots)
+        def _():
+            plgpu.barrier_wait(v_free.at[slot])
+
+        load(t, v_ref, vc_ref, None, v_smem.at[slot], v_bar.at[slot])
+
+
+def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None):
+    """``(ops, stream, null_info, halves, slots)`` of a query-side kernel (forward, dQ) walking the
+    CTA's shared stream in steps of ``kv_step`` keys; ``slots`` defaults to what fits beside the
+    resident query tiles (4 at ``kv_step * head_dim <= 8192``, else 2)."""
+    if kv_step not in (bs, 2 * bs):
+        raise ValueError(f"kv_step must be {bs} or {2 * bs}, got {kv_step!r}")
+    halves = kv_step // bs
+    if slots is None:
+        slots = 4 if kv_step * k.shape[-1] <= 64 * 128 else 2
+    if not isinstance(slots, int) or slots < 2:
+        raise ValueError(f"slots must be an int >= 2, got {slots!r}")
+    ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
+    null_info = jnp.full((2 + (segs is not None), bs), POS_PAD, jnp.int32)
+    return ops, pair_stream(ops, halves), null_info, halves, slots
+
+
+def stream_smem(slots: int, kv_step: int, d: int, dtype, segs: bool):
+    """Shared memory of the stream's ring: K, V ``[slots, kv_step, d]`` and ``info``."""
+    tr = tile_transforms(dtype)
+    return (plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr), plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr),
+            plgpu.SMEM((slots, 2 + segs, kv_step), jnp.int32))
+
+
+def stream_barriers(slots: int, halves: int, segs: bool):
+    """Barriers of the stream's ring: K, V, ``info`` loaded (one arrival per TMA copy), K and V
+    freed (one arrival per consumer)."""
+    return (plgpu.Barrier(num_arrivals=halves, num_barriers=slots), plgpu.Barrier(num_arrivals=halves, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=1 if halves == 1 else halves * (2 + segs), num_barriers=slots),
+            plgpu.Barrier(num_arrivals=2, num_barriers=slots), plgpu.Barrier(num_arrivals=2, num_barriers=slots))

@@ -1,0 +1,55 @@
+"""The three-pass flash backward both GPU backends run (Triton and Mosaic GPU): the dK/dV block
+pass, the dK/dV column pass (its per-slot gradients scatter-added by :func:`add_column_grads`), then
+the dQ pass. Each backend supplies its three kernels with the contracts of
+:func:`pallas_kernels.triton_backward.dkv_block_pass`, :func:`~pallas_kernels.triton_backward.dkv_col_pass`
+and :func:`~pallas_kernels.triton_backward.dq_pass`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.index_format import StepIndex
+
+
+def three_pass_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, *,
+                   dq_kernel, dkv_kernels, kernel_options: dict, segs=None):
+    """Returns f32 ``(dq, dk, dv)`` of one ring step, added to ``dq_acc`` (in place, in the dQ
+    kernel) and ``dkv_acc = (dk, dv)`` when given. ``dkv_acc`` is added after the block pass, in the
+    column scatter's operand: in a ring it arrives from the neighbour, and making the step's first
+    dK/dV kernel wait for it would expose the transfer. dQ runs last, so dK/dV leave for the
+    neighbour (or home) while it runs.
+
+    ``dkv_kernels = (block pass, column pass)`` (they must split the pairs between them the same
+    way), ``dq_kernel``: the backend's passes, each called with ``**kernel_options`` (at least
+    ``sm_scale`` and ``block_size``); ``segs = (q_seg, k_seg)``: packed documents, passed to every
+    pass as keyword ``segs`` only when given."""
+    args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
+    block_pass, col_pass = dkv_kernels
+    kw = dict(kernel_options) if segs is None else {**kernel_options, "segs": segs}
+    dk, dv = block_pass(*args, **kw)
+    if dkv_acc is not None:
+        dk, dv = dk + dkv_acc[0], dv + dkv_acc[1]
+    dk, dv = col_pass(*args, dk, dv, **kw)
+    # the barrier makes "dK/dV before dQ" a data dependence XLA keeps
+    dk, dv, q = lax.optimization_barrier((dk, dv, q))
+    dq = dq_kernel(q, *args[1:], dq_acc, **kw)
+    return dq, dk, dv
+
+
+def add_column_grads(dk, dv, dkc, dvc, col_idx, col_count):
+    """``dk[b, col_idx[b, h, m], h // g] += dkc[b, h, m]`` (and ``dv``) for every query head ``h``
+    and list slot ``m`` some query block uses (``m < max_i col_count[b, h, i]``): one XLA
+    scatter-add of the column pass's per-slot gradients into the KV heads' ``dk, dv f32
+    [B, Sk, Hkv, D]`` (a column listed by several heads of a group adds up).
+
+    Unused slots (list padding: on a ring step, the verticals the visiting chunk does not hold)
+    are dropped, not added as zeros: padding points at key 0, and thousands of zero adds into one
+    row serialise the scatter's atomics (``benchmarks/sparse_ring_results.md``, v9)."""
+    B, H, mcp = col_idx.shape
+    g = H // dk.shape[2]
+    used = jnp.arange(mcp, dtype=jnp.int32) < jnp.max(col_count, axis=-1, initial=0)[..., None]
+    rows = jnp.where(used, col_idx, dk.shape[1])  # out of range: dropped
+    b_ix = jnp.arange(B)[:, None, None]
+    hk_ix = (jnp.arange(H) // g)[None, :, None]
+    return (dk.at[b_ix, rows, hk_ix].add(dkc, mode="drop"), dv.at[b_ix, rows, hk_ix].add(dvc, mode="drop"))
