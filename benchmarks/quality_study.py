@@ -1,12 +1,63 @@
-"""Dense vs MTraining (vs MSA) quality study: train the variants of configs/quality/ from scratch
-(same seed, data, data order, steps), evaluate each in-process, and write a few small files.
+"""Dense vs MTraining vs MSA quality study: train the arms of configs/quality/ from scratch on
+identical data, evaluate each in-process, over several seeds, and compare the arms as paired
+differences (arm - dense, per seed) with a 95 % t-interval over the seeds.
 
-    python benchmarks/quality_study.py --out results/quality               # GPU: dense + mtraining, one call
-    python benchmarks/quality_study.py --out results/q --variant mtraining # one variant per call
-    python benchmarks/quality_study.py --out results/q --variant msa       # MiniMax Sparse Attention
-    python benchmarks/quality_study.py --out /tmp/q --smoke                # CPU toy sizes (CI)
+    # the multi-seed evidence on a 4-GPU machine: one call per arm, its 4 seeds at once (one GPU each)
+    for arm in dense mtraining msa; do
+      python benchmarks/quality_study.py --out results/q --work /tmp/quality --variant $arm --num-seeds 4 --gpu-per-seed
+    done
+    python benchmarks/quality_study.py --out results/q --report-only        # the comparison again from quality.jsonl
+    python benchmarks/quality_study.py --out results/q --report-only a.jsonl b.jsonl   # ... from rows of other calls
+    python benchmarks/quality_study.py --out results/q --seeds 0 1 --variant all       # sequentially, one process
+    python benchmarks/quality_study.py --out /tmp/q --smoke                 # CPU toy sizes (CI)
 
-MSA variant (``configs/quality/msa.yaml``): layers 1-11 MSA (top-16 of 64-token blocks, d_idx 64,
+Protocol (``configs/quality/study.yaml``; printed first and recorded in every row):
+
+* **token budget**: ``token_budget`` training tokens per arm and seed, the same for every arm
+  (``--tokens`` / ``--steps`` override; the steps are ``budget / (seq_len * batch * accum)`` exactly);
+* **seeds**: seed ``s`` sets the model initialisation (``seed``), the data order (``data.seed``: the
+  loader's per-epoch permutation) and the training corpus' retrieval examples; every arm of seed
+  ``s`` trains on the identical token file in the identical order (``corpus_sha`` in the rows),
+  and seeds differ in all three. ``--seeds 0 1 2`` / ``--num-seeds N`` (0 .. N-1) / ``--seed S``;
+* **retrieval in the training mix**: a fraction ``retrieval.mix`` (``--retrieval-mix``) of the 32K
+  training windows carries one synthetic task at its end (:mod:`mtraining_jax.eval.tasks`: passkey,
+  multi-key, multi-value, variable tracking, drawn with ``retrieval.tasks`` weights) plus up to
+  ``retrieval.keys`` (``--retrieval-keys``) extra key-value pairs, each a needle ``"The special magic
+  number for <word> is: <n>."`` at a random depth and its question + answer at a random later point
+  of the same window (the evaluation's multi-key format), so every retrieval window trains a dozen
+  lookups at distances across the whole window instead of one; the extra text is capped at a
+  quarter of the window. All of it is embedded in that window's own code; the evaluation's examples
+  come from other seeds; the held-out stream (loss) is plain code, the same for every arm and seed;
+* **evaluation** (:func:`mtraining_jax.eval.api.evaluate_params`, each model with its own attention
+  backends): NIAH grid and RULER-style tasks on a ``eval.haystack`` haystack (held-out code by
+  default, the training haystack's kind), held-out loss at 32K over 8 windows, loss by position,
+  index recall per layer and head at p = 0.9 / 0.5 on the trained model's q/k (and on the untrained
+  initialisation for contrast).
+
+One JSONL row per (arm, seed) in ``--out/quality.jsonl``, appended as soon as it is known: ``arm``
+(dense / mtraining / msa), ``seed``, ``steps``, ``tokens``, ``heldout_loss`` (the evaluator's
+held-out loss at 32K), ``niah_accuracy`` (mean whole-answer accuracy of the NIAH grid), ``recall``
+(mean index recall at p = 0.9), ``commit``, ``date``, ``device``, ``jax``, ``command``; besides them
+the training curves (``train_loss``, ``heldout_curve`` = the trainer's held-out loss every
+``eval.every`` steps, ``train_time`` = cumulative training seconds per step, the compile-bearing
+first step counted at the median step time), timings and every evaluation result.
+
+Comparison (``seeds.md``, ``loss_vs_tokens.png``; rewritten from ALL rows of ``quality.jsonl`` after
+every call, or by ``--report-only``): per arm mean and s.d. over seeds; per metric the paired
+differences arm - dense per seed, their mean and the 95 % t-interval over seeds (``t_{0.975, n-1}``);
+"no difference established" unless the interval excludes 0. Besides the final loss, the loss at
+equal training time: each seed's arms read at the fastest arm's total training time (the trainer's
+held-out loss interpolated in time, and the train loss averaged over the last 5 % of steps). A
+slower arm's equal-time value comes from its fixed-budget run, whose learning rate has not decayed
+yet at that time, so it understates what a run planned for that time would reach. The plot: loss
+against training tokens (mean over seeds, band = min-max over seeds) and against training seconds.
+
+``--gpu-per-seed`` launches one process per seed with ``CUDA_VISIBLE_DEVICES=<gpu>`` (``--gpus``,
+default 0 .. seeds-1; more seeds than GPUs run in waves); each child writes ``--out/seed<s>/``
+(its rows, its single-run report, ``log_<variant>.txt``) and the parent appends the new rows to
+``--out/quality.jsonl`` and writes the comparison.
+
+MSA arm (``configs/quality/msa.yaml``): layers 1-11 MSA (top-16 of 64-token blocks, d_idx 64,
 mean-pooled block keys), ``msa.kl_coef`` 1 (``--msa-kl-coef``), and an indexer warm-up of
 ``--msa-warmup-fraction`` of the run's steps (default 0.1, i.e. 50 of 500 steps). Why 0.1: the
 paper (MSA §4, App. "Indexer Warmup") warms up for 40B tokens of its 400B-token continued
@@ -15,50 +66,182 @@ by the main branch's attention entropy collapsing "in the first few hundred step
 run from scratch 1.3 % would be 6 steps, far inside that phase, so the CPT ratio is used.
 
 Data: this Python's standard-library sources (byte tokens, 5 % of files held out by path hash).
-A fraction ``--retrieval-mix`` of the 32K training windows carries one synthetic retrieval task
-(:mod:`mtraining_jax.eval.tasks`: passkey, multi-key, multi-value, variable tracking) embedded in
-that window's code, so a small model trained for minutes can learn long-range retrieval at all;
-the evaluation's examples come from a different seed. The held-out stream is plain code.
 
-Evaluation per variant (:func:`mtraining_jax.eval.api.evaluate_params`): NIAH grid, RULER-style
-tasks, held-out loss by position, index recall per layer and head at p = 0.9 / 0.5 on the trained
-model's q/k (and on the untrained initialisation for contrast).
-
-Outputs in ``--out`` (at most 6 files): ``quality.jsonl`` (one record per variant, appended as
-soon as the variant is done: loss curve, held-out losses, timings, work fraction, every eval
-result), ``quality.md`` (side-by-side table, both variants), ``loss_curves.png``,
-``quality_niah.png``, ``quality_position_loss.png``, ``quality_recall.png``. A failing section
-is recorded as an error and the study goes on. Run dirs (no checkpoints) go to ``--work``.
+Single-call outputs in ``--out`` besides the rows: ``quality.md`` (side-by-side table of the call's
+runs), ``loss_curves.png``, ``quality_niah.png``, ``quality_position_loss.png``,
+``quality_recall.png``. A failing section is recorded as an error and the study goes on. Run dirs
+(no checkpoints) and the token files go to ``--work/seed<s>/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
+import subprocess
 import sys
 import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(ROOT, "configs", "quality")
+STUDY = os.path.join(QUALITY, "study.yaml")
 VARIANTS = ("dense", "mtraining", "msa")
 GROUPS = {"both": ("dense", "mtraining"), "all": VARIANTS}  # --variant names of several variants
 TRAIN_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
+REQUIRED = ("arm", "seed", "steps", "tokens", "heldout_loss", "niah_accuracy", "recall", "commit", "date",
+            "device", "jax", "command")  # every JSONL row carries these (None where not measured)
 SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
          "model.num_kv_heads=1", "model.dtype=float32", "data.seq_len=512", "steps=2", "optim.warmup_steps=1",
          "eval.every=2", "eval.batches=1", "loss_chunk_size=512", "mesh.shape=[1,2]", "logging.progress=false"]
 SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["model.dense_backend=ring"],
                   "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
 MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
+EXTRA_SHARE = 0.25  # at most this share of a retrieval window goes to the extra key-value pairs
+STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "tasks": {t: 1.0 for t in TRAIN_TASKS}},
+                  "eval": {"haystack": "filler", "recall_p": 0.9}}
 
 
-def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int):
-    """``(train.npy, heldout.npy)``: ``windows`` training windows of ``seq_len`` stdlib tokens, a
-    fraction ``mix`` of them holding a retrieval task built into their own code; plain held-out."""
+# ----------------------------------------------------------------------------------- protocol
+
+
+def load_study(path: str) -> dict:
+    """The study protocol (``configs/quality/study.yaml``) over :data:`STUDY_DEFAULTS`; unknown
+    keys and bad values are a ``ValueError`` naming the file."""
+    from mtraining_jax.train.config import read_yaml
+
+    raw = read_yaml(path, "study config") if path else {}
+    out = json.loads(json.dumps(STUDY_DEFAULTS))
+    for k, v in raw.items():
+        if k not in out:
+            raise ValueError(f"study config {path!r}: unknown key {k!r} (expected {sorted(out)})")
+        if isinstance(out[k], dict):
+            if not isinstance(v, dict) or set(v) - set(out[k]):
+                raise ValueError(f"study config {path!r}: {k} must be a mapping of {sorted(out[k])}, got {v!r}")
+            out[k].update(v)
+        else:
+            out[k] = v
+    r = out["retrieval"]
+    if isinstance(r["tasks"], (list, tuple)):
+        r["tasks"] = {t: 1.0 for t in r["tasks"]}
+    bad = [t for t in r["tasks"] if t not in TRAIN_TASKS]
+    if bad or not r["tasks"] or any(float(w) < 0 for w in r["tasks"].values()) or sum(r["tasks"].values()) <= 0:
+        raise ValueError(f"study config {path!r}: retrieval.tasks must weight some of {TRAIN_TASKS}, got {r['tasks']!r}")
+    if not 0.0 <= float(r["mix"]) <= 1.0 or int(r["keys"]) < 0:
+        raise ValueError(f"study config {path!r}: retrieval.mix must lie in [0, 1] and keys be >= 0, got {r!r}")
+    if out["eval"]["haystack"] not in ("filler", "heldout"):
+        raise ValueError(f"study config {path!r}: eval.haystack must be filler or heldout")
+    if out["token_budget"] is not None and int(out["token_budget"]) <= 0:
+        raise ValueError(f"study config {path!r}: token_budget must be positive")
+    return out
+
+
+def resolve_seeds(args, default: int = 0) -> list:
+    """``--seeds`` / ``--num-seeds`` / ``--seed`` (one at most) as a list of distinct seeds."""
+    given = [x for x in (args.seeds, args.num_seeds, args.seed) if x is not None]
+    if len(given) > 1:
+        raise SystemExit("quality_study: give one of --seeds, --num-seeds, --seed")
+    if args.seeds is not None:
+        seeds = [int(s) for s in args.seeds]
+    elif args.num_seeds is not None:
+        if args.num_seeds < 1:
+            raise SystemExit("quality_study: --num-seeds must be >= 1")
+        seeds = list(range(args.num_seeds))
+    elif args.seed is not None:
+        seeds = [int(args.seed)]
+    else:
+        seeds = [int(default)]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"quality_study: --seeds repeats a seed: {seeds}")
+    return seeds
+
+
+def resolve_steps(args, base, study: dict) -> int:
+    """The steps of every arm: ``--steps``, else ``--tokens``, else (not ``--smoke``) the study's
+    ``token_budget``, else the config's; a budget must be a whole number of steps."""
+    per_step = base.data.seq_len * base.data.batch_size * base.optim.grad_accum
+    if args.steps and args.tokens:
+        raise SystemExit("quality_study: give --steps or --tokens, not both")
+    if args.steps:
+        return int(args.steps)
+    budget = args.tokens or (None if args.smoke else study["token_budget"])
+    if budget is None:
+        return int(base.steps)
+    if budget % per_step:
+        raise SystemExit(f"quality_study: the token budget {budget} is not a whole number of steps of "
+                         f"{per_step} tokens (seq_len x batch x accum)")
+    return int(budget // per_step)
+
+
+def seed_overrides(seed: int) -> list:
+    """The training-config overrides of one seed: initialisation AND data order."""
+    return [f"seed={int(seed)}", f"data.seed={int(seed)}"]
+
+
+# ----------------------------------------------------------------------------------- corpus
+
+
+class _Parts(Exception):
+    """Raised by the stand-in of :func:`mtraining_jax.eval.tasks.compose` with a task's parts."""
+
+
+def task_parts(task: str, tok, seq_len: int, depth: float, rng, stream=None):
+    """``(needles, depths, question, answer)`` that ``tasks.GENERATORS[task]`` would compose (its
+    own random draws included), so the training examples use the evaluation's exact formats."""
+    from unittest import mock
+
+    from mtraining_jax.eval import tasks
+
+    def capture(tokenizer, seq_len, needles, depths, question, answer, rng, stream=None):
+        raise _Parts(list(needles), [float(d) for d in depths], question, answer)
+
+    with mock.patch.object(tasks, "compose", capture):
+        try:
+            tasks.GENERATORS[task](tok, seq_len, depth, rng, stream=stream)
+        except _Parts as p:
+            return p.args
+    raise RuntimeError(f"task {task!r} composed no example")
+
+
+def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: float = EXTRA_SHARE):
+    """``(tokens int32 [n], pairs)``: ``n`` tokens of ``stream`` (this window's code) with one
+    ``task`` example (its question and answer at the end) and up to ``keys`` extra key-value pairs
+    (needle at a random depth, its question and answer at a random later depth; words distinct from
+    the task's), at most ``share`` of the window; ``pairs`` = the extra pairs that fit."""
+    from mtraining_jax.eval import tasks
+
+    if keys <= 0:
+        return tasks.GENERATORS[task](tok, n - 1, float(rng.uniform()), rng, stream=stream).tokens, 0
+    needles, depths, question, answer = task_parts(task, tok, n - 1, float(rng.uniform()), rng, stream)
+    used_text = " ".join(needles) + question
+    free = [w for w in tasks.WORDS if w not in used_text]
+    free = [free[i] for i in rng.permutation(len(free))]
+    budget, used, pairs = int(share * n), 0, 0
+    for w in free[:keys]:
+        num = str(int(rng.integers(10 ** 5, 10 ** 6)))
+        needle = f"The special magic number for {w} is: {num}."
+        qa = f"What is the special magic number for {w}? The special magic number for {w} is: {num}."
+        cost = len(tok.encode(f" {needle} ")) + len(tok.encode(f" {qa} "))
+        if used + cost > budget:
+            break
+        d1 = float(rng.uniform())
+        needles += [needle, qa]
+        depths += [d1, float(rng.uniform(d1, 1.0))]  # the question after its needle (stable order on ties)
+        used, pairs = used + cost, pairs + 1
+    return tasks.compose(tok, n - 1, needles, depths, question, answer, rng, stream).tokens, pairs
+
+
+def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, keys: int = 0, task_weights=None) -> dict:
+    """The training and held-out token files of one seed: ``windows`` training windows of
+    ``seq_len`` stdlib tokens, a fraction ``mix`` of them holding retrieval content
+    (:func:`retrieval_window`) built into their own code; plain held-out code.
+    Returns ``{"paths": (train, heldout), "windows", "retrieval_windows", "pairs_per_window", "sha", "seed"}``."""
+    import hashlib
+
     import numpy as np
 
-    from mtraining_jax.eval.tasks import GENERATORS
     from mtraining_jax.train.data import stdlib_streams
     from mtraining_jax.train.tokenizer import ByteTokenizer
 
@@ -67,31 +250,112 @@ def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int):
     n = min(windows, len(train) // seq_len)
     blocks = np.asarray(train[:n * seq_len], np.int32).reshape(n, seq_len).copy()
     rng = np.random.default_rng([seed, 20240518])
-    for w in np.nonzero(rng.random(n) < mix)[0]:
-        task = TRAIN_TASKS[int(rng.integers(len(TRAIN_TASKS)))]
-        blocks[w] = GENERATORS[task](tok, seq_len - 1, float(rng.uniform()), rng, stream=blocks[w]).tokens
+    weights = task_weights or {t: 1.0 for t in TRAIN_TASKS}
+    names = [t for t in TRAIN_TASKS if weights.get(t, 0) > 0]
+    prob = np.asarray([float(weights[t]) for t in names])
+    prob = prob / prob.sum()
+    uniform = len(names) == len(TRAIN_TASKS) and np.allclose(prob, prob[0])
+    chosen, pairs = np.nonzero(rng.random(n) < mix)[0], []
+    for w in chosen:
+        # uniform weights draw as the first study did (its seed-0 corpus is reproduced with keys=0)
+        task = names[int(rng.integers(len(names)))] if uniform else names[int(rng.choice(len(names), p=prob))]
+        blocks[w], k = retrieval_window(tok, seq_len, task, rng, blocks[w], keys)
+        pairs.append(k)
     os.makedirs(work, exist_ok=True)
     paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
-    np.save(paths[0], blocks.reshape(-1).astype(np.uint16))
+    flat = blocks.reshape(-1).astype(np.uint16)
+    np.save(paths[0], flat)
     np.save(paths[1], np.asarray(held, np.uint16))
-    return paths, int(n)
+    return {"paths": paths, "windows": int(n), "retrieval_windows": int(len(chosen)),
+            "pairs_per_window": float(np.mean(pairs)) if pairs else 0.0,
+            "sha": hashlib.sha1(flat.tobytes()).hexdigest()[:12], "seed": int(seed)}
 
 
-def eval_spec(smoke: bool, seq_len: int, recall_ps=(0.9, 0.5)):
+def eval_spec(smoke: bool, seq_len: int, recall_ps=(0.9, 0.5), haystack: str = "filler"):
     from mtraining_jax.eval.api import EvalSpec
 
     recall_ps = tuple(recall_ps)
     if smoke:
         return EvalSpec(lengths=(seq_len,), depths=(0.0, 1.0), samples=1, ruler_tasks=("multikey",),
-                        ruler_samples=1, ppl_windows=2, ppl_buckets=4, recall_ps=recall_ps, recall_rows=16)
+                        ruler_samples=1, ppl_windows=2, ppl_buckets=4, recall_ps=recall_ps, recall_rows=16,
+                        haystack=haystack)
     lengths = tuple(n for n in (4096, 8192, 16384, 32768) if n <= seq_len)
     return EvalSpec(lengths=lengths, depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=4,
                     ruler_tasks=("multikey", "multivalue", "vartrack"), ruler_samples=4, ppl_windows=8,
-                    ppl_buckets=16, recall_ps=recall_ps, recall_rows=512)
+                    ppl_buckets=16, recall_ps=recall_ps, recall_rows=512, haystack=haystack)
 
 
-def run_variant(name: str, args, corpus) -> dict:
-    """Train and evaluate one variant; every section's failure is recorded, not raised."""
+# ----------------------------------------------------------------------------------- one run
+
+
+def time_curve(train_rows) -> list:
+    """``[[step, cumulative training seconds]]`` from the trainer's ``step_time`` (every logged
+    step; a gap of ``g`` steps counts ``g`` times the logged one); the first step, which carries the
+    compilation, counts as the median step."""
+    import numpy as np
+
+    st = [(int(m["step"]), float(m["step_time"])) for m in train_rows if "step_time" in m]
+    if not st:
+        return []
+    if len(st) > 1:
+        st[0] = (st[0][0], float(np.median([t for _, t in st[1:]])))
+    out, cum, prev = [], 0.0, 0
+    for s, t in st:
+        cum += t * max(s - prev, 1)
+        prev = s
+        out.append([s, cum])
+    return out
+
+
+def eval_scalars(ev: dict, recall_p: float) -> dict:
+    """The row's scalars of one evaluation result (``None`` where the section is missing)."""
+    import numpy as np
+
+    out = {"heldout_loss": None, "heldout_loss_se": None, "niah_accuracy": None, "niah_token_accuracy": None,
+           "ruler_accuracy": {}, "recall": None, "recall_p": recall_p}
+    if "perplexity" in ev:
+        w = ev["perplexity"].get("window_loss", [])
+        out["heldout_loss"] = float(ev["perplexity"]["mean_loss"])
+        out["heldout_loss_se"] = float(np.std(w, ddof=1) / np.sqrt(len(w))) if len(w) > 1 else None
+    if "niah" in ev:
+        out["niah_accuracy"] = float(np.mean(ev["niah"]["accuracy"]))
+        out["niah_token_accuracy"] = float(np.mean(ev["niah"]["token_accuracy"]))
+    if "ruler" in ev:
+        out["ruler_accuracy"] = {t: float(np.mean(v["accuracy"])) for t, v in ev["ruler"]["tasks"].items()}
+    if "recall" in ev:
+        out["recall"] = ev["recall"]["mean_recall"].get(f"{recall_p:g}")
+    return out
+
+
+def provenance_row(argv=None) -> dict:
+    """``commit``, ``date``, ``command``, ``jax``, ``device`` (:func:`benchmarks._driver.provenance`);
+    a child of ``--gpu-per-seed`` records its parent's command (``child_command``: its own)."""
+    try:
+        from benchmarks._driver import provenance
+    except ImportError:  # run as a script without PYTHONPATH
+        sys.path.insert(0, ROOT)
+        from benchmarks._driver import provenance
+    row = {"jax": None, "device": None, **provenance(argv)}
+    parent = os.environ.get("MTRAINING_STUDY_COMMAND")
+    if parent:
+        row["child_command"], row["command"] = row["command"], parent
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        row["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    return row
+
+
+def base_row(name: str, seed, args) -> dict:
+    """A row with every :data:`REQUIRED` field (``None`` until measured) and the study settings."""
+    row = dict.fromkeys(REQUIRED)
+    row.update(arm=name, variant=name, seed=seed, retrieval_mix=args.retrieval_mix,
+               retrieval={"mix": args.retrieval_mix, "keys": args.retrieval_keys, "tasks": args.retrieval_tasks},
+               eval_haystack=args.eval_haystack)
+    return row
+
+
+def run_variant(name: str, args, corpus, seed=None) -> dict:
+    """Train and evaluate one arm of one seed; every section's failure is recorded, not raised.
+    ``corpus``: :func:`build_corpus` (or the old ``(train, heldout)`` paths)."""
     import numpy as np
 
     from mtraining_jax.eval.api import evaluate_params
@@ -104,55 +368,69 @@ def run_variant(name: str, args, corpus) -> dict:
     from mtraining_jax.train.state import build_model_config, split_model
     from mtraining_jax.train.tokenizer import load_tokenizer
 
-    over = [f"run_dir={os.path.join(args.work, name)}", f"data.path={corpus[0]}", f"data.eval_path={corpus[1]}"]
+    info = corpus if isinstance(corpus, dict) else {"paths": tuple(corpus)}
+    paths = info["paths"]
+    work = os.path.dirname(os.path.abspath(paths[0]))
+    over = [f"run_dir={os.path.join(work, name)}", f"data.path={paths[0]}", f"data.eval_path={paths[1]}"]
     if args.smoke:
         over += SMOKE + SMOKE_BACKENDS[name]
     if args.steps:
         over.append(f"steps={args.steps}")
-    if args.seed is not None:
-        over.append(f"seed={args.seed}")
+    if seed is not None:
+        over += seed_overrides(seed)
     if name == "msa":
         steps = args.steps or load_config(os.path.join(QUALITY, "msa.yaml"), over).steps
         over.append(f"msa.warmup_steps={msa_warmup_steps(steps, args.msa_warmup_fraction)}")
         if args.msa_kl_coef is not None:
             over.append(f"msa.kl_coef={args.msa_kl_coef}")
     cfg = load_config(os.path.join(QUALITY, f"{name}.yaml"), over)
-    rec = {"variant": name, "steps": cfg.steps, "seq_len": cfg.data.seq_len, "retrieval_mix": args.retrieval_mix,
-           "seed": cfg.seed}
+    rec = base_row(name, cfg.seed, args)
+    per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.optim.grad_accum
+    rec.update(steps=cfg.steps, tokens=cfg.steps * per_step, tokens_per_step=per_step, seq_len=cfg.data.seq_len,
+               data_seed=cfg.data.seed, corpus_sha=info.get("sha"),
+               corpus={k: v for k, v in info.items() if k != "paths"})
     t0 = time.time()
-    result = run(cfg)
+    result = run(cfg, overwrite=True)  # the study's run dirs are scratch: a rerun replaces them
     rec["train_seconds"] = time.time() - t0
     rows = [m for m in read_metrics(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in m]
     train_rows = [m for m in rows if m.get("split", "train") == "train"]
     rec["train_loss"] = [[int(m["step"]), float(m["loss"])] for m in train_rows]
-    rec["heldout_loss"] = [[int(e["step"]), float(e["loss"])] for e in result.eval_metrics if "loss" in e]
+    rec["heldout_curve"] = [[int(e["step"]), float(e["loss"])] for e in result.eval_metrics if "loss" in e]
+    rec["train_time"] = time_curve(train_rows)
+    rec["train_compute_seconds"] = rec["train_time"][-1][1] if rec["train_time"] else None
     tps = [m["tokens_per_s"] for m in train_rows[len(train_rows) // 4:] if "tokens_per_s" in m]
     rec["tokens_per_s"] = float(np.median(tps)) if tps else None
     wf = [m["attn/work_fraction"] for m in train_rows if "attn/work_fraction" in m]
     rec["work_fraction"] = float(np.mean(wf)) if wf else 1.0
     if name == "msa":
         rec["msa"] = msa_summary(cfg, train_rows)
-    print(f"[{name}] trained {cfg.steps} steps in {rec['train_seconds']:.0f}s, last loss "
+    print(f"[{name} seed {cfg.seed}] trained {cfg.steps} steps ({rec['tokens']} tokens) in "
+          f"{rec['train_seconds']:.0f}s, last loss "
           f"{rec['train_loss'][-1][1] if rec['train_loss'] else float('nan'):.4f}", flush=True)
     _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     if name == "msa":
         rec["msa"]["config"] = dict(model_cfg.msa or {})
     mesh, tok = build_mesh(cfg.mesh), load_tokenizer(cfg.data.tokenizer)
-    held = np.asarray(token_file_stream(corpus[1]))
-    spec = eval_spec(args.smoke, cfg.data.seq_len, args.recall_ps)
+    held = np.asarray(token_file_stream(paths[1]))
+    spec = eval_spec(args.smoke, cfg.data.seq_len, args.recall_ps, args.eval_haystack)
+    recall_p = args.recall_p if args.recall_p in args.recall_ps else args.recall_ps[0]
     t0 = time.time()
     try:
-        rec["eval"] = evaluate_params(model_cfg, result.params, tok, spec, mesh=mesh, heldout=held, label=name)
+        rec["eval"] = evaluate_params(model_cfg, result.params, tok, spec, mesh=mesh, heldout=held,
+                                      label=f"{name} seed {cfg.seed}")
+        rec.update(eval_scalars(rec["eval"], recall_p))
     except Exception as e:  # keep the training record
         traceback.print_exc()
         rec["eval_error"] = f"{type(e).__name__}: {e}"
-    try:
-        S = spec.perplexity_len
-        init = split_model(Qwen2ForCausalLM, model_cfg, cfg.seed)[1]()
-        rec["recall_untrained"] = index_recall(model_cfg, init, held[None, :S], spec.recall_ps, mesh, spec.recall_rows)
-    except Exception as e:
-        traceback.print_exc()
-        rec["recall_untrained_error"] = f"{type(e).__name__}: {e}"
+    if not args.no_untrained_recall:
+        try:
+            S = spec.perplexity_len
+            init = split_model(Qwen2ForCausalLM, model_cfg, cfg.seed)[1]()
+            rec["recall_untrained"] = index_recall(model_cfg, init, held[None, :S], spec.recall_ps, mesh,
+                                                   spec.recall_rows)
+        except Exception as e:
+            traceback.print_exc()
+            rec["recall_untrained_error"] = f"{type(e).__name__}: {e}"
     if args.cross_eval and set(model_cfg.layer_backends) != {args.cross_eval}:
         try:
             rec["cross_eval"] = cross_eval(model_cfg, result.params, tok, spec, mesh, held, args.cross_eval,
@@ -168,8 +446,15 @@ def run_variant(name: str, args, corpus) -> dict:
             traceback.print_exc()
             rec["recall_budgets_error"] = f"{type(e).__name__}: {e}"
     rec["eval_seconds"] = time.time() - t0
-    print(f"[{name}] evaluated in {rec['eval_seconds']:.0f}s", flush=True)
+    rec.update(provenance_row(args.argv))
+    print(f"[{name} seed {cfg.seed}] evaluated in {rec['eval_seconds']:.0f}s: held-out loss "
+          f"{_fmt(rec['heldout_loss'], '.4f')}, NIAH {_fmt(rec['niah_accuracy'], '.3f')}, "
+          f"recall {_fmt(rec['recall'], '.3f')}", flush=True)
     return rec
+
+
+def _fmt(v, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
 
 
 def msa_warmup_steps(steps: int, fraction: float) -> int:
@@ -258,11 +543,12 @@ def cross_table(recs) -> str:
     rows = [r for r in recs if "cross_eval" in r and "eval" in r]
     if not rows:
         return ""
+    multi = len({r.get("seed") for r in recs}) > 1
     lines = ["| variant | own attention: held-out loss | read with | held-out loss | difference |", "|---|---|---|---|---|"]
     for r in rows:
         own = r["eval"]["perplexity"]["mean_loss"]
         other = r["cross_eval"]["eval"]["perplexity"]["mean_loss"]
-        lines.append(f"| {r['variant']} | {own:.4f} | {r['cross_eval']['backend']} (every layer) | {other:.4f} "
+        lines.append(f"| {_label(r, multi)} | {own:.4f} | {r['cross_eval']['backend']} (every layer) | {other:.4f} "
                      f"| {other - own:+.4f} |")
     return "\n".join(lines) + "\n"
 
@@ -271,25 +557,37 @@ def budget_table(recs) -> str:
     """Markdown: the recall budget sweep of each variant."""
     lines = ["| variant | budget (SparsityConfig overrides) | p | mean recall | min head | mean density |",
              "|---|---|---|---|---|---|"]
+    multi = len({r.get("seed") for r in recs}) > 1
     for r in recs:
         for b in r.get("recall_budgets", []):
             name = ", ".join(f"{k}={v}" for k, v in b["budget"].items()) or "model's own"
-            lines.append(f"| {r['variant']} | {name} | {b['p']:g} | {b['mean_recall']:.3f} | {b['min_recall']:.3f} "
+            lines.append(f"| {_label(r, multi)} | {name} | {b['p']:g} | {b['mean_recall']:.3f} | {b['min_recall']:.3f} "
                          f"| {b['mean_density']:.3f} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+def _label(r, multi: bool) -> str:
+    return f"{r['variant']} s{r.get('seed')}" if multi else r["variant"]
+
+
+def _curve(r) -> list:
+    """The trainer's held-out curve (``heldout_loss`` held it in records before the multi-seed study)."""
+    c = r.get("heldout_curve")
+    return c if c is not None else (r["heldout_loss"] if isinstance(r.get("heldout_loss"), list) else [])
+
+
 def training_table(recs) -> str:
-    """Markdown: training-side numbers per variant."""
+    """Markdown: training-side numbers per run."""
+    multi = len({r.get("seed") for r in recs}) > 1
     lines = ["| variant | steps | train s | tokens/s | work fraction | final train loss | held-out loss (trainer) "
              "| untrained recall p=0.9 |", "|---|---|---|---|---|---|---|---|"]
     for r in recs:
         last = r["train_loss"][-1][1] if r["train_loss"] else float("nan")
-        held = r["heldout_loss"][-1][1] if r["heldout_loss"] else float("nan")
+        held = _curve(r)[-1][1] if _curve(r) else float("nan")
         ur = r.get("recall_untrained", {}).get("mean_recall", {}).get("0.9", float("nan"))
         tps = r["tokens_per_s"] or float("nan")
-        lines.append(f"| {r['variant']} | {r['steps']} | {r['train_seconds']:.0f} | {tps:.0f} | {r['work_fraction']:.3f} "
-                     f"| {last:.4f} | {held:.4f} | {ur:.3f} |")
+        lines.append(f"| {_label(r, multi)} | {r['steps']} | {r['train_seconds']:.0f} | {tps:.0f} "
+                     f"| {r['work_fraction']:.3f} | {last:.4f} | {held:.4f} | {ur:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -301,16 +599,18 @@ def msa_table(recs) -> str:
     fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
     lines = ["| variant | warm-up steps | KL coef | KL (sparse, last half) | KL grad norm (last step) "
              "| recall of main mass (sparse, last half) | work fraction (sparse) |", "|---|---|---|---|---|---|---|"]
+    multi = len({r.get("seed") for r in recs}) > 1
     for r in rows:
         m = r["msa"]
         gn = m["kl_grad_norm"][-1][1] if m["kl_grad_norm"] else None
-        lines.append(f"| {r['variant']} | {m['warmup_steps']} | {m['kl_coef']:g} | {fmt(m['kl_sparse_mean'], '.4f')} "
+        lines.append(f"| {_label(r, multi)} | {m['warmup_steps']} | {m['kl_coef']:g} | {fmt(m['kl_sparse_mean'], '.4f')} "
                      f"| {fmt(gn, '.3e')} | {fmt(m['recall_sparse_mean'], '.3f')} "
                      f"| {fmt(m['work_fraction_sparse_mean'], '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
 def write_report(recs, out: str) -> None:
+    """The single-call files: ``loss_curves.png``, ``quality.md`` and the side-by-side eval plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -318,14 +618,15 @@ def write_report(recs, out: str) -> None:
 
     from mtraining_jax.eval.compare import compare_results
 
+    multi = len({r.get("seed") for r in recs}) > 1
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for r in recs:
         if r["train_loss"]:
             s, l = zip(*r["train_loss"])
-            ax.plot(s, l, label=f"{r['variant']} train", lw=1)
-        if r["heldout_loss"]:
-            s, l = zip(*r["heldout_loss"])
-            ax.plot(s, l, "o--", label=f"{r['variant']} held-out", ms=4)
+            ax.plot(s, l, label=f"{_label(r, multi)} train", lw=1)
+        if _curve(r):
+            s, l = zip(*_curve(r))
+            ax.plot(s, l, "o--", label=f"{_label(r, multi)} held-out", ms=4)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
     ax.grid(alpha=0.3)
@@ -333,7 +634,7 @@ def write_report(recs, out: str) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "loss_curves.png"), dpi=110)
     plt.close(fig)
-    runs = [(r["variant"], r["eval"]) for r in recs if "eval" in r]
+    runs = [(_label(r, multi), r["eval"]) for r in recs if "eval" in r]
     if runs:
         compare_results(runs, out, prefix="quality", sections=("niah", "perplexity", "recall"))
     with open(os.path.join(out, "quality.md"), "a" if runs else "w") as f:
@@ -341,21 +642,432 @@ def write_report(recs, out: str) -> None:
                 + budget_table(recs))
 
 
+# ----------------------------------------------------------------------------------- statistics over seeds
+
+
+def _student_t_two_sided(t: float, df: int) -> float:
+    """``P(|T| <= t)`` for Student's t with integer ``df`` (closed form, Abramowitz & Stegun 26.7.3-4)."""
+    theta = math.atan(t / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2:  # odd
+        term = total = math.cos(theta)
+        for k in range(1, (df - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        return (2 / math.pi) * (theta + (s * total if df > 1 else 0.0))
+    term = total = 1.0
+    for k in range(1, df // 2):
+        term *= c2 * (2 * k - 1) / (2 * k)
+        total += term
+    return s * total
+
+
+def t_quantile(q: float, df: int) -> float:
+    """The ``q`` quantile (``0.5 < q < 1``) of Student's t with integer ``df >= 1``, by bisection on
+    the closed-form distribution function (no scipy): ``t_quantile(0.975, 2) = 4.303``."""
+    if not 0.5 < q < 1.0 or int(df) != df or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 < q < 1 and an integer df >= 1, got q={q}, df={df}")
+    target, lo, hi = 2 * q - 1, 0.0, 1.0
+    while _student_t_two_sided(hi, int(df)) < target:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _student_t_two_sided(mid, int(df)) < target else (lo, mid)
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return (lo + hi) / 2
+
+
+def paired_interval(diffs, confidence: float = 0.95) -> dict:
+    """Mean of the per-seed differences and its two-sided ``confidence`` t-interval over the seeds
+    (``df = n - 1``); ``lo``/``hi``/``sd`` are ``None`` for one seed."""
+    d = [float(x) for x in diffs]
+    n = len(d)
+    out = {"n": n, "mean": statistics.fmean(d) if d else None, "sd": None, "se": None, "t": None,
+           "lo": None, "hi": None, "confidence": confidence, "diffs": d}
+    if n >= 2:
+        sd = statistics.stdev(d)
+        t = t_quantile(0.5 + confidence / 2, n - 1)
+        se = sd / math.sqrt(n)
+        out.update(sd=sd, se=se, t=t, lo=out["mean"] - t * se, hi=out["mean"] + t * se)
+    return out
+
+
+def verdict(iv: dict) -> str:
+    if iv["n"] == 0:
+        return "no paired seeds"
+    if iv["lo"] is None:
+        return "one seed: no interval, no difference established"
+    if iv["lo"] > 0:
+        return "higher than dense (interval excludes 0)"
+    if iv["hi"] < 0:
+        return "lower than dense (interval excludes 0)"
+    return "no difference established (interval includes 0)"
+
+
+def read_rows(paths) -> list:
+    """The rows of the JSONL ``paths`` that belong to the multi-seed study (they carry ``arm``)."""
+    rows = []
+    for p in paths:
+        if not os.path.isfile(p):
+            continue
+        with open(p) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    r = json.loads(line)
+                    if "arm" in r:
+                        rows.append(r)
+    return rows
+
+
+def _value_at_time(curve, times, T):
+    """``curve [[step, value]]`` read at training time ``T`` (linear in time between its points;
+    its last value at or after its end; ``None`` before its first point)."""
+    import numpy as np
+
+    tmap = {int(s): float(t) for s, t in times}
+    pts = [(tmap[int(s)], float(v)) for s, v in curve if int(s) in tmap]
+    if not pts or T < pts[0][0] - 1e-9:
+        return None
+    ts, vs = zip(*pts)
+    return float(np.interp(T, ts, vs))
+
+
+def _train_loss_at_time(r, T, share: float = 0.05):
+    """Mean train loss over the last ``share`` of the run's steps done by training time ``T``."""
+    tmap = {int(s): float(t) for s, t in r.get("train_time") or []}
+    done = [float(l) for s, l in r["train_loss"] if int(s) in tmap and tmap[int(s)] <= T + 1e-9]
+    if not done:
+        return None
+    k = max(1, int(round(share * r["steps"])))
+    return statistics.fmean(done[-k:])
+
+
+PAIRED = (("heldout_loss", "held-out loss @ {S}, evaluator (nats/byte)"),
+          ("trainer_heldout_final", "held-out loss, trainer's eval, final"),
+          ("heldout_equal_time", "held-out loss, trainer's eval, at equal training time"),
+          ("train_loss_equal_time", "train loss (last 5 % of steps) at equal training time"),
+          ("niah_accuracy", "NIAH passkey accuracy (whole answer)"),
+          ("niah_token_accuracy", "NIAH answer-token accuracy"),
+          ("recall", "index recall p = 0.9 (mean over heads)"))
+
+
+def seed_values(rows) -> tuple:
+    """``(values {(arm, seed): {metric: value}}, notes)``: the last row of each (arm, seed), its
+    metrics, and the equal-time values at each seed's fastest arm's training time."""
+    last, notes = {}, []
+    for r in rows:
+        if r.get("error"):
+            notes.append(f"{r['arm']} seed {r.get('seed')}: failed ({r['error']})")
+            continue
+        key = (r["arm"], r["seed"])
+        if key in last:
+            notes.append(f"{r['arm']} seed {r['seed']}: several rows, the last one is used")
+        last[key] = r
+    vals = {}
+    for (arm, seed), r in last.items():
+        curve = _curve(r)
+        vals[(arm, seed)] = {"heldout_loss": r.get("heldout_loss"), "niah_accuracy": r.get("niah_accuracy"),
+                             "niah_token_accuracy": r.get("niah_token_accuracy"), "recall": r.get("recall"),
+                             "trainer_heldout_final": curve[-1][1] if curve else None,
+                             "tokens": r.get("tokens"), "tokens_per_s": r.get("tokens_per_s"),
+                             "train_compute_seconds": r.get("train_compute_seconds"),
+                             "corpus_sha": r.get("corpus_sha"), "device": r.get("device")}
+    for seed in sorted({s for _, s in last}):
+        arms = [a for a, s in last if s == seed]
+        totals = [last[(a, seed)]["train_time"][-1][1] for a in arms if last[(a, seed)].get("train_time")]
+        T = min(totals) if totals else None
+        for a in arms:
+            r, v = last[(a, seed)], vals[(a, seed)]
+            v["equal_time"] = T
+            ok = T is not None and r.get("train_time")
+            v["heldout_equal_time"] = _value_at_time(_curve(r), r["train_time"], T) if ok else None
+            v["train_loss_equal_time"] = _train_loss_at_time(r, T) if ok else None
+        for k in ("tokens", "corpus_sha", "device"):
+            got = {vals[(a, seed)][k] for a in arms}
+            if len(got) > 1:
+                notes.append(f"seed {seed}: the arms differ in {k} ({sorted(map(str, got))})"
+                             + ("; this seed is left out of the paired differences" if k != "device" else
+                                "; equal-time values compare different devices"))
+                if k != "device":
+                    for a in arms:
+                        vals[(a, seed)]["unpaired"] = True
+    return vals, notes
+
+
+def paired_differences(vals, arm: str, metric: str, base: str = "dense") -> dict:
+    """:func:`paired_interval` of ``arm - base`` over the seeds both have (and whose data match)."""
+    seeds = sorted(s for a, s in vals if a == arm and (base, s) in vals)
+    pairs = [(s, vals[(arm, s)].get(metric), vals[(base, s)].get(metric)) for s in seeds
+             if not vals[(arm, s)].get("unpaired")]
+    pairs = [(s, x, y) for s, x, y in pairs if x is not None and y is not None]
+    iv = paired_interval([x - y for _, x, y in pairs])
+    iv["seeds"] = [s for s, _, _ in pairs]
+    return iv
+
+
+def seed_report_md(rows, protocol: dict | None = None) -> str:
+    """Markdown of the multi-seed comparison of ``rows``."""
+    vals, notes = seed_values(rows)
+    arms = [a for a in VARIANTS if any(k[0] == a for k in vals)]
+    fmt = lambda v, f=".4f": "—" if v is None else format(v, f)  # noqa: E731
+    lines = ["# Multi-seed quality study", ""]
+    ref = next((r for r in reversed(rows) if not r.get("error")), rows[-1] if rows else {})
+    S = ref.get("seq_len") or "S"
+    budget = sorted({v["tokens"] for v in vals.values() if v.get("tokens")})
+    lines.append(f"Token budget per arm and seed: {', '.join(f'{b:,}' for b in budget) or '—'} tokens "
+                 f"({ref.get('steps')} steps of {ref.get('tokens_per_step')} tokens); retrieval in the training mix "
+                 f"{json.dumps(ref.get('retrieval'))}; evaluation haystack {ref.get('eval_haystack')}; "
+                 f"devices {sorted({str(v.get('device')) for v in vals.values()})}; commits "
+                 f"{sorted({str(r.get('commit')) for r in rows})}.")
+    if protocol:
+        lines.append(f"Protocol: {json.dumps(protocol)}")
+    lines += ["", "Per arm (mean ± s.d. over seeds; s.d. needs two seeds):", "",
+              f"| arm | seeds | held-out loss @ {S} | trainer's held-out, final | NIAH accuracy | index recall p=0.9 "
+              "| tokens/s | training s (compile excluded) |", "|---|---|---|---|---|---|---|---|"]
+
+    def ms(a, k, f=".4f"):
+        xs = [v[k] for (b, _), v in sorted(vals.items()) if b == a and v.get(k) is not None]
+        if not xs:
+            return "—"
+        return format(statistics.fmean(xs), f) + (f" ± {statistics.stdev(xs):{f}}" if len(xs) > 1 else "")
+
+    for a in arms:
+        seeds = sorted(s for b, s in vals if b == a)
+        lines.append(f"| {a} | {', '.join(map(str, seeds))} | {ms(a, 'heldout_loss')} | {ms(a, 'trainer_heldout_final')} "
+                     f"| {ms(a, 'niah_accuracy', '.3f')} | {ms(a, 'recall', '.3f')} | {ms(a, 'tokens_per_s', ',.0f')} "
+                     f"| {ms(a, 'train_compute_seconds', '.1f')} |")
+    lines += ["", "Paired differences arm − dense (per seed, same data and order), mean and 95 % t-interval over "
+              "seeds (t_{0.975, n−1}):", "",
+              "| metric | arm − dense | n | mean | 95 % interval | per seed | verdict |", "|---|---|---|---|---|---|---|"]
+    for a in arms:
+        if a == "dense":
+            continue
+        for k, what in PAIRED:
+            iv = paired_differences(vals, a, k)
+            if not iv["n"]:
+                continue
+            ci = f"[{iv['lo']:+.4g}, {iv['hi']:+.4g}]" if iv["lo"] is not None else "—"
+            per = ", ".join(f"s{s}: {d:+.4g}" for s, d in zip(iv["seeds"], iv["diffs"]))
+            lines.append(f"| {what.format(S=S)} | {a} − dense | {iv['n']} | {iv['mean']:+.4g} | {ci} | {per} "
+                         f"| {verdict(iv)} |")
+    times = {s: v.get("equal_time") for (_, s), v in sorted(vals.items())}
+    lines += ["", "Equal training time: each seed's arms are read at its fastest arm's training time (seconds, "
+              "compile excluded): " + ", ".join(f"seed {s}: {fmt(t, '.1f')}" for s, t in sorted(times.items()))
+              + ". A slower arm's value there comes from its fixed-budget run (learning rate not yet decayed)."]
+    if notes:
+        lines += ["", "Notes:"] + [f"* {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot_seeds(rows, path: str, smooth: int = 10) -> str:
+    """Loss vs training tokens (mean over seeds, band min-max) and held-out loss vs training seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    vals, _ = seed_values(rows)
+    last = {}
+    for r in rows:
+        if not r.get("error"):
+            last[(r["arm"], r["seed"])] = r
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"dense": "C0", "mtraining": "C1", "msa": "C2"}
+    zoom = None
+    for a in VARIANTS:
+        rs = [r for (b, _), r in sorted(last.items()) if b == a and r.get("train_loss")]
+        if not rs:
+            continue
+        n = min(len(r["train_loss"]) for r in rs)
+        k = max(1, min(smooth, n))
+        ys = []
+        for r in rs:
+            y = np.asarray([l for _, l in r["train_loss"][:n]], float)
+            ys.append(np.convolve(y, np.ones(k) / k, mode="valid"))
+        ys = np.stack(ys)
+        x = np.asarray([s for s, _ in rs[0]["train_loss"][:n]], float)[k - 1:] * rs[0]["tokens_per_step"] / 1e6
+        ax.plot(x, ys.mean(0), color=colors[a], lw=1.2, label=f"{a} train ({len(rs)} seeds, mean; band min-max)")
+        ax.fill_between(x, ys.min(0), ys.max(0), color=colors[a], alpha=0.25, lw=0)
+        if len(x) > 10:  # the last 40 % of the budget, where the arms' differences are
+            if zoom is None:
+                zoom = ax.inset_axes([0.42, 0.42, 0.55, 0.4])
+            tail = x >= 0.6 * x[-1]
+            zoom.plot(x[tail], ys.mean(0)[tail], color=colors[a], lw=1)
+            zoom.fill_between(x[tail], ys.min(0)[tail], ys.max(0)[tail], color=colors[a], alpha=0.25, lw=0)
+        cs = [_curve(r) for r in rs if _curve(r)]
+        if cs:
+            m = min(len(c) for c in cs)
+            hv = np.asarray([[v for _, v in c[:m]] for c in cs])
+            hx = np.asarray([s for s, _ in cs[0][:m]], float) * rs[0]["tokens_per_step"] / 1e6
+            err = np.clip([hv.mean(0) - hv.min(0), hv.max(0) - hv.mean(0)], 0, None)  # rounding: never < 0
+            ax.errorbar(hx, hv.mean(0), yerr=err, fmt="o--",
+                        color=colors[a], ms=3, lw=0.8, capsize=2, label=f"{a} held-out (trainer)")
+        for r in rs:
+            c, tm = _curve(r), {int(s): t for s, t in r.get("train_time") or []}
+            pts = [(tm[int(s)], v) for s, v in c if int(s) in tm]
+            if pts:
+                bx.plot(*zip(*pts), "o-", color=colors[a], ms=2, lw=0.8, alpha=0.8,
+                        label=a if r is rs[0] else None)
+    for s in sorted({s for _, s in vals}):
+        T = next((v.get("equal_time") for (b, t), v in vals.items() if t == s), None)
+        if T:
+            bx.axvline(T, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("loss vs tokens", fontsize=9)
+    bx.set_xlabel("training seconds (compile excluded)")
+    bx.set_ylabel("held-out loss, trainer's eval")
+    bx.set_title("held-out loss vs time, one line per seed (dotted: equal-time points)", fontsize=9)
+    for a_ in (ax, bx):
+        a_.grid(alpha=0.3)
+        a_.legend(fontsize=7, loc="upper right" if zoom is None or a_ is bx else "lower left")
+    if zoom is not None:
+        zoom.grid(alpha=0.3)
+        zoom.tick_params(labelsize=6)
+        zoom.set_title("last 40 % of the tokens", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_seed_report(rows, out: str, protocol: dict | None = None) -> str:
+    """``seeds.md`` and ``loss_vs_tokens.png`` in ``out`` from ``rows``; returns the markdown."""
+    os.makedirs(out, exist_ok=True)
+    md = seed_report_md(rows, protocol)
+    with open(os.path.join(out, "seeds.md"), "w") as f:
+        f.write(md)
+    if any(r.get("train_loss") for r in rows):
+        plot_seeds(rows, os.path.join(out, "loss_vs_tokens.png"))
+    return md
+
+
+# ----------------------------------------------------------------------------------- one process per seed
+
+# options the parent of --gpu-per-seed sets for each child itself: name -> number of values ("+": one or more)
+_PARENT_ONLY = {"--gpu-per-seed": 0, "--gpus": 1, "--seeds": "+", "--num-seeds": 1, "--seed": 1, "--out": 1}
+
+
+def strip_parent_args(argv) -> list:
+    """``argv`` without the options of :data:`_PARENT_ONLY` (``--opt value`` and ``--opt=value``)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        key = a.split("=", 1)[0]
+        if key not in _PARENT_ONLY:
+            out.append(a)
+            i += 1
+            continue
+        i += 1
+        if "=" in a or _PARENT_ONLY[key] == 0:
+            continue
+        if _PARENT_ONLY[key] == 1:
+            i += 1
+        else:
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+    return out
+
+
+def child_commands(argv, seeds, gpus, out: str) -> list:
+    """``[(seed, gpu, cmd, env, child_out)]``: one child per seed on GPU ``gpus[i % len(gpus)]``."""
+    import shlex
+
+    keep = strip_parent_args(list(argv))
+    parent = " ".join(shlex.quote(a) for a in [sys.argv[0], *argv])
+    jobs = []
+    for i, s in enumerate(seeds):
+        gpu = str(gpus[i % len(gpus)])
+        child_out = os.path.join(out, f"seed{s}")
+        cmd = [sys.executable, os.path.abspath(__file__), *keep, "--seeds", str(s), "--out", child_out, "--child"]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, MTRAINING_STUDY_COMMAND=parent)
+        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        jobs.append((s, gpu, cmd, env, child_out))
+    return jobs
+
+
+def launch_per_seed(args, argv, seeds) -> int:
+    """Run one child per seed, at most one per GPU at a time; append their new rows to
+    ``--out/quality.jsonl`` and write the comparison. Exit status 0 when every child succeeded."""
+    gpus = args.gpus or [str(i) for i in range(len(seeds))]
+    jobs = child_commands(argv, seeds, gpus, args.out)
+    os.makedirs(args.out, exist_ok=True)
+    offsets, pending, running, codes = {}, list(jobs), {}, {}
+    t0 = time.time()
+    while pending or running:
+        busy = {j[1] for j in running.values()}
+        for job in list(pending):
+            if job[1] in busy:
+                continue
+            s, gpu, cmd, env, child_out = job
+            os.makedirs(child_out, exist_ok=True)
+            rows_file = os.path.join(child_out, "quality.jsonl")
+            offsets[s] = os.path.getsize(rows_file) if os.path.isfile(rows_file) else 0
+            log = open(os.path.join(child_out, f"log_{args.variant}.txt"), "a")
+            print(f"[{time.time() - t0:6.0f}s] seed {s} on GPU {gpu}: {' '.join(cmd[1:])}", flush=True)
+            running[s] = (subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), gpu, log)
+            pending.remove(job)
+            busy.add(gpu)
+        time.sleep(0.5)
+        for s, (proc, gpu, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                codes[s] = proc.returncode
+                del running[s]
+                print(f"[{time.time() - t0:6.0f}s] seed {s} (GPU {gpu}) exited with status {proc.returncode}",
+                      flush=True)
+    new = []
+    for s, gpu, _, _, child_out in jobs:
+        rows_file = os.path.join(child_out, "quality.jsonl")
+        if os.path.isfile(rows_file):
+            with open(rows_file) as f:
+                f.seek(offsets[s])
+                new += [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+        if codes.get(s):
+            tail = open(os.path.join(child_out, f"log_{args.variant}.txt")).read().splitlines()[-15:]
+            print(f"seed {s} failed; its log ends:\n" + "\n".join(tail), file=sys.stderr)
+    with open(os.path.join(args.out, "quality.jsonl"), "a") as f:
+        f.writelines(new)
+    rows = read_rows([os.path.join(args.out, "quality.jsonl")])
+    if rows:
+        print(write_seed_report(rows, args.out))
+    return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+# ----------------------------------------------------------------------------------- main
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for the (<= 6) result files")
+    p.add_argument("--out", required=True, help="folder of the rows (quality.jsonl), the comparison and the plots")
     p.add_argument("--variant", choices=tuple(GROUPS) + VARIANTS, default="both",
-                   help="both: dense + mtraining; all: dense + mtraining + msa")
+                   help="the arm(s): both = dense + mtraining; all = dense + mtraining + msa")
+    p.add_argument("--seeds", type=int, nargs="+", help="seeds (each: initialisation, data order, corpus)")
+    p.add_argument("--num-seeds", type=int, help="seeds 0 .. N-1")
+    p.add_argument("--seed", type=int, help="one seed (initialisation AND data order; default: the configs')")
+    p.add_argument("--gpu-per-seed", action="store_true",
+                   help="one process per seed with CUDA_VISIBLE_DEVICES=<gpu>, all at once (waves if seeds > GPUs)")
+    p.add_argument("--gpus", type=lambda t: [x for x in t.split(",") if x], help="GPU ids (default 0 .. seeds-1)")
+    p.add_argument("--study", default=STUDY, help="the study protocol (token budget, retrieval mix, eval haystack)")
+    p.add_argument("--tokens", type=int, help="training tokens per arm and seed (default: the study's token_budget)")
+    p.add_argument("--steps", type=int, help="steps per arm and seed instead of --tokens")
+    p.add_argument("--retrieval-mix", type=float, help="fraction of training windows with retrieval (study: retrieval.mix)")
+    p.add_argument("--retrieval-keys", type=int, help="extra key-value pairs per retrieval window (study: retrieval.keys)")
+    p.add_argument("--eval-haystack", choices=("filler", "heldout"), help="NIAH/RULER haystack (study: eval.haystack)")
+    p.add_argument("--report-only", nargs="*", metavar="JSONL",
+                   help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child
     p.add_argument("--msa-warmup-fraction", type=float, default=MSA_WARMUP_FRACTION,
                    help="msa variant: indexer warm-up (dense attention + full-support KL) as a fraction of the steps")
     p.add_argument("--msa-kl-coef", type=float, help="msa variant: KL coefficient (default: configs/quality/msa.yaml)")
-    p.add_argument("--work", default=os.path.join("runs", "quality"), help="run dirs and the token files")
-    p.add_argument("--steps", type=int, help="override the configs' steps")
-    p.add_argument("--retrieval-mix", type=float, default=0.5, help="fraction of training windows with a task")
+    p.add_argument("--work", default=os.path.join("runs", "quality"), help="run dirs and token files (per seed)")
     p.add_argument("--smoke", action="store_true", help="CPU toy sizes (2 virtual devices)")
-    p.add_argument("--seed", type=int, help="model initialisation seed of both variants (default: the configs')")
     p.add_argument("--recall-ps", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.9, 0.5],
                    help="top-p budgets of the index recall (comma-separated; a budget sweep)")
+    p.add_argument("--no-untrained-recall", action="store_true", help="skip the untrained initialisation's recall")
     p.add_argument("--cross-eval", metavar="BACKEND",
                    help="also evaluate each trained model with this attention backend in every layer "
                         "(e.g. cudnn: the sparse-trained model read with dense attention)")
@@ -365,37 +1077,77 @@ def main(argv=None) -> int:
                         "','-separated SparsityConfig fields, e.g. ';vertical_max=16384,slash_max=256;last_q=256' "
                         "(an empty entry: the model's own budgets)")
     args = p.parse_args(argv)
+    args.argv = argv
+    if args.report_only is not None:
+        rows = read_rows(args.report_only or [os.path.join(args.out, "quality.jsonl")])
+        if not rows:
+            print("no rows of the multi-seed study (rows with 'arm') found", file=sys.stderr)
+            return 1
+        print(write_seed_report(rows, args.out))
+        return 0
+    study = load_study(args.study)
+    args.retrieval_mix = study["retrieval"]["mix"] if args.retrieval_mix is None else args.retrieval_mix
+    args.retrieval_keys = study["retrieval"]["keys"] if args.retrieval_keys is None else args.retrieval_keys
+    args.retrieval_tasks = {t: float(w) for t, w in study["retrieval"]["tasks"].items()}
+    args.eval_haystack = args.eval_haystack or study["eval"]["haystack"]
+    args.recall_p = float(study["eval"]["recall_p"])
+    if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0:
+        raise SystemExit("quality_study: --retrieval-mix must lie in [0, 1] and --retrieval-keys be >= 0")
+    if args.gpu_per_seed:
+        if args.smoke:
+            raise SystemExit("quality_study: --gpu-per-seed is for GPU machines (--smoke runs on the CPU)")
+        return launch_per_seed(args, list(sys.argv[1:] if argv is None else argv), resolve_seeds(args))
     if args.smoke:
         from mtraining_jax.train.cli import _setup_platform
 
         _setup_platform(2)
-    import numpy as np  # noqa: F401
-
     from mtraining_jax.train.config import load_config
 
     os.makedirs(args.out, exist_ok=True)
     base = load_config(os.path.join(QUALITY, "dense.yaml"), SMOKE if args.smoke else [])
-    steps = args.steps or base.steps
-    windows = max(2 * steps * base.data.batch_size, 16) + 8
-    t0 = time.time()
-    corpus, n = build_corpus(args.work, base.data.seq_len, windows, args.retrieval_mix, base.data.seed)
-    print(f"corpus: {n} windows of {base.data.seq_len} tokens ({time.time() - t0:.0f}s)", flush=True)
-    recs = []
+    seeds = resolve_seeds(args, base.seed)
+    args.steps = resolve_steps(args, base, study)
+    per_step = base.data.seq_len * base.data.batch_size * base.optim.grad_accum
     names = GROUPS.get(args.variant, (args.variant,))
-    for name in names:
-        try:
-            rec = run_variant(name, args, corpus)
-        except Exception as e:
-            traceback.print_exc()
-            rec = {"variant": name, "error": f"{type(e).__name__}: {e}"}
-        with open(os.path.join(args.out, "quality.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if "error" not in rec:
-            recs.append(rec)
+    protocol = {"token_budget": args.steps * per_step, "steps": args.steps, "tokens_per_step": per_step,
+                "arms": list(names), "seeds": seeds, "retrieval": {"mix": args.retrieval_mix, "keys": args.retrieval_keys,
+                                                                   "tasks": args.retrieval_tasks},
+                "eval_haystack": args.eval_haystack}
+    print(f"protocol: token budget {args.steps * per_step:,} tokens per arm and seed = {args.steps} steps x "
+          f"{per_step} tokens; arms {', '.join(names)}; seeds {seeds} (each: init, data order, corpus); "
+          f"retrieval mix {args.retrieval_mix:g}, {args.retrieval_keys} extra pairs per window; "
+          f"eval haystack {args.eval_haystack}", flush=True)
+    windows = max(2 * args.steps * base.data.batch_size * base.optim.grad_accum, 16) + 8
+    recs, failed = [], 0
+    for seed in seeds:
+        t0 = time.time()
+        corpus = build_corpus(os.path.join(args.work, f"seed{seed}"), base.data.seq_len, windows, args.retrieval_mix,
+                              seed, args.retrieval_keys, args.retrieval_tasks)
+        print(f"corpus of seed {seed}: {corpus['windows']} windows of {base.data.seq_len} tokens, "
+              f"{corpus['retrieval_windows']} with retrieval ({corpus['pairs_per_window']:.1f} extra pairs each), "
+              f"sha {corpus['sha']} ({time.time() - t0:.0f}s)", flush=True)
+        for name in names:
+            try:
+                rec = run_variant(name, args, corpus, seed)
+            except Exception as e:
+                traceback.print_exc()
+                rec = base_row(name, seed, args)
+                rec.update(error=f"{type(e).__name__}: {e}", **provenance_row(argv))
+                failed += 1
+            with open(os.path.join(args.out, "quality.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if "error" not in rec:
+                recs.append(rec)
     if recs:
         write_report(recs, args.out)
-    print(open(os.path.join(args.out, "quality.md")).read() if recs else "no variant finished")
-    return 0 if len(recs) == len(names) else 1
+        print(open(os.path.join(args.out, "quality.md")).read())
+    else:
+        print("no variant finished")
+    if not args.child:
+        rows = read_rows([os.path.join(args.out, "quality.jsonl")])
+        if rows:
+            print(write_seed_report(rows, args.out, protocol))
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

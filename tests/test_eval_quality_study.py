@@ -1,48 +1,23 @@
-"""benchmarks/quality_study.py --smoke: trains and evaluates the MTraining and MSA variants at toy
-size on CPU and writes their small result files (the GPU study is the same code at configs/quality sizes)."""
+"""benchmarks/quality_study.py: the multi-seed protocol (seeds set initialisation, data order and
+corpus; token budget; retrieval in the training mix), the statistics over seeds (t quantiles, paired
+differences, equal-time losses), the one-process-per-seed launcher, and --smoke runs at toy size on
+CPU that train and evaluate the arms and write their result files (the GPU study is the same code at
+configs/quality sizes)."""
 
 import json
 import os
+import re
+import sys
+from types import SimpleNamespace
 
+import jax
 import numpy as np
+import pytest
+import yaml
 
 from benchmarks import quality_study
 
-
-def test_quality_study_smoke(tmp_path):
-    out = str(tmp_path / "out")
-    rc = quality_study.main(["--out", out, "--work", str(tmp_path / "work"), "--smoke", "--variant", "mtraining",
-                             "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128",
-                             "--cross-eval", "reference", "--cross-eval-loss-only"])
-    assert rc == 0
-    (rec,) = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
-    assert rec["variant"] == "mtraining" and rec["steps"] == 2 and len(rec["train_loss"]) == 2
-    assert rec["eval"]["model"]["backends"] == ["ring", "mtraining"]
-    # the trainer's held-out loss and the evaluator's loss by position agree on the same first window
-    held = rec["eval"]["perplexity"]
-    assert abs(rec["heldout_loss"][-1][1] - sum(held["window_loss"][:1])) < 1e-3
-    assert set(rec["recall_untrained"]["mean_recall"]) == {"0.9", "0.5"}
-    # the budget sweep: the model's own budgets equal the evaluation's p = 0.9 recall; a budget that
-    # keeps every column (vertical_min = vertical_max = S) recalls everything
-    own, wide, full = rec["recall_budgets"]
-    assert own["budget"] == {} and abs(own["mean_recall"] - rec["eval"]["recall"]["mean_recall"]["0.9"]) < 1e-6
-    assert wide["budget"] == {"vertical_max": 512, "slash_max": 8}
-    assert wide["mean_recall"] >= own["mean_recall"] - 1e-6 and wide["mean_density"] >= own["mean_density"] - 1e-6
-    assert full["mean_recall"] > 0.999 and full["mean_density"] > 0.999 and len(full["layer_recall"]) == 2
-    # read with dense attention in every layer: a genuine second evaluation of the same parameters
-    cross = rec["cross_eval"]
-    assert cross["backend"] == "reference" and cross["eval"]["model"]["backends"] == ["reference", "reference"]
-    own_loss, dense_loss = held["mean_loss"], cross["eval"]["perplexity"]["mean_loss"]
-    assert np.isfinite(dense_loss) and abs(dense_loss - own_loss) < 0.5 and dense_loss != own_loss
-    rec2 = dict(rec, variant="dense")
-    quality_study.write_report([rec2, rec], out)
-    files = sorted(os.listdir(out))
-    assert files == ["loss_curves.png", "quality.jsonl", "quality.md", "quality_niah.png",
-                     "quality_position_loss.png", "quality_recall.png"]
-    md = open(os.path.join(out, "quality.md")).read()
-    assert "| metric | dense | mtraining | mtraining - dense |" in md and "| mtraining | 2 |" in md
-    assert "| mtraining | vertical_min=512, last_q=128 | 0.9 |" in md
-    assert "| mtraining | " in md and "| reference (every layer) |" in md
+pytestmark = pytest.mark.usefixtures("jax_compilation_cache")  # the arms and seeds share compiled steps
 
 
 def test_quality_study_msa_smoke(tmp_path):
@@ -63,3 +38,267 @@ def test_quality_study_msa_smoke(tmp_path):
     md = open(os.path.join(out, "quality.md")).read()
     assert "| msa | 1 | 0.5 |" in md
     assert quality_study.msa_warmup_steps(500, 0.1) == 50 and quality_study.msa_warmup_steps(500, 0.0) == 0
+
+
+# ----------------------------------------------------------------------------------- multi-seed study
+
+
+def test_t_quantile_known_values():
+    # two-sided 95 % critical values of Student's t (any statistics table)
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262, 10: 2.228,
+             20: 2.086, 30: 2.042}
+    for df, want in table.items():
+        assert abs(quality_study.t_quantile(0.975, df) - want) < 5e-4, df
+    assert abs(quality_study.t_quantile(0.95, 4) - 2.132) < 5e-4 and abs(quality_study.t_quantile(0.995, 2) - 9.925) < 5e-4
+    assert abs(quality_study.t_quantile(0.975, 2000) - 1.9612) < 5e-4  # -> the normal quantile 1.960
+    for bad in ((0.5, 2), (1.0, 2), (0.975, 0), (0.975, 2.5)):
+        with pytest.raises(ValueError):
+            quality_study.t_quantile(*bad)
+    try:
+        from scipy import stats
+    except ImportError:
+        return
+    for df in (1, 2, 3, 4, 7, 15):
+        for q in (0.6, 0.9, 0.975, 0.999):
+            assert abs(quality_study.t_quantile(q, df) - stats.t.ppf(q, df)) < 1e-8
+
+
+def test_paired_interval_on_synthetic_numbers():
+    iv = quality_study.paired_interval([1.0, 2.0, 3.0])
+    assert iv["n"] == 3 and iv["mean"] == 2.0 and abs(iv["sd"] - 1.0) < 1e-12
+    half = 4.3027 / np.sqrt(3)  # t_{0.975, 2} * sd / sqrt(n)
+    assert abs(iv["lo"] - (2 - half)) < 1e-3 and abs(iv["hi"] - (2 + half)) < 1e-3
+    assert quality_study.verdict(iv).startswith("no difference established")
+    iv = quality_study.paired_interval([-0.10, -0.12, -0.11, -0.13])
+    sd = np.std([-0.10, -0.12, -0.11, -0.13], ddof=1)
+    assert abs(iv["hi"] - (-0.115 + 3.1824 * sd / 2)) < 1e-4 and iv["hi"] < 0
+    assert quality_study.verdict(iv).startswith("lower than dense")
+    one = quality_study.paired_interval([-0.137])
+    assert one["lo"] is None and one["mean"] == -0.137 and quality_study.verdict(one).startswith("one seed")
+
+    # pairing is per seed: a seed-level offset common to both arms cancels
+    def row(arm, seed, loss, sha="x"):
+        return {"arm": arm, "seed": seed, "heldout_loss": loss, "steps": 2, "tokens": 1024, "tokens_per_step": 512,
+                "corpus_sha": sha, "train_loss": [[1, 3.0], [2, 2.0]], "heldout_curve": [[2, loss]],
+                "train_time": [[1, 1.0], [2, 2.0]]}
+
+    offsets = [0.0, 0.5, -0.4]
+    rows = [row("dense", s, 2.0 + o) for s, o in enumerate(offsets)]
+    rows += [row("mtraining", s, 2.0 + o - 0.1 + 0.01 * s) for s, o in enumerate(offsets)]
+    vals, notes = quality_study.seed_values(rows)
+    iv = quality_study.paired_differences(vals, "mtraining", "heldout_loss")
+    assert iv["seeds"] == [0, 1, 2] and np.allclose(iv["diffs"], [-0.1, -0.09, -0.08])
+    assert iv["hi"] < 0 and not notes
+    # an arm trained on other data for a seed is left out of the pairing (and said so)
+    rows.append(row("mtraining", 2, 1.0, sha="other"))
+    vals, notes = quality_study.seed_values(rows)
+    assert quality_study.paired_differences(vals, "mtraining", "heldout_loss")["seeds"] == [0, 1]
+    assert any("corpus_sha" in n for n in notes) and any("several rows" in n for n in notes)
+
+
+def test_loss_at_equal_training_time():
+    """Each seed's arms are read at its fastest arm's training time: the slower arm's held-out curve
+    is interpolated in time, the faster arm's is its final value."""
+    def row(arm, sec_per_step, curve):
+        return {"arm": arm, "seed": 0, "steps": 4, "tokens": 4096, "tokens_per_step": 1024, "corpus_sha": "x",
+                "heldout_loss": curve[-1][1], "train_loss": [[s, 5.0 - s] for s in range(1, 5)],
+                "heldout_curve": curve, "train_time": [[s, sec_per_step * s] for s in range(1, 5)]}
+
+    rows = [row("dense", 2.0, [[2, 3.0], [4, 2.0]]), row("mtraining", 1.0, [[2, 2.9], [4, 1.9]])]
+    vals, _ = quality_study.seed_values(rows)
+    d, m = vals[("dense", 0)], vals[("mtraining", 0)]
+    assert d["equal_time"] == m["equal_time"] == 4.0
+    assert m["heldout_equal_time"] == 1.9 and d["heldout_equal_time"] == 3.0  # dense at step 2 by 4 s
+    assert d["train_loss_equal_time"] == 3.0 and m["train_loss_equal_time"] == 1.0  # last 5 % = 1 step
+    iv = quality_study.paired_differences(vals, "mtraining", "heldout_equal_time")
+    assert np.isclose(iv["mean"], -1.1) and iv["lo"] is None
+    md = quality_study.seed_report_md(rows)
+    assert "| held-out loss, trainer's eval, at equal training time | mtraining − dense | 1 | -1.1 | — |" in md
+    assert "seed 0: 4.0" in md
+
+
+def test_seed_plot_bands(tmp_path):
+    """loss_vs_tokens.png from 2 arms x 3 seeds of 40 steps: mean line, min-max band, zoom on the end."""
+    rows = [{"arm": arm, "seed": s, "steps": 40, "tokens": 40 * 1024, "tokens_per_step": 1024, "corpus_sha": str(s),
+             "heldout_loss": 2.0, "train_loss": [[k, 4.0 - 0.05 * k + 0.01 * s - 0.1 * (arm == "msa")] for k in range(1, 41)],
+             "heldout_curve": [[k, 3.9 - 0.05 * k] for k in (10, 20, 30, 40)],
+             "train_time": [[k, (1.0 if arm == "dense" else 0.6) * k] for k in range(1, 41)]}
+            for arm in ("dense", "msa") for s in range(3)]
+    md = quality_study.write_seed_report(rows, str(tmp_path))
+    assert "| msa − dense | 3 |" in md and os.path.getsize(tmp_path / "loss_vs_tokens.png") > 20_000
+
+
+def test_seed_sets_initialisation_data_order_and_corpus(tmp_path):
+    """The study's seed reaches the model initialisation (``seed``), the loader's order (``data.seed``)
+    and the corpus' retrieval examples; the same seed reproduces all three."""
+    from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
+    from mtraining_jax.train import data as data_lib
+    from mtraining_jax.train.config import load_config
+    from mtraining_jax.train.state import build_model_config, split_model
+    from mtraining_jax.train.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    corpora = {s: quality_study.build_corpus(str(tmp_path / f"s{s}"), 512, 24, 1.0, s, 16) for s in (0, 1)}
+    again = quality_study.build_corpus(str(tmp_path / "again"), 512, 24, 1.0, 0, 16)
+    assert again["sha"] == corpora[0]["sha"] != corpora[1]["sha"]
+    stream = data_lib.token_file_stream(corpora[0]["paths"][0])
+
+    def first(seed):
+        over = quality_study.SMOKE + [f"data.path={corpora[0]['paths'][0]}"] + quality_study.seed_overrides(seed)
+        cfg = load_config(os.path.join(quality_study.QUALITY, "dense.yaml"), over)
+        assert cfg.seed == cfg.data.seed == seed
+        batch = next(data_lib.build_train_loader(cfg.data, tok, None, stream, accum=None))
+        _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+        init = split_model(Qwen2ForCausalLM, model_cfg, cfg.seed)[1]()
+        return np.asarray(batch.tokens), np.concatenate([np.ravel(x) for x in jax.tree.leaves(init)])
+
+    (b0, p0), (b1, p1), (b0b, p0b) = first(0), first(1), first(0)
+    assert not np.array_equal(b0, b1) and not np.array_equal(p0, p1)  # both differ between seeds
+    assert np.array_equal(b0, b0b) and np.array_equal(p0, p0b)  # and repeat for one seed
+
+
+END = {"passkey": r"What is the pass key\? The pass key is \d{5}$", "multikey": r"special magic number for \w+ is: \d{6}$",
+       "multivalue": r"numbers for \w+ are: \d{6}(, \d{6}){3}$", "vartrack": r"Answer: they are( [A-Z]{5}){5}$"}
+
+
+def test_retrieval_window_formats():
+    """A retrieval window: the task's example at the end, the extra key-value pairs (needle before its
+    question, the evaluation's multi-key wording) inside, the window's length kept; keys=0 is the
+    first study's single example."""
+    from mtraining_jax.eval import tasks
+    from mtraining_jax.train.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    code = np.resize(tok.encode("def f(x):\n    return x + 1\n"), 8192).astype(np.int32)
+    for task in quality_study.TRAIN_TASKS:
+        toks, pairs = quality_study.retrieval_window(tok, 8192, task, np.random.default_rng(3), code, 8)
+        assert len(toks) == 8192 and pairs == 8
+        text = tok.decode(toks)
+        qs = list(re.finditer(r"What is the special magic number for (\w+)\? The special magic number for \1 is: "
+                              r"(\d{6})\. ", text))
+        assert len(qs) == pairs
+        for m in qs:  # each extra question after its needle, with the needle's number
+            assert text.find(f" The special magic number for {m[1]} is: {m[2]}. ") < m.start(), (task, m[1])
+        assert re.search(END[task], text), (task, text[-120:])  # the task's own question and answer last
+    few, pairs = quality_study.retrieval_window(tok, 1024, "passkey", np.random.default_rng(0), code[:1024], 16)
+    assert len(few) == 1024 and 0 < pairs < 16  # at most a quarter of the window
+    old, _ = quality_study.retrieval_window(tok, 1024, "vartrack", np.random.default_rng(5), code[:1024], 0)
+    rng = np.random.default_rng(5)
+    assert np.array_equal(old, tasks.vartrack(tok, 1023, float(rng.uniform()), rng, stream=code[:1024]).tokens)
+
+
+def test_study_protocol(tmp_path):
+    study = quality_study.load_study(quality_study.STUDY)
+    assert study["token_budget"] % 32768 == 0 and study["retrieval"]["keys"] > 0
+    assert set(study["retrieval"]["tasks"]) <= set(quality_study.TRAIN_TASKS)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("token_budget: 100\nretrieval: {mixx: 1}\n")
+    with pytest.raises(ValueError, match="retrieval"):
+        quality_study.load_study(str(bad))
+
+    args = SimpleNamespace(steps=None, tokens=None, smoke=False)
+    base = SimpleNamespace(steps=160, data=SimpleNamespace(seq_len=32768, batch_size=1), optim=SimpleNamespace(grad_accum=1))
+    assert quality_study.resolve_steps(args, base, study) == study["token_budget"] // 32768
+    assert quality_study.resolve_steps(SimpleNamespace(steps=None, tokens=None, smoke=True), base, study) == 160
+    args.tokens = 32768 * 3 + 1
+    with pytest.raises(SystemExit, match="whole number"):
+        quality_study.resolve_steps(args, base, study)
+
+
+def test_gpu_per_seed_launches_one_process_per_seed(tmp_path, monkeypatch):
+    argv = ["--out", str(tmp_path / "out"), "--variant", "dense", "--num-seeds", "5", "--gpu-per-seed",
+            "--gpus=0,1,2,3", "--work", "/tmp/w", "--seeds", "7", "8"]
+    jobs = quality_study.child_commands(argv, [0, 1, 2, 3, 4], ["0", "1", "2", "3"], str(tmp_path / "out"))
+    assert [j[1] for j in jobs] == ["0", "1", "2", "3", "0"]  # a fifth seed waits for GPU 0
+    for s, gpu, cmd, env, child_out in jobs:
+        assert env["CUDA_VISIBLE_DEVICES"] == gpu and child_out == str(tmp_path / "out" / f"seed{s}")
+        assert cmd[2:] == ["--variant", "dense", "--work", "/tmp/w", "--seeds", str(s), "--out", child_out, "--child"]
+        assert "--gpu-per-seed" in env["MTRAINING_STUDY_COMMAND"]
+    # the launcher with stand-in children that write one row each: rows merged, comparison written
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import json, os, sys\n"
+        "out = sys.argv[sys.argv.index('--out') + 1]; seed = int(sys.argv[sys.argv.index('--seeds') + 1])\n"
+        "os.makedirs(out, exist_ok=True)\n"
+        "arm = sys.argv[sys.argv.index('--variant') + 1]\n"
+        "row = dict(arm=arm, variant=arm, seed=seed, steps=2, tokens=1024, tokens_per_step=512,\n"
+        "           heldout_loss=2.0 + seed - 0.1 * (arm == 'mtraining'), niah_accuracy=0.0, recall=0.8, commit='c', date='d', device='gpu',\n"
+        "           jax='j', command=os.environ['MTRAINING_STUDY_COMMAND'], corpus_sha=str(seed),\n"
+        "           gpu=os.environ['CUDA_VISIBLE_DEVICES'], train_loss=[[1, 3.0], [2, 2.5]],\n"
+        "           heldout_curve=[[2, 2.6]], train_time=[[1, 1.0], [2, 2.0]])\n"
+        "open(os.path.join(out, 'quality.jsonl'), 'a').write(json.dumps(row) + '\\n')\n")
+    real = quality_study.child_commands
+    monkeypatch.setattr(quality_study, "child_commands", lambda *a: [
+        (s, g, [sys.executable, str(child), *c[2:]], e, o) for s, g, c, e, o in real(*a)])
+    out = str(tmp_path / "run")
+    assert quality_study.main(["--out", out, "--variant", "dense", "--seeds", "0", "1", "--gpu-per-seed"]) == 0
+    assert quality_study.main(["--out", out, "--variant", "dense", "--seeds", "2", "--gpu-per-seed"]) == 0
+    assert quality_study.main(["--out", out, "--variant", "mtraining", "--seeds", "0", "1", "--gpu-per-seed"]) == 0
+    rows = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
+    assert sorted((r["arm"], r["seed"], r["gpu"]) for r in rows) == [  # every row once, each on its GPU
+        ("dense", 0, "0"), ("dense", 1, "1"), ("dense", 2, "0"), ("mtraining", 0, "0"), ("mtraining", 1, "1")]
+    assert len(open(tmp_path / "run" / "seed0" / "quality.jsonl").readlines()) == 2  # the child's own file
+    md = open(os.path.join(out, "seeds.md")).read()
+    assert "| dense | 0, 1, 2 | 3.0000 ± 1.0000 |" in md and os.path.isfile(os.path.join(out, "loss_vs_tokens.png"))
+    assert "| mtraining − dense | 2 | -0.1 | [-0.1, -0.1] | s0: -0.1, s1: -0.1 | lower than dense" in md
+
+
+def test_quality_study_seeds_smoke(tmp_path):
+    """2 seeds x 2 arms at toy size, one process: one row per (arm, seed) with every required field,
+    the arms of a seed on the same data, the seeds on different data, order and initialisation, the
+    comparison over seeds and its plot; the recall budget sweep and the read-with-dense-attention
+    evaluation on the MTraining model."""
+    out, work = str(tmp_path / "out"), tmp_path / "work"
+    rc = quality_study.main(["--out", out, "--work", str(work), "--smoke", "--variant", "both", "--seeds", "0", "1",
+                             "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128",
+                             "--cross-eval", "reference", "--cross-eval-loss-only"])
+    assert rc == 0
+    rows = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
+    assert [(r["arm"], r["seed"]) for r in rows] == [("dense", 0), ("mtraining", 0), ("dense", 1), ("mtraining", 1)]
+    for r in rows:
+        missing = [k for k in quality_study.REQUIRED if r.get(k) is None]
+        assert not missing, (r["arm"], r["seed"], missing)
+        assert r["steps"] == 2 and r["tokens"] == 2 * 512 and r["data_seed"] == r["seed"]
+        assert np.isfinite(r["heldout_loss"]) and 0 <= r["niah_accuracy"] <= 1 and 0 < r["recall"] <= 1
+        assert r["device"] == "cpu" and r["jax"] == jax.__version__ and "--seeds 0 1" in r["command"]
+        assert len(r["train_time"]) == 2 and r["train_time"][1][1] > r["train_time"][0][1] > 0
+        saved = yaml.safe_load(open(work / f"seed{r['seed']}" / r["arm"] / "config.yaml"))
+        assert saved["seed"] == saved["data"]["seed"] == r["seed"]  # the run's initialisation and data order
+    by = {(r["arm"], r["seed"]): r for r in rows}
+    assert by[("dense", 0)]["corpus_sha"] == by[("mtraining", 0)]["corpus_sha"] != by[("dense", 1)]["corpus_sha"]
+    assert by[("dense", 0)]["train_loss"][0][1] != by[("dense", 1)]["train_loss"][0][1]
+    md = open(os.path.join(out, "seeds.md")).read()
+    assert "| held-out loss @ 512, evaluator (nats/byte) | mtraining − dense | 2 |" in md
+    assert "Token budget per arm and seed: 1,024 tokens" in md
+    assert os.path.getsize(os.path.join(out, "loss_vs_tokens.png")) > 10_000
+    os.remove(os.path.join(out, "seeds.md"))
+    assert quality_study.main(["--out", out, "--report-only"]) == 0
+    again = open(os.path.join(out, "seeds.md")).read()
+    assert [x for x in again.splitlines() if "− dense" in x] == [x for x in md.splitlines() if "− dense" in x]
+
+    rec = by[("mtraining", 0)]
+    assert rec["eval"]["model"]["backends"] == ["ring", "mtraining"]
+    # the trainer's held-out loss and the evaluator's loss by position agree on the same first window
+    held = rec["eval"]["perplexity"]
+    assert abs(rec["heldout_curve"][-1][1] - sum(held["window_loss"][:1])) < 1e-3
+    assert rec["heldout_loss"] == held["mean_loss"] and rec["recall"] == rec["eval"]["recall"]["mean_recall"]["0.9"]
+    assert set(rec["recall_untrained"]["mean_recall"]) == {"0.9", "0.5"}
+    # the budget sweep: the model's own budgets equal the evaluation's p = 0.9 recall; a budget that
+    # keeps every column (vertical_min = vertical_max = S) recalls everything
+    own, wide, full = rec["recall_budgets"]
+    assert own["budget"] == {} and abs(own["mean_recall"] - rec["eval"]["recall"]["mean_recall"]["0.9"]) < 1e-6
+    assert wide["budget"] == {"vertical_max": 512, "slash_max": 8}
+    assert wide["mean_recall"] >= own["mean_recall"] - 1e-6 and wide["mean_density"] >= own["mean_density"] - 1e-6
+    assert full["mean_recall"] > 0.999 and full["mean_density"] > 0.999 and len(full["layer_recall"]) == 2
+    # read with dense attention in every layer: a genuine second evaluation of the same parameters
+    cross = rec["cross_eval"]
+    assert cross["backend"] == "reference" and cross["eval"]["model"]["backends"] == ["reference", "reference"]
+    own_loss, dense_loss = held["mean_loss"], cross["eval"]["perplexity"]["mean_loss"]
+    assert np.isfinite(dense_loss) and abs(dense_loss - own_loss) < 0.5 and dense_loss != own_loss
+    files = sorted(os.listdir(out))
+    assert files == ["loss_curves.png", "loss_vs_tokens.png", "quality.jsonl", "quality.md", "quality_niah.png",
+                     "quality_position_loss.png", "quality_recall.png", "seeds.md"]
+    md = open(os.path.join(out, "quality.md")).read()
+    assert "| metric | dense s0 | mtraining s0 | dense s1 | mtraining s1 |" in md and "| mtraining s0 | 2 |" in md
+    assert "| mtraining s0 | vertical_min=512, last_q=128 | 0.9 |" in md
+    assert "| mtraining s0 | " in md and "| reference (every layer) |" in md
