@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from benchmarks.packed_documents import length_mix  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars  # noqa: E402
 from mtraining_jax.mesh import make_mesh  # noqa: E402
+from mtraining_jax.ring.config import RingOptions  # noqa: E402
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk  # noqa: E402
 
 MODES = ("stream", "documents", "documents_per_doc")
@@ -47,7 +48,7 @@ def measure(q, k, v, seg, mesh, cfg: MTrainingConfig, mode: str) -> dict:
     _, st = fn(lay.permute(q), lay.permute(k), lay.permute(v), sg)
     W = np.asarray(st.work, np.float64)
     sc = stats_scalars(st.work, q.shape[0], q.shape[2], S, cfg.block_size)
-    return {"layout": cfg.layout, "ring_order": cfg.ring_order, "mode": mode,
+    return {"layout": cfg.layout, "ring_order": cfg.ring.ring_order, "mode": mode,
             "worker_imbalance": st.worker_imbalance(), "step_imbalance": st.step_imbalance(),
             "work_fraction": float(sc["work_fraction"]), "max_worker_share": float(W.sum(1).max() / W.sum() * P)}
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     v = jax.random.normal(jax.random.PRNGKey(a.seed), k.shape, k.dtype)
     recs = []
     for layout in a.layouts:
-        cfg = MTrainingConfig(layout=layout, ring_order="hierarchical", impl="xla")
+        cfg = MTrainingConfig(layout=layout, ring=RingOptions(ring_order="hierarchical", impl="xla"))
         for mode in MODES:
             r = measure(q, k, v, seg, mesh, cfg, mode)
             recs.append(r)

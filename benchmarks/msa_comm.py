@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from benchmarks.hlo import array_bytes, instructions  # noqa: E402
 from mtraining_jax.attention.msa import MSAConfig, msa_attention  # noqa: E402
 from mtraining_jax.mesh import make_mesh  # noqa: E402
+from mtraining_jax.ring.config import RingOptions  # noqa: E402
 
 COLLECTIVES = ("all-gather", "all-gather-start", "reduce-scatter", "all-reduce", "all-reduce-start")
 
@@ -29,7 +30,7 @@ def collectives(S, mesh_shape, pooling, heads=(4, 2), head_dim=64, index_dim=16,
     hq, hkv = heads
     P = mesh_shape[0] * mesh_shape[1]
     mesh = make_mesh(mesh_shape, jax.devices()[:P])
-    cfg = MSAConfig(top_k=top_k, impl="xla", pooling=pooling)
+    cfg = MSAConfig(top_k=top_k, ring=RingOptions(impl="xla"), pooling=pooling)
     shapes = [(1, S, hq, head_dim), (1, S, hkv, head_dim), (1, S, hkv, head_dim), (1, S, hkv, index_dim), (1, S, index_dim)]
     args = [jnp.zeros(s, jnp.bfloat16) for s in shapes]
 

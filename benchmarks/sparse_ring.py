@@ -18,9 +18,9 @@ masked float32 reference of the same index), and with ``--profile`` a traced ste
 op and source line, and the MEASURED exposed communication: NCCL time with no compute kernel running,
 with its longest stretches). The fwd+bwd step is timed per isolated call (``sparse_fwdbwd_s``) and
 back to back (``sparse_fwdbwd_steady_s``, as a training loop runs). ``--fuse none backward both``
-runs each multi-GPU case once per fused-kernel-call variant (``MTrainingConfig.fuse_forward`` /
+runs each multi-GPU case once per fused-kernel-call variant (``RingOptions.fuse_forward`` /
 ``fuse_backward``; default ``both``, the library default); ``--backward-ring kv query`` once per
-backward side (``MTrainingConfig.backward_ring`` / ``ring_attention(backward_ring=)``; default
+backward side (``RingOptions.backward_ring`` / ``ring_attention(backward_ring=)``; default
 ``auto``; every side also on one GPU, where they must cost the same). Appends JSON lines to
 ``--out/sparse_ring.jsonl``, writes the optimized HLO of each multi-GPU sparse step and its schedule
 reduced to collectives and kernels (``schedule_S*.txt``),
@@ -63,6 +63,7 @@ from benchmarks.trace_summary import summarize_dir  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention  # noqa: E402
 from pallas_kernels.reference import dense_attention  # noqa: E402
 from mtraining_jax.ring.attention import ring_attention  # noqa: E402
+from mtraining_jax.ring.config import RingOptions  # noqa: E402
 from mtraining_jax.ring.schedule import RING_ORDERS  # noqa: E402
 from mtraining_jax.ring.exchange import KV_EXCHANGES  # noqa: E402
 from mtraining_jax.ring.sides import BACKWARD_RINGS, resolve_backward_ring  # noqa: E402
@@ -117,7 +118,7 @@ def index_only(q, k, mesh, cfg, layout):
         pos = jnp.asarray(layout.positions, jnp.int32)[rank]
         index = estimate_index_shard(q_l, k_l, pos, cfg.sparsity, axis_names=CP_AXES)
         st = convert_index(index, rank, layout.positions, num_nodes=nodes, num_local=local,
-                           ring_order=cfg.ring_order, block_size=cfg.block_size)
+                           ring_order=cfg.ring.ring_order, block_size=cfg.block_size)
         return (st.block_count.sum() + st.col_count.sum() + st.col_idx.sum() + st.block_idx.sum())[None]
 
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=PartitionSpec(CP_AXES),
@@ -167,9 +168,9 @@ def run_case(S, mesh_shape, ring_order, args, out_dir, fuse="both", backward_rin
     mesh = make_mesh((N, L), jax.devices()[:P])
     sp = SparsityConfig()  # defaults: p = 0.9, verticals <= 4096, slashes <= 64 diagonals
     fuse_fwd, fuse_bwd = FUSE[fuse]
-    cfg = MTrainingConfig(sparsity=sp, layout="block_striped", ring_order=ring_order, fuse_forward=fuse_fwd,
-                          fuse_backward=fuse_bwd, backward_ring=backward_ring, kv_exchange=kv_exchange,
-                          exchange_capacity=args.exchange_capacity)
+    cfg = MTrainingConfig(sparsity=sp, layout="block_striped", ring=RingOptions(
+        ring_order=ring_order, fuse_forward=fuse_fwd, fuse_backward=fuse_bwd, backward_ring=backward_ring,
+        kv_exchange=kv_exchange, exchange_capacity=args.exchange_capacity))
     layout = cfg.make_layout(S, P)
     q, k, v, cot = make_inputs(S, sharpness=args.sharpness)
     shard = sequence_sharding(mesh)
@@ -514,9 +515,9 @@ def main(argv=None):
     ap.add_argument("--fuse", nargs="+", default=["both"], choices=list(FUSE),
                     help="which passes run their first two chunks in one kernel call (MTrainingConfig.fuse_*)")
     ap.add_argument("--backward-ring", nargs="+", default=["auto"], choices=list(BACKWARD_RINGS),
-                    help="which side circulates in the backward ring (MTrainingConfig.backward_ring), one run each")
+                    help="which side circulates in the backward ring (RingOptions.backward_ring), one run each")
     ap.add_argument("--kv-exchange", nargs="+", default=["ring"], choices=list(KV_EXCHANGES),
-                    help="how K/V reach the ranks (MTrainingConfig.kv_exchange; the sparse ring only), one run each")
+                    help="how K/V reach the ranks (RingOptions.kv_exchange; the sparse ring only), one run each")
     ap.add_argument("--exchange-capacity", type=float, default=None,
                     help="the sparse exchange's capacity, fraction of a chunk (default: exchange.DEFAULT_CAPACITY_FRACTION)")
     ap.add_argument("--repeat", type=int, default=5)

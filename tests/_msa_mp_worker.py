@@ -27,6 +27,7 @@ def main() -> int:
     from mtraining_jax.attention.msa import MSAConfig, msa_attention
     from mtraining_jax.attention.msa_kl import msa_kl_sum
     from mtraining_jax.mesh import CP_AXES, make_mesh, sequence_sharding
+    from mtraining_jax.ring.config import RingOptions
     from mtraining_jax.sparsity.msa_select import index_keys, select_blocks, selection_block_map, selection_work
     from pallas_kernels.reference import dense_attention
 
@@ -64,7 +65,7 @@ def main() -> int:
     shard3 = NamedSharding(mesh, PartitionSpec(None, CP_AXES, None))
     ok = True
     for order in ("hierarchical", "flat"):
-        cfg = MSAConfig(top_k=TOPK, layout="block_striped", ring_order=order, impl="xla")
+        cfg = MSAConfig(top_k=TOPK, layout="block_striped", ring=RingOptions(ring_order=order, impl="xla"))
         lay = cfg.make_layout(S, nproc * ndev)
 
         def loss(q, k, v, qi, ki, c):

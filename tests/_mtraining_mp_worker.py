@@ -21,6 +21,7 @@ def main() -> int:
 
     from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
     from mtraining_jax.mesh import make_mesh, sequence_sharding
+    from mtraining_jax.ring.config import RingOptions
     from mtraining_jax.sparsity import SparsityConfig, estimate_index, masked_reference
 
     mesh = make_mesh()
@@ -44,7 +45,7 @@ def main() -> int:
     # the query-side backward ring too: its first hop (from rank (n-1, l-1)) and dQ totals cross processes
     for order, side in (("hierarchical", "auto"), ("flat", "auto"), ("hierarchical", "query")):
         name = order if side == "auto" else f"{order}-{side}"
-        cfg = MTrainingConfig(sparsity=sparsity, ring_order=order, impl="xla", backward_ring=side)
+        cfg = MTrainingConfig(sparsity=sparsity, ring=RingOptions(ring_order=order, impl="xla", backward_ring=side))
         lay = cfg.make_layout(S, nproc * ndev)
 
         def loss(q, k, v, c):

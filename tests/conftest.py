@@ -1,11 +1,27 @@
-"""Test setup: 8 virtual CPU devices (set before JAX is imported) and float64 available."""
+"""Test setup: the platform, 8 virtual CPU devices (set before JAX is imported), float64 available.
+
+Platform (decided in :func:`pytest_configure`, before any JAX backend starts):
+
+* the default run (``-m 'not gpu'``, from ``pyproject.toml``) runs on the CPU
+  (``JAX_PLATFORMS=cpu``, 8 virtual devices) on every machine;
+* a run that selects the ``gpu``-marked tests (``python -m pytest -m gpu``) leaves the platform to
+  JAX, i.e. the CUDA GPU where there is one. A ``gpu`` test with no GPU backend is SKIPPED with
+  the reason (never run on the CPU in interpret mode and reported as passed), and the summary
+  says so;
+* an explicit ``JAX_PLATFORMS`` in the environment is always respected; ``MTRAINING_TEST_GPU=1``
+  (older command) also leaves the platform to JAX for the default run.
+
+The backend is started once at session start, so a test that asks for a different number of CPU
+devices (e.g. the training CLI's ``mesh.cpu_devices``, which calls ``jax.config.update
+("jax_num_cpu_devices", ...)``) can no longer change the device count of the tests after it;
+JAX platform config and the environment it reads are restored after every test.
+"""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu") if os.environ.get("MTRAINING_TEST_GPU") is None else None
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"  # host platform only: harmless on GPU
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -18,6 +34,88 @@ jax.config.update("jax_enable_x64", True)
 settings.register_profile("repro", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repro"))
+
+_USER_PLATFORMS = os.environ.get("JAX_PLATFORMS")  # as the user started pytest
+_GPU_STATE = {"selected": False, "skipped": 0, "reason": None}
+
+
+def _selects_gpu_tests(config) -> bool:
+    """Whether the ``-m`` expression selects tests marked ``gpu`` (``-m gpu``, ``-m "gpu or slow"``;
+    not the default ``-m 'not gpu'``; an empty expression selects everything)."""
+    expr = config.getoption("markexpr", "") or ""
+    if not expr.strip():
+        return True
+    try:
+        from _pytest.mark.expression import Expression
+
+        return bool(Expression.compile(expr).evaluate(lambda name, **kw: name == "gpu"))
+    except Exception:  # private API moved: a plain reading of the expression
+        return "gpu" in expr and "not gpu" not in expr
+
+
+def pytest_configure(config):
+    gpu_run = _selects_gpu_tests(config)
+    _GPU_STATE["selected"] = gpu_run
+    legacy = os.environ.get("MTRAINING_TEST_GPU", "") not in ("", "0")
+    if _USER_PLATFORMS is None and not gpu_run and not legacy:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # also for the subprocesses tests start
+        jax.config.update("jax_platforms", "cpu")
+
+
+def _gpu_missing_reason():
+    """``None`` when JAX has a CUDA GPU backend, else why not (starts the backends)."""
+    if _GPU_STATE["reason"] is None:
+        try:
+            devs = jax.devices("gpu")
+            _GPU_STATE["reason"] = "" if devs else "jax.devices('gpu') is empty"
+        except RuntimeError:
+            plats = ", ".join(sorted({d.platform for d in jax.devices()}))
+            _GPU_STATE["reason"] = (f"JAX has no 'gpu' backend here (jax.devices(): {plats}; "
+                                    f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r})")
+    return _GPU_STATE["reason"] or None
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None:
+        reason = _gpu_missing_reason()
+        if reason:
+            _GPU_STATE["skipped"] += 1
+            pytest.skip(f"needs a CUDA GPU: {reason}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _GPU_STATE["skipped"]:
+        terminalreporter.write_sep("!", f"{_GPU_STATE['skipped']} GPU test(s) SKIPPED, NOT RUN: needs a CUDA GPU "
+                                        f"({_GPU_STATE['reason']})", red=True, bold=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jax_backend():
+    """Start JAX's backends before the first test, with the platform and device count above."""
+    jax.devices()
+    yield
+
+
+_RESTORED_CONFIG = ("jax_platforms", "jax_enable_x64", "jax_default_matmul_precision")
+_RESTORED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS")
+
+
+@pytest.fixture(autouse=True)
+def _restore_jax_config():
+    """Undo what a test (or the CLI it calls in process) changed in JAX's platform config and the
+    environment JAX and subprocesses read."""
+    config = {k: getattr(jax.config, k) for k in _RESTORED_CONFIG}
+    env = {k: os.environ.get(k) for k in _RESTORED_ENV}
+    yield
+    for k, v in config.items():
+        if getattr(jax.config, k) != v:
+            jax.config.update(k, v)
+    for k, v in env.items():
+        if os.environ.get(k) != v:
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

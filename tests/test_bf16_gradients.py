@@ -13,6 +13,7 @@ import pytest
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
 from pallas_kernels.reference import dense_attention
 from mtraining_jax.ring.attention import ring_attention
+from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.sparsity import SparsityConfig, estimate_index, index_to_mask
@@ -82,7 +83,7 @@ def test_sparse_ring_bf16_gradients():
     B, S, P = 1, 512, 4
     q, k, v, cot = _inputs(B, S, 4, 2, 64, seed=2)
     sp = SparsityConfig(vertical_p=0.8, slash_p=0.8, vertical_min=8, vertical_max=64, slash_max=8)
-    cfg = MTrainingConfig(sparsity=sp, impl="xla")
+    cfg = MTrainingConfig(sparsity=sp, ring=RingOptions(impl="xla"))
     mesh = make_mesh((1, P), jax.devices()[:P])
     lay = cfg.make_layout(S, P)
     index = estimate_index(lay.permute(q), lay.permute(k), jnp.asarray(lay.perm), sp)  # the ring's index

@@ -10,7 +10,7 @@ import pytest
 
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
 from mtraining_jax.mesh import make_mesh
-from mtraining_jax.sparsity import SparsityConfig
+from mtraining_jax.sparsity import SparsityConfig, estimate_index
 from pallas_kernels.api import block_sparse_attention
 
 BAD_SPARSITY = [
@@ -33,7 +33,22 @@ def test_sparsity_config_rejects_on_construction(kwargs, match):
 
 
 def test_good_sparsity_configs_construct():
-    SparsityConfig(block_size=128, sm_scale=0.125, vertical_p=[0.5, 0.9], slash_max=(8, 16), vertical_max=np.int64(64))
+    """Valid values in every accepted form (a list, a tuple, a NumPy integer) construct, are held
+    normalized (per-head tuples), broadcast per head, and run: the estimate takes the config."""
+    c = SparsityConfig(block_size=128, sm_scale=0.125, vertical_p=[0.5, 0.9], slash_max=(8, 16),
+                       vertical_max=np.int64(64))
+    assert c.vertical_p == (0.5, 0.9) and c.slash_max == (8, 16) and c.slash_p == 0.9
+    np.testing.assert_array_equal(c.per_head("vertical_p", 2), [0.5, 0.9])
+    np.testing.assert_array_equal(c.per_head("slash_min", 2), [1, 1])  # a scalar: every head
+    assert (c.max_verticals(4096), c.max_slashes(4096), c.max_slashes(1024)) == (64, 16, 8)
+    c.check(4096, 2)
+    with pytest.raises(ValueError, match="vertical_p has 2 per-head entries but there are 3 query heads"):
+        c.check(4096, 3)
+    S = 1024
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, S, 2, 32))
+    idx = estimate_index(q, q[:, :, :1], jnp.arange(S), c)
+    assert idx.v_idx.shape == (1, 2, 64) and idx.s_idx.shape == (1, 2, 8)  # MS = min(16, S / 128)
+    assert np.all(np.asarray(idx.v_count) <= 64) and np.all(np.asarray(idx.s_idx)[..., 0] == 0)
 
 
 def _fast_error(fn, match):

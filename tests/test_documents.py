@@ -13,6 +13,7 @@ from mtraining_jax.attention.dispatch import attention
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
 from pallas_kernels.reference import dense_attention
 from mtraining_jax.ring.attention import ring_attention
+from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.sparsity import SparsityConfig, estimate_index
@@ -190,7 +191,7 @@ def test_sparse_ring_documents_match_masked_reference(docs, window, side, exchan
     seg = _segments(docs * B, S)
     mesh = make_mesh((2, 2), jax.devices()[:4])
     sparse = dataclasses.replace(SPARSE, window=window, window_blocks=4)
-    cfg = MTrainingConfig(sparsity=sparse, impl="xla", backward_ring=side, kv_exchange=exchange)
+    cfg = MTrainingConfig(sparsity=sparse, ring=RingOptions(impl="xla", backward_ring=side, kv_exchange=exchange))
     lay = cfg.make_layout(S, 4)
     p = lay.permute
 
@@ -209,7 +210,7 @@ def test_documents_cut_sparse_work():
     q, k, v, cot = _qkv(3, S)
     seg = _segments(DOCS[1] * B, S)
     mesh = make_mesh((1, 4), jax.devices()[:4])
-    cfg = MTrainingConfig(sparsity=SPARSE, impl="xla", force_full=True, ring_order="flat")
+    cfg = MTrainingConfig(sparsity=SPARSE, ring=RingOptions(impl="xla", ring_order="flat"), force_full=True)
     lay = cfg.make_layout(S, 4)
     p = lay.permute
     run = jax.jit(lambda q, k, v, s: mtraining_attention(q, k, v, mesh, cfg, segment_ids=s, return_stats=True))

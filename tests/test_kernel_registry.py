@@ -63,10 +63,11 @@ def test_named_mosaic_off_gpu_raises_through_api():
 def test_configs_validate_against_the_registry():
     from mtraining_jax.attention.mtraining import MTrainingConfig
     from mtraining_jax.model.config import ModelConfig
+    from mtraining_jax.ring.config import RingOptions
 
     with pytest.raises(ValueError, match="unknown impl 'cuda'"):
-        MTrainingConfig(impl="cuda")
-    MTrainingConfig(impl="mosaic")
+        MTrainingConfig(ring=RingOptions(impl="cuda"))
+    MTrainingConfig(ring=RingOptions(impl="mosaic"))
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     assert "attention_impl" in fields
     assert set(registry.IMPLS) >= {"auto", "mosaic", "triton", "xla", "pallas"}

@@ -2,7 +2,7 @@
 
 ``_KernelSuite`` holds the cases; subclasses pick the backend: the XLA twin, the Pallas kernel in
 interpret mode (CPU), and the Pallas kernel on a GPU (``@pytest.mark.gpu``, 8K-sized shapes;
-run with ``MTRAINING_TEST_GPU=1 pytest -m gpu tests/test_kernels.py``).
+run with ``pytest -m gpu tests/test_kernels.py``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,13 @@ class _KernelSuite:
     impl: str = "xla"
     S: int = 128  # query and key length
     H: int = 4
-    tol = {jnp.float32: 1e-3, jnp.bfloat16: 2e-2}
+    # relative error against the float32 reference of the same (bf16-rounded) values. bfloat16:
+    # ~3x the largest error observed on CPU over the forward / gradient / documents tests (XLA twin:
+    # out 9.9e-8, lse 5.0e-8 (both float32 results), dq/dk/dv 2.4e-3 (bf16 results));
+    # float32: unchanged
+    tol = {jnp.float32: 1e-3, jnp.bfloat16: 3e-7}  # forward output (float32)
+    lse_tol = {jnp.float32: 1e-3, jnp.bfloat16: 1.5e-7}
+    grad_tol = {jnp.float32: 2e-3, jnp.bfloat16: 7e-3}
     cases = [  # (gqa group, head_dim, dtype, permuted positions)
         (1, 64, jnp.float32, False),
         (4, 128, jnp.bfloat16, True),
@@ -89,7 +95,7 @@ class _KernelSuite:
         assert _rel(out, ref_out) < self.tol[dtype]
         fin = np.isfinite(np.asarray(ref_lse))
         np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)  # empty rows: -inf
-        assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < self.tol[dtype]
+        assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < self.lse_tol[dtype]
         np.testing.assert_array_equal(np.asarray(out)[~np.moveaxis(fin, 1, 2)], 0.0)
 
     @pytest.mark.parametrize("case", range(2))
@@ -112,7 +118,7 @@ class _KernelSuite:
                        argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
         for name, a, b in zip("qkv", mine, ref):
             assert a.dtype == dtype, name
-            assert _rel(a, b) < 2 * self.tol[dtype], f"d{name}: {_rel(a, b)}"
+            assert _rel(a, b) < self.grad_tol[dtype], f"d{name}: {_rel(a, b)}"
 
     @pytest.mark.parametrize("case", range(2))
     def test_documents_match_reference(self, case):
@@ -138,7 +144,7 @@ class _KernelSuite:
         assert _rel(out, ref_out) < self.tol[dtype]
         fin = np.isfinite(np.asarray(ref_lse))
         np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-        assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < self.tol[dtype]
+        assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < self.lse_tol[dtype]
         ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
         mine = jax.grad(lambda *a: jnp.sum(api.block_sparse_attention(
             *a, q_pos, k_pos, index, impl=self.impl, q_seg=q_seg, k_seg=k_seg).astype(jnp.float32) * ct),
@@ -146,7 +152,7 @@ class _KernelSuite:
         want = jax.grad(lambda *a: jnp.sum(ref(*a)[0] * ct), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
         for name, a, b in zip("qkv", mine, want):
             assert a.dtype == dtype, name
-            assert _rel(a, b) < 2 * self.tol[dtype], f"d{name}: {_rel(a, b)}"
+            assert _rel(a, b) < self.grad_tol[dtype], f"d{name}: {_rel(a, b)}"
 
     def test_dense_index_none(self):
         """``index=None`` is dense causal-by-position attention (fwd and bwd)."""
@@ -243,6 +249,11 @@ class TestPallasInterpret(_KernelSuite):
     """Five blocks per side, so rows hold pairs of free tiles, odd tails and masked tiles."""
     impl = "pallas"
     S = 320
+    # bfloat16, ~3x the largest error observed (Triton interpret on CPU: out 6.3e-4 (P rounded to
+    # bf16 for the PV dot), lse 5.6e-8, dq/dk/dv 3.0e-3)
+    tol = {jnp.float32: 1e-3, jnp.bfloat16: 2e-3}
+    lse_tol = {jnp.float32: 1e-3, jnp.bfloat16: 1.5e-7}
+    grad_tol = {jnp.float32: 2e-3, jnp.bfloat16: 9e-3}
 
     def test_column_pass_row_ranges_agree(self):
         """The column dK/dV pass gives the same result with its column chunks' query blocks in one
@@ -269,6 +280,11 @@ class TestPallasInterpret(_KernelSuite):
 class _GPUSizes(_KernelSuite):
     """8K-token cases with up to 24 active blocks and 200 listed columns per row."""
     S = 8192
+    # compiled kernels (TF32 / bf16 tensor-core dots, approximate exp): the earlier bounds, NOT yet
+    # measured against their observed error on the GPU (issue 35: tighten to ~3x from a GPU run)
+    tol = {jnp.float32: 1e-3, jnp.bfloat16: 2e-2}
+    lse_tol = {jnp.float32: 1e-3, jnp.bfloat16: 2e-2}
+    grad_tol = {jnp.float32: 2e-3, jnp.bfloat16: 4e-2}
 
     def _index(self, rng, B, q_pos, k_pos, sk):
         return random_step_index(rng, B, self.H, self.S, sk, q_pos, k_pos, max_blocks=24, max_cols=200)

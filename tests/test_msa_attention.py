@@ -14,6 +14,7 @@ import pytest
 from mtraining_jax.attention.msa import MSAConfig, msa_attention
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import make_mesh
+from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.sparsity.msa_select import index_keys, select_blocks, selection_block_map
 from pallas_kernels.reference import dense_attention
 
@@ -88,7 +89,7 @@ def _row_blocks(qi, ki, top_k=TOPK, full=False, pooling="mean"):
     return jnp.asarray(np.repeat(blk, BS, axis=2))  # [B, G, S, nb]
 
 
-CFG = MSAConfig(top_k=TOPK, impl="xla", layout="contiguous")
+CFG = MSAConfig(top_k=TOPK, ring=RingOptions(impl="xla"), layout="contiguous")
 
 
 @functools.partial(jax.jit, static_argnames=("warmup",))
@@ -139,7 +140,7 @@ def test_msa_warmup_is_dense_attention_and_full_support_kl():
 def test_msa_kl_value_and_gradients_match_float64_reference(full, pooling):
     q, k, v, qi, ki = _inputs(2)
     blk = _row_blocks(qi, ki, full=full, pooling=pooling)
-    cfg = MSAConfig(top_k=TOPK, impl="xla", layout="contiguous", pooling=pooling)
+    cfg = MSAConfig(top_k=TOPK, ring=RingOptions(impl="xla"), layout="contiguous", pooling=pooling)
 
     def kl_of(q, k, v, qi, ki):
         return msa_attention(q, k, v, qi, ki, None, cfg, warmup=full)[1].kl
@@ -166,8 +167,9 @@ def test_msa_shard_map_layouts_match_one_device(layout, shape, pooling):
     P = shape[0] * shape[1]
     mesh = make_mesh(shape, jax.devices()[:P])
     lay = Layout(layout, S, P, stripe=BS)
-    cfg = MSAConfig(top_k=TOPK, impl="xla", layout=layout, ring_order="hierarchical", pooling=pooling)
-    one = MSAConfig(top_k=TOPK, impl="xla", layout="contiguous", pooling=pooling)
+    cfg = MSAConfig(top_k=TOPK, ring=RingOptions(ring_order="hierarchical", impl="xla"), layout=layout,
+                    pooling=pooling)
+    one = MSAConfig(top_k=TOPK, ring=RingOptions(impl="xla"), layout="contiguous", pooling=pooling)
     laid = [lay.permute(x) for x in (q, k, v, qi, ki)]
     mask = _token_mask(qi, ki, pooling=pooling)
     do = jax.random.normal(jax.random.PRNGKey(4), q.shape)

@@ -3,7 +3,7 @@
 ``_SparseRingSuite`` holds the operator-level cases; subclasses pick the per-step kernel backend
 (``pallas_kernels.registry.BACKENDS``): the XLA twin (every mesh x layout x order, fused and
 unfused kernel calls), the Triton kernels in interpret mode on CPU (two ranks, three fuse variants)
-and compiled on a GPU (``@pytest.mark.gpu``: ``MTRAINING_TEST_GPU=1 pytest -m gpu
+and compiled on a GPU (``@pytest.mark.gpu``: ``pytest -m gpu
 tests/test_mtraining_attention.py``).
 """
 
@@ -19,6 +19,7 @@ from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attenti
 from mtraining_jax.sparsity.index import full_index
 from pallas_kernels.reference import dense_attention
 from mtraining_jax.ring.attention import ring_attention
+from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.sparsity import SparsityConfig, convert_index, estimate_index, masked_reference
 from mtraining_jax.sparsity.metrics import density, work_matrix
@@ -85,7 +86,7 @@ FUSED_CASES = [((1, 2), "block_striped", "hierarchical", (True, True)),  # P = 2
 def test_full_index_equals_dense_ring(order):
     q, k, v, cot = _inputs(7)
     mesh = make_mesh((2, 4))
-    cfg = MTrainingConfig(sparsity=SPARSE, ring_order=order, force_full=True, impl="xla")
+    cfg = MTrainingConfig(sparsity=SPARSE, ring=RingOptions(ring_order=order, impl="xla"), force_full=True)
     layout = cfg.make_layout(S, 8)
     lq, lk, lv = (layout.permute(x) for x in (q, k, v))
     sparse = jax.jit(lambda a, b, c: mtraining_attention(a, b, c, mesh, cfg))(lq, lk, lv)
@@ -108,7 +109,8 @@ def test_reported_imbalance_equals_index_metric(layout, order, fuse_forward):
     """Per-step work as executed (split back per chunk when two steps share a kernel call)."""
     q, k, v, _ = _inputs(3)
     mesh = make_mesh((2, 4))
-    cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl="xla", fuse_forward=fuse_forward)
+    cfg = MTrainingConfig(sparsity=SPARSE, layout=layout,
+                          ring=RingOptions(ring_order=order, impl="xla", fuse_forward=fuse_forward))
     lay = cfg.make_layout(S, 8)
     out, stats = jax.jit(lambda a, b, c: mtraining_attention(a, b, c, mesh, cfg, return_stats=True))(
         lay.permute(q), lay.permute(k), lay.permute(v))
@@ -124,12 +126,12 @@ def test_reported_imbalance_equals_index_metric(layout, order, fuse_forward):
 def test_bf16_close_to_reference():
     q, k, v, cot = _inputs(11, jnp.bfloat16)
     mesh = make_mesh((2, 4))
-    cfg = MTrainingConfig(sparsity=SPARSE, impl="xla")
+    cfg = MTrainingConfig(sparsity=SPARSE, ring=RingOptions(impl="xla"))
     out, _ = _run(cfg, mesh, q, k, v, cot)
     index = estimate_index(q, k, jnp.arange(S, dtype=jnp.int32), SPARSE)
     ref, _ = masked_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), index)
     assert out.dtype == jnp.bfloat16
-    assert _rel(out, ref) <= 2e-2
+    assert _rel(out, ref) <= 5e-3  # ~3x the observed 1.63e-3 (the bf16 rounding of the output)
 
 
 def test_bad_inputs():
@@ -138,13 +140,13 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="token_striped"):
         MTrainingConfig(layout="token_striped")
     with pytest.raises(ValueError, match="ring order"):
-        MTrainingConfig(ring_order="spiral")
+        MTrainingConfig(ring=RingOptions(ring_order="spiral"))
     with pytest.raises(ValueError, match="impl"):
-        MTrainingConfig(impl="cuda")
+        MTrainingConfig(ring={"impl": "cuda"})
     with pytest.raises(ValueError, match="fuse_forward must be a bool, got 'yes'"):
-        MTrainingConfig(fuse_forward="yes")
+        MTrainingConfig(ring=RingOptions(fuse_forward="yes"))
     with pytest.raises(ValueError, match="unknown backward_ring 'q'"):
-        MTrainingConfig(backward_ring="q")
+        MTrainingConfig(ring=RingOptions(backward_ring="q"))
     with pytest.raises(ValueError, match="not divisible"):
         mtraining_attention(q[:, :960], k[:, :960], v[:, :960], mesh, MTrainingConfig(sparsity=SPARSE))
     with pytest.raises(ValueError, match="multiple of KV heads"):
@@ -170,7 +172,7 @@ def test_backward_keeps_the_compact_index_not_every_step():
                         if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer))
     all_steps = sum(  # what every rank would hold if all P steps were converted in the forward
         x.size for r in range(P) for x in jax.tree.leaves(convert_index(
-            stats.index, r, layout, num_nodes=1, num_local=P, ring_order=cfg.ring_order)))
+            stats.index, r, layout, num_nodes=1, num_local=P, ring_order=cfg.ring.ring_order)))
     compact = sum(x.size for x in jax.tree.leaves(stats.index))
     # the compact index, token positions (the queries' [S] and the visiting chunks' [P steps, S]
     # over all ranks) and a few scalars; no per-step index
@@ -203,16 +205,40 @@ class _SparseRingSuite:
              + [((2, 4), "zigzag", "hierarchical", (True, True), "kv", "sparse"),
                 ((4, 2), "contiguous", "flat", (True, True), "query", "sparse")])
 
-    def test_impl_is_a_registry_backend(self):
-        assert self.impl in registry.BACKENDS
+    def test_every_kernel_call_is_the_suite_backend(self, monkeypatch):
+        """The suite really runs its backend: every per-step kernel of the sparse ring, forward and
+        backward, is selected as ``impl`` (a path that dropped ``impl`` would fall back to "auto",
+        i.e. the XLA twin on CPU, and pass the numerics unnoticed)."""
+        seen = []
+        select = registry.select
+
+        def spy(impl, prob):
+            mod = select(impl, prob)
+            seen.append((prob.direction, mod.NAME))
+            return mod
+
+        monkeypatch.setattr(registry, "select", spy)
+        mesh_shape, layout, order, fuse, *side = self.CASES[0]
+        mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
+        cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring=RingOptions(
+            ring_order=order, impl=self.impl, fuse_forward=fuse[0], fuse_backward=fuse[1],
+            backward_ring=(side or ["auto"])[0]))
+
+        def loss(q, k, v):  # a fresh function: traced now, whatever other tests traced
+            return jnp.sum(mtraining_attention(q, k, v, mesh, cfg).astype(jnp.float32))
+
+        x = lambda h: jax.ShapeDtypeStruct((B, S, h, self.head_dim), self.dtype)  # noqa: E731
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x(HQ), x(HKV), x(HKV))
+        assert {d for d, _ in seen} == {"fwd", "bwd"}, seen
+        assert {n for _, n in seen} == {registry.validate_impl(self.impl)}, seen
 
     def test_sparse_ring_matches_masked_reference(self, ring_case):
         mesh_shape, layout, order, fuse, *side = ring_case
         q, k, v, cot = _inputs(hash((mesh_shape, layout, order)) % 1000, self.dtype, self.head_dim)
         mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
-        cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring_order=order, impl=self.impl,
-                              fuse_forward=fuse[0], fuse_backward=fuse[1], backward_ring=(side or ["auto"])[0],
-                              kv_exchange=side[1] if len(side) > 1 else "ring")
+        cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring=RingOptions(
+            ring_order=order, impl=self.impl, fuse_forward=fuse[0], fuse_backward=fuse[1],
+            backward_ring=(side or ["auto"])[0], kv_exchange=side[1] if len(side) > 1 else "ring"))
         P = mesh_shape[0] * mesh_shape[1]
         lay = cfg.make_layout(S, P)
 
@@ -262,7 +288,7 @@ class TestMosaicGPU(_SparseRingSuite):
     """Compiled Mosaic GPU kernels (Hopper) on one GPU; bf16 q/k/v (what the kernels take)."""
 
     impl = "mosaic"
-    tol = 2e-2
+    tol = 2e-2  # the earlier bound, NOT yet measured against the GPU error (issue 35)
     dtype = jnp.bfloat16
     head_dim = 64  # the kernels take 64 or 128
     CASES = TestTritonGPU.CASES

@@ -7,7 +7,7 @@ the layout positions as a traced argument, so all four layouts reuse one compila
 ``_RingSuite`` holds the cases; subclasses pick the per-step kernel backend
 (``pallas_kernels.registry.BACKENDS``) and their cases: the XLA twin (every mesh, order, layout),
 the Triton kernels in interpret mode on CPU (two tiny cases: interpret mode is slow) and compiled
-on a GPU (``@pytest.mark.gpu``: ``MTRAINING_TEST_GPU=1 pytest -m gpu tests/test_ring.py``).
+on a GPU (``@pytest.mark.gpu``: ``pytest -m gpu tests/test_ring.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from pallas_kernels.index_format import StepIndex, causal_flags, full_step_index
 
 MESHES = ((1, 1), (1, 8), (2, 4), (4, 2))
 STRIPE = 16  # block_striped stripe for these small tests (the layout's default is 64)
-TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+# bfloat16: ~3x the largest error observed on CPU (XLA twin, every bf16 case: out 1.56e-3, dq/dk/dv
+# 1.67e-3 — the bf16 rounding of the results; the reference is float64 of the same bf16 values)
+TOL = {"float32": 1e-5, "bfloat16": 5e-3}
 
 
 def _mesh(shape, data: int = 1) -> Mesh:
@@ -178,8 +180,34 @@ class _RingSuite:
                       for m in MESHES[1:] for o in RING_ORDERS]
     EXCHANGE_SHAPES = dict(B=1, S=512, Hq=2, Hkv=1, D=32, bs=16)
 
-    def test_impl_is_a_registry_backend(self):
-        assert self.impl in registry.BACKENDS
+    def test_every_kernel_call_is_the_suite_backend(self, monkeypatch):
+        """The suite really runs its backend: every per-step kernel the ring traces, forward and
+        backward, is selected as ``impl`` (a ring that dropped ``impl`` on some path, e.g. the
+        backward, would fall back to "auto", i.e. the XLA twin on CPU, and pass the numerics)."""
+        seen = []
+        select = registry.select
+
+        def spy(impl, prob):
+            mod = select(impl, prob)
+            seen.append((prob.direction, mod.NAME))
+            return mod
+
+        monkeypatch.setattr(registry, "select", spy)
+        mesh_shape, order, layouts, kw = self.RING_CASES[0]
+        B, S, Hq, Hkv, D = (kw.get(n, d) for n, d in (("B", 1), ("S", 256), ("Hq", 4), ("Hkv", 1), ("D", 64)))
+        dt = jnp.dtype(kw.get("dtype", "float32"))
+        mesh = _mesh(mesh_shape)
+
+        def loss(q, k, v, positions):  # a fresh function: traced now, whatever other tests traced
+            out = ring_attention(q, k, v, positions, mesh, ring_order=order, impl=self.impl,
+                                 backward_ring=kw.get("backward_ring", "auto"))
+            return jnp.sum(out.astype(jnp.float32))
+
+        x = lambda h: jax.ShapeDtypeStruct((B, S, h, D), dt)  # noqa: E731
+        pos = jax.ShapeDtypeStruct((S,), jnp.int32)
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x(Hq), x(Hkv), x(Hkv), pos)
+        assert {d for d, _ in seen} == {"fwd", "bwd"}, seen
+        assert {n for _, n in seen} == {registry.validate_impl(self.impl)}, seen
 
     def test_ring_matches_reference(self, ring_case):
         mesh_shape, order, layouts, kw = ring_case
@@ -258,6 +286,7 @@ class TestTritonGPU(_RingSuite):
     code as on CPU). Float32 runs TF32 tensor-core dots: looser float32 tolerance."""
 
     impl = "triton"
+    # compiled kernels: the earlier bounds, NOT yet measured against their GPU error (issue 35)
     tol = {"float32": 2e-3, "bfloat16": 2e-2}
     RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype=dt, backward_ring=b))
                   for dt in ("float32", "bfloat16") for b in ("kv", "query")]

@@ -116,3 +116,48 @@ def test_estimate_bad_inputs():
         estimate_index(q, k, jnp.arange(S), SparsityConfig(block_size=96))
     with pytest.raises(ValueError, match="SparsityConfig"):
         estimate_index(q, k, jnp.arange(S), {"last_q": 64})
+
+
+def test_positions_are_checked_up_front():
+    """Every public entry of the sparsity package that takes positions rejects a set that is not
+    one (issue 35: all-zero positions used to give an index silently), naming the bad value."""
+    from mtraining_jax.layouts import Layout
+    from mtraining_jax.sparsity import convert_index, convert_step
+    from mtraining_jax.sparsity.metrics import pair_work, recall
+    from mtraining_jax.sparsity.msa_select import full_selection, layout_block_order, select_blocks
+    from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk
+
+    q, k = _inputs()
+    with pytest.raises(ValueError, match=r"position 0 appears twice \(positions\[0\] and positions\[1\]\)"):
+        estimate_index(q, k, jnp.zeros(S, jnp.int32), CFG)
+    with pytest.raises(ValueError, match=rf"positions\[5\] = {S} is not a position of a {S}-token sequence"):
+        estimate_index(q, k, jnp.arange(S).at[5].set(S), CFG)
+    with pytest.raises(ValueError, match="positions must be integers, got dtype float32"):
+        estimate_index(q, k, jnp.arange(S, dtype=jnp.float32), CFG)
+    with pytest.raises(ValueError, match="q_pos"):  # one rank's rows: distinct, in range
+        estimate_index_shard(q[:, :512], k[:, :512], np.r_[0:511, 0], CFG, axis_names=())
+    # a traced permutation cannot be inspected: accepted, and the same index as the concrete one
+    got = jax.jit(lambda p: estimate_index(q, k, p, CFG))(jnp.arange(S))
+    for a, b in zip(got, _single()):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    index = _single()
+    lay = Layout("block_striped", S, 4)
+    with pytest.raises(ValueError, match=r"layout positions\[3, 255\] = 1024 is not a position of a 1024-token"):
+        convert_index(index, 0, lay.positions + 1, num_nodes=1, num_local=4)
+    bad = lay.positions.copy()
+    bad[1, 0] = bad[0, 0]
+    with pytest.raises(ValueError, match=r"layout positions must be distinct.*position 0 appears twice"):
+        pair_work(index, bad)
+    with pytest.raises(ValueError, match=r"k_pos\[3\] = 2048 is not a position of a 1024-token sequence"):
+        convert_step(index, jnp.arange(64), jnp.arange(64).at[3].set(2048), seq_len=S)
+    with pytest.raises(ValueError, match="layout positions must be distinct"):
+        layout_block_order(np.zeros((2, 64), np.int32))
+    with pytest.raises(ValueError, match="q_pos.* is not a position"):
+        full_selection(1, 2, jnp.arange(64) + S, S)
+    with pytest.raises(ValueError, match="q_pos must be distinct"):
+        select_blocks(jnp.zeros((1, 128, 2, 8)), jnp.zeros((1, S // 64, 8)), jnp.zeros(128, jnp.int32))
+    with pytest.raises(ValueError, match="rows must be distinct"):
+        recall(q, k, index, rows=[S - 1, S - 1])
+    with pytest.raises(ValueError, match=r"query_positions\[0\] = -1"):
+        synthetic_qk(SyntheticAttention(seq_len=256), query_positions=[-1, 3])

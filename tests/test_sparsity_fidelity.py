@@ -11,6 +11,7 @@ import pytest
 
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
 from mtraining_jax.mesh import make_mesh
+from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.sparsity import SparsityConfig, estimate_index
 
 EPS = 1e-6  # float32 logits / exp / division vs float64 (these inputs), as a fraction of the mass
@@ -98,14 +99,19 @@ def test_index_identical_across_jits_and_eager():
 def test_index_identical_across_impls_and_jits_on_gpu():
     """16K tokens, B=2, 12/4 heads, p=0.8: the same index from every kernel impl (Triton, XLA, and
     on Hopper the Mosaic forward) inside mtraining_attention, from separate jits of the estimate
-    and eagerly."""
-    q, k = _qk(2, 16384, 12, 4, 128)
+    and eagerly. bf16 q/k/v (the Mosaic kernels take no float32: with float32 inputs "auto" would
+    be Triton and the Mosaic program never built); casts inside the program:
+    ``test_index_programs.py``."""
+    from pallas_kernels import registry
+
+    q, k = (x.astype(jnp.bfloat16) for x in _qk(2, 16384, 12, 4, 128))
     v = k[..., ::-1]
+    assert registry.resolve("auto", "fwd", q, 64, q.shape[1]) == "mosaic", "needs a Hopper GPU"
     cfg = SparsityConfig(vertical_p=0.8, slash_p=0.8)
     mesh = make_mesh((1, 1), jax.devices()[:1])
     idx = {}
     for impl in ("pallas", "xla", "auto"):
-        mc = MTrainingConfig(sparsity=cfg, impl=impl)
+        mc = MTrainingConfig(sparsity=cfg, ring=RingOptions(impl=impl))
         lay = mc.make_layout(q.shape[1], 1)
         _, st = jax.jit(lambda q, k, v: mtraining_attention(q, k, v, mesh, mc, return_stats=True))(
             lay.permute(q), lay.permute(k), lay.permute(v))

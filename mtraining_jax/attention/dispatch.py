@@ -1,7 +1,7 @@
 """One attention entry point for the model; the backend is chosen by config (per layer).
 
-``attention(q, k, v, positions, *, backend, mesh=None, ring_order="hierarchical", sm_scale=None,
-impl="auto") -> out [B, S, Hq, D]`` in ``q.dtype``, causal by *global position*:
+``attention(q, k, v, positions, *, backend, mesh=None, ring=None, sm_scale=None, ...) -> out
+[B, S, Hq, D]`` in ``q.dtype``, causal by *global position*:
 ``out[b, i, h] = softmax_j(q_i . k_j * sm_scale | positions[j] <= positions[i]) v_j`` with GQA
 (query head ``h`` reads KV head ``h // (Hq // Hkv)``). ``positions int32 [S]`` are the global
 positions of the laid-out tokens, shared by the batch. ``segment_ids int [B, S]`` (packed documents,
@@ -20,19 +20,28 @@ Backends:
   checked at trace time, so the result is NaN-poisoned when they are not ``arange(S)`` — a wrong
   layout fails loudly instead of training on a wrong mask.
 * ``ring``      — :func:`mtraining_jax.ring.attention.ring_attention` (dense ring over the
-  ``(node, local)`` mesh, flat or hierarchical order); needs ``mesh``.
+  ``(node, local)`` mesh); needs ``mesh``; ``ring=`` its
+  :class:`~mtraining_jax.ring.config.RingOptions` (order, backward side, fused calls, impl).
 * ``mtraining`` — :func:`mtraining_jax.attention.mtraining.mtraining_attention`: the sparse
   vertical-slash ring (online index + block-sparse kernel per ring step); needs ``mesh`` and an
   :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` (``mtraining=``; default budgets
-  otherwise). Tokens must be in that config's layout: concrete positions are checked
-  (``ValueError``), traced ones NaN-poison the output when they differ, as for ``cudnn``.
+  otherwise, with ``ring=`` as its ring options). Tokens must be in that config's layout: concrete
+  positions are checked (``ValueError``), traced ones NaN-poison the output when they differ, as for
+  ``cudnn``.
 * ``msa``       — :func:`mtraining_jax.attention.msa.msa_attention`: MiniMax Sparse Attention
   (learned index branch, per-query-block top-k KV blocks on the same sparse ring); needs
   ``msa_index=(q_idx [B, S, Hkv, d_idx], k_idx [B, S, d_idx])`` and an
   :class:`~mtraining_jax.attention.msa.MSAConfig` (``msa=``); ``mesh=None`` runs one device;
   ``msa_warmup`` (bool, may be traced) runs dense attention with the full-support KL. Its stats
   are ``msa_kl`` (differentiable: the trainer adds it to the loss), ``work_fraction``,
-  ``msa_recall`` (``msa_metrics=False``, may be traced: not computed, NaN). Layout positions as for ``mtraining``; no packed documents.
+  ``msa_recall`` (``msa_metrics=False``, may be traced: not computed, NaN). Layout positions as for
+  ``mtraining``; no packed documents. ``ring=`` as for ``mtraining`` (the options of ``msa=``).
+
+No keyword is ignored: a keyword a backend does not take (``ring=`` for ``reference``, ``mtraining=``
+for ``ring``, ``msa_index=`` for ``mtraining`` ...) is a ``ValueError`` naming it, and ``ring=``
+beside a config that holds other ring options (``mtraining.ring``, ``msa.ring``) is one too. ``mesh``
+is taken by every backend (``reference`` and ``cudnn`` run on the global arrays and do not need it).
+A model builds each layer's keywords from its config (``ModelConfig.attention_spec``).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtraining_jax.attention.backends import BACKENDS  # the one list (re-exported)
+from mtraining_jax.ring.config import RingOptions
 from pallas_kernels.inputs import check_qkv
 from pallas_kernels.reference import dense_attention
 
@@ -100,14 +110,42 @@ def _nan_unless(out, ok):
     return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
 
 
-def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, impl, segment_ids=None):
+# keywords beyond the common ones (q, k, v, positions, backend, mesh, sm_scale, segment_ids, return_stats)
+BACKEND_KEYWORDS: dict[str, tuple[str, ...]] = {
+    "reference": (),
+    "cudnn": (),
+    "ring": ("ring",),
+    "mtraining": ("ring", "mtraining"),
+    "msa": ("ring", "msa", "msa_index", "msa_warmup", "msa_metrics"),
+}
+
+
+def _check_keywords(backend: str, given: dict) -> None:
+    """``ValueError`` naming the keywords given (not ``None``) that ``backend`` does not take."""
+    extra = sorted(k for k, v in given.items() if v is not None and k not in BACKEND_KEYWORDS[backend])
+    if extra:
+        takes = BACKEND_KEYWORDS[backend]
+        raise ValueError(f"the {backend!r} attention backend does not take {', '.join(extra)}; it takes "
+                         f"{', '.join(takes) if takes else 'no backend-specific keywords'} (besides mesh, sm_scale, "
+                         f"segment_ids, return_stats)")
+
+
+def _with_ring(cfg, ring, what: str):
+    """``cfg`` (an MTraining / MSA config) whose ring options are ``ring`` when given; a ``ring``
+    that differs from the config's own is a ``ValueError`` (one place for the ring options)."""
+    if ring is None or ring == cfg.ring:
+        return cfg
+    raise ValueError(f"ring={ring} differs from {what}.ring={cfg.ring}; pass the ring options in one place "
+                     f"(ring= alone, or inside {what}=)")
+
+
+def _mtraining_attention(q, k, v, positions, mesh, cfg, ring, sm_scale, segment_ids=None):
     """``(out, stats)``: the sparse ring and its :func:`~mtraining_jax.attention.mtraining.stats_scalars`."""
     import dataclasses
 
     from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars  # lazy
 
-    if cfg is None:
-        cfg = MTrainingConfig(ring_order=ring_order, impl=impl)
+    cfg = MTrainingConfig(ring=ring) if cfg is None else _with_ring(cfg, ring, "mtraining")
     if sm_scale is not None:
         cfg = dataclasses.replace(cfg, sparsity=dataclasses.replace(cfg.sparsity, sm_scale=sm_scale))
     out, st = mtraining_attention(q, k, v, mesh, cfg, positions=positions, segment_ids=segment_ids,
@@ -120,7 +158,8 @@ def _mtraining_attention(q, k, v, positions, mesh, cfg, ring_order, sm_scale, im
     return _nan_unless(out, ok), stats
 
 
-def _msa_attention(q, k, v, positions, mesh, cfg, msa_index, msa_warmup, sm_scale, segment_ids, msa_metrics=True):
+def _msa_attention(q, k, v, positions, mesh, cfg, ring, msa_index, msa_warmup, sm_scale, segment_ids,
+                   msa_metrics=True):
     """``(out, stats)`` of the MSA backend (see module docstring)."""
     import dataclasses
 
@@ -130,7 +169,7 @@ def _msa_attention(q, k, v, positions, mesh, cfg, msa_index, msa_warmup, sm_scal
         raise ValueError("the msa attention backend needs msa_index=(q_idx, k_idx) from the model's index branch")
     if segment_ids is not None:
         raise NotImplementedError("the msa backend has no document (segment_ids) mask; use data.pack: none")
-    cfg = MSAConfig() if cfg is None else cfg
+    cfg = MSAConfig(ring=ring) if cfg is None else _with_ring(cfg, ring, "msa")
     if sm_scale is not None:
         cfg = dataclasses.replace(cfg, sm_scale=sm_scale)
     out, aux = msa_attention(q, k, v, msa_index[0], msa_index[1], mesh, cfg, positions=positions,
@@ -151,59 +190,66 @@ def attention(
     *,
     backend: str,
     mesh=None,
-    ring_order: str = "hierarchical",
+    ring=None,
     sm_scale: float | None = None,
-    impl: str = "auto",
     mtraining=None,
     return_stats: bool = False,
     segment_ids=None,
     msa=None,
     msa_index=None,
-    msa_warmup=False,
-    msa_metrics=True,
+    msa_warmup=None,
+    msa_metrics=None,
 ):
     """Causal attention by global position through ``backend`` (see module docstring).
 
     Args:
       q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]``; positions: ``int [S]`` global positions.
       backend: one of :data:`BACKENDS`.
-      mesh: ``(node, local)`` mesh (``ring`` / ``mtraining``).
-      ring_order: ``"flat"`` or ``"hierarchical"`` (ring backends).
+      mesh: ``(node, local)`` mesh (``ring`` / ``mtraining``; ``msa``: ``None`` runs one device).
+      ring: :class:`~mtraining_jax.ring.config.RingOptions` of the ring backends (``ring``; for
+        ``mtraining`` / ``msa`` when no config is given, else it must equal the config's ``ring``);
+        ``None``: the defaults.
       sm_scale: softmax scale, default ``D ** -0.5``.
-      impl: kernel implementation for the ring backends (``auto`` / ``pallas`` / ``xla``).
       mtraining: :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` for ``mtraining``.
       return_stats: also return a dict of float32 scalars (``mtraining``: work fraction, worker and
         step imbalance of the executed ring; other backends: empty).
       segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
-      msa, msa_index, msa_warmup: the ``msa`` backend's config, index-branch ``(q_idx, k_idx)`` and
-        warm-up flag (module docstring); ``msa_metrics`` (bool, may be traced): compute the
-        monitoring-only ``msa_recall`` (NaN otherwise).
+      msa, msa_index, msa_warmup, msa_metrics: the ``msa`` backend's config, index-branch
+        ``(q_idx, k_idx)``, warm-up flag (default ``False``) and ``msa_metrics`` (bool, may be traced;
+        default ``True``): compute the monitoring-only ``msa_recall`` (NaN otherwise).
+
+    A keyword (other than ``None``) that ``backend`` does not take is a ``ValueError``
+    (:data:`BACKEND_KEYWORDS`).
 
     Returns:
       ``[B, S, Hq, D]`` in ``q.dtype``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    _check_keywords(backend, dict(ring=ring, mtraining=mtraining, msa=msa, msa_index=msa_index,
+                                  msa_warmup=msa_warmup, msa_metrics=msa_metrics))
+    if ring is not None and not isinstance(ring, RingOptions):
+        raise ValueError(f"ring must be a RingOptions, got {type(ring).__name__}")
     positions = positions if isinstance(positions, jax.Array) else jnp.asarray(positions)
     _check_inputs(q, k, v, positions)
     segment_ids = _check_segments(segment_ids, q)
     if backend == "mtraining":
         if mesh is None:
             raise ValueError("the mtraining attention backend needs a mesh (got mesh=None)")
-        out, stats = _mtraining_attention(q, k, v, positions, mesh, mtraining, ring_order, sm_scale, impl,
-                                          segment_ids)
+        out, stats = _mtraining_attention(q, k, v, positions, mesh, mtraining, ring, sm_scale, segment_ids)
         out = out.astype(q.dtype)
         return (out, stats) if return_stats else out
     if backend == "msa":
-        out, stats = _msa_attention(q, k, v, positions, mesh, msa, msa_index, msa_warmup, sm_scale, segment_ids,
-                                    msa_metrics)
+        out, stats = _msa_attention(q, k, v, positions, mesh, msa, ring, msa_index,
+                                    False if msa_warmup is None else msa_warmup, sm_scale, segment_ids,
+                                    True if msa_metrics is None else msa_metrics)
         out = out.astype(q.dtype)
         return (out, stats) if return_stats else out
-    out = _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl, segment_ids)
+    out = _dense_backend(q, k, v, positions, backend, mesh, ring, sm_scale, segment_ids)
     return (out, {}) if return_stats else out
 
 
-def _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl, segment_ids=None):
+def _dense_backend(q, k, v, positions, backend, mesh, ring, sm_scale, segment_ids=None):
     if backend == "reference":
         out, _ = dense_attention(q, k, v, positions, positions, sm_scale=sm_scale, q_seg=segment_ids,
                                  k_seg=segment_ids)
@@ -219,7 +265,6 @@ def _dense_backend(q, k, v, positions, backend, mesh, ring_order, sm_scale, impl
             raise ValueError("the ring attention backend needs a mesh (got mesh=None)")
         from mtraining_jax.ring.attention import ring_attention  # lazy: optional heavy import
 
-        out = ring_attention(q, k, v, positions, mesh, ring_order=ring_order, sm_scale=sm_scale, impl=impl,
-                             segment_ids=segment_ids)
+        out = ring_attention(q, k, v, positions, mesh, options=ring, sm_scale=sm_scale, segment_ids=segment_ids)
         return out.astype(q.dtype)
     raise AssertionError(backend)

@@ -44,12 +44,11 @@ from mtraining_jax.attention.mtraining import SPARSE_LAYOUTS
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
 from mtraining_jax.ring.attention import ring_attention_shard
-from mtraining_jax.ring.schedule import validate_ring_order
+from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, full_selection, index_keys, layout_block_order,
                                                select_blocks, selection_work, validate_pooling)
 from pallas_kernels.api import SUPPORTED_HEAD_DIMS
 from pallas_kernels.inputs import check_qkv
-from pallas_kernels.registry import validate_impl
 
 MSA_BLOCK = 64
 
@@ -61,7 +60,12 @@ class MSAConfig:
     Attributes:
       top_k: KV blocks per query block and KV group, the forced local block included (paper: 16).
       block_size: 64 (the kernels' tile; the paper's 128 would need two tiles per block).
-      layout, ring_order, impl: as :class:`~mtraining_jax.attention.mtraining.MTrainingConfig`.
+      layout, ring: as :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` (the ring's options,
+        :class:`~mtraining_jax.ring.config.RingOptions` or a mapping of its fields; the warm-up's
+        dense ring sends whole chunks, :meth:`~mtraining_jax.ring.config.RingOptions.for_dense`). The
+        selection describes each rank's own queries only (:class:`_OwnQueries`): the query-side
+        backward and the sparse K/V exchange, which need every rank's index, are refused, and
+        ``"auto"`` gives the K/V side and the ring.
       sm_scale: main-branch softmax scale (default ``D ** -0.5``).
       recall_blocks: local query blocks per rank scored against the full causal attention for the
         recall metric (each costs one query block x ``S`` keys).
@@ -72,8 +76,7 @@ class MSAConfig:
     top_k: int = 16
     block_size: int = MSA_BLOCK
     layout: str = "block_striped"
-    ring_order: str = "hierarchical"
-    impl: str = "auto"
+    ring: RingOptions = RingOptions()
     sm_scale: float | None = None
     recall_blocks: int = 1
     pooling: str = "mean"
@@ -88,8 +91,11 @@ class MSAConfig:
             raise ValueError(f"msa block_size must be {MSA_BLOCK} (the kernels' tile), got {self.block_size!r}")
         if self.layout not in SPARSE_LAYOUTS:
             raise ValueError(f"msa layout {self.layout!r} is not block-aligned; expected one of {SPARSE_LAYOUTS}")
-        validate_ring_order(self.ring_order)
-        validate_impl(self.impl)
+        object.__setattr__(self, "ring", RingOptions.from_mapping(self.ring))
+        for key, value in (("backward_ring", "query"), ("kv_exchange", "sparse")):
+            if getattr(self.ring, key) == value:
+                raise ValueError(f"msa ring.{key}={value!r} needs every rank's index, but the MSA selection covers "
+                                 f"each rank's own queries only; use 'auto' (the K/V side / the ring for msa)")
         if self.sm_scale is not None and not (isinstance(self.sm_scale, (int, float)) and self.sm_scale > 0):
             raise ValueError(f"msa sm_scale must be a positive number or None, got {self.sm_scale!r}")
 
@@ -106,6 +112,35 @@ class MSAAux(NamedTuple):
     kl: jax.Array
     work_fraction: jax.Array
     recall: jax.Array
+
+
+@jax.tree_util.register_pytree_node_class
+class _OwnQueries:
+    """An index source that describes this rank's queries only (an
+    :class:`~mtraining_jax.ring.index_source.IndexSource` with ``steps``, without ``for_rank``):
+    MSA's selection is computed per rank from its local queries, so the ``for_rank`` that
+    :class:`~mtraining_jax.sparsity.msa_select.MSARankStepIndex` inherits from ``RankStepIndex``
+    (whose index is global) would give another rank's step index from THIS rank's selection."""
+
+    def __init__(self, source):
+        self.source = source
+
+    @property
+    def num_steps(self) -> int:
+        return self.source.num_steps
+
+    def step(self, s):
+        return self.source.step(s)
+
+    def steps(self, steps):
+        return self.source.steps(steps)
+
+    def tree_flatten(self):
+        return (self.source,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, leaves):
+        return cls(*leaves)
 
 
 def _one_device_mesh() -> Mesh:
@@ -162,15 +197,14 @@ def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfi
         sel = select_blocks(qi_l, kbar, pos_l, block_size=bs, top_k=cfg.top_k, pooling=cfg.pooling)
         if dense:
             out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
-                                       ring_order=cfg.ring_order, sm_scale=cfg.sm_scale, impl=cfg.impl,
-                                       block_size=bs)
+                                       options=cfg.ring.for_dense(), sm_scale=cfg.sm_scale, block_size=bs)
             support = full_selection(q_l.shape[0], Hkv, pos_l, S, bs)
             work = jnp.float32(dense_slots) / P
         else:
-            src = MSARankStepIndex(sel, rank, layout, num_nodes, num_local, cfg.ring_order, bs, num_heads=Hq)
+            src = _OwnQueries(MSARankStepIndex(sel, rank, layout, num_nodes, num_local, cfg.ring.ring_order, bs,
+                                               num_heads=Hq))
             out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
-                                       ring_order=cfg.ring_order, step_index=src, sm_scale=cfg.sm_scale,
-                                       impl=cfg.impl, block_size=bs)
+                                       options=cfg.ring, step_index=src, sm_scale=cfg.sm_scale, block_size=bs)
             support = sel
             work = selection_work(sel, Hq, bs)
         k_all = jax.lax.all_gather(jax.lax.stop_gradient(k_l), CP_AXES, axis=1, tiled=True)[:, inv_tokens]

@@ -33,9 +33,7 @@ from jax.sharding import PartitionSpec
 from mtraining_jax.ring.attention import ring_attention_shard
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
-from mtraining_jax.ring.schedule import validate_ring_order
-from mtraining_jax.ring.exchange import capacity_tokens, validate_kv_exchange
-from mtraining_jax.ring.sides import validate_backward_ring
+from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.estimate import estimate_index_shard
@@ -43,7 +41,6 @@ from mtraining_jax.sparsity.index import VerticalSlashIndex, full_index
 from mtraining_jax.sparsity.metrics import imbalance, step_imbalance, worker_imbalance
 from pallas_kernels.api import SUPPORTED_HEAD_DIMS
 from pallas_kernels.inputs import check_qkv
-from pallas_kernels.registry import validate_impl
 
 SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
 
@@ -56,34 +53,19 @@ class MTrainingConfig:
       sparsity: budgets, ``last_q``, block size (:class:`SparsityConfig`, per head or global).
       layout: sequence layout of the inputs: ``block_striped`` (MTraining, default), ``zigzag`` or
         ``contiguous`` (for comparison).
-      ring_order: ``hierarchical`` (inner ring over ``local``, outer over ``node``) or ``flat``.
-      impl: per-step kernel: ``auto`` (Pallas on GPU, XLA twin elsewhere), ``pallas``, ``xla``.
+      ring: the ring's options (:class:`~mtraining_jax.ring.config.RingOptions`, or a mapping of its
+        fields): ring order, backward side (the query side converts each visiting rank's step index
+        from the identical global index), K/V exchange and capacity (the index is estimated under
+        ``jit``, so a sparse exchange's capacity is checked at run time), fused calls (the forward's
+        first hop overlaps the index estimate), kernel impl.
       force_full: use the full causal index (every block diagonal) instead of estimating one —
         dense work through the sparse machinery; must equal the dense ring.
-      fuse_forward, fuse_backward: one kernel call for the first two chunks of the forward ring
-        (own chunk + the first one received, whose hop overlaps the index estimate) / of the
-        backward ring (the chunk saved from the forward's last step + own chunk);
-        :class:`~mtraining_jax.ring.attention.RingConfig`.
-      backward_ring: which side circulates in the backward ring (:mod:`mtraining_jax.ring.sides`):
-        ``"kv"`` (K/V + dK/dV), ``"query"`` (Q, dO, lse, delta + dQ; each visiting rank's step index
-        is converted from the identical global index) or ``"auto"`` (fewer bytes per hop).
-      kv_exchange: ``"ring"`` (default), ``"sparse"`` (each rank receives only the K/V tokens its
-        index needs from each chunk, :mod:`mtraining_jax.ring.exchange`) or ``"auto"`` (fewer bytes).
-      exchange_capacity: the sparse exchange's static capacity, a fraction of the chunk or tokens
-        (``None``: ``exchange.DEFAULT_CAPACITY_FRACTION``; the index is estimated under ``jit``, so
-        the capacity is checked at run time and a step that needs more sends the whole chunk).
     """
 
     sparsity: SparsityConfig = SparsityConfig()
     layout: str = "block_striped"
-    ring_order: str = "hierarchical"
-    impl: str = "auto"
+    ring: RingOptions = RingOptions()
     force_full: bool = False
-    fuse_forward: bool = True
-    fuse_backward: bool = True
-    backward_ring: str = "auto"
-    kv_exchange: str = "ring"
-    exchange_capacity: float | int | None = None
 
     def __post_init__(self):
         if not isinstance(self.sparsity, SparsityConfig):
@@ -91,15 +73,9 @@ class MTrainingConfig:
         if self.layout not in SPARSE_LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not supported by sparse ring attention; "
                              f"expected one of {SPARSE_LAYOUTS}")
-        validate_ring_order(self.ring_order)
-        validate_impl(self.impl)
-        validate_backward_ring(self.backward_ring)
-        validate_kv_exchange(self.kv_exchange)
-        if self.exchange_capacity is not None:
-            capacity_tokens(self.exchange_capacity, 1 << 30, 1)  # a token count or a fraction in (0, 1]
-        for name in ("force_full", "fuse_forward", "fuse_backward"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "ring", RingOptions.from_mapping(self.ring))
+        if not isinstance(self.force_full, (bool, np.bool_)):
+            raise ValueError(f"force_full must be a bool, got {self.force_full!r}")
 
     @property
     def block_size(self) -> int:
@@ -202,14 +178,11 @@ def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(),
             index = estimate_index_shard(jax.lax.stop_gradient(q_l), jax.lax.stop_gradient(k_l), pos_l,
                                          sparsity, axis_names=CP_AXES, segment_ids=seg_l)
         # one ring step's StepIndex at a time, converted in the forward and again in the backward
-        step_index = RankStepIndex(index, rank, layout, num_nodes, num_local, cfg.ring_order, bs, sparsity.max_cols)
+        step_index = RankStepIndex(index, rank, layout, num_nodes, num_local, cfg.ring.ring_order, bs,
+                                   sparsity.max_cols)
         out, work = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
-                                         ring_order=cfg.ring_order, step_index=step_index,
-                                         sm_scale=sparsity.sm_scale, impl=cfg.impl, block_size=bs,
-                                         return_work=True, fuse_forward=cfg.fuse_forward,
-                                         fuse_backward=cfg.fuse_backward, segment_ids=seg_l,
-                                         backward_ring=cfg.backward_ring, kv_exchange=cfg.kv_exchange,
-                                         exchange_capacity=cfg.exchange_capacity)  # work: [P steps]
+                                         options=cfg.ring, step_index=step_index, sm_scale=sparsity.sm_scale,
+                                         block_size=bs, return_work=True, segment_ids=seg_l)  # work: [P steps]
         if batch_axis is not None:
             work = jax.lax.psum(work, batch_axis)
         return out, work[None], index

@@ -52,10 +52,8 @@ def layer_qk(cfg: ModelConfig, params, tokens, mesh=None):
         for i, backend in enumerate(backends):
             layer = nnx.merge(graphdef, jax.tree.map(lambda t: t[i], stacked))
             q, k, v, *index = layer.attention_inputs(x, cos, sin, backend)
-            mcfg = cfg.mtraining_config() if backend == "mtraining" else None
-            extra = dict(msa=cfg.msa_config(), msa_index=index[0], msa_metrics=False) if index else {}
-            o, _ = attend(q, k, v, pos, backend=backend, mesh=mesh, ring_order=cfg.ring_order,
-                          impl=cfg.attention_impl, mtraining=mcfg, **extra)
+            extra = dict(msa_index=index[0], msa_metrics=False) if index else {}
+            o, _ = attend(q, k, v, pos, mesh=mesh, **cfg.attention_spec(backend), **extra)
             x = layer.finish(x, o)
             qs.append(q)
             ks.append(k)

@@ -13,6 +13,14 @@ uses ``attention_backends[i]`` when that tuple is given, else ``dense_backend`` 
 counterpart of ``attention_backend``" (``ring`` for ``mtraining`` and ``msa``, the backend itself
 otherwise).
 
+Ring options (``ring``, YAML ``ring: {backward_ring: query, ...}`` or ``model.ring.<field>=...`` in a
+training config): one :class:`~mtraining_jax.ring.config.RingOptions` — ring order, backward side,
+K/V exchange and capacity, fused calls, kernel impl — for every ring of the model (the ``ring``
+layers, the ``mtraining`` and ``msa`` sparse rings; the K/V exchange applies to the sparse rings).
+``ring_order`` and ``attention_impl`` are older names of ``ring.ring_order`` / ``ring.impl``: given,
+they are moved into ``ring`` (and read back as ``None``); given beside a ``ring`` mapping that sets
+the same option to another value, they are a ``ValueError``.
+
 MSA (``msa`` layers, :mod:`mtraining_jax.attention.msa`): ``msa`` is ``None`` or a mapping with the
 keys of :data:`MSA_DEFAULTS` — ``index_dim`` (``d_idx`` of the index branch; the paper does not
 state it, 64 here), ``top_k`` (blocks per query block and KV group incl. the forced local block;
@@ -31,8 +39,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mtraining_jax.attention.backends import BACKENDS, SPARSE_BACKENDS
-from mtraining_jax.ring.schedule import RING_ORDERS
-from pallas_kernels.registry import IMPLS as KERNEL_IMPLS
+from mtraining_jax.ring.config import RingOptions
 
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_attn", "selective")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
@@ -45,6 +52,8 @@ _YARN_KEYS = {
 }
 
 
+#: older top-level names of ring options: ``{ModelConfig field: RingOptions field}``
+RING_ALIASES: dict[str, str] = {"ring_order": "ring_order", "attention_impl": "impl"}
 MSA_DEFAULTS: dict[str, Any] = {"index_dim": 64, "top_k": 16, "block_size": 64, "recall_blocks": 1, "pooling": "mean"}
 
 
@@ -79,8 +88,11 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     dense_backend: str | None = None
     attention_backends: tuple[str, ...] | None = None
-    ring_order: str = "hierarchical"
-    attention_impl: str = "auto"
+    # every ring's options (RingOptions or a mapping of its fields; a RingOptions after construction)
+    ring: RingOptions | Mapping[str, Any] | None = None
+    # older names of ring.ring_order / ring.impl (moved into ``ring``; None after construction)
+    ring_order: str | None = None
+    attention_impl: str | None = None
     # MTraining sparse attention (backend "mtraining"): SparsityConfig fields (scalars or per-head
     # lists) and the sequence layout the data loader applies (block_striped, zigzag, contiguous).
     sparsity: Mapping[str, Any] | None = None
@@ -126,10 +138,7 @@ class ModelConfig:
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         self._check_selective_remat()
-        if self.ring_order not in RING_ORDERS:
-            raise ValueError(f"ring_order must be one of {RING_ORDERS}, got {self.ring_order!r}")
-        if self.attention_impl not in KERNEL_IMPLS:
-            raise ValueError(f"attention_impl must be one of {KERNEL_IMPLS}, got {self.attention_impl!r}")
+        self._fold_ring_options()
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.dense_backend is not None and self.dense_backend not in BACKENDS:
@@ -168,6 +177,28 @@ class ModelConfig:
                 raise ValueError(f"msa and mtraining layers in one model are not supported (their per-layer "
                                  f"statistics differ); layer backends: {list(self.layer_backends)}")
             self.msa_config()  # validates top_k, block_size, recall_blocks and the layout
+
+    def _fold_ring_options(self):
+        """``ring`` as :class:`RingOptions`, the older top-level names moved into it."""
+        ring = {} if self.ring is None else self.ring
+        given = dict(ring) if isinstance(ring, Mapping) else None  # a mapping's keys, to find conflicts
+        for alias, key in RING_ALIASES.items():
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            try:
+                RingOptions(**{key: value})
+            except ValueError as e:  # name the key the user wrote
+                raise ValueError(f"{alias}{str(e)[len(key):]}") from None
+            if given is None and isinstance(ring, RingOptions):
+                ring = ring.replace(**{key: value})
+            elif given is not None:
+                if key in given and given[key] != value:
+                    raise ValueError(f"{alias}={value!r} and ring.{key}={given[key]!r} disagree; {alias} is the "
+                                     f"older name of ring.{key}: set one")
+                given[key] = value
+            object.__setattr__(self, alias, None)
+        object.__setattr__(self, "ring", RingOptions.from_mapping(ring if given is None else given))
 
     def __hash__(self):  # rope_scaling is a dict: hash the canonical JSON form (NNX keeps cfg static)
         import json
@@ -247,8 +278,7 @@ class ModelConfig:
         unknown = sorted(set(self.sparsity or {}) - known)
         if unknown:
             raise ValueError(f"unknown sparsity keys {unknown}; known keys: {sorted(known)}")
-        return MTrainingConfig(sparsity=SparsityConfig(**(self.sparsity or {})), layout=self.layout,
-                               ring_order=self.ring_order, impl=self.attention_impl)
+        return MTrainingConfig(sparsity=SparsityConfig(**(self.sparsity or {})), layout=self.layout, ring=self.ring)
 
     @property
     def has_msa(self) -> bool:
@@ -265,8 +295,20 @@ class ModelConfig:
 
         m = {**MSA_DEFAULTS, **(self.msa or {})}
         return MSAConfig(top_k=m["top_k"], block_size=m["block_size"], recall_blocks=m["recall_blocks"],
-                         pooling=m["pooling"],
-                         layout=self.layout, ring_order=self.ring_order, impl=self.attention_impl)
+                         pooling=m["pooling"], layout=self.layout, ring=self.ring)
+
+    def attention_spec(self, backend: str) -> dict[str, Any]:
+        """The keywords of :func:`mtraining_jax.attention.dispatch.attention` for a layer of ``backend``
+        (besides the call's ``mesh``, ``segment_ids`` and the ``msa`` flags): ``ring`` layers get the
+        ring options (for a dense ring: :meth:`~RingOptions.for_dense`), ``mtraining`` / ``msa``
+        layers their config, which holds them; ``reference`` / ``cudnn`` nothing."""
+        if backend == "ring":
+            return {"backend": backend, "ring": self.ring.for_dense()}
+        if backend == "mtraining":
+            return {"backend": backend, "mtraining": self.mtraining_config()}
+        if backend == "msa":
+            return {"backend": backend, "msa": self.msa_config()}
+        return {"backend": backend}
 
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
@@ -302,7 +344,10 @@ class ModelConfig:
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(self)  # ring: a dict of RingOptions fields
+        for alias in RING_ALIASES:  # moved into ring on construction
+            if d[alias] is None:
+                del d[alias]
         for k in ("dense_layers", "attention_backends", "remat_save_layers"):
             if d[k] is not None:
                 d[k] = list(d[k])

@@ -151,11 +151,10 @@ class Qwen2Attention(nnx.Module):
         qkv = self.qkv(x, cos, sin)
         return (*qkv, self.index_qk(x)) if backend == "msa" else qkv
 
-    def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
-                 mtraining=None, segment_ids=None, **msa_kwargs):
-        o, stats = attend_inputs(self.inputs(x, cos, sin, backend), positions, backend=backend, mesh=mesh,
-                          ring_order=ring_order, impl=impl, mtraining=mtraining, segment_ids=segment_ids,
-                          **msa_kwargs)
+    def __call__(self, x, cos, sin, positions, *, backend: str, **attn_kwargs):
+        """``attn_kwargs``: the keywords of :func:`~mtraining_jax.attention.dispatch.attention` for
+        ``backend`` (``ModelConfig.attention_spec``, ``mesh``, ``segment_ids``, the ``msa`` flags)."""
+        o, stats = attend_inputs(self.inputs(x, cos, sin, backend), positions, backend=backend, **attn_kwargs)
         return self.output(o), stats
 
 
@@ -205,11 +204,10 @@ class Qwen2DecoderLayer(nnx.Module):
         x = x + self.self_attn.output(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def __call__(self, x, cos, sin, positions, *, backend: str, mesh=None, ring_order="hierarchical", impl="auto",
-                 mtraining=None, segment_ids=None, **msa_kwargs):
-        o, stats = attend_inputs(self.attention_inputs(x, cos, sin, backend), positions, backend=backend, mesh=mesh,
-                          ring_order=ring_order, impl=impl, mtraining=mtraining, segment_ids=segment_ids,
-                          **msa_kwargs)
+    def __call__(self, x, cos, sin, positions, *, backend: str, **attn_kwargs):
+        """``attn_kwargs``: as :meth:`Qwen2Attention.__call__`."""
+        o, stats = attend_inputs(self.attention_inputs(x, cos, sin, backend), positions, backend=backend,
+                                 **attn_kwargs)
         return self.finish(x, o), stats
 
 
@@ -355,11 +353,9 @@ class Qwen2ForCausalLM(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
 
         def run_layer(backend, policy):
-            attn_kwargs = dict(backend=backend, mesh=mesh, ring_order=cfg.ring_order, impl=cfg.attention_impl,
-                               mtraining=cfg.mtraining_config() if backend == "mtraining" else None,
-                               segment_ids=segment_ids)
+            attn_kwargs = dict(cfg.attention_spec(backend), mesh=mesh, segment_ids=segment_ids)
             if backend == "msa":
-                attn_kwargs.update(msa=cfg.msa_config(), msa_warmup=msa_warmup, msa_metrics=msa_metrics)
+                attn_kwargs.update(msa_warmup=msa_warmup, msa_metrics=msa_metrics)
             return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse=not cfg.scan_layers)
 
         per_segment = []  # one scan per run of consecutive layers sharing (backend, remat policy)

@@ -52,7 +52,8 @@ once per step (``benchmarks/sparse_ring_results.md``, v11).
 
 Backward: the custom VJP below runs one of the two exact backward rings of :mod:`.backward`
 (the K/V side: K/V and their float32 dK/dV travel; or BurstEngine's query side: Q, dO, lse, delta
-and dQ travel), chosen by ``backward_ring`` (:mod:`.sides`). The static configuration is
+and dQ travel), chosen by ``backward_ring`` (:mod:`.sides`). The user's options are :class:`.config.RingOptions`
+(defined once, held by every config that runs a ring), one call's static configuration
 :class:`.config.RingConfig`; the per-step helpers shared by all passes are in :mod:`.steps`.
 
 Sparse-aware K/V exchange (``kv_exchange="sparse"``, :mod:`.exchange`): instead of the ring, every
@@ -76,18 +77,17 @@ from jax.sharding import PartitionSpec
 from pallas_kernels.inputs import check_qkv
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring.backward import backward_kv, backward_query
-from mtraining_jax.ring.config import RingConfig, dense_block
+from mtraining_jax.ring.config import RingConfig, RingOptions, dense_block, ring_options
 from mtraining_jax.ring.exchange import plan_exchange
 from mtraining_jax.ring.exchange_ring import backward_exchange, exchange_guard, forward_exchange
-from mtraining_jax.ring.schedule import validate_ring_order
-from mtraining_jax.ring.sides import resolve_backward_ring, validate_backward_ring
-from mtraining_jax.ring.steps import (StackedStepIndex, can_fuse, gather_positions, group_index, group_kv, group_positions,
+from mtraining_jax.ring.index_source import IndexSource, can_fuse, has_every_rank
+from mtraining_jax.ring.sides import resolve_backward_ring
+from mtraining_jax.ring.steps import (StackedStepIndex, gather_positions, group_index, group_kv, group_positions,
                                       group_segments, my_rank, narrow, shift)
 from pallas_kernels.api import block_sparse_attention_fwd, split_output
-from pallas_kernels.registry import validate_impl
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, chunk_work
 
-__all__ = ["RingConfig", "StackedStepIndex", "ring_attention", "ring_attention_shard"]
+__all__ = ["RingConfig", "RingOptions", "StackedStepIndex", "ring_attention", "ring_attention_shard"]
 
 
 # ----------------------------------------------------------------------------- forward
@@ -204,10 +204,11 @@ def _check_step_index(step_index, num_ranks: int) -> None:
     if step_index is None:
         return
     if not isinstance(step_index, StepIndex):
-        if callable(getattr(step_index, "step", None)) and getattr(step_index, "num_steps", None) == num_ranks:
+        if isinstance(step_index, IndexSource) and step_index.num_steps == num_ranks:
             return
         raise ValueError(f"step_index must be None, a StepIndex with a leading [P] axis or an index source "
-                         f"with .step(s) and num_steps == P = {num_ranks}; got {type(step_index).__name__}")
+                         f"with .step(s) and num_steps == P = {num_ranks} (ring.index_source.IndexSource); "
+                         f"got {type(step_index).__name__}")
     for name, a in step_index._asdict().items():
         if a.ndim < 1 or a.shape[0] != num_ranks:
             raise ValueError(
@@ -229,10 +230,9 @@ def _check_axis_sizes(cfg: RingConfig) -> None:
 
 # ----------------------------------------------------------------------------- public API
 
-def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_order, step_index=None,
-                         sm_scale=None, impl="auto", block_size: int | None = None, return_work: bool = False,
-                         fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None,
-                         backward_ring: str = "auto", kv_exchange: str = "ring", exchange_capacity=None):
+def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, options: RingOptions | None = None,
+                         step_index=None, sm_scale=None, block_size: int | None = None, return_work: bool = False,
+                         segment_ids=None, **ring_kw):
     """Per-rank ring attention body, to be called INSIDE ``shard_map`` over ``("node", "local")``.
 
     Args:
@@ -240,60 +240,52 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
       k, v: ``[B, Sl, Hkv, D]`` this rank's keys/values, ``Hq % Hkv == 0``.
       q_pos, k_pos: ``int32 [Sl]`` this rank's global token positions (for the causal mask).
       num_nodes, num_local: sizes of the ``node`` and ``local`` mesh axes.
-      ring_order: ``"flat"`` or ``"hierarchical"``.
+      options: the :class:`RingOptions` (ring order, backward side, K/V exchange and capacity, fused
+        calls, kernel impl; default ``RingOptions()``); ``**ring_kw``: any of its fields as keywords
+        (``ring_order="flat"``), replacing those of ``options``. The query-side backward and the
+        sparse exchange need every rank's index (an index source with ``for_rank``, or none);
+        ``"auto"`` with a ``[P]``-stacked ``StepIndex`` gives the K/V side and the ring; the fused
+        calls apply to index sources with ``steps`` (and the dense ring).
       step_index: ``None`` (dense causal), a :class:`pallas_kernels.StepIndex` whose arrays have a
         leading ``[P]`` ring-step axis, or an index source converting on demand
         (``step(s) -> StepIndex``, ``steps((s, t)) -> StepIndex`` over those chunks concatenated,
-        ``num_steps == P``: :class:`mtraining_jax.sparsity.RankStepIndex`,
-        which keeps one step's index alive at a time and only the compact index for the backward).
+        ``num_steps == P``; the contract is :mod:`mtraining_jax.ring.index_source`:
+        :class:`mtraining_jax.sparsity.RankStepIndex`, which keeps one step's index alive at a time
+        and only the compact index for the backward).
         Entry ``s`` describes this rank's queries against the chunk it holds at step ``s`` (source
         ``schedule.source_rank(rank, s, ...)``), with blocks of ``block_size`` tokens. Never
         differentiated.
       sm_scale: softmax scale (default ``D ** -0.5``).
-      impl: a kernel impl of :data:`pallas_kernels.registry.IMPLS` for the per-step kernels.
       block_size: kernel block size (the ``StepIndex`` block size when one is given). ``None``:
         ``DEFAULT_BLOCK`` (64) with an index; for the dense ring the largest power of two
         ``<= DEFAULT_BLOCK`` dividing ``Sl``.
-
       return_work: also return ``work f32 [P]``, the kernel slots each ring step attended
         (``index_format.step_work``; zeros for the dense ring), for load statistics.
-      fuse_forward, fuse_backward: one kernel call for the first two chunks of the forward / of
-        the backward (:class:`RingConfig`).
       segment_ids: ``int32 [B, Sl]`` this rank's segment ids (packed documents: a query attends
         only keys of its own segment; they travel by one all-gather like ``k_pos``), or ``None``.
-      backward_ring: ``"auto"`` / ``"kv"`` / ``"query"`` (:mod:`mtraining_jax.ring.sides`): which side
-        circulates in the backward. The query side needs every rank's index (an index source with
-        ``for_rank``, or none); ``"auto"`` with a ``[P]``-stacked ``StepIndex`` is the K/V side.
-      kv_exchange: ``"ring"`` (default), ``"sparse"`` or ``"auto"`` (:mod:`mtraining_jax.ring.exchange`):
-        whole K/V chunks around the ring, or each rank receiving only the K/V tokens its index needs
-        (needs an index source with ``for_rank``; no fused calls), or the one with fewer bytes.
-      exchange_capacity: static capacity of the sparse exchange: ``None`` (exact, computed on the
-        host from a concrete index; with a traced index ``exchange.DEFAULT_CAPACITY_FRACTION`` of the
-        chunk), tokens, or a fraction of the chunk; a configured capacity is checked at run time and
-        a step whose need exceeds it sends the whole chunk (exact either way).
 
     Returns:
       ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
       VJP ring).
     """
+    opts = ring_options(options, caller="ring_attention_shard()", **ring_kw)
     check_qkv(q, k, v)
     sl = q.shape[1]
     if block_size is None:
         block_size = DEFAULT_BLOCK if step_index is not None else dense_block(sl)
-    validate_backward_ring(backward_ring)
-    query_ok = step_index is None or callable(getattr(step_index, "for_rank", None))
-    if backward_ring == "query" and not query_ok:
+    query_ok = has_every_rank(step_index)
+    if opts.backward_ring == "query" and not query_ok:
         raise ValueError(f"backward_ring='query' needs the index of every rank's queries (an index source with "
                          f"for_rank, e.g. RankStepIndex); got {type(step_index).__name__}")
-    side = resolve_backward_ring(backward_ring, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+    side = resolve_backward_ring(opts.backward_ring, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
                                  itemsize=jnp.dtype(q.dtype).itemsize, query_ok=query_ok)
     _check_step_index(step_index, num_nodes * num_local)
     exchange, capacity, guard = plan_exchange(
-        kv_exchange, step_index, exchange_capacity, num_ranks=num_nodes * num_local, chunk_len=sl,
+        opts.kv_exchange, step_index, opts.exchange_capacity, num_ranks=num_nodes * num_local, chunk_len=sl,
         block_size=block_size, batch=q.shape[0], kv_heads=k.shape[2], head_dim=q.shape[3],
-        itemsize=jnp.dtype(q.dtype).itemsize, backward_side=side, num_nodes=num_nodes, ring_order=ring_order)
-    cfg = RingConfig(num_nodes, num_local, ring_order, sm_scale, impl, block_size, fuse_forward, fuse_backward, side,
-                     exchange, capacity, guard)
+        itemsize=jnp.dtype(q.dtype).itemsize, backward_side=side, num_nodes=num_nodes, ring_order=opts.ring_order)
+    cfg = RingConfig(num_nodes, num_local, opts.ring_order, sm_scale, opts.impl, block_size, opts.fuse_forward,
+                     opts.fuse_backward, side, exchange, capacity, guard)
     if tuple(q_pos.shape) != (sl,) or tuple(k_pos.shape) != (sl,):
         raise ValueError(f"q_pos {tuple(q_pos.shape)} and k_pos {tuple(k_pos.shape)} must both be [Sl] = [{sl}]")
     _check_axis_sizes(cfg)
@@ -307,9 +299,8 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, ring_or
     return (out, work) if return_work else out
 
 
-def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_scale=None, impl="auto",
-                   fuse_forward: bool = True, fuse_backward: bool = True, segment_ids=None,
-                   backward_ring: str = "auto"):
+def ring_attention(q, k, v, positions, mesh, *, options: RingOptions | None = None, sm_scale=None, segment_ids=None,
+                   **ring_kw):
     """Causal GQA ring attention over a ``(node, local)`` mesh on data already in a layout.
 
     Args:
@@ -317,21 +308,19 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
         ``i`` has global position ``positions[i]``.
       positions: ``int32 [S]`` (``Layout.perm``).
       mesh: a mesh with axes ``("node", "local")`` (and optionally ``"data"``, which shards batch).
-      ring_order: ``"hierarchical"`` (default) or ``"flat"``.
+      options: the :class:`RingOptions` (default ``RingOptions()``: hierarchical, backward side by
+        bytes, fused calls, ``impl="auto"``); ``**ring_kw``: any of its fields as keywords
+        (``ring_order="flat"``, ``backward_ring="query"``), replacing those of ``options``. The dense
+        ring has no index: ``kv_exchange="sparse"`` is refused (:meth:`RingOptions.for_dense`).
       sm_scale: softmax scale (default ``D ** -0.5``).
-      impl: per-step kernel impl (:data:`pallas_kernels.registry.IMPLS`).
-      fuse_forward, fuse_backward: see :class:`RingConfig`.
       segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
-      backward_ring: ``"auto"`` (default), ``"kv"`` or ``"query"``: see :class:`RingConfig`.
 
     Returns:
       ``out [B, S, Hq, D]`` in ``q.dtype``, layout order, sequence sharded over ``("node",
       "local")`` node-major. Works under ``jax.jit``; differentiable (custom VJP ring inside).
     """
+    opts = ring_options(options, caller="ring_attention()", **ring_kw)
     num_nodes, num_local = check_cp_mesh(mesh)
-    validate_ring_order(ring_order)
-    validate_impl(impl)
-    validate_backward_ring(backward_ring)
     check_qkv(q, k, v)
     B, S = q.shape[:2]
     positions = jnp.asarray(positions)
@@ -359,9 +348,7 @@ def ring_attention(q, k, v, positions, mesh, *, ring_order="hierarchical", sm_sc
 
     def body(q_l, k_l, v_l, pos_l, seg_l):
         return ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
-                                    ring_order=ring_order, sm_scale=sm_scale, impl=impl,
-                                    fuse_forward=fuse_forward, fuse_backward=fuse_backward, segment_ids=seg_l,
-                                    backward_ring=backward_ring)
+                                    options=opts, sm_scale=sm_scale, segment_ids=seg_l)
 
     # check_vma=False: the per-step kernels (Pallas calls, scans with fresh zero carries) are not
     # annotated for varying-manual-axes typing; the ring itself is checked by tests, not by types.

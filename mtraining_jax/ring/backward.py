@@ -53,7 +53,8 @@ from jax import lax
 
 from mtraining_jax.mesh import CP_AXES
 from mtraining_jax.ring.config import RingConfig
-from mtraining_jax.ring.steps import (can_fuse, first_visit, group_index, group_kv, group_positions, group_segments,
+from mtraining_jax.ring.index_source import can_fuse
+from mtraining_jax.ring.steps import (first_visit, group_index, group_kv, group_positions, group_segments,
                                       my_rank, query_rank, shift)
 from pallas_kernels.api import attention_delta, block_sparse_attention_bwd
 

@@ -33,6 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mtraining_jax.ring.index_source import has_every_rank
 from pallas_kernels.index_format import StepIndex
 
 KV_EXCHANGES = ("auto", "ring", "sparse")
@@ -104,9 +105,9 @@ def capacity_tokens(capacity, chunk_len: int, block_size: int) -> int:
 
 def host_capacity(step_index, num_ranks: int, chunk_len: int, block_size: int) -> int | None:
     """The exact capacity (max need over every (rank, step >= 1), whole blocks, at least one block)
-    computed on the host when ``step_index`` (an index source with ``for_rank``) holds concrete
-    arrays; ``None`` when they are traced (then a configured capacity is guarded at run time)."""
-    leaves = jax.tree.leaves(getattr(step_index, "index", step_index))
+    computed on the host when ``step_index`` (a :class:`~.index_source.GlobalIndexSource`) holds a
+    concrete global index; ``None`` when they are traced (then a configured capacity is guarded at run time)."""
+    leaves = jax.tree.leaves(step_index.index)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
 
@@ -193,7 +194,7 @@ def plan_exchange(mode: str, step_index, capacity, *, num_ranks: int, chunk_len:
         capacity_tokens(capacity, chunk_len, block_size)  # validate up front
     if mode == "ring":
         return "ring", 0, False
-    exchange_ok = step_index is not None and callable(getattr(step_index, "for_rank", None))
+    exchange_ok = step_index is not None and has_every_rank(step_index)
     if mode == "sparse" and not exchange_ok:
         raise ValueError(f"kv_exchange='sparse' needs the index of every rank's queries (an index source with "
                          f"for_rank, e.g. RankStepIndex); got {type(step_index).__name__}")

@@ -38,16 +38,10 @@ def gather_positions(k_pos, cfg: RingConfig):
 
 # ----------------------------------------------------------------------------- one kernel call
 
-def can_fuse(step_index) -> bool:
-    """Fused steps need the index of several chunks at once: dense (``None``) or an index source
-    with ``steps`` (a ``[P]``-stacked ``StepIndex`` holds one chunk per entry)."""
-    return step_index is None or callable(getattr(step_index, "steps", None))
-
-
 def group_index(step_index, steps: tuple[int, ...]):
     """The :class:`StepIndex` of one kernel call over the chunks of ring ``steps`` (concatenated in
     that order): a slice of a ``[P]``-stacked index, or converted on demand by an index source
-    (``step_index.steps(steps)``, e.g. ``sparsity.convert.RankStepIndex``)."""
+    (:mod:`.index_source`; ``step_index.steps(steps)``, e.g. ``sparsity.convert.RankStepIndex``)."""
     if step_index is None:
         return None
     if isinstance(step_index, StepIndex):
@@ -114,7 +108,7 @@ def first_visit(rank: int, cfg: RingConfig) -> int:
 
 @jax.tree_util.register_pytree_node_class
 class StackedStepIndex:
-    """An index source over a :class:`StepIndex` with leading ``[P_rank, P_step]`` axes (every
+    """A :class:`~.index_source.GlobalIndexSource` over a :class:`StepIndex` with leading ``[P_rank, P_step]`` axes (every
     rank's index of every ring step, identical on all ranks), seen from ``rank``: ``step(s)`` is
     ``index[rank, s]``, ``for_rank(t)`` the same source for rank ``t``'s queries (what the
     query-side backward and the sparse K/V exchange need). Leaves: ``index`` and ``rank``."""

@@ -41,6 +41,7 @@ import numpy as np
 from mtraining_jax.layouts import Layout
 from mtraining_jax.ring.schedule import source_rank, validate_ring_order
 from mtraining_jax.sparsity.index import VerticalSlashIndex, compact_in_order, compact_sorted
+from mtraining_jax.sparsity.positions import check_positions, concrete as _concrete
 from pallas_kernels.index_format import StepIndex, causal_flags
 
 
@@ -58,20 +59,13 @@ def check_block_aligned(positions, block_size: int, what: str = "layout") -> Non
             f"chunk / stripe that is not a multiple of the block, cannot carry a block-sparse index)")
 
 
-def _concrete(x):
-    """``np.ndarray`` of ``x``, or ``None`` when ``x`` is traced."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block_size: int = 64,
                  max_cols: int | None = None, num_chunks: int = 1) -> StepIndex:
     """StepIndex of queries at ``q_pos [Sq]`` against keys at ``k_pos [Sk]`` (global positions).
 
     Works with traced positions (inside ``shard_map`` / ``vmap``); concrete positions are checked
-    for block alignment. Single device: ``convert_step(index, arange(S), arange(S), seq_len=S)``.
+    (distinct, in ``0..seq_len-1``, block-aligned: ``ValueError`` naming the bad value).
+    Single device: ``convert_step(index, arange(S), arange(S), seq_len=S)``.
     Arrays: blocks ``[B, H, nQB, MB]``, columns ``[B, H, MC]``, counts ``[B, H, nQB]``.
 
     ``num_chunks > 1``: ``k_pos`` is ``num_chunks`` equal K/V chunks concatenated (ring steps fused
@@ -82,14 +76,15 @@ def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block
     sq, sk = q_pos.shape[0], k_pos.shape[0]
     if num_chunks < 1 or sk % (num_chunks * bs):
         raise ValueError(f"k_pos length {sk} is not {num_chunks} chunk(s) of whole {bs}-token blocks")
+    if seq_len % bs:
+        raise ValueError(f"seq_len={seq_len} is not a multiple of block_size={bs}")
     for name, p in (("q_pos", q_pos), ("k_pos", k_pos)):
+        check_positions(p, seq_len, name=name, permutation=False, shape=(p.shape[0],))
         c = _concrete(p)
         if c is not None:
             check_block_aligned(c, bs, name)
         elif p.shape[0] % bs:
             raise ValueError(f"{name} length {p.shape[0]} is not a multiple of block_size={bs}")
-    if seq_len % bs:
-        raise ValueError(f"seq_len={seq_len} is not a multiple of block_size={bs}")
     nqb, nkb, nb = sq // bs, sk // bs, seq_len // bs
     B, H, mv = index.v_idx.shape
     q_pos = jnp.asarray(q_pos, jnp.int32)
@@ -150,6 +145,7 @@ def convert_index(index: VerticalSlashIndex, rank, layout, *, num_nodes: int, nu
     if positions.ndim != 2 or positions.shape[0] != P:
         raise ValueError(f"layout positions have shape {positions.shape}, expected [P, S/P] with "
                          f"P = {num_nodes} x {num_local} = {P}")
+    check_positions(positions, positions.size, name="layout positions")
     check_block_aligned(positions, block_size, "layout")
     pos = jnp.asarray(positions, jnp.int32)
     q_pos = pos[rank]

@@ -18,9 +18,27 @@ summed per digit (the softmax denominator); probabilities are truncated to ``F +
 two digits (:func:`fixed_point_bits`, ``F = cfg.score_bits``, 23 for ``last_q = 64``), summed per
 digit and floored to ``2^-F`` per line. Integer sums are associative, so the single-device estimate
 and the sharded one (``psum`` over ranks in any layout) are bit-identical and every rank ends with
-the same index without a broadcast. The logits are the one floating-point reduction: the scale is
-applied to the queries behind an optimization barrier and the matmul runs at ``Precision.HIGHEST``
-(:func:`_window_logits`), so no compiler rewrite or reduced-precision pass changes them.
+the same index without a broadcast.
+
+The same holds across PROGRAMS (forward, backward, a rematerialized forward, evaluation; any kernel
+impl, fusion or dot algorithm, default XLA flags):
+
+* the inputs are rounded to their storage dtype as they enter (:func:`_storage_round`: a
+  ``reduce_precision``, which XLA must keep, where a convert pair ``f32 -> bf16 -> f32`` may be
+  dropped under ``--xla_allow_excess_precision``, the default): q/k cast to bf16 inside a jitted
+  program reach the estimate as bf16 values in every program, never as the float32 values the
+  cast was given;
+* the logits are exact integer sums (:func:`_window_logits`): each operand row is split into
+  ``J`` balanced base-``2^w`` digits under a power-of-two row scale (exact in bfloat16; 24 bits
+  for ``J = 3, w = 8``) and one bf16 matmul with float32 accumulation sums the digit products of
+  each weight; every partial sum is an integer below ``2^24``, exact in float32 in any order,
+  so no algorithm choice (tiling, split-K, tensor cores) changes a bit. The weights are combined
+  elementwise in a fixed order with power-of-two factors, and the row scales are powers of two:
+  every product that feeds an addition is exact, so an FMA contraction gives the same bits.
+  The result is the dot of the inputs truncated to 24 bits below each row's top power of two
+  (``|error| <= ~3 D 2^-24 max|q_row| max|k_row|``, float32's own error), and the softmax
+  scale is applied after the row max is subtracted, so nothing else is a floating-point
+  reduction.
 
 Coverage bound (top-p, caps not binding). With ``m_i`` the float64 Algorithm 1 mass of line ``i``
 (summing to ``last_q`` over the lines of a head), the threshold is taken from that exact total
@@ -47,12 +65,15 @@ blocks masked out. Every document then contributes its verticals; the top-p thre
 from the floored total (the number of rows is data-dependent). Still exact across layouts and
 meshes (the same integer sums).
 
-Cost per head: ``last_q x S`` logits (the paper's observation window), i.e. ``last_q / S`` of dense.
+Cost per head: ``last_q x S`` logits (the paper's observation window), i.e. ``last_q / S`` of dense;
+the exact logits take one bf16 matmul of ``J^2`` times the flops and ``J`` float32 outputs (one
+H100, 12/4 heads, d64, JAX 0.11.2: 1.5 ms at B=2, S=16K and 7.1 ms at B=1, S=128K, against 0.95
+and 3.3 ms with a float32 ``HIGHEST`` dot whose bits depend on the compiled program).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import math
 
@@ -64,17 +85,40 @@ from pallas_kernels.inputs import check_qkv
 from mtraining_jax.sparsity.budgets import top_p_select
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.index import VerticalSlashIndex
+from mtraining_jax.sparsity.positions import check_positions
 
 _E_DIGITS = (7, 8, 8, 8, 8, 8)  # digit widths of exp(z - m) in (0, 1] for the softmax denominator
 
 
-def _check_inputs(q, k, positions, cfg, num_ranks):
+def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
     if not isinstance(cfg, SparsityConfig):
         raise ValueError(f"cfg must be a SparsityConfig, got {type(cfg).__name__}")
     check_qkv(q, k, k)
-    if positions.shape != (q.shape[1],):
-        raise ValueError(f"positions has shape {positions.shape}, expected [S_local] = ({q.shape[1]},)")
-    cfg.check(q.shape[1] * num_ranks, q.shape[2], num_ranks)
+    S = q.shape[1] * num_ranks
+    # the whole sequence on one device: a permutation; one rank's rows: distinct positions in 0..S-1
+    check_positions(positions, S, name=name, permutation=num_ranks == 1, shape=(q.shape[1],))
+    cfg.check(S, q.shape[2], num_ranks)
+    _digit_plan(q.shape[3])  # a head_dim the exact logits can take
+
+
+def _storage_round(x):
+    """float32 copy of ``x`` whose values are those of ``x``'s storage dtype.
+
+    A ``bf16``/``f16`` input is rounded to its dtype by ``lax.reduce_precision`` (exponent and
+    mantissa bits of the dtype) after the conversion: XLA may drop an ``f32 -> bf16 -> f32``
+    convert pair (excess precision, ``--xla_allow_excess_precision``, on by default) and hand the
+    estimate the float32 values the cast was given in one program and the bf16 ones in another,
+    but it must keep a ``reduce-precision``. Rounding a bf16 value again is the identity, so the
+    result is the same whether or not XLA kept the cast (bf16: bit for bit the conversion's,
+    subnormals included). float16: ``reduce-precision`` flushes f16 subnormals (``|x| < 2^-14``)
+    to zero, so those read as zero either way (values within ``2^-25`` below ``2^-14`` may still
+    depend on the cast)."""
+    dt = jnp.dtype(x.dtype)
+    x32 = x.astype(jnp.float32)
+    if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
+        fi = jnp.finfo(dt)
+        x32 = jax.lax.reduce_precision(x32, exponent_bits=int(fi.nexp), mantissa_bits=int(fi.nmant))
+    return x32
 
 
 def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
@@ -166,14 +210,17 @@ def _window_queries(q, k_pos, blocks, seq_len: int, bs: int, reduce_sum):
 def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, padded: bool = False):
     """Fixed-point digits ``(hi, lo) int32 [B, Hq, R, S_local]`` of the window rows' exact softmax
     probabilities (:func:`fixed_point_bits`) under ``causal`` (``[R, Sk]`` or ``[B, 1, R, Sk]``);
-    ``padded``: some rows may see no key at all (they get zeros)."""
+    ``q_rows`` float32 ``[B, R, Hq, D]``, ``k`` the keys' :func:`_operand_digits`; ``padded``: some
+    rows may see no key at all (they get zeros)."""
     F, G = fixed_point_bits(cfg)
-    z = _window_logits(q_rows, k, cfg.sm_scale)  # [B, Hq, R, Sk]
+    z = _window_logits(q_rows, k)  # [B, Hq, R, Sk], unscaled
     z = jnp.where(causal, z, -jnp.inf)
     m = reduce_max(z.max(axis=-1))  # exact in any order
     if padded:  # a padding row sees no key: keep it finite (it adds nothing)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(causal, jnp.exp(z - m[..., None]), 0.0)  # (0, 1]; the row max contributes exactly 1
+    scale = np.float32(q_rows.shape[-1] ** -0.5 if cfg.sm_scale is None else cfg.sm_scale)
+    # the scale after the subtraction: (z - m) * scale has no multiply-add a compiler could contract
+    e = jnp.where(causal, jnp.exp((z - m[..., None]) * scale), 0.0)  # (0, 1]; the row max contributes 1
     # softmax denominator: e truncated to 2^-47 in six digits, each summed over S <= 2^23 keys
     # in int32 without overflow (digit 0 <= 2^7, the others < 2^8)
     sums = [reduce_sum(d.sum(axis=-1, dtype=jnp.int32)) for d in _digits(e, _E_DIGITS)]
@@ -198,6 +245,7 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     nb = seq_len // bs
     _, G = fixed_point_bits(cfg)
     q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
+    k = _operand_digits(k)
     qp = np.arange(seq_len - lq, seq_len)
     causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
     if seg is not None:  # [B, 1, Lq, Sk]: and the same document
@@ -229,6 +277,7 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
     B, W = blocks.shape
     H = q.shape[2]
     q_win = _window_queries(q, k_pos, blocks, seq_len, bs, reduce_sum)  # [B, W * bs, Hq, D]
+    k = _operand_digits(k)  # once, outside the scan
     per_block = lambda x: jnp.moveaxis(x.reshape((B, W, bs) + x.shape[2:]), 1, 0)  # noqa: E731
     kblk = k_pos // bs
     b_ix, h_ix = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
@@ -248,7 +297,7 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
     # zeros derived from the local positions: inside shard_map they vary over the mesh axes like
     # the carry the body returns (scan needs equal types)
     zero = (k_pos[0] * 0).astype(jnp.int32)
-    zeros = jnp.zeros((B, H, k.shape[1]), jnp.int32) + zero
+    zeros = jnp.zeros((B, H, k.digits.shape[1]), jnp.int32) + zero
     init = (zeros, zeros, jnp.zeros((2, B, H, nb + 1), jnp.int32) + zero)
     (v_hi, v_lo, slash), _ = jax.lax.scan(block, init, (per_block(q_win), per_block(row_ok), per_block(row_seg),
                                                         jnp.moveaxis(blocks, 1, 0)))
@@ -256,20 +305,82 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
     return v_hi + (v_lo >> G), slash[0] + (slash[1] >> G)
 
 
-def _window_logits(q_last, k, sm_scale):
-    """``[B, Hq, Lq, Sk]`` float32 logits of the window, computed the same way in every program.
+#: bits of each logits operand kept by the exact dot (:func:`_window_logits`): float32's
+_DOT_BITS = 24
 
-    The scale is applied to the (small) queries before the matmul, behind an optimization barrier,
-    so no compiler rewrite can move it across the dot or fuse it into a differently rounded
-    multiply-add, and the matmul runs at full float32 precision (no TF32 / bf16 passes)."""
-    scale = np.float32(q_last.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
-    qs = jax.lax.optimization_barrier(q_last * scale)
-    B, Lq, Hq, D = qs.shape
-    Hkv = k.shape[2]
-    qg = qs.reshape(B, Lq, Hkv, Hq // Hkv, D)
-    z = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
-    return z.reshape(B, Hq, Lq, k.shape[1])
+
+def _digit_plan(head_dim: int) -> tuple[int, int]:
+    """``(w, J)``: ``J`` balanced digits of ``w`` bits per operand, ``J w >= 24``, such that one
+    weight's digit products (``<= J * head_dim`` terms, each ``|.| <= 4^(w-1)``) sum below ``2^24``
+    (exact in float32 in any order); ``w = 8, J = 3`` for ``head_dim <= 341``."""
+    for w in range(8, 1, -1):
+        J = -(-_DOT_BITS // w)
+        if J * head_dim * 4 ** (w - 1) <= 2**24:
+            return w, J
+    raise ValueError(f"head_dim {head_dim} is too large for the index estimate's exact logits")
+
+
+class _Digits(NamedTuple):
+    """An operand of the exact logits: ``x ~= row_scale * sum_j digits[j] 2^(-w j)``."""
+
+    digits: jax.Array  # bf16 [B, S, H, J, D], integers |d| <= 2^(w-1)
+    row_scale: jax.Array  # float32 [B, S, H], a power of two
+
+
+def _pow2(n):
+    """Exact float32 ``2^n`` for int32 ``n`` in ``[-126, 127]``, from its bits."""
+    return jax.lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def _operand_digits(x) -> _Digits:
+    """Balanced base-``2^w`` digits of the rows (last axis) of ``x`` (float32 ``[B, S, H, D]``).
+
+    With ``2^e > max|x_row|`` (from the bits of the row max), ``u = x 2^(1-w-e)`` lies in
+    ``(-2^(w-1), 2^(w-1))``; ``d_0 = round(u)``, ``d_j = round(2^w (previous remainder))``.
+    Power-of-two scalings, rounding to an integer and subtracting it are exact, so the digits are
+    a function of the bits of ``x`` alone, however the program is fused."""
+    w, J = _digit_plan(x.shape[-1])
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    biased = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
+    e = jnp.maximum(biased, 1) - 126  # max|x_row| < 2^e (zero and subnormal rows: 2^-125)
+    n = jnp.clip(w - 1 - e, -126, 126)  # rows below 2^-119 keep fewer bits (2^n, 2^-n normal)
+    t = x * _pow2(n)[..., None]
+    out = []
+    for j in range(J):
+        if j:
+            t = t * np.float32(2.0**w)
+        d = jnp.round(t)
+        out.append(d)
+        t = t - d
+    digits = jnp.stack(out, axis=-2).astype(jnp.bfloat16)  # exact: |d| <= 2^(w-1) <= 128
+    return _Digits(digits, _pow2(-n))
+
+
+def _window_logits(q_rows, k: _Digits):
+    """``[B, Hq, R, Sk]`` float32 unscaled logits ``q . k`` of the window, the same bits in every
+    program (module docstring): ``q_rows`` float32 ``[B, R, Hq, D]``, ``k`` the keys' digits.
+
+    ``q . k = sq sk sum_l 2^(-w l) L_l`` with ``L_l = sum_{a + b = l} sum_d dq_a dk_b`` (weights
+    ``l >= J`` dropped, below ``2^-24`` of the row scales). One bf16 matmul computes every ``L_l``:
+    the query operand holds, for weight ``l`` and key digit ``b``, the query digit ``l - b`` (zero
+    where ``b > l``), so ``M = J R``, ``K = J D``; each output is an integer ``<= J D 4^(w-1) <= 2^24``
+    summed from exact products, exact in float32 in any order and on any hardware."""
+    w, J = _digit_plan(q_rows.shape[-1])
+    qd = _operand_digits(q_rows)
+    B, R, Hq, _, D = qd.digits.shape
+    Hkv = k.digits.shape[2]
+    zero = jnp.zeros_like(qd.digits[..., 0, :])
+    qcat = jnp.stack([jnp.stack([qd.digits[..., l - b, :] if b <= l else zero for b in range(J)], axis=-2)
+                      for l in range(J)], axis=-3)  # [B, R, Hq, J (weight l), J (key digit b), D]
+    qcat = qcat.reshape(B, R, Hkv, Hq // Hkv, J, J, D)
+    lv = jnp.einsum("bqhglcd,bkhcd->bhglqk", qcat, k.digits, preferred_element_type=jnp.float32)
+    z = lv[:, :, :, 0]
+    for l in range(1, J):  # fixed order; the products are exact, so a fused multiply-add is too
+        z = z + lv[:, :, :, l] * np.float32(2.0 ** (-w * l))
+    z = z.reshape(B, Hq, R, -1)
+    sq = jnp.moveaxis(qd.row_scale, 1, 2)[..., None]  # [B, Hq, R, 1]
+    sk = jnp.repeat(jnp.moveaxis(k.row_scale, 1, 2), Hq // Hkv, axis=1)[:, :, None, :]  # [B, Hq, 1, Sk]
+    return z * sq * sk
 
 
 def _select(vert, slash, cfg: SparsityConfig, seq_len: int, ids=None, total=None) -> VerticalSlashIndex:
@@ -293,18 +404,19 @@ def estimate_index(q, k, positions, cfg: SparsityConfig = SparsityConfig(), segm
 
     Args:
       q: ``[B, S, Hq, D]``, k: ``[B, S, Hkv, D]`` (GQA), both in the same (any) layout order.
-      positions: ``int32 [S]`` global position of each row (a permutation of ``0..S-1``).
+      positions: ``int [S]`` global position of each row, a permutation of ``0..S-1`` (checked
+        when concrete: ``ValueError`` naming a missing, repeated or out-of-range position).
       cfg: budgets (static).
       segment_ids: ``int [B, S]`` documents of the rows (packed documents), or ``None``.
 
     Returns:
       :class:`VerticalSlashIndex` with ``MV = cfg.max_verticals(S)``, ``MS = cfg.max_slashes(S)``.
     """
-    positions = jnp.asarray(positions, jnp.int32)
     _check_inputs(q, k, positions, cfg, 1)
+    positions = jnp.asarray(positions, jnp.int32)
     S = q.shape[1]
     ident = lambda x: x  # noqa: E731
-    vert, slash = _local_scores(q, k, positions, S, cfg, ident, ident, segment_ids)
+    vert, slash = _local_scores(_storage_round(q), _storage_round(k), positions, S, cfg, ident, ident, segment_ids)
     vert_nat = jnp.zeros_like(vert).at[:, :, positions].set(vert)
     return _select(vert_nat, slash, cfg, S)
 
@@ -322,7 +434,8 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
 
     Args:
       q: local ``[B, S/P, Hq, D]``, k: local ``[B, S/P, Hkv, D]`` of any layout.
-      q_pos: ``int32 [S/P]`` global positions of the local rows (shared by q and k).
+      q_pos: ``int [S/P]`` global positions of the local rows (shared by q and k): distinct, in
+        ``0..S-1`` (checked when concrete; inside ``shard_map`` they usually are traced).
       segment_ids: local ``int [B, S/P]`` documents of the rows (packed documents), or ``None``.
 
     Communication: one ``psum`` of the ``last_q`` query rows (``B*last_q*Hq*D``), ``pmax`` and three
@@ -341,12 +454,12 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
     """
     axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     P = _axis_size(axis_names)
+    _check_inputs(q, k, q_pos, cfg, P, name="q_pos")
     q_pos = jnp.asarray(q_pos, jnp.int32)
-    _check_inputs(q, k, q_pos, cfg, P)
     S = q.shape[1] * P
     psum = lambda x: jax.lax.psum(x, axis_names)  # noqa: E731
     pmax = lambda x: jax.lax.pmax(x, axis_names)  # noqa: E731
-    vert, slash = _local_scores(q, k, q_pos, S, cfg, psum, pmax, segment_ids)
+    vert, slash = _local_scores(_storage_round(q), _storage_round(k), q_pos, S, cfg, psum, pmax, segment_ids)
     order = jnp.argsort(q_pos)  # local keys in position order: top_k's ties fall to lower positions
     size = min(cfg.max_verticals(S), q.shape[1])
     vals, top = jax.lax.top_k(vert[..., order], size)  # [B, Hq, size]

@@ -37,6 +37,7 @@ from mtraining_jax.ring.schedule import source_table
 from mtraining_jax.sparsity.convert import check_block_aligned
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from mtraining_jax.sparsity.masks import index_to_mask
+from mtraining_jax.sparsity.positions import check_positions
 
 
 def _host_index(index: VerticalSlashIndex):
@@ -50,6 +51,9 @@ def pair_work(index: VerticalSlashIndex, layout, block_size: int = 64) -> np.nda
     runs at 512K tokens on a CPU.
     """
     positions = np.asarray(layout.positions if isinstance(layout, Layout) else layout)
+    if positions.ndim != 2:
+        raise ValueError(f"layout positions have shape {positions.shape}, expected [P, S/P]")
+    check_positions(positions, positions.size, name="layout positions")
     check_block_aligned(positions, block_size, "layout")
     P, sl = positions.shape
     S, bs = positions.size, block_size
@@ -171,6 +175,8 @@ def recall(q, k, index: VerticalSlashIndex, *, rows=None, block_size: int = 64, 
     causal document mask (a query attends its own document only).
     """
     S = k.shape[1]
+    if rows is not None:
+        check_positions(rows, S, name="rows", permutation=False, shape=(np.size(rows),))
     rows = np.arange(S) if rows is None else np.asarray(rows)
     vmask = jnp.zeros(index.v_idx.shape[:2] + (S + 1,), bool)
     B, H, mv = index.v_idx.shape

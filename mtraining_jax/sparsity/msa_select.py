@@ -52,6 +52,7 @@ import numpy as np
 from mtraining_jax.ring.schedule import source_rank
 from mtraining_jax.sparsity.convert import RankStepIndex
 from mtraining_jax.sparsity.index import compact_sorted
+from mtraining_jax.sparsity.positions import check_positions
 from pallas_kernels.index_format import StepIndex, causal_flags
 
 
@@ -163,6 +164,8 @@ def select_blocks(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16, 
     validate_pooling(pooling)
     q_idx, kbar = jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(kbar)
     B, Sq, G, d = q_idx.shape
+    seq_len = kbar.shape[1] * (block_size if pooling == "mean" else 1)
+    check_positions(q_pos, seq_len, name="q_pos", permutation=False, shape=(Sq,))
     nqb = Sq // block_size
     qbs = block_ids(q_pos, block_size)
     qblk = jnp.moveaxis(q_idx.reshape(B, nqb, block_size, G, d), 1, 0)
@@ -185,6 +188,7 @@ def row_topk_union(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16)
     B, Sq, G, d = q_idx.shape
     nqb = Sq // block_size
     nb = kbar.shape[1]
+    check_positions(q_pos, nb * block_size, name="q_pos", permutation=False, shape=(Sq,))
     qbs = block_ids(q_pos, block_size)
     qblk = jnp.moveaxis(q_idx.reshape(B, nqb, block_size, G, d), 1, 0)
 
@@ -204,6 +208,7 @@ def row_topk_union(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16)
 
 def full_selection(batch: int, groups: int, q_pos, seq_len: int, block_size: int = 64) -> MSASelection:
     """Every causal block of every local query block (``K = nb``): the warm-up's full support."""
+    check_positions(q_pos, seq_len, name="q_pos", permutation=False, shape=(np.shape(q_pos)[0],))
     nb = seq_len // block_size
     qbs = block_ids(q_pos, block_size)
     ar = jnp.arange(nb, dtype=jnp.int32)
@@ -233,6 +238,8 @@ def selection_step_index(sel: MSASelection, q_pos, k_pos, *, num_heads: int, seq
     B, G, nqb, K = sel.block_idx.shape
     if num_heads % G:
         raise ValueError(f"num_heads={num_heads} is not a multiple of the selection's {G} KV groups")
+    for name, p in (("q_pos", q_pos), ("k_pos", k_pos)):
+        check_positions(p, seq_len, name=name, permutation=False, shape=(np.shape(p)[0],))
     nb, nkb = seq_len // bs, k_pos.shape[0] // bs
     k_pos = jnp.asarray(k_pos, jnp.int32)
     blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[block_ids(k_pos, bs)].set(jnp.arange(nkb, dtype=jnp.int32))
@@ -287,4 +294,5 @@ def layout_block_order(positions, block_size: int = 64) -> np.ndarray:
     """``int [nb]``: for a block-aligned layout's ``positions [P, S/P]`` (host), the global block id
     of each block in all-gather order (rank-major)."""
     pos = np.asarray(positions)
+    check_positions(pos, pos.size, name="layout positions")
     return (pos.reshape(-1, block_size)[:, 0] // block_size).astype(np.int32)

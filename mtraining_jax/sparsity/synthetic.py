@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtraining_jax.sparsity.positions import check_positions
+
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticAttention:
@@ -65,6 +67,9 @@ def synthetic_qk(cfg: SyntheticAttention, query_positions=None):
     rows are the same whatever subset is asked for, so an estimator can get only the last rows.
     """
     S, D, Hq, Hkv = cfg.seq_len, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
+    if query_positions is not None:
+        check_positions(query_positions, S, name="query_positions", permutation=False,
+                        shape=(np.size(query_positions),))
     qpos = np.arange(S) if query_positions is None else np.asarray(query_positions)
     kmu, kq, kk, ko, kd = jax.random.split(jax.random.PRNGKey(cfg.seed), 5)
     g = Hq // Hkv
