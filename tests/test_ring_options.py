@@ -60,7 +60,9 @@ def test_configs_hold_the_ring_options():
     opts = RingOptions(ring_order="flat", backward_ring="query", kv_exchange="sparse", exchange_capacity=256,
                        fuse_forward=False, fuse_backward=False, impl="xla")
     assert MTrainingConfig(ring=opts).ring is opts
-    assert MTrainingConfig(ring=opts.to_dict()).ring == opts == MSAConfig(ring=opts.to_dict()).ring
+    assert MTrainingConfig(ring=opts.to_dict()).ring == opts
+    msa_opts = opts.replace(backward_ring="kv", kv_exchange="auto")  # MSA: its own queries' index only
+    assert MSAConfig(ring=msa_opts.to_dict()).ring == msa_opts
     with pytest.raises(ValueError, match="ring.backward_ring: unknown backward_ring 'both'"):
         MSAConfig(ring={"backward_ring": "both"})
     for cls in (MTrainingConfig, MSAConfig):  # the ring fields are declared once, in RingOptions
