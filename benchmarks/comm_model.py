@@ -29,10 +29,10 @@ row), a host term per timed call and the synchronous permutes of the compiled pr
 (:func:`calibrate_traced`): every family's one-GPU traced record gives its rate, per-token and host
 terms; the per-call and per-step terms come from the components (kernels, XLA) of ONE multi-GPU
 trace (default v12a 1x4); every other multi-GPU record is held out and its error reported
-(``benchmarks/comm_model_results.md``, "Current code"), with predictions for one node of 8 GPUs and
+(``results/ring/comm_model.md``, "Current code"), with predictions for one node of 8 GPUs and
 4 nodes x 8 over a 400 Gb/s-class link at 512K and 1M and an error band (:func:`traced_predictions`).
-``python -m benchmarks.comm_model --out DIR`` defaults to ``scaling_v12a.jsonl`` and
-``scaling_v12.jsonl``; older, untraced families (``--earlier-records``) keep the earlier rule:
+``python -m benchmarks.comm_model --out DIR`` defaults to the runs ``v12a`` and ``v12`` of
+``results/ring/ring.jsonl``; older, untraced families (``--earlier-records``) keep the earlier rule:
 :func:`calibrate` fits ``rate`` per measured family and length on its one-GPU record (with a fixed
 ``step_overhead`` per kernel call) and predicts that family's multi-GPU records of the same length.
 
@@ -74,7 +74,7 @@ class Link:
 
 
 #: effective collective-permute bandwidth between two H200s of one node, measured
-#: (``sparse_ring_results.jsonl`` ``kv_ppermute_s``: 134 MB K/V chunk in 0.97 ms at 256K / 2 GPUs)
+#: (``results/ring/ring.jsonl`` ``kv_ppermute_s``: 134 MB K/V chunk in 0.97 ms at 256K / 2 GPUs)
 NVLINK_H200 = Link(bandwidth=138 * GB, latency=15e-6)
 #: a 400 Gb/s-class inter-node link (InfiniBand NDR / 400 GbE), at 80 % of line rate
 IB_400G = Link(bandwidth=0.8 * 400e9 / 8, latency=20e-6)
@@ -432,6 +432,13 @@ def exchange_rows(S: int, meshes=((1, 8), (4, 8)), layouts=("block_striped", "zi
 # ------------------------------------------------------------------ calibration on measurements
 
 
+#: every ring measurement (sparse_ring / scaling / multi-process runs; ``run`` tags the campaign). It is
+#: read from the repository checkout (an editable install or ``PYTHONPATH=.``), not packaged: from a
+#: wheel install pass ``--records`` / ``--earlier-records``.
+RING_RECORDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "ring",
+                            "ring.jsonl")
+
+
 def _records(paths: Iterable[str]) -> list[dict]:
     out = []
     for p in paths:
@@ -520,7 +527,7 @@ def predictions(kernels: Kernels, dense_rate: float, lengths=(262144, 524288, 10
 
 #: effective collective-permute bandwidth between two H100s of one node (NVLink), measured: the 134 MB
 #: K/V chunk of a 4-rank ring in 1.25 ms (v12a) and 1.15 ms (v12), ``kv_ppermute_s`` of the 1x4 records of
-#: ``scaling_v12a.jsonl`` / ``scaling_v12.jsonl`` (an isolated, timed permute: its dispatch is inside)
+#: runs ``v12a`` / ``v12`` of ``results/ring/ring.jsonl`` (an isolated, timed permute: its dispatch is inside)
 NVLINK_H100 = Link(bandwidth=112 * GB, latency=15e-6)
 
 #: the ring's attention kernels in a trace summary (``benchmarks/trace_summary.py`` ``top``, by name; the
@@ -930,7 +937,7 @@ def fit_dense_rate(records: list[dict], run: str) -> tuple[float, dict] | tuple[
 
 
 def markdown_current(result: dict) -> str:
-    """The "current code" tables of ``comm_model_results.md`` from :func:`main`'s JSON."""
+    """The "current code" tables of ``results/ring/comm_model.md`` from :func:`main`'s JSON."""
     lines = ["| family | S | mesh | role | measured ms | predicted ms | error | kernels ms (trace / model) | "
              "XLA ms (trace / model) | exposed comm ms (trace / model) | host ms (measured / model) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1070,15 +1077,16 @@ def _plot_traced(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--records", nargs="+", default=[os.path.join(here, "scaling_v12a.jsonl"),
-                                                     os.path.join(here, "scaling_v12.jsonl")],
-                   help="measurements; families traced on the --fit record's device (with a traced one-GPU "
-                        "record) get the per-step model (issue 33), the others the earlier rate-only rule")
-    p.add_argument("--earlier-records", nargs="*", default=[os.path.join(here, "sparse_ring_results.jsonl"),
-                                                             os.path.join(here, "scaling_results.jsonl")],
-                   help="older, untraced measurements: calibrated with the earlier rule (section 'earlier')")
+    p.add_argument("--records", nargs="+", default=[RING_RECORDS],
+                   help="measurements (default: the repository's results/ring/ring.jsonl); families traced on the "
+                        "--fit record's device (with a traced one-GPU record) get the per-step model (issue 33), "
+                        "the others the earlier rate-only rule")
+    p.add_argument("--runs", default="v12a,v12",
+                   help="comma-separated run tags: only these rows of --records ('' = every row)")
+    p.add_argument("--earlier-records", nargs="*", default=[RING_RECORDS],
+                   help="older, untraced measurements: calibrated with the earlier rule (section 'earlier'); "
+                        "rows of the families --records calibrates are left out")
     p.add_argument("--fit", default=":".join(FIT_RECORD),
                    help="RUN:MESH:ORDER of the traced record that gives the per-call and per-step terms")
     p.add_argument("--current", default="v12",
@@ -1092,7 +1100,8 @@ def main(argv=None) -> int:
                    help="also model the sparse-aware K/V exchange on the synthetic index of this length (CPU: ~1 min at 64K)")
     p.add_argument("--out", help="folder for comm_model.json, comm_model.png and comm_model_current.md")
     a = p.parse_args(argv)
-    records = _records(a.records)
+    runs = {x for x in a.runs.split(",") if x}
+    records = [r for r in _records(a.records) if not runs or r.get("run") in runs]
     fit = tuple(a.fit.split(":"))
     traced = _traced(records)
     ref = _find(traced, *fit[:3], S=int(fit[3]) if len(fit) > 3 else None)

@@ -28,7 +28,10 @@ q/k: :func:`mtraining_jax.sparsity.synthetic.synthetic_qk` per document (its own
 RoPE slash structure; seeds per document), concatenated; document lengths from the seeded length
 mix of ``benchmarks/packed_documents.py``.
 
-    PYTHONPATH=. python benchmarks/document_index_recall.py --seq 16384 --out benchmarks/document_index_recall.json
+    PYTHONPATH=. python benchmarks/document_index_recall.py --seq 16384 --out /tmp/document_index_recall.json
+
+The committed records: ``results/documents/documents.jsonl``, run ``index-recall`` (report:
+``results/documents/packed_documents.md``).
 """
 
 from __future__ import annotations

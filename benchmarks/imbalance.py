@@ -10,8 +10,8 @@ counted exactly as the converted per-step index would make the kernels work
 * block-striped sparse ring attention (flat ring; MTraining w/o hierarchical),
 * hierarchical block-striped sparse ring attention (MTraining),
 
-plus the dense causal mask under zig-zag for reference. Writes ``benchmarks/imbalance_results.md``
-and ``benchmarks/imbalance_heatmaps.png``.
+plus the dense causal mask under zig-zag for reference. Writes ``results/ring/imbalance.md``
+and ``results/ring/imbalance_heatmaps.png`` (``--out-dir``; default: the repository's ``results/ring``).
 
     python benchmarks/imbalance.py                 # 512K tokens, 4 query heads (a few minutes on CPU)
     python benchmarks/imbalance.py --seq-len 65536 --no-write   # quick look
@@ -19,7 +19,7 @@ and ``benchmarks/imbalance_heatmaps.png``.
 
 ``--meshes`` (node x local, one index estimate shared by all meshes) also compares each scheme with
 the dense causal ring of the same layout and order: total work and barrier time (sum over steps
-of the slowest worker) of sparse / dense, and appends a section to ``imbalance_results.md``
+of the slowest worker) of sparse / dense, and appends a section to ``imbalance.md``
 with ``--append`` (without ``--meshes`` the output is the single-mesh report above, unchanged).
 """
 
@@ -41,7 +41,8 @@ from mtraining_jax.sparsity import SparsityConfig, VerticalSlashIndex, estimate_
 from mtraining_jax.sparsity import metrics
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+#: where the report and heatmaps go by default (the checkout's ``results/ring``; ``--out-dir`` elsewhere)
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "ring")
 SCHEMES = (  # name, layout, ring order
     ("Zig-zag (flat ring)", "zigzag", "flat"),
     ("Block-striped (flat ring)", "block_striped", "flat"),
@@ -143,7 +144,8 @@ relative to the dense ring (communication ignored; its inverse bounds the sparse
 
 On a one-level mesh (1xL) the hierarchical and flat orders are the same schedule.
 """
-    with open(os.path.join(HERE, "imbalance_results.md"), "a") as f:
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "imbalance.md"), "a") as f:
         f.write(md)
 
 
@@ -177,7 +179,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--meshes", nargs="+", help="NODExLOCAL meshes to sweep (e.g. 1x8 2x4 4x8); see module doc")
-    ap.add_argument("--append", action="store_true", help="with --meshes: append the table to imbalance_results.md")
+    ap.add_argument("--append", action="store_true", help="with --meshes: append the table to OUT_DIR/imbalance.md")
+    ap.add_argument("--out-dir", default=RESULTS, help="folder of imbalance.md and imbalance_heatmaps.png "
+                    "(default: results/ring of this checkout)")
     args = ap.parse_args(argv)
     for m in args.meshes or []:
         parse_mesh(m)
@@ -207,7 +211,8 @@ def main(argv=None):
     print(f"total {t_all:.1f}s")
     if args.no_write:
         return
-    plot(results, os.path.join(HERE, "imbalance_heatmaps.png"))
+    os.makedirs(args.out_dir, exist_ok=True)
+    plot(results, os.path.join(args.out_dir, "imbalance_heatmaps.png"))
     cmd = "python benchmarks/imbalance.py" + ("" if argv is None else " " + " ".join(argv))
     md = f"""# Sparse ring attention load imbalance (MTraining §3.3, Table 3)
 
@@ -235,7 +240,7 @@ also pays communication bubbles, so ours is an upper bound on it).
 
 {table}
 
-Heatmaps (work per worker x step, normalised to the mean): `benchmarks/imbalance_heatmaps.png`.
+Heatmaps (work per worker x step, normalised to the mean): `imbalance_heatmaps.png`.
 
 Reading. Zig-zag: the slash band (most of the work) sits near the diagonal, so a worker does most
 of its work at step 0 (its own chunk) and at the last steps (its mirror chunk's neighbour), and
@@ -253,7 +258,7 @@ our periodic slash mass that costs worker balance (1.15 vs 1.03), while the pape
 same as in the flat ring (identical step-level ID). The computation ratio here counts only
 compute under per-step barriers; Table 3's also pays un-overlapped communication.
 """
-    with open(os.path.join(HERE, "imbalance_results.md"), "w") as f:
+    with open(os.path.join(args.out_dir, "imbalance.md"), "w") as f:
         f.write(md)
 
 

@@ -14,7 +14,9 @@ TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per hea
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
 ``bs`` per column). Forward = ``4 * pairs * D`` FLOP; forward+backward = 3.5x forward.
 
-Usage (GPU): ``python -m benchmarks.kernels --seqs 32768,131072 --json out.json``
+Usage (GPU): ``python -m benchmarks.kernels --seqs 32768,131072 --json out.json``; plots of the
+committed rows (``results/kernels/kernels.jsonl``, ``run`` = the campaign, ``table`` = what was timed):
+``python -m benchmarks.kernels --plot-from results/kernels/kernels.jsonl --runs v10_fb --plot kernels.png``.
 """
 
 from __future__ import annotations
@@ -353,6 +355,20 @@ def plot(rows, path):
     fig.savefig(path, dpi=80)
 
 
+def load_rows(paths, runs=()) -> list[dict]:
+    """Result rows of ``--json`` files (``{"meta", "rows"}`` or a list of ``--passes`` rows) and of
+    JSONL files (one row per line, ``run`` naming its campaign); ``runs``: keep only those runs."""
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            if path.endswith(".jsonl"):
+                rows += [json.loads(line) for line in f if line.strip()]
+            else:
+                d = json.load(f)
+                rows += d if isinstance(d, list) else d["rows"]
+    return [r for r in rows if not runs or r.get("run") in runs]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="32768,131072")
@@ -367,19 +383,20 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")
     ap.add_argument("--mha-sweep", type=int, default=0, help="sequence length for a Triton mha config sweep")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the main comparison table")
-    ap.add_argument("--plot-from", default="", help="comma-separated JSON results to plot (no timing run)")
+    ap.add_argument("--plot-from", default="", help="comma-separated results to plot (no timing run): --json "
+                    "output (.json) or rows with a run field (.jsonl, e.g. results/kernels/kernels.jsonl)")
+    ap.add_argument("--runs", default="", help="with --plot-from: comma-separated run tags, only these rows")
     ap.add_argument("--plot", default=None, help="PNG path for the bar chart")
     ap.add_argument("--col-split-sweep", default="", help="S:max_cols pairs, e.g. 131072:1024,524288:4096")
     ap.add_argument("--passes", default="", help="comma-separated sequence lengths: time each kernel pass "
                     "alone per backend (families from --families, plus 'full')")
     a = ap.parse_args()
     if a.plot_from:
-        data = [json.load(open(f)) for f in a.plot_from.split(",")]
-        if isinstance(data[0], list):  # --passes rows
-            plot_passes([r for d in data for r in d if "pass_" in r], a.plot or "kernel_passes.png")
+        rows = load_rows(a.plot_from.split(","), [x for x in a.runs.split(",") if x])
+        if not any("fwd_tflops" in r for r in rows):  # --passes rows
+            plot_passes([r for r in rows if "pass_" in r], a.plot or "kernel_passes.png")
             return
-        rows = [r for d in data for r in d["rows"]]
-        plot(rows, a.plot or "kernels.png")
+        plot([r for r in rows if "fwd_tflops" in r], a.plot or "kernels.png")
         return
     sweeps = []
     for S in [int(x) for x in a.sweep.split(",") if x and x != "0"]:

@@ -14,9 +14,10 @@ measures for each ``top_k``:
 * ``work``: executed kernel slots over dense causal ones — (a) must run every block of its query
   block's union (a per-row mask only zeroes entries inside tiles), (b) runs ``k`` per query block.
 
-    PYTHONPATH=. python benchmarks/msa_selection_study.py --out benchmarks/msa_selection_results.json
+    PYTHONPATH=. python benchmarks/msa_selection_study.py --out /tmp/msa_selection.json
 
-Writes JSON (and prints a Markdown table).
+Writes JSON (and prints a Markdown table). The committed rows: ``results/msa/msa.jsonl``, run
+``selection-study`` (report: ``results/msa/msa.md``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 #   scaling    sparse ring fwd+bwd at 512K on 1x4 1x1 2x2 (both ring orders) 1x2, traced, dense ring at 1x4
 #   long       sparse ring at 1M on 1x4 and 1x1 (no dense ring: ~45 s a step on one GPU)
 #   train      the trainer at 512K on 4 GPUs (1x4): MTraining vs the dense ring, Qwen2.5-0.5B shape
-#   multiproc  the README's multi-host recipe on one box: 2 processes x 2 GPUs (CUDA_VISIBLE_DEVICES),
+#   multiproc  the multi-host recipe of docs/training.md on one box: 2 processes x 2 GPUs (CUDA_VISIBLE_DEVICES),
 #              mesh [2, 2], vs one process on the same [2, 2] mesh and on [1, 4]; 256K, 2 steps
 # Set MTRAINING_COMMIT to the commit the tree is (the device copy has no .git).
 set -uo pipefail

@@ -4,11 +4,11 @@ differences (arm - dense, per seed) with a 95 % t-interval over the seeds.
 
     # the multi-seed evidence on a 4-GPU machine: one call per arm, its 4 seeds at once (one GPU each)
     for arm in dense mtraining msa; do
-      python benchmarks/quality_study.py --out results/q --work /tmp/quality --variant $arm --num-seeds 4 --gpu-per-seed
+      python benchmarks/quality_study.py --out $OUT/q --work /tmp/quality --variant $arm --num-seeds 4 --gpu-per-seed
     done
-    python benchmarks/quality_study.py --out results/q --report-only        # the comparison again from quality.jsonl
-    python benchmarks/quality_study.py --out results/q --report-only a.jsonl b.jsonl   # ... from rows of other calls
-    python benchmarks/quality_study.py --out results/q --seeds 0 1 --variant all       # sequentially, one process
+    python benchmarks/quality_study.py --out $OUT/q --report-only           # the comparison again from quality.jsonl
+    python benchmarks/quality_study.py --out $OUT/q --report-only a.jsonl b.jsonl   # ... from rows of other calls
+    python benchmarks/quality_study.py --out $OUT/q --seeds 0 1 --variant all       # sequentially, one process
     python benchmarks/quality_study.py --out /tmp/q --smoke                 # CPU toy sizes (CI)
 
 Protocol (``configs/quality/study.yaml``; printed first and recorded in every row):

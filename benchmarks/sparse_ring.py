@@ -34,8 +34,8 @@ then the scaling table (``scaling_table.md``) and a throughput-vs-GPUs plot (``s
     python -m benchmarks.sparse_ring --lengths 262144 524288 --per-gpu-length 65536 \\
         --meshes 1x1 1x2 1x4 1x8 2x4 --ring-orders hierarchical flat --repeat 3 --check --out /tmp/out
     # table + plot from existing records
-    python -m benchmarks.sparse_ring --report benchmarks/sparse_ring_results.jsonl \\
-        --plot benchmarks/scaling_2gpu.png --table /tmp/scaling_2gpu.md
+    python -m benchmarks.sparse_ring --report results/ring/ring.jsonl --runs x4a,x4c \\
+        --plot /tmp/scaling_4gpu.png --table /tmp/scaling_4gpu.md
 """
 
 from __future__ import annotations
@@ -531,12 +531,16 @@ def main(argv=None):
                     help="trace one sparse fwd+bwd step per case: per-GPU kernel breakdown, measured exposed comm")
     ap.add_argument("--tag", default="", help="stored as the records' \"run\" field")
     ap.add_argument("--out", default=".")
-    ap.add_argument("--report", nargs="+", metavar="JSONL", help="only build the table + plot from these records")
+    ap.add_argument("--report", nargs="+", metavar="JSONL", help="only build the table + plot from these records "
+                    "(e.g. results/ring/ring.jsonl; rows that are not ring timings are skipped)")
+    ap.add_argument("--runs", help="with --report: comma-separated run tags, only the records of these runs")
     ap.add_argument("--table", help="markdown table path (default OUT/scaling_table.md)")
     ap.add_argument("--plot", help="PNG plot path (default OUT/scaling.png)")
     args = ap.parse_args(argv)
     if args.report:
-        print(report(load_jsonl(args.report), args.table, args.plot))
+        runs = set(args.runs.split(",")) if args.runs else None
+        recs = [r for r in load_jsonl(args.report) if "S" in r and (runs is None or r.get("run") in runs)]
+        print(report(recs, args.table, args.plot))
         return
     for m in args.meshes or []:
         parse_mesh(m)  # fail before any work

@@ -3,25 +3,17 @@
 Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``), positions
 ``q_pos int32 [Sq]``, ``k_pos int32 [Sk]`` (global, after the layout permutation), ``index`` a
 :class:`~pallas_kernels.index_format.StepIndex` or ``None`` (dense causal by position). Packed
-documents: ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` segment ids (both or neither); a
-query then attends only keys of its own segment (the index is first narrowed by
-:func:`~pallas_kernels.index_format.apply_segments`: tiles across a boundary are skipped).
+documents: ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` (both or neither).
 
-* :func:`block_sparse_attention_fwd` -> ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` — one
-  partial result (rows with no allowed key: out 0, lse -inf); given ``acc``, the ``(out, lse)``
-  of earlier ring steps, it returns their merge (:func:`pallas_kernels.merge.merge_partials`; fused
-  into the Pallas kernel, which updates the float32 accumulators in place).
-* :func:`block_sparse_attention_bwd` -> ``(dq, dk, dv)`` in float32 for one step, given the
-  FINAL (merged) ``lse`` and ``delta = rowsum(dO * O)`` of the full attention (flash backward);
-  ``dq_acc`` / ``dkv_acc`` are added in (in place on the Pallas path).
+* :func:`block_sparse_attention_fwd` -> ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` (rows
+  with no allowed key: out 0, lse -inf), merged with ``acc`` (earlier ring steps) when given.
+* :func:`block_sparse_attention_bwd` -> float32 ``(dq, dk, dv)`` of one step from the FINAL ``lse``
+  and ``delta = rowsum(dO * O)``, added to ``dq_acc`` / ``dkv_acc`` when given.
 * :func:`block_sparse_attention` — single-device op with ``custom_vjp`` (output in q's dtype).
 
-``impl``: a name of :data:`pallas_kernels.registry.IMPLS` — ``"auto"`` (Mosaic GPU on Hopper,
-Triton on other GPUs, the XLA twin elsewhere, per direction, falling through on what a backend
-does not support), ``"mosaic"``, ``"triton"`` (alias ``"pallas"``) or ``"xla"``; see
-:mod:`pallas_kernels.registry` for what each backend supports.
-Ground truth for both: ``pallas_kernels.reference.dense_attention`` with
-``index_format.step_index_to_mask``.
+``impl``: ``"auto"``, ``"mosaic"``, ``"triton"`` (alias ``"pallas"``) or ``"xla"``; what each
+supports and how ``"auto"`` chooses: :mod:`pallas_kernels.registry`. Ground truth:
+``reference.dense_attention`` with ``index_format.step_index_to_mask``.
 """
 
 from __future__ import annotations
@@ -60,8 +52,7 @@ def attention_delta(out, do, out_lo=None):
     """``delta f32 [B, Hq, Sq] = rowsum(dO * O)`` (computed once per attention, FlashAttention-2).
 
     ``out``: ``O [B, Sq, Hq, D]``; with ``out_lo`` (:func:`split_output`) ``O = out + out_lo``, the
-    float32 output: forming delta from an O rounded to bf16 costs the gradients about 2x in
-    accuracy."""
+    float32 output (a delta from O rounded to bf16 loses gradient accuracy)."""
     o = out.astype(jnp.float32)
     if out_lo is not None:
         o = o + out_lo.astype(jnp.float32)

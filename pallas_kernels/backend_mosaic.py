@@ -1,14 +1,17 @@
-"""``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (:mod:`pallas_kernels.mosaic_fwd`).
+"""``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (forward :mod:`pallas_kernels.mosaic_fwd`,
+backward :func:`pallas_kernels.three_pass.three_pass_bwd` with :mod:`pallas_kernels.mosaic_bwd`).
 
 Supports: compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128; block size 64;
-``Sq`` a multiple of 128 (two query blocks per CTA); packed documents (segment ids: a third
-``info`` row, checked only on masked tiles, :mod:`pallas_kernels.mosaic_index`).
-Forward: :mod:`pallas_kernels.mosaic_fwd`.
-Backward (:func:`pallas_kernels.three_pass.three_pass_bwd`): all Mosaic
-(:mod:`pallas_kernels.mosaic_bwd`); when ``Sk`` is not a multiple of 128 (two KV blocks per CTA) the
-two dK/dV passes are Triton's. Mosaic GPU's CPU interpret mode (JAX 0.10)
-cannot run these kernels (no transposed-operand or register-operand ``wgmma``), so they are tested
-on the GPU; the shared kernel suite covers the same semantics through the other backends on CPU.
+``Sq`` a multiple of 128; packed documents. When ``Sk`` is not a multiple of 128 the two dK/dV
+passes are Triton's.
+
+No CPU run (JAX 0.10.2): ``plgpu.kernel(..., interpret=True)`` takes Pallas's generic HLO
+interpreter, which rejects these kernels' warpgroup ``run_scoped`` ("does not support collective
+axes"); Mosaic GPU's own interpreter (``interpret=InterpretGPUParams()``, private in
+``jax._src.pallas.mosaic_gpu.interpret``) runs simple ``wgmma`` kernels but not ``pl.run_state``,
+``plgpu.load`` or a transposed shared-memory ``wgmma`` operand, which these kernels use. So they
+run on the GPU only (``tests/test_kernels.py``, ``-m gpu``); on CPU ``tests/test_mosaic_kernels.py``
+checks their tile walks and their lowering for CUDA.
 """
 
 from __future__ import annotations

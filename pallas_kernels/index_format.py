@@ -1,42 +1,30 @@
 """The per-step block-sparse index: the contract between the sparse-index builder and the kernels.
 
 One ``StepIndex`` describes, for the queries a rank holds and ONE visiting K/V chunk (one ring
-step, or the whole sequence on a single device), which keys each 64-query block may attend to.
-Queries and keys are split into blocks of ``block_size`` (default 64) *local* rows.
+step, or the whole sequence on one device), which keys each query block may attend to; queries
+and keys are split into blocks of ``block_size`` (default 64) local rows. ``H`` = query heads.
 
-Fields (``H`` = query heads; the index is per query head, MTraining Algorithm 1):
+* ``block_idx   int32 [B, H, nQB, MB]``  local KV-block ids; the first ``block_count`` of a row
+  are valid, distinct and ascending; the rest is padding (in range, never read as active).
+* ``block_count int32 [B, H, nQB]``      ``0 <= count <= MB``.
+* ``block_causal int32 [B, H, nQB, MB]`` 1 where the tile holds a non-causal pair (token-level
+  mask needed); 0 promises every pair is causal (:func:`causal_flags`).
+* ``col_idx     int32 [B, H, MC]``       the vertical columns: ONE list per (batch, head), local
+  token ids, distinct, ordered so that each query block's columns are a prefix.
+* ``col_count   int32 [B, H, nQB]``      query block ``i`` uses ``col_idx[..., :col_count[i]]``.
 
-* ``block_idx   int32 [B, H, nQB, MB]``  local KV-block ids in the visiting chunk; the first
-  ``block_count`` entries of a row are valid, distinct and sorted ascending; the rest is padding
-  (any value in range, kernels never read it as active).
-* ``block_count int32 [B, H, nQB]``      active blocks per query block, ``0 <= count <= MB``.
-* ``block_causal int32 [B, H, nQB, MB]`` 1 where the (query block, KV block) tile holds a
-  non-causal pair and so needs the token-level causal mask; 0 promises every pair of the tile
-  is causal, letting kernels skip the mask. ``causal_flags`` computes it from positions.
-* ``col_idx     int32 [B, H, MC]``       the vertical columns of the visiting chunk, ONE list per
-  (batch, head) shared by all query blocks: local token ids (``0 <= id < Sk``), distinct, ordered
-  so that each query block's columns are a prefix (the builder sorts them by global position).
-* ``col_count   int32 [B, H, nQB]``      query block ``i`` uses the prefix
-  ``col_idx[..., :col_count[i]]`` (``0 <= count <= MC``).
+Meaning: query ``i`` may attend key ``j`` iff ``(j // bs is an active block of its row or j is in
+its column prefix) and k_pos[j] <= q_pos[i]``; a prefix column inside an active block counts once
+(kernels skip it in the column phase). ``q_pos [Sq]``, ``k_pos [Sk]``: global positions, shared by
+the batch. ``index = None`` everywhere means dense causal attention by position.
 
-Meaning: query ``i`` (block ``i // bs``) may attend to key ``j`` iff
-``(j // bs in active blocks of that row or j in its column prefix) and k_pos[j] <= q_pos[i]``.
-A column of the prefix that lies inside an active block of the row is that block's key, counted
-once: kernels skip it in the column phase (so the builder need not remove it per row).
-Sharing one column list keeps a step's index ``O(nQB * MB + MC)`` instead of ``O(nQB * MC)``:
-its conversion costs next to nothing and scales down with the number of ranks (see
-``benchmarks/KERNEL_NOTES.md``, run 11).
-``q_pos [Sq]`` and ``k_pos [Sk]`` are global positions (after the layout permutation), shared by
-the batch. ``index = None`` everywhere means dense causal-by-position attention.
-
-Packed documents: segment ids ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` (per sequence) and
-the rule above with ``and q_seg[b, i] == k_seg[b, j]``. :func:`apply_segments` drops the tiles
-whose query and key segment ranges do not meet (no pair of them can be in one document) and flags
-the tiles that straddle a boundary in ``block_causal`` (so a kernel masks them token by token),
-leaving tiles inside one document free.
+Packed documents: segment ids ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` add ``q_seg[b, i]
+== k_seg[b, j]``; :func:`apply_segments` narrows the index to them.
 """
 
 from __future__ import annotations
+
+import functools
 
 from typing import NamedTuple
 
@@ -91,6 +79,7 @@ def check_step_index(index: StepIndex, batch: int, heads: int, sq: int, sk: int,
         raise ValueError(f"index has {index.max_blocks} block slots but the KV chunk has only {sk // block_size} blocks")
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def step_work(index: StepIndex, block_size: int = DEFAULT_BLOCK):
     """Attended kernel slots of an index (float32, summed over everything but a leading step
     axis, if any): ``block_count * bs^2 + col_count * bs`` — the unit of the load metrics."""
@@ -98,6 +87,7 @@ def step_work(index: StepIndex, block_size: int = DEFAULT_BLOCK):
     return w.reshape(w.shape[0], -1).sum(axis=1) if w.ndim == 4 else w.sum()
 
 
+@functools.partial(jax.jit, static_argnames=("sk", "num_chunks", "block_size"))
 def chunk_work(index: StepIndex, sk: int, num_chunks: int, block_size: int = DEFAULT_BLOCK):
     """``float32 [num_chunks]``: :func:`step_work` of an index over ``num_chunks`` equal K/V chunks
     concatenated (``sk`` keys; ring steps fused into one kernel call), split by chunk. For the union
@@ -113,6 +103,7 @@ def chunk_work(index: StepIndex, sk: int, num_chunks: int, block_size: int = DEF
     return blocks.astype(jnp.float32) * block_size**2 + cols.astype(jnp.float32) * block_size
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def causal_flags(q_pos, k_pos, block_idx, block_size: int = DEFAULT_BLOCK):
     """``int32`` like ``block_idx``: 1 where the tile (query block, KV block) has a non-causal pair."""
     qmin = q_pos.reshape(-1, block_size).min(axis=1)  # [nQB]
@@ -122,12 +113,14 @@ def causal_flags(q_pos, k_pos, block_idx, block_size: int = DEFAULT_BLOCK):
     return (kmax[block_idx] > qmin_b).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def segment_ranges(seg, block_size: int):
     """``(min, max) int32 [B, n]`` of the segment ids ``seg [B, n * block_size]`` per block."""
     b = seg.reshape(seg.shape[0], -1, block_size)
     return b.min(axis=-1), b.max(axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def apply_segments(index: StepIndex, q_seg, k_seg, block_size: int = DEFAULT_BLOCK) -> StepIndex:
     """``index`` restricted to packed documents (see module docstring): a tile whose query and key
     segment ranges are disjoint is removed (the active blocks stay sorted, counts shrink), and
@@ -153,6 +146,7 @@ def apply_segments(index: StepIndex, q_seg, k_seg, block_size: int = DEFAULT_BLO
                           block_causal=pick(flags))
 
 
+@functools.partial(jax.jit, static_argnames=("sk", "block_size"))
 def row_block_map(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):
     """``bool [B, H, nQB, nKB]``: whether KV block ``j`` is active in query block row ``i``."""
     B, H, nqb, mb = index.block_idx.shape
@@ -166,6 +160,7 @@ def row_block_map(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):
     ].set(True)[..., :nkb]
 
 
+@functools.partial(jax.jit, static_argnames=("sk", "block_size"))
 def row_columns(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):
     """Per query block, the columns its column phase attends: ``(ids int32 [B, H, nQB, MC]``
     (clipped into range), ``valid bool [B, H, nQB, MC])`` — in the row's prefix and not inside
@@ -178,6 +173,7 @@ def row_columns(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):
     return ids.astype(jnp.int32), in_prefix & ~in_block
 
 
+@functools.partial(jax.jit, static_argnames=("sq", "sk", "block_size"))
 def step_index_to_mask(index: StepIndex, sq: int, sk: int, block_size: int = DEFAULT_BLOCK):
     """``bool [B, H, Sq, Sk]``: the (q, k) pairs the index allows, BEFORE the causal mask."""
     B, H, nqb, _ = index.block_idx.shape
@@ -192,6 +188,7 @@ def step_index_to_mask(index: StepIndex, sq: int, sk: int, block_size: int = DEF
     return jnp.repeat(allowed, block_size, axis=2)  # [B, H, Sq, Sk]
 
 
+@functools.partial(jax.jit, static_argnames=("batch", "heads", "sq", "sk", "block_size"))
 def full_step_index(batch: int, heads: int, sq: int, sk: int, q_pos, k_pos, block_size: int = DEFAULT_BLOCK) -> StepIndex:
     """Index with every KV block that has at least one causal pair active (dense causal work)."""
     nqb, nkb = sq // block_size, sk // block_size

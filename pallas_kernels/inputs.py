@@ -34,3 +34,16 @@ def check_qkv(q, k, v, *, same_seq: bool = True) -> int:
         what = "batch, sequence or head_dim" if same_seq else "batch or head_dim"
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on {what}")
     return check_gqa(q.shape[2], k.shape[2])
+
+
+def check_segment_ids(segment_ids, batch: int, seq: int):
+    """``None`` or ``segment_ids`` as int32 ``[batch, seq]`` (document ids of packed sequences);
+    ``ValueError`` naming the shape or dtype otherwise."""
+    if segment_ids is None:
+        return None
+    segment_ids = jnp.asarray(segment_ids)
+    if tuple(segment_ids.shape) != (batch, seq):
+        raise ValueError(f"segment_ids must have shape [B, S] = [{batch}, {seq}], got {tuple(segment_ids.shape)}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be integers, got dtype {segment_ids.dtype}")
+    return segment_ids.astype(jnp.int32)

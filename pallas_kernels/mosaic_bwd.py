@@ -1,36 +1,20 @@
-"""Pallas Mosaic GPU (Hopper) backward: the dQ pass and the dK/dV block pass.
+"""Pallas Mosaic GPU (Hopper) backward: the dQ pass and the two dK/dV passes.
 
-Contract of :func:`pallas_kernels.triton_backward.dq_pass` (FlashAttention-2, Dao 2023, Alg. 2 with
-the final ``lse`` and ``delta = rowsum(dO * O)``): for every tile the forward attends,
-``P = exp(S - lse)``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ += scale * dS K``; the result
-is added to ``dq_acc`` when given (ring steps). Same CTA structure and tile operands as the forward
-(:mod:`pallas_kernels.mosaic_fwd`, :mod:`pallas_kernels.mosaic_index`): two consumer warpgroups,
-one 64-row query block each, with ``Q`` and ``dO`` resident in shared memory, walking the CTA's
-ONE shared stream of K/V steps (``pair_stream``; 64-key steps by default: 128-key steps measured
-slower here, `benchmarks/kernels_results.md` run 10); one producer warpgroup TMA-loading K, V and
-``info`` tiles. Three ``wgmma`` per step (``Q K^T``, ``dO V^T``, ``dS K``); the K slot is released
-after the third, the V slot after the second.
+Contracts of :mod:`pallas_kernels.triton_backward` (FlashAttention-2, Dao 2023, Alg. 2, from the
+final ``lse`` and ``delta = rowsum(dO * O)``):
 
-The dK/dV block pass (:func:`mosaic_dkv_blocks`, contract of
-:func:`pallas_kernels.triton_backward.dkv_block_pass`) is KV-stationary over
-:func:`pallas_kernels.mosaic_index.kv_schedule`: CTA ``(p, hk, b)`` owns KV blocks ``2p`` and
-``2p + 1`` of KV head ``hk``; each consumer warpgroup keeps its block's K and V in shared memory
-and walks the (query head of the group, query block) tiles that list it, so GQA is reduced in
-registers and dK/dV are written once per KV head, without atomics. The producer TMA-loads each
-tile's ``Q``, ``dO``, ``(lse, delta)`` and query positions. Four ``wgmma`` per tile: ``S^T = K Q^T``,
-``dP^T = V dO^T``, ``dV += P^T dO`` (``P^T`` from registers), ``dK += dS^T Q``.
+* :func:`mosaic_dq` (:func:`~pallas_kernels.triton_backward.dq_pass`): ``dQ += scale * dS K`` over
+  the tiles the forward attends, added to ``dq_acc`` when given; the forward's CTA structure and
+  shared K/V stream (:mod:`pallas_kernels.mosaic_stream`), three ``wgmma`` per step.
+* :func:`mosaic_dkv_blocks` (:func:`~pallas_kernels.triton_backward.dkv_block_pass`):
+  KV-stationary over :func:`pallas_kernels.mosaic_index.kv_schedule`; CTA ``(p, hk, b)`` owns KV
+  blocks ``2p``, ``2p + 1`` of KV head ``hk``; GQA reduced in registers, no atomics.
+* :func:`mosaic_dkv_cols` (:func:`~pallas_kernels.triton_backward.dkv_col_pass`): the same consumer
+  on the gathered column tiles, one per-slot buffer per query-block range
+  (:func:`pallas_kernels.mosaic_index.column_ranges`), summed and scattered by XLA.
 
-The dK/dV column pass (:func:`mosaic_dkv_cols`) is the same consumer on the gathered column tiles
-of :func:`pallas_kernels.mosaic_index.prepare`: CTA ``(p, h, (b, r))`` owns column chunks ``2p`` and
-``2p + 1`` of query head ``h`` and walks range ``r`` of the query blocks whose prefix reaches them
-(:func:`pallas_kernels.mosaic_index.column_ranges`); each range writes its own per-slot buffer, and
-XLA sums the ranges and scatters the slots into the KV heads — deterministic, no atomics. The two
-dK/dV passes split the pairs as the forward does (a listed prefix column is the column pass's).
-
-Packed documents (``segs = (q_seg, k_seg)``, index narrowed by ``apply_segments``): as in the
-forward, masked tiles add ``k_seg == q_seg`` (the keys' segment row of ``info`` / the KV rows'
-resident segment ids, the query rows' ids loaded per consumer or with the tile's ``qinfo``); free
-tiles lie inside one document and stay mask-free.
+The two dK/dV passes split the pairs as the forward does. Packed documents: masked tiles add
+``k_seg == q_seg``. Design notes: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

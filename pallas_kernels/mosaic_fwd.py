@@ -1,39 +1,19 @@
 """Pallas Mosaic GPU (Hopper: wgmma + TMA, warp-specialised) block-sparse flash-attention forward.
 
-Same contract as :func:`pallas_kernels.triton_kernels.pallas_fwd` (MTraining Algorithm 1 on the
-per-step :class:`~pallas_kernels.index_format.StepIndex`; causal by global position; empty rows
-give out 0 / lse -inf; given ``acc`` the result is merged into the earlier ring steps' float32
-``(out, lse)``), on the tiles of :mod:`pallas_kernels.mosaic_index`.
+Contract of :func:`pallas_kernels.triton_kernels.pallas_fwd` (causal by global position on the
+per-step :class:`~pallas_kernels.index_format.StepIndex`; empty rows give out 0 / lse -inf; given
+``acc`` the result is merged into the earlier ring steps' float32 ``(out, lse)``), on the tiles of
+:mod:`pallas_kernels.mosaic_index`.
 
-Structure (FlashAttention-3 style, one CTA = 3 warpgroups):
+One CTA ``(p, h, b)`` = query blocks ``2p`` and ``2p + 1`` of head ``h`` (from the last: heavy
+causal rows first) = two consumer warpgroups (one query block each: ``wgmma`` from shared memory,
+online softmax in float32, turns on the tensor cores FlashAttention-3 style) and one producer
+warpgroup that TMA-loads the CTA's ONE shared stream of K/V steps
+(:func:`pallas_kernels.mosaic_index.pair_stream`, :mod:`pallas_kernels.mosaic_stream`) into a ring
+of ``slots`` shared-memory slots. Packed documents: masked tiles add ``seg == q_seg``.
 
-* CTA ``(p, h, b)`` owns query blocks ``2p`` and ``2p + 1`` of head ``h`` (pairs walked from the
-  last: causal rows get heavier with position, so the heavy ones start first);
-* the CTA walks ONE stream of K/V steps shared by its two consumers
-  (:func:`pallas_kernels.mosaic_index.pair_stream`): the union of the two rows' block tiles, grouped
-  by each row's class (free: no mask; masked; skipped: not in that row's walk), then the column
-  tiles of the longer column prefix. A step is two 64-key tiles (128 keys: one softmax update and
-  one accumulator rescale per 128 keys; the two halves are TMA-loaded from any two blocks); a
-  group's odd last tile is paired with a NULL tile whose keys are all masked;
-* warpgroups 0 and 1 are consumers, one 64-row query block each: ``S = q K^T`` by ``wgmma`` from
-  shared memory, online softmax in float32 (``exp2``, log2-domain running max), ``P V`` by
-  ``wgmma`` with ``P`` from registers; the two take turns on the tensor cores (a shared "schedule"
-  barrier, FlashAttention-3's ping-pong): one's softmax runs under the other's ``wgmma``. A
-  consumer waits for every step of the stream (barrier phases are tracked per thread) and frees it;
-  on a step outside its walk it does no math but still takes its two turns;
-* warpgroup 2 is the producer: it TMA-loads each step's K, V and ``info`` tiles, at offsets read from
-  the stream at run time, into a ring of ``slots`` shared-memory slots, and waits until BOTH
-  consumers freed a slot (2-arrival barriers) before reusing it. Sharing halves the CTA's K/V
-  traffic against one walk per consumer, and leaves the shared memory for 128-key steps.
-
-Packed documents (``segs``, index narrowed by ``apply_segments``): ``info`` tiles carry the keys'
-segment ids as a third row and each consumer TMA-loads its 64 queries' segment ids; masked tiles
-add ``seg == q_seg`` to their mask, free tiles (inside one document) stay mask-free.
-
-``out`` (float32) is written from registers straight to global memory (each quad of threads
-stores 32 contiguous bytes), ``lse`` through shared memory and TMA.
-Supported: bf16 / f16 inputs, head_dim 64 or 128, block size 64, ``Sq`` a multiple of 128,
-compute capability 9.x (see :mod:`pallas_kernels.backend_mosaic`).
+Supported: bf16 / f16, head_dim 64 or 128, block size 64, ``Sq`` a multiple of 128, compute
+capability 9.x (:mod:`pallas_kernels.backend_mosaic`). Design notes: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -1,48 +1,35 @@
 """Kernel-ready operands of the Mosaic GPU kernels, built from a :class:`StepIndex` in plain XLA.
 
-Hopper's TMA copies rectangular tiles, so every tile a Mosaic kernel walks is 64 contiguous rows:
+TMA copies rectangular tiles, so every tile a Mosaic kernel walks is 64 contiguous rows:
 
-* **block tiles**: the row's active KV blocks (``k[b, kb*64 : kb*64+64, h // g]``), reordered so
-  that the *free* ones come first. A tile is free when every pair is causal
-  (``block_causal == 0``) AND none of its keys is a listed column inside the row's column prefix;
-  the kernel then applies no mask at all.
-* **column tiles**: the head's vertical-column list is ONE list per (batch, head) shared by every
-  query block, so its K/V rows are gathered once per step into contiguous buffers
-  ``kc, vc [B, H, MCp, D]`` (``MCp`` = ``MC`` rounded up to 64) and walked as dense tiles; row ``i``
-  uses the first ``ceil(col_count[i] / 64)`` of them.
+* **block tiles**: the row's active KV blocks, the *free* ones first (every pair causal,
+  ``block_causal == 0``, and none of its keys a listed column of the row's prefix: no mask);
+* **column tiles**: the head's ONE column list, its K/V rows gathered once per step into
+  ``kc, vc [B, H, MCp, D]`` (``MCp`` = ``MC`` rounded up to 64); row ``i`` uses the first
+  ``ceil(col_count[i] / 64)``.
 
-A key that is both a listed column in the row's prefix and inside one of its active blocks is
-counted once, in the column phase: the block tile masks it out. With ``slot[j]`` = the key's
-position in the column list (a large number when unlisted), the masked-tile rule is ONE formula
-for both tile kinds, on a per-tile ``info [2, 64]`` int32 pair ``(pos, aux)``::
+A key that is both a listed prefix column and inside an active block counts once, in the column
+phase. With ``slot[j]`` the key's place in the column list (large when unlisted), both tile kinds
+share ONE mask rule on a per-tile ``info [2, 64]`` int32 pair ``(pos, aux)``::
 
     keep key t  <=>  pos[t] <= q_pos[row]  and  aux[t] >= thr
     block tile:  pos = k_pos,  aux = slot,   thr = col_count[i]      (drop listed prefix columns)
     column tile: pos = k_pos of the column (INT32_MAX on padding),
                  aux = -(list slot),         thr = 1 - col_count[i]  (keep slots < col_count[i])
 
-The dK/dV passes split the pairs the same way (a listed prefix column is the column pass's):
+The dK/dV passes split the pairs the same way: the block pass walks the transposed schedule
+(:func:`kv_schedule`) with the rule's rows and columns swapped; the column pass is
+column-stationary over ranges of query blocks (:func:`column_ranges`).
 
-* the block pass walks the transposed schedule (:func:`kv_schedule`): for every KV block, the
-  (query head of its group, query block) tiles that list it, free ones first (free as above);
-  masked tiles use the same rule with the roles of rows and columns swapped (KV rows carry
-  ``pos, aux``, the tile's query block carries ``q_pos`` and ``thr``);
-* the column pass is column-stationary: each 64-slot chunk of a head's gathered columns walks the
-  query blocks of a range whose prefix can reach it, with the column tiles' rule; its per-slot
-  dK/dV (one buffer per range: no atomics) are summed and scattered into the KV heads.
-
-Packed documents (``segs = (q_seg [B, Sq], k_seg [B, Sk])``, the index narrowed by
+Packed documents (``segs = (q_seg [B, Sq], k_seg [B, Sk])``, index narrowed by
 :func:`~pallas_kernels.index_format.apply_segments`): ``info`` gets a third row, the keys' segment
-ids, and the masked-tile rule adds ``seg[t] == q_seg[row]``. Free tiles need no change: a block
-tile is free only inside one document (``apply_segments`` flags the others), and a column tile is
-counted free only when its columns and the query block are all in one document.
-
-Costs per ring step: one ``[B, H, Sk]`` scatter-min (the slots), the column gathers
-``2 * B * H * MCp * D`` elements and ``info`` arrays of ``8 * B * H * (Sk + MCp)`` bytes — linear in
-the chunk, never ``nQB x MC``.
+ids, and masked tiles also require ``seg[t] == q_seg[row]``; free tiles lie inside one document.
+Design notes: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
+
+import functools
 
 from typing import NamedTuple
 
@@ -79,6 +66,7 @@ def _partition(first, second):
     return dst, n1[..., 0], (n1 + n2)[..., 0]
 
 
+@functools.partial(jax.jit, static_argnames=("sk",))
 def column_slots(index: StepIndex, sk: int):
     """``int32 [B, H, Sk]``: for each key, its smallest slot in the head's column list, or
     :data:`UNLISTED`."""
@@ -90,6 +78,7 @@ def column_slots(index: StepIndex, sk: int):
     return jnp.full((B, H, sk), UNLISTED, jnp.int32).at[b, h, ids].min(slots)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=None) -> MosaicOperands:
     """Build :class:`MosaicOperands` for ``k, v [B, Sk, Hkv, D]`` and query heads ``H`` of ``index``.
     With ``q_pos [Sq]``, each row's leading column tiles that need no mask (every column inside the
@@ -174,6 +163,7 @@ class PairStream(NamedTuple):
     bounds: jax.Array  # int32 [B, H, nQB // 2, 9]: segment s of STREAM_SEGMENTS is steps [bounds[s], bounds[s + 1])
 
 
+@functools.partial(jax.jit, static_argnames=("halves",))
 def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
     """Merge the block walks of query blocks ``2p`` and ``2p + 1`` (:class:`MosaicOperands`
     ``block_idx`` / ``counts``) into one stream of steps of ``halves`` tiles (1: 64 keys, 2: 128
@@ -238,6 +228,7 @@ def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
 _ONE_KEY_LIMIT = 2**32
 
 
+@functools.partial(jax.jit, static_argnames=("sk", "hkv", "block_size"))
 def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     """KV-stationary schedule of the dK/dV block pass, one list per (batch, KV head, KV block) over
     the ``g = H // hkv`` query heads of the group, stored compactly (CSR): its size is the index's
@@ -248,7 +239,7 @@ def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     kb]``; entry ``e = j * nQB + qb`` is query block ``qb`` of query head ``hk * g + j``; the first
     ``n_free`` entries are free tiles (every pair causal and no listed column of the row's prefix in
     the block: no mask), then the masked ones, each group in (head, query block) order; entries past
-    the last list are padding (in range). One sort of the index's entries by (list, class, entry)."""
+    the last list are padding (in range)."""
     bs = block_size
     B, H, nqb, mb = index.block_idx.shape
     nkb, g = sk // bs, H // hkv
@@ -276,6 +267,7 @@ def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     return entries, counts
 
 
+@functools.partial(jax.jit, static_argnames=("length",))
 def dense_kv_schedule(entries, counts, length: int):
     """``int32 [B, Hkv, nKB, length]``: each list of :func:`kv_schedule` padded to ``length`` (the
     emulation's and tests' view; entries past a list's end are arbitrary)."""
@@ -294,6 +286,7 @@ def column_ranges(col_count, nchunks: int, bs: int, range_blocks: int):
     return first, max(1, -(-nqb // range_blocks))
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size"))
 def emulate_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
                        block_size: int, segs=None):
     """The dK/dV block pass's walk over :func:`kv_schedule` in plain ``jax.numpy`` (float32): for
@@ -343,6 +336,7 @@ def emulate_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, 
     return back(dk), back(dv)
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size"))
 def emulate_fwd(q, ops: MosaicOperands, k, v, q_pos, *, sm_scale: float, block_size: int, q_seg=None):
     """The Mosaic forward's tile walk in plain ``jax.numpy`` (float32, exact softmax): what the
     kernel computes from :class:`MosaicOperands`, for testing :func:`prepare` on any machine.

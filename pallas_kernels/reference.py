@@ -13,6 +13,8 @@ with the block-diagonal document mask ``q_seg[b, i] == k_seg[b, j]`` (``q_seg in
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -52,20 +54,30 @@ def segment_mask(q_seg, k_seg):
 
 def dense_attention(q, k, v, q_pos=None, k_pos=None, mask=None, *, causal: bool = True, sm_scale=None,
                     q_seg=None, k_seg=None):
-    """Dense attention in float32. See module docstring for shapes and masking."""
+    """Dense attention in float32. See module docstring for shapes and masking. Inputs are checked
+    here; the math is one compiled program (a call outside ``jit`` compiles once per shape)."""
     check_qkv(q, k, v, same_seq=False)
+    B, Sq = q.shape[:2]
+    Sk = k.shape[1]
+    if (q_seg is None) != (k_seg is None):
+        raise ValueError("give both q_seg and k_seg (packed documents) or neither")
+    if q_seg is not None:
+        seg = jax.eval_shape(segment_mask, q_seg, k_seg)  # its own shape errors first
+        if seg.shape[0] != B or seg.shape[2:] != (Sq, Sk):
+            raise ValueError(f"q_seg / k_seg must be [B, Sq] = [{B}, {Sq}] / [B, Sk] = [{B}, {Sk}]; got "
+                             f"{jnp.shape(q_seg)}, {jnp.shape(k_seg)}")
+    return _dense_attention(q, k, v, q_pos, k_pos, mask, q_seg, k_seg, sm_scale, causal=causal)
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
+def _dense_attention(q, k, v, q_pos, k_pos, mask, q_seg, k_seg, sm_scale, *, causal: bool):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     q_pos = jnp.arange(Sq) if q_pos is None else jnp.asarray(q_pos)
     k_pos = jnp.arange(Sk) if k_pos is None else jnp.asarray(k_pos)
     s = attention_logits(q, k, sm_scale)
-    if (q_seg is None) != (k_seg is None):
-        raise ValueError("give both q_seg and k_seg (packed documents) or neither")
     if q_seg is not None:
         seg = segment_mask(q_seg, k_seg)
-        if seg.shape[0] != B or seg.shape[2:] != (Sq, Sk):
-            raise ValueError(f"q_seg / k_seg must be [B, Sq] = [{B}, {Sq}] / [B, Sk] = [{B}, {Sk}]; got "
-                             f"{jnp.shape(q_seg)}, {jnp.shape(k_seg)}")
         mask = seg if mask is None else jnp.logical_and(mask, seg)
     m = attention_mask(q_pos, k_pos, mask, causal)
     if m is not None:

@@ -15,15 +15,13 @@ from pallas_kernels.index_format import StepIndex
 def three_pass_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, dkv_acc=None, *,
                    dq_kernel, dkv_kernels, kernel_options: dict, segs=None):
     """Returns f32 ``(dq, dk, dv)`` of one ring step, added to ``dq_acc`` (in place, in the dQ
-    kernel) and ``dkv_acc = (dk, dv)`` when given. ``dkv_acc`` is added after the block pass, in the
-    column scatter's operand: in a ring it arrives from the neighbour, and making the step's first
-    dK/dV kernel wait for it would expose the transfer. dQ runs last, so dK/dV leave for the
-    neighbour (or home) while it runs.
+    kernel) and ``dkv_acc = (dk, dv)`` when given. Order: dK/dV block pass, column pass (``dkv_acc``
+    added in its scatter: in a ring it arrives from the neighbour, and the first kernel does not wait
+    for it), then dQ, during which dK/dV travel on.
 
-    ``dkv_kernels = (block pass, column pass)`` (they must split the pairs between them the same
-    way), ``dq_kernel``: the backend's passes, each called with ``**kernel_options`` (at least
-    ``sm_scale`` and ``block_size``); ``segs = (q_seg, k_seg)``: packed documents, passed to every
-    pass as keyword ``segs`` only when given."""
+    ``dkv_kernels = (block pass, column pass)`` (splitting the pairs as the forward does),
+    ``dq_kernel``: the backend's passes, each called with ``**kernel_options`` (at least ``sm_scale``
+    and ``block_size``) and, for packed documents, ``segs = (q_seg, k_seg)``."""
     args = (q, k, v, q_pos, k_pos, index, do, lse, delta)
     block_pass, col_pass = dkv_kernels
     kw = dict(kernel_options) if segs is None else {**kernel_options, "segs": segs}
@@ -39,13 +37,10 @@ def three_pass_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_a
 
 def add_column_grads(dk, dv, dkc, dvc, col_idx, col_count):
     """``dk[b, col_idx[b, h, m], h // g] += dkc[b, h, m]`` (and ``dv``) for every query head ``h``
-    and list slot ``m`` some query block uses (``m < max_i col_count[b, h, i]``): one XLA
-    scatter-add of the column pass's per-slot gradients into the KV heads' ``dk, dv f32
-    [B, Sk, Hkv, D]`` (a column listed by several heads of a group adds up).
-
-    Unused slots (list padding: on a ring step, the verticals the visiting chunk does not hold)
-    are dropped, not added as zeros: padding points at key 0, and thousands of zero adds into one
-    row serialise the scatter's atomics (``benchmarks/sparse_ring_results.md``, v9)."""
+    and list slot ``m`` some query block uses (``m < max_i col_count[b, h, i]``): one XLA scatter-add
+    of the column pass's per-slot gradients into ``dk, dv f32 [B, Sk, Hkv, D]``. Unused (padding)
+    slots are dropped, not added as zeros: they all point at key 0 and would serialise the
+    scatter's atomics."""
     B, H, mcp = col_idx.shape
     g = H // dk.shape[2]
     used = jnp.arange(mcp, dtype=jnp.int32) < jnp.max(col_count, axis=-1, initial=0)[..., None]

@@ -2,28 +2,19 @@
 
 FlashAttention-2 backward (Dao 2023, Alg. 2) on the per-step index of
 :mod:`pallas_kernels.index_format`, given the final ``lse`` and ``delta = rowsum(dO * O)``
-(``api.attention_delta``); the forward and the shared index preparation are in
-:mod:`pallas_kernels.triton_kernels`.
+(``api.attention_delta``). Three passes (:func:`pallas_bwd`, :mod:`pallas_kernels.three_pass`):
 
-**Three passes** (:func:`pallas_bwd`) (measurements and the alternatives tried in
-``benchmarks/KERNEL_NOTES.md``): (1) :func:`dq_pass`, query-stationary like the forward, adding
-into a given ``dq`` accumulator in place; (2) :func:`dkv_block_pass`, KV-stationary over the
-transposed schedule (:func:`transpose_block_index`: for every KV block the query blocks listing
-it, free ones first): one program per (KV block, KV head) walks the lists of the ``g`` query
-heads of its group, so GQA is reduced in registers and dK/dV are written once per KV head;
-(3) :func:`dkv_col_pass`, column-stationary: one program per (chunk of 64 columns of the head's
-shared list, gathered once; range of at most ``COL_RANGE_BLOCKS`` query blocks) walks the query
-blocks whose prefix reaches the chunk and writes the chunk's dK/dV into a compact
-``[B, Hq, MC, D]`` buffer indexed by list slot (atomic adds only between the ranges of a chunk),
-which one XLA scatter-add then adds into the KV heads' dK/dV (:func:`add_column_grads`).
+1. :func:`dq_pass`: query-stationary like the forward, adding into ``dq`` in place;
+2. :func:`dkv_block_pass`: KV-stationary over :func:`transpose_block_index`, one program per (KV
+   block, KV head) over the ``g`` query heads of its group (GQA reduced in registers);
+3. :func:`dkv_col_pass`: column-stationary, one program per (64-column chunk of the head's list,
+   range of at most ``COL_RANGE_BLOCKS`` query blocks) into a ``[B, Hq, MC, D]`` per-slot buffer,
+   scatter-added into the KV heads (:func:`~pallas_kernels.three_pass.add_column_grads`).
 
-Packed documents (``segs = (q_seg [B, Sq], k_seg [B, Sk])``, the index narrowed by
-:func:`~pallas_kernels.index_format.apply_segments`): free tiles lie inside one document and stay
-mask-free in every pass; masked tiles (causal or straddling a boundary) and column tiles add the
-token-level ``k_seg == q_seg`` check, as in the forward.
-
-The same source runs on the GPU and in interpret mode on CPU (tests); only the atomic add has an
-interpret-mode twin (:func:`_add_slots`).
+Packed documents (``segs = (q_seg [B, Sq], k_seg [B, Sk])``, index narrowed by
+:func:`~pallas_kernels.index_format.apply_segments`): masked and column tiles add ``k_seg ==
+q_seg``. Runs on CUDA GPUs and in interpret mode on CPU (:func:`_add_slots` is the atomic add's
+interpret-mode twin). Design notes: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -90,8 +81,7 @@ def transpose_block_index(index: StepIndex, sk: int, bs: int):
     Returns ``(tidx int32 [B, H, nKB, MTp], tcnt int32 [B, H, nKB, 2])``: each list holds first
     the ``tcnt[..., 0]`` query blocks whose tile needs no mask, then the masked ones up to
     ``tcnt[..., 1]``, each group sorted by query block (``MTp`` = ``nQB`` padded to a power of
-    two). Built from a dense ``[B, H, nKB, nQB]`` int8 map of the tiles (1 free, 2 masked) with a
-    cumsum per group for the list positions and one scatter of the ``B*H*nQB*MB`` entries.
+    two).
     """
     B, H, nqb, mb = index.block_idx.shape
     nkb = sk // bs
@@ -121,11 +111,9 @@ COL_RANGE_BLOCKS = 128
 
 
 def col_row_splits(nqb: int, range_blocks: int = COL_RANGE_BLOCKS) -> int:
-    """Query-block ranges of the column pass: ``ceil(nQB / range_blocks)``. A column chunk's
-    program walks at most ``range_blocks`` query blocks, so the chunks that every row reaches (the
-    attention sink's, ~``nQB`` tiles) do not become one long serial tail of the kernel while the
-    rest of the GPU idles (``benchmarks/KERNEL_NOTES.md``). A step of at most
-    ``range_blocks`` query blocks is one range and needs no atomics."""
+    """Query-block ranges of the column pass: ``ceil(nQB / range_blocks)``. A column chunk's program
+    walks at most ``range_blocks`` query blocks, so the chunks every row reaches (the attention
+    sink's) are not one long serial tail; one range needs no atomics."""
     return max(1, -(-nqb // max(1, range_blocks)))
 
 

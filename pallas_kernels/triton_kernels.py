@@ -1,29 +1,17 @@
-"""Pallas (Triton backend) kernels for vertical-slash block-sparse flash attention.
+"""Pallas (Triton backend) forward kernel of vertical-slash block-sparse flash attention, and what
+both directions share (:func:`prepare_index`, block / column loops, query-stationary BlockSpecs).
 
-MTraining Algorithm 1 (paper Sec. 3) on the per-step index of :mod:`pallas_kernels.index_format`.
-Query head ``h`` reads KV head ``h // g`` in place (GQA without repeating K/V).
+:func:`pallas_fwd`: one program per (64-query block, query head, batch), heaviest rows first; query
+head ``h`` reads KV head ``h // g`` in place. It walks the row's free tiles (``block_causal == 0``)
+with no mask, then its masked tiles (causal mask by global position), then its prefix of the head's
+column list in gathered chunks of ``col_chunk`` (masked by count, position and where a column lies
+in an active block of the row, :func:`~pallas_kernels.triton_common.outside_blocks`). Packed documents (``segs``, index narrowed
+by :func:`~pallas_kernels.index_format.apply_segments`): masked tiles and columns add ``k_seg ==
+q_seg`` (:func:`~pallas_kernels.triton_common.pair_ok`). Online softmax in float32 with ``exp2`` (FlashAttention-2, Dao 2023,
+Alg. 1); rows with no allowed key get out 0, lse -inf; given ``acc`` it merges into it in place
+(:func:`_merge_rows`). The backward is :mod:`pallas_kernels.triton_backward`.
 
-* **forward** (:func:`pallas_fwd`): one program per (64-query block ``i``, query head ``h``,
-  batch ``b``), heaviest rows first (the grid walks query blocks from the last: a causal row's
-  work grows with its position). The active KV blocks come in two groups (:func:`prepare_index`):
-  first the *free* tiles (``block_causal == 0``: every pair causal), computed with no mask at all,
-  then the few tiles that need the token-level causal mask by global position; then the row's
-  prefix of the head's column list in chunks of ``col_chunk`` gathered rows (``k_ref[ids, :]``),
-  masked by count, by position and where a column lies in one of the row's active blocks
-  (:func:`outside_blocks`). Packed documents (``segs``): the index has been narrowed by
-  :func:`~pallas_kernels.index_format.apply_segments`, so a free tile lies inside ONE document and
-  stays mask-free; the masked tiles (the causal ones and those straddling a boundary) and the
-  columns add the token-level ``k_seg == q_seg`` check to their mask (:func:`pair_ok`). Online
-  softmax in float32 with ``exp2`` and a ``log2(e)``-prescaled scale (FlashAttention-2, Dao 2023,
-  Alg. 1). Writes ``out`` (f32) and the natural-log ``lse``;
-  rows with no allowed key get out 0, lse -inf. Given the ``(out, lse)`` of earlier ring steps
-  (``acc``), the kernel merges into them in place (:func:`_merge_rows`; MTraining Algorithm 2's
-  ``merge_out_and_lse`` without a separate pass over the float32 output).
-* the backward passes live in :mod:`pallas_kernels.triton_backward`; this module holds what both
-  directions share: the kernel-ready index (:func:`prepare_index`), block / column loops and the
-  query-stationary BlockSpecs.
-
-The same source runs on the GPU and in interpret mode on CPU (tests).
+Runs on CUDA GPUs and in interpret mode on CPU.
 """
 
 from __future__ import annotations

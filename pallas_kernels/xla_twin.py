@@ -1,24 +1,20 @@
-"""XLA twin of the block-sparse flash-attention kernels: the same math in plain ``jax.numpy``.
+"""XLA twin of the block-sparse flash-attention kernels: the same math in plain ``jax.numpy``
+(CPU training, tests).
 
-Portable path (CPU training, tests) behind :mod:`pallas_kernels.api`. For every 64-query block
-(MTraining Algorithm 1, paper Sec. 3), the keys it may see are the ``MB`` active KV blocks
-(``MB * bs`` contiguous rows) followed by the ``MC`` gathered vertical columns of the head's
-shared list (those outside the row's prefix or inside its active blocks masked). The twin gathers
-those ``L = MB * bs + MC`` rows of K/V and does an exact softmax over them, masked by count and
-by global position (``k_pos <= q_pos``) and, for packed documents (``segs = (q_seg [B, Sq], k_seg
-[B, Sk])``), by segment (``k_seg == q_seg``). A ``lax.scan`` runs over the query blocks, so live
-memory is ``O(B * Hq * bs * L)`` for scores plus ``O(B * Hq * L * D)`` for the gathered rows:
-never ``[Sq, Sk]``.
+For every query block the keys it may see are its ``MB`` active KV blocks followed by the ``MC``
+gathered columns of the head's list; the twin gathers those ``L = MB * bs + MC`` rows of K/V and
+takes an exact softmax over them, masked by count, by position (``k_pos <= q_pos``), by the column
+rules of :mod:`pallas_kernels.index_format` and, for packed documents, by segment. A ``lax.scan``
+over the query blocks keeps live memory ``O(B * Hq * bs * L)``, never ``[Sq, Sk]``.
 
-Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]``, query head ``h`` reads KV head
-``h // (Hq // Hkv)``. Forward returns ``out f32 [B, Sq, Hq, D]`` and ``lse f32 [B, Hq, Sq]``
-(natural log; a row with no allowed key gets ``out = 0``, ``lse = -inf``). Backward follows
-FlashAttention-2 (Dao 2023, Alg. 2) with the final ``lse`` and ``delta = rowsum(dO * O)``:
-``P = exp(S - lse)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``,
-``dQ = scale * dS K``, ``dK = scale * dS^T Q``; dK/dV of a KV head are summed over its group.
+Shapes as :mod:`pallas_kernels.api`. Forward: ``out f32``, natural-log ``lse f32`` (out 0, lse
+-inf for an empty row). Backward: FlashAttention-2 (Dao 2023, Alg. 2) from the final ``lse`` and
+``delta``; dK/dV of a KV head summed over its group.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +90,7 @@ def _seg_blocks(segs, B, nqb, bs):
     return jnp.moveaxis(segs[0].reshape(B, nqb, bs), 1, 0), segs[1]
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size"))
 def xla_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None, *, sm_scale, block_size: int, segs=None):
     """Forward of one (query chunk, KV chunk) pair; see module docstring."""
     bs = block_size
@@ -121,6 +118,7 @@ def xla_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None, *, sm_scale, block_s
     return out, lse
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size"))
 def xla_bwd(q, k, v, q_pos, k_pos, index: StepIndex | None, do, lse, delta, *, sm_scale, block_size: int,
             segs=None):
     """Backward of one pair given the final ``lse``/``delta``: f32 ``(dq, dk, dv)``."""

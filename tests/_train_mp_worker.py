@@ -9,9 +9,11 @@ virtual CPU devices, the mesh is NUM_PROCESSES (node = process) x LOCAL_DEVICES 
 import os
 import sys
 
-# Before JAX is imported: CPU only, and forget the parent's device-count flag.
+# Before JAX is imported: CPU only, and forget the parent's device-count flag (keep its other flags,
+# e.g. the test run's compile flags, so that this process compiles as the reference run does).
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = ""
+os.environ["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                   if "xla_force_host_platform_device_count" not in f)
 
 from mtraining_jax.apps.train import main  # noqa: E402  (the mtraining-train command)
 

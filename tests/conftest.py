@@ -36,6 +36,8 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repro"))
 
 _USER_PLATFORMS = os.environ.get("JAX_PLATFORMS")  # as the user started pytest
+#: XLA flags of the CPU run (not of ``-m gpu``; ``MTRAINING_TEST_FULL_OPT=1`` leaves them out)
+CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 _GPU_STATE = {"selected": False, "skipped": 0, "reason": None}
 
 
@@ -60,6 +62,13 @@ def pytest_configure(config):
     if _USER_PLATFORMS is None and not gpu_run and not legacy:
         os.environ["JAX_PLATFORMS"] = "cpu"  # also for the subprocesses tests start
         jax.config.update("jax_platforms", "cpu")
+    if not gpu_run and os.environ.get("MTRAINING_TEST_FULL_OPT", "") in ("", "0"):
+        # The CPU suite is compile-bound (tiny arrays, large programs): LLVM at -O0 without its
+        # expensive passes compiles ~1.6x faster. Set before the backend starts (XLA reads the
+        # flags once, when the first client is made), and inherited by the subprocesses tests start.
+        for flag in CPU_FAST_COMPILE_FLAGS:
+            if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+                os.environ["XLA_FLAGS"] += " " + flag
 
 
 def _gpu_missing_reason():
@@ -143,3 +152,28 @@ def _reset_cache():
         compilation_cache.reset_cache()
     except (ImportError, AttributeError):
         pass
+
+
+def pytest_runtest_logreport(report):
+    """``MTRAINING_TEST_TIMES=<file>``: append ``when nodeid seconds`` per phase as tests finish (for
+    finding what dominates the CI time, even from a run that was stopped)."""
+    path = os.environ.get("MTRAINING_TEST_TIMES")
+    if path and os.environ.get("PYTEST_XDIST_WORKER") is None:  # once: in the controller
+        with open(path, "a") as f:
+            f.write(f"{report.when}\t{report.nodeid}\t{report.duration:.2f}\n")
+
+
+@pytest.fixture
+def kernel_selections(monkeypatch):
+    """The ``(direction, backend NAME)`` of every kernel the registry selects during the test."""
+    from pallas_kernels import registry
+
+    seen, select = [], registry.select
+
+    def spy(impl, prob):
+        mod = select(impl, prob)
+        seen.append((prob.direction, mod.NAME))
+        return mod
+
+    monkeypatch.setattr(registry, "select", spy)
+    return seen

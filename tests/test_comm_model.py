@@ -158,6 +158,7 @@ TRUE = RingCosts(rate=300e12, call_row_s=2e-8, index_token_s=1e-8, xla_token_s=3
                  step_row_s=1e-8, host_s=2e-3)
 SYN_S, SYN_DENSITY = 65536, 0.05
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RING = os.path.join(HERE, "results", "ring", "ring.jsonl")  # every ring measurement, ``run`` = the campaign
 
 
 def _trace(kernels_ms, index_ms, rest_ms, step_ops=()):
@@ -305,11 +306,12 @@ def test_two_rank_fused_record_cannot_fit_the_per_call_cost():
 
 
 def test_committed_h100_records_within_ten_percent():
-    """The committed 4-GPU H100 measurements (scaling_v12a / scaling_v12): per-step terms from v12a 1x4
+    """The committed 4-GPU H100 measurements (runs v12a / v12): per-step terms from v12a 1x4
     only; the 2x2 records (both orders), v12a 1x2 and v12 1x4 are held out; every 2- and 4-GPU record
     within 10 %, the one-GPU records reproduced exactly."""
     from benchmarks.comm_model import _records
-    recs = _records([os.path.join(HERE, "benchmarks", f) for f in ("scaling_v12a.jsonl", "scaling_v12.jsonl")])
+    recs = [r for r in _records([RING]) if r.get("run") in ("v12a", "v12")]
+    assert [r["run"] for r in recs] == ["v12a"] * 5 + ["v12"] * 2
     rows, terms, _ = calibrate_traced(recs)
     assert (terms["run"], terms["mesh"], terms["P"]) == ("v12a", "1x4", 4)
     assert 9.0 < terms["per_call_ms_at_S"] < 11.0 and 1.5e-3 < terms["step_s"] < 2.5e-3
@@ -342,8 +344,9 @@ def test_main_defaults_to_the_traced_records(tmp_path):
 
 
 def test_main_keeps_the_older_records_usable(tmp_path):
-    old = [os.path.join(HERE, "benchmarks", f) for f in ("sparse_ring_results.jsonl", "scaling_results.jsonl")]
-    assert main(["--records", *old, "--earlier-records", "--out", str(tmp_path)]) == 0
+    from benchmarks.comm_model import _records
+    old = sorted({r["run"] for r in _records([RING])} - {"v12a", "v12"})
+    assert main(["--records", RING, "--runs", ",".join(old), "--earlier-records", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "comm_model.json").read_text())
     assert "calibration" not in res and len(res["earlier"]["calibration"]) > 30
     assert {"x4a", "v11"} <= {r["run"] for r in res["earlier"]["calibration"]}
@@ -354,7 +357,7 @@ def test_earlier_traced_family_checks_the_structure():
     per-step terms from its 512K 1x4 trace only, every other record within 5 % -- the 256K ones at
     half the chunk too, where the per-step cost scaled with the chunk (the all-fixed form overshoots)."""
     from benchmarks.comm_model import NVLINK_H200, _records
-    recs = [r for r in _records([os.path.join(HERE, "benchmarks", "scaling_results.jsonl")]) if r.get("run") == "x4c"]
+    recs = [r for r in _records([RING]) if r.get("run") == "x4c"]
     rows, terms, _ = calibrate_traced(recs, ("x4c", "1x4", "hierarchical", 524288), intra=NVLINK_H200)
     assert terms["S"] == 524288 and 0.5 < terms["row_fraction"] < 0.9
     assert sum(r["role"] == "held out" for r in rows) == 7

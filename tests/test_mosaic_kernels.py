@@ -1,11 +1,10 @@
 """Mosaic GPU kernels: their tile operands (CPU), their lowering for CUDA (CPU), results (GPU).
 
-Mosaic GPU's interpret mode cannot run these kernels on CPU (JAX 0.10: no transposed or
-register-operand ``wgmma``), so on CPU we check (1) that :func:`mosaic_index.prepare` plus the
-kernel's tile walk, emulated in ``jax.numpy``, equals the masked dense reference — the index
-logic the kernel executes — and (2) that the kernel lowers to Mosaic GPU for CUDA (catches API
-drift across JAX versions). The kernel itself runs in the GPU-marked suite of ``test_kernels.py``
-(``TestMosaicGPU``).
+The kernels do not run on CPU (why: :mod:`pallas_kernels.backend_mosaic`), so on CPU we check
+(1) that :func:`mosaic_index.prepare` plus the kernel's tile walk, emulated in ``jax.numpy``,
+equals the masked dense reference — the index logic the kernel executes — and (2) that the kernel
+lowers to Mosaic GPU for CUDA (catches API drift across JAX versions). The kernel itself runs in
+the GPU-marked suite of ``test_kernels.py`` (``TestMosaicGPU``).
 """
 
 from __future__ import annotations

@@ -205,19 +205,11 @@ class _SparseRingSuite:
              + [((2, 4), "zigzag", "hierarchical", (True, True), "kv", "sparse"),
                 ((4, 2), "contiguous", "flat", (True, True), "query", "sparse")])
 
-    def test_every_kernel_call_is_the_suite_backend(self, monkeypatch):
+    def test_every_kernel_call_is_the_suite_backend(self, kernel_selections):
         """The suite really runs its backend: every per-step kernel of the sparse ring, forward and
         backward, is selected as ``impl`` (a path that dropped ``impl`` would fall back to "auto",
         i.e. the XLA twin on CPU, and pass the numerics unnoticed)."""
-        seen = []
-        select = registry.select
-
-        def spy(impl, prob):
-            mod = select(impl, prob)
-            seen.append((prob.direction, mod.NAME))
-            return mod
-
-        monkeypatch.setattr(registry, "select", spy)
+        seen = kernel_selections
         mesh_shape, layout, order, fuse, *side = self.CASES[0]
         mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape[0] * mesh_shape[1]])
         cfg = MTrainingConfig(sparsity=SPARSE, layout=layout, ring=RingOptions(

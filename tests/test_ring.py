@@ -180,19 +180,11 @@ class _RingSuite:
                       for m in MESHES[1:] for o in RING_ORDERS]
     EXCHANGE_SHAPES = dict(B=1, S=512, Hq=2, Hkv=1, D=32, bs=16)
 
-    def test_every_kernel_call_is_the_suite_backend(self, monkeypatch):
+    def test_every_kernel_call_is_the_suite_backend(self, kernel_selections):
         """The suite really runs its backend: every per-step kernel the ring traces, forward and
         backward, is selected as ``impl`` (a ring that dropped ``impl`` on some path, e.g. the
         backward, would fall back to "auto", i.e. the XLA twin on CPU, and pass the numerics)."""
-        seen = []
-        select = registry.select
-
-        def spy(impl, prob):
-            mod = select(impl, prob)
-            seen.append((prob.direction, mod.NAME))
-            return mod
-
-        monkeypatch.setattr(registry, "select", spy)
+        seen = kernel_selections
         mesh_shape, order, layouts, kw = self.RING_CASES[0]
         B, S, Hq, Hkv, D = (kw.get(n, d) for n, d in (("B", 1), ("S", 256), ("Hq", 4), ("Hkv", 1), ("D", 64)))
         dt = jnp.dtype(kw.get("dtype", "float32"))

@@ -100,7 +100,7 @@ def test_yaml_keys_reach_the_model_config():
     cfg = load_config(CONFIG, ["model.ring_order=flat"])
     assert build_model_config(cfg.model, cfg.config_dir)[1].ring.ring_order == "flat"
     for bad, match in [("model.ring.backward_ring=kq", "ring.backward_ring: unknown backward_ring 'kq'"),
-                       ("model.ring.exchange=sparse", r"unknown ring keys \['exchange'\]")]:
+                       ("model.ring.exchange=sparse", r"unknown config key\(s\) model.ring.exchange; model.ring accepts")]:
         cfg = load_config(CONFIG, [bad])
         with pytest.raises(ValueError, match=match):
             build_model_config(cfg.model, cfg.config_dir)
@@ -113,6 +113,45 @@ def test_cli_accepts_ring_keys(capsys):
                      "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "backward_ring: query" in out and "kv_exchange: sparse" in out
+
+
+@pytest.mark.parametrize("mode", ["--print-config", "--plan"])
+def test_cli_bad_ring_option_is_one_line_naming_the_dotted_key(capsys, mode):
+    """A bad ``model.ring.<field>`` (or the older ``model.ring_order``) is one line on stderr naming
+    the full dotted key and the value, status 2, with ``--plan`` and ``--print-config`` alike."""
+    from mtraining_jax.train import cli
+
+    for bad, want in [("model.ring.backward_ring=sideways", "model.ring.backward_ring: unknown backward_ring 'sideways'"),
+                      ("model.ring.kv_exchange=3", "model.ring.kv_exchange: unknown kv_exchange 3;"),
+                      ("model.ring.fuse_forward=maybe", "model.ring.fuse_forward must be a bool, got 'maybe'"),
+                      ("model.ring.exchange_capacity=2.5", "model.ring.exchange_capacity as a fraction must be in (0, 1], "
+                                                           "got 2.5"),
+                      ("model.ring.no_such=1", "unknown config key(s) model.ring.no_such; model.ring accepts ["),
+                      ("model.ring=flat", "model.ring must be a mapping of ring options"),
+                      ("model.ring_order=spiral", "model.ring_order: unknown ring order 'spiral'")]:
+        assert cli.main(["--config", CONFIG, bad, mode]) == 2, bad
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert "\n" not in err and err.startswith("mtraining-train: error: ") and want in err, (bad, err)
+        assert mode == "--plan" or not captured.out
+
+
+def test_ring_options_merge_key_by_key(tmp_path):
+    """``model.ring`` (and ``sparsity``) of a training YAML merge key by key into the model YAML's
+    (``model.path``), and a ``model.ring.<field>`` override into both."""
+    (tmp_path / "base.yaml").write_text(
+        "vocab_size: 8\nhidden_size: 64\nintermediate_size: 8\nnum_layers: 2\nnum_heads: 2\nnum_kv_heads: 1\n"
+        "ring: {ring_order: flat, fuse_forward: false}\nsparsity: {vertical_p: 0.8, slash_max: 4}\n")
+    (tmp_path / "train.yaml").write_text("model:\n  path: base.yaml\n  ring: {backward_ring: query}\n"
+                                         "  sparsity: {slash_p: 0.7}\n")
+    (tmp_path / "inline.yaml").write_text("model:\n  path: base.yaml\n  ring: {ring_order: hierarchical}\n")
+    cfg = load_config(str(tmp_path / "train.yaml"), ["model.ring.impl=xla"])
+    m = build_model_config(cfg.model, cfg.config_dir)[1]
+    assert m.ring == RingOptions(ring_order="flat", fuse_forward=False, backward_ring="query", impl="xla")
+    assert m.sparsity == {"vertical_p": 0.8, "slash_max": 4, "slash_p": 0.7}
+    cfg = load_config(str(tmp_path / "inline.yaml"), ["model.ring.impl=xla"])
+    assert cfg.model.fields["ring"] == {"ring_order": "hierarchical", "impl": "xla"}
+    assert build_model_config(cfg.model, cfg.config_dir)[1].ring == RingOptions(fuse_forward=False, impl="xla")
 
 
 # ----------------------------------------------------------------------------- dispatch, index sources

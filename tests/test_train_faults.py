@@ -265,7 +265,7 @@ def test_eval_out_must_be_a_folder(tmp_path, capsys):
     f = tmp_path / "afile"
     f.write_text("x")
     assert main([str(tmp_path), "--out", str(f)]) == 2
-    assert capsys.readouterr().err == f"mtraining-eval: error: --out {f} is a file, not a folder\n"
+    assert capsys.readouterr().err == f"mtraining-eval: error: --out {str(f)!r} is a file, not a directory\n"
     assert main([str(tmp_path), "--out", str(f / "sub")]) == 2
-    assert capsys.readouterr().err == f"mtraining-eval: error: --out {f / 'sub'} cannot be created: {f} is a file, not a folder\n"
+    assert capsys.readouterr().err == f"mtraining-eval: error: --out {str(f / 'sub')!r} cannot be created: {str(f)!r} is a file, not a directory\n"
     assert "130  interrupted (Ctrl-C)" in build_parser().format_help()

@@ -1,47 +1,28 @@
 """One attention entry point for the model; the backend is chosen by config (per layer).
 
-``attention(q, k, v, positions, *, backend, mesh=None, ring=None, sm_scale=None, ...) -> out
-[B, S, Hq, D]`` in ``q.dtype``, causal by *global position*:
-``out[b, i, h] = softmax_j(q_i . k_j * sm_scale | positions[j] <= positions[i]) v_j`` with GQA
-(query head ``h`` reads KV head ``h // (Hq // Hkv)``). ``positions int32 [S]`` are the global
-positions of the laid-out tokens, shared by the batch. ``segment_ids int [B, S]`` (packed documents,
-``None``: one stream) and-s the block-diagonal document mask ``segment_ids[b, j] ==
-segment_ids[b, i]``: exact on ``reference``, ``ring`` and ``mtraining``; ``cudnn`` raises
-``NotImplementedError`` (``jax.nn.dot_product_attention`` takes no segment ids on JAX 0.10 / 0.11,
-and its dense ``mask`` would materialise ``[B, S, S]``).
+``attention(q, k, v, positions, *, backend, ...) -> out [B, S, Hq, D]`` in ``q.dtype``, causal by
+*global position*: ``out[b, i, h] = softmax_j(q_i . k_j * sm_scale | positions[j] <= positions[i])
+v_j`` with GQA (query head ``h`` reads KV head ``h // (Hq // Hkv)``). ``positions int32 [S]``: the
+global positions of the laid-out tokens. ``segment_ids int [B, S]`` (packed documents) adds the
+document mask ``segment_ids[b, j] == segment_ids[b, i]`` on ``reference``, ``ring`` and ``mtraining``.
 
 Backends:
 
-* ``reference`` — :func:`pallas_kernels.reference.dense_attention` (float32 math, one
-  device, materialises ``[B, Hq, S, S]``); the ground truth.
-* ``cudnn``     — ``jax.nn.dot_product_attention(is_causal=True)``: cuDNN flash attention on GPU,
-  XLA elsewhere. Its causal mask is by array index, so ``positions`` must be ``arange(S)``
-  (natural order). Concrete positions are checked (``ValueError``); traced positions cannot be
-  checked at trace time, so the result is NaN-poisoned when they are not ``arange(S)`` — a wrong
-  layout fails loudly instead of training on a wrong mask.
-* ``ring``      — :func:`mtraining_jax.ring.attention.ring_attention` (dense ring over the
-  ``(node, local)`` mesh); needs ``mesh``; ``ring=`` its
-  :class:`~mtraining_jax.ring.config.RingOptions` (order, backward side, fused calls, impl).
-* ``mtraining`` — :func:`mtraining_jax.attention.mtraining.mtraining_attention`: the sparse
-  vertical-slash ring (online index + block-sparse kernel per ring step); needs ``mesh`` and an
-  :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` (``mtraining=``; default budgets
-  otherwise, with ``ring=`` as its ring options). Tokens must be in that config's layout: concrete
-  positions are checked (``ValueError``), traced ones NaN-poison the output when they differ, as for
-  ``cudnn``.
-* ``msa``       — :func:`mtraining_jax.attention.msa.msa_attention`: MiniMax Sparse Attention
-  (learned index branch, per-query-block top-k KV blocks on the same sparse ring); needs
-  ``msa_index=(q_idx [B, S, Hkv, d_idx], k_idx [B, S, d_idx])`` and an
-  :class:`~mtraining_jax.attention.msa.MSAConfig` (``msa=``); ``mesh=None`` runs one device;
-  ``msa_warmup`` (bool, may be traced) runs dense attention with the full-support KL. Its stats
-  are ``msa_kl`` (differentiable: the trainer adds it to the loss), ``work_fraction``,
-  ``msa_recall`` (``msa_metrics=False``, may be traced: not computed, NaN). Layout positions as for
-  ``mtraining``; no packed documents. ``ring=`` as for ``mtraining`` (the options of ``msa=``).
+* ``reference`` — :func:`pallas_kernels.reference.dense_attention` (float32, materialises
+  ``[B, Hq, S, S]``); the ground truth.
+* ``cudnn`` — ``jax.nn.dot_product_attention(is_causal=True)`` (cuDNN on GPU, XLA elsewhere):
+  causal by array index, so ``positions`` must be ``arange(S)``; no segment ids
+  (``NotImplementedError``: that function takes none on JAX 0.10).
+* ``ring`` — :func:`mtraining_jax.ring.attention.ring_attention` (dense ring); needs ``mesh``.
+* ``mtraining`` — :func:`mtraining_jax.attention.mtraining.mtraining_attention` (sparse
+  vertical-slash ring); needs ``mesh`` and tokens in its config's layout.
+* ``msa`` — :func:`mtraining_jax.attention.msa.msa_attention`; needs ``msa_index``; no packed
+  documents.
 
-No keyword is ignored: a keyword a backend does not take (``ring=`` for ``reference``, ``mtraining=``
-for ``ring``, ``msa_index=`` for ``mtraining`` ...) is a ``ValueError`` naming it, and ``ring=``
-beside a config that holds other ring options (``mtraining.ring``, ``msa.ring``) is one too. ``mesh``
-is taken by every backend (``reference`` and ``cudnn`` run on the global arrays and do not need it).
-A model builds each layer's keywords from its config (``ModelConfig.attention_spec``).
+Positions a backend cannot honour are a ``ValueError`` when concrete and NaN-poison the output when
+traced (a wrong layout fails loudly). A keyword a backend does not take, or ``ring=`` beside a
+config holding other ring options, is a ``ValueError`` (:data:`BACKEND_KEYWORDS`). A model builds
+each layer's keywords with ``ModelConfig.attention_spec``.
 """
 
 from __future__ import annotations
@@ -52,19 +33,8 @@ import numpy as np
 
 from mtraining_jax.attention.backends import BACKENDS  # the one list (re-exported)
 from mtraining_jax.ring.config import RingOptions
-from pallas_kernels.inputs import check_qkv
+from pallas_kernels.inputs import check_qkv, check_segment_ids
 from pallas_kernels.reference import dense_attention
-
-
-def _check_segments(segment_ids, q):
-    if segment_ids is None:
-        return None
-    segment_ids = segment_ids if isinstance(segment_ids, jax.Array) else jnp.asarray(segment_ids)
-    if tuple(segment_ids.shape) != tuple(q.shape[:2]):
-        raise ValueError(f"segment_ids must have shape [B, S] = {list(q.shape[:2])}, got {tuple(segment_ids.shape)}")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"segment_ids must be integers, got dtype {segment_ids.dtype}")
-    return segment_ids.astype(jnp.int32)
 
 
 def _check_inputs(q, k, v, positions):
@@ -212,17 +182,19 @@ def attention(
       sm_scale: softmax scale, default ``D ** -0.5``.
       mtraining: :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` for ``mtraining``.
       return_stats: also return a dict of float32 scalars (``mtraining``: work fraction, worker and
-        step imbalance of the executed ring; other backends: empty).
+        step imbalance; ``msa``: ``msa_kl`` (differentiable), ``work_fraction``, ``msa_recall``;
+        other backends: empty).
       segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
-      msa, msa_index, msa_warmup, msa_metrics: the ``msa`` backend's config, index-branch
-        ``(q_idx, k_idx)``, warm-up flag (default ``False``) and ``msa_metrics`` (bool, may be traced;
-        default ``True``): compute the monitoring-only ``msa_recall`` (NaN otherwise).
-
-    A keyword (other than ``None``) that ``backend`` does not take is a ``ValueError``
-    (:data:`BACKEND_KEYWORDS`).
+      msa, msa_index, msa_warmup, msa_metrics: the ``msa`` backend's config, index branch
+        ``(q_idx [B, S, Hkv, d_idx], k_idx [B, S, d_idx])``, warm-up flag (default ``False``) and
+        whether to compute ``msa_recall`` (default ``True``, else NaN); the flags may be traced.
 
     Returns:
-      ``[B, S, Hq, D]`` in ``q.dtype``.
+      ``[B, S, Hq, D]`` in ``q.dtype`` (and the stats).
+
+    Raises:
+      ValueError: an unknown backend, bad shapes or positions, a keyword (other than ``None``) that
+      ``backend`` does not take (:data:`BACKEND_KEYWORDS`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
@@ -232,7 +204,7 @@ def attention(
         raise ValueError(f"ring must be a RingOptions, got {type(ring).__name__}")
     positions = positions if isinstance(positions, jax.Array) else jnp.asarray(positions)
     _check_inputs(q, k, v, positions)
-    segment_ids = _check_segments(segment_ids, q)
+    segment_ids = check_segment_ids(segment_ids, *q.shape[:2])
     if backend == "mtraining":
         if mesh is None:
             raise ValueError("the mtraining attention backend needs a mesh (got mesh=None)")

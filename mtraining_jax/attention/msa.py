@@ -1,29 +1,20 @@
 """MiniMax Sparse Attention (MSA, paper ``003``) on the project's sparse ring and block-sparse kernels.
 
-``msa_attention(q, k, v, q_idx, k_idx, mesh, cfg, *, positions=None, warmup=False) -> (out, MSAAux)``.
-Inside one ``shard_map`` over the ``(node, local)`` mesh (``mesh=None``: a one-device mesh), every rank
+Inside one ``shard_map`` over the ``(node, local)`` mesh (``mesh=None``: one device), every rank
 
-1. all-gathers the index keys: mean-pooled per 64-token block (``pooling="mean"``,
-   ``[B, nb, d_idx]``, float32: ``4 * B * S / 64 * d_idx`` bytes in all) or every token's
-   (``"max"``, the paper's max-pooled block scores: ``4 * B * S * d_idx`` bytes);
+1. all-gathers the index keys (block means, or every token's for ``pooling="max"``);
 2. selects, per local query block and KV group, the top-``k`` blocks with the local block forced
-   (:func:`~mtraining_jax.sparsity.msa_select.select_blocks`, scheme (b): kernels unchanged);
-3. runs the same sparse ring as MTraining (:func:`~mtraining_jax.ring.attention.ring_attention_shard`),
-   its per-step :class:`~pallas_kernels.index_format.StepIndex` converted on demand by
-   :class:`~mtraining_jax.sparsity.msa_select.MSARankStepIndex` (saved compact for the backward);
-4. computes the KL alignment loss (:mod:`~mtraining_jax.attention.msa_kl`) against the detached
-   main branch; it needs every selected key, so the detached keys are all-gathered once
-   (``B * S * Hkv * D`` elements per rank; the paper fuses this into its attention kernel instead),
-   plus the selection-recall metric on the last ``recall_blocks`` local query blocks.
+   (:mod:`~mtraining_jax.sparsity.msa_select`, where the choices are explained);
+3. runs the sparse ring (:func:`~mtraining_jax.ring.attention.ring_attention_shard`), its per-step
+   index converted on demand (:class:`~mtraining_jax.sparsity.msa_select.MSARankStepIndex`);
+4. computes the KL alignment loss against the detached main branch
+   (:mod:`~mtraining_jax.attention.msa_kl`) and the selection-recall metric.
 
-Warm-up (paper §3.2 "Indexer Warmup"): ``warmup=True`` runs the dense causal ring for the main
-branch and the KL over every causal block (the full-sequence main distribution); a traced bool
-switches between the two with ``lax.cond`` (both compiled into the step).
+Warm-up (paper §3.2 "Indexer Warmup"): ``warmup=True`` runs the dense causal ring and the KL over
+every causal block; a traced bool selects with ``lax.cond``.
 
-The index branch inputs are ``q_idx [B, S, Hkv, d_idx]`` and ``k_idx [B, S, d_idx]`` — already
-computed from ``stop_gradient(x)`` by the model (paper Eq. msa-detach) — so the KL's gradient
-reaches only the index projections. ``q, k, v`` get the attention gradient only. The output and
-KL are exact for the selection (tested against the masked dense reference and a float64 KL).
+``q_idx [B, S, Hkv, d_idx]`` and ``k_idx [B, S, d_idx]`` come from ``stop_gradient(x)`` (paper Eq.
+msa-detach), so the KL trains only the index projections; ``q, k, v`` get the attention gradient.
 
 Shapes: ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]``, global arrays in ``cfg.layout`` order
 (``S`` divisible by ``block_size x P`` for block_striped). Packed documents are not supported.
@@ -60,12 +51,9 @@ class MSAConfig:
     Attributes:
       top_k: KV blocks per query block and KV group, the forced local block included (paper: 16).
       block_size: 64 (the kernels' tile; the paper's 128 would need two tiles per block).
-      layout, ring: as :class:`~mtraining_jax.attention.mtraining.MTrainingConfig` (the ring's options,
-        :class:`~mtraining_jax.ring.config.RingOptions` or a mapping of its fields; the warm-up's
-        dense ring sends whole chunks, :meth:`~mtraining_jax.ring.config.RingOptions.for_dense`). The
-        selection describes each rank's own queries only (:class:`_OwnQueries`): the query-side
-        backward and the sparse K/V exchange, which need every rank's index, are refused, and
-        ``"auto"`` gives the K/V side and the ring.
+      layout, ring: as :class:`~mtraining_jax.attention.mtraining.MTrainingConfig`. The selection
+        describes each rank's own queries only (:class:`_OwnQueries`): ``ring.backward_ring="query"``
+        and ``ring.kv_exchange="sparse"`` are a ``ValueError``; ``"auto"`` gives the K/V side and the ring.
       sm_scale: main-branch softmax scale (default ``D ** -0.5``).
       recall_blocks: local query blocks per rank scored against the full causal attention for the
         recall metric (each costs one query block x ``S`` keys).

@@ -1,30 +1,23 @@
 """MSA's KL alignment loss and selection-recall metric, blockwise (never ``[S, S]``).
 
 Paper ``003`` §3.2 "KL Loss" / "Gradient Detach": the index branch is trained to match the main
-branch on the selected support, ``KL(sg(P_main) || P_index)``, with the teacher the main-branch
-softmax averaged (at the probability level) over the ``G`` query heads of a KV group. Here both
-distributions are BLOCK-level over the selected blocks of a query row:
+branch on the selected support, ``KL(sg(P_main) || P_index)``, the teacher averaged over the ``G``
+query heads of a KV group. Both distributions are BLOCK-level over a row's selected blocks:
 
-* teacher ``T[i, b] = 1/G sum_{h in group} sum_{j in block b, j <= i} softmax_h(q_i . k_j * scale)``,
-  the softmax over the causally visible tokens of the selected blocks (exactly the main branch's
-  sparse attention distribution, summed per block) — computed from ``stop_gradient(q, k)``;
-* student ``P_idx[i, b] = softmax_b(z_ib)`` over the same blocks, with the selection's block logits
-  (:func:`~mtraining_jax.sparsity.msa_select.index_block_logits`): ``pooling="mean"``:
-  ``z_ib = q_idx_i . kbar_b / sqrt(d_idx)``, ``kbar_b`` the mean-pooled index key of block ``b``
-  and, for the row's own (local, partly visible) block, the mean of its index keys up to and
-  including ``i`` (causal); ``pooling="max"``: ``z_ib = max_{j in b, j <= i} q_idx_i . k_idx_j / sqrt(d_idx)``;
-* loss ``= sum_i sum_groups KL(T || P_idx)``; callers divide by ``B * S * Hkv`` (the paper's mean
-  over positions and groups).
+* teacher ``T[i, b] = 1/G sum_{h in group} sum_{j in block b, j <= i} softmax_h(q_i . k_j * scale)``
+  over the causally visible tokens of the selected blocks, from ``stop_gradient(q, k)``;
+* student ``P_idx[i, b] = softmax_b(z_ib)`` with the selection's block logits
+  (:func:`~mtraining_jax.sparsity.msa_select.index_block_logits`; for the row's own block under
+  ``pooling="mean"``, the mean of its index keys up to ``i``);
+* loss ``= sum_i sum_groups KL(T || P_idx)``; callers divide by ``B * S * Hkv``.
 
-Gradients reach ``q_idx``, ``kbar`` and the local index keys only (the teacher is detached). The
-loop runs over the local 64-row query blocks (``lax.map``): live memory is one query block's
-``[B, Hq, bs, K * bs]`` scores. During warm-up the support is every causal block
-(:func:`~mtraining_jax.sparsity.msa_select.full_selection`): the full-sequence main distribution.
+Gradients reach ``q_idx``, ``kbar`` and the local index keys only. A ``lax.map`` over the local
+query blocks keeps live memory at one block's ``[B, Hq, bs, K * bs]`` scores. In warm-up the
+support is every causal block (:func:`~mtraining_jax.sparsity.msa_select.full_selection`).
 
 Shapes: ``q [B, Sq, Hq, D]`` local queries, ``k_all [B, S, Hkv, D]`` ALL keys in natural order,
 ``q_pos int [Sq]`` (block-aligned global positions), ``q_idx [B, Sq, Hkv, d]``, ``kbar [B, nb, d]``,
-``k_idx_local [B, Sq, d]``, support an :class:`~mtraining_jax.sparsity.msa_select.MSASelection`
-of the local query blocks.
+``k_idx_local [B, Sq, d]``, support an :class:`~mtraining_jax.sparsity.msa_select.MSASelection`.
 """
 
 from __future__ import annotations

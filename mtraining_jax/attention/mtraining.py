@@ -1,20 +1,16 @@
-"""MTraining attention: dynamic vertical-slash sparsity on a balanced, hierarchical sparse ring.
+"""MTraining attention: dynamic vertical-slash sparsity on a balanced, hierarchical sparse ring
+(MTraining §4, Algorithms 1 and 2).
 
-The one operator the model calls for sparse attention (MTraining §4, Algorithms 1 and 2). Inside
-one ``shard_map`` over the ``(node, local)`` mesh, every rank
+Inside one ``shard_map`` over the ``(node, local)`` mesh, every rank
 
-1. estimates the global vertical-slash index from the ``last_q`` queries of the global sequence
-   (exact softmax via ``pmax``/``psum``; identical on every rank) — :func:`estimate_index_shard`;
-2. converts it into its own per-ring-step block + column index, one step at a time inside the ring
-   (:class:`~mtraining_jax.sparsity.convert.RankStepIndex`; the backward converts again, so only the
-   compact global index is kept between forward and backward);
-3. runs the ring (flat or hierarchical) with the block-sparse kernel at every step —
-   :func:`ring_attention_shard`, whose ``custom_vjp`` backward runs the sparse backward ring.
+1. estimates the global vertical-slash index from the last ``last_q`` queries, identical on every
+   rank (:func:`~mtraining_jax.sparsity.estimate.estimate_index_shard`);
+2. converts it, one ring step at a time, into the block + column index of its own queries
+   (:class:`~mtraining_jax.sparsity.convert.RankStepIndex`);
+3. runs the sparse ring (:func:`~mtraining_jax.ring.attention.ring_attention_shard`).
 
-The index is computed once per forward from ``stop_gradient`` inputs and saved (compact, per head)
-as a residual of the ring's ``custom_vjp``, so the backward reuses it and it is never
-differentiated. (Under ``remat: full`` the forward, estimation included, is recomputed as any remat
-does; ``save_attn`` keeps the attention's residuals.)
+The index is computed from ``stop_gradient`` inputs, saved compact as a residual of the ring's
+custom VJP and reused by the backward; it is never differentiated.
 
 Shapes: ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` global arrays in the configured layout's order;
 ``S`` divisible by ``block_size x P`` (block_striped) or with 64-aligned chunks (zigzag, contiguous).
@@ -40,7 +36,7 @@ from mtraining_jax.sparsity.estimate import estimate_index_shard
 from mtraining_jax.sparsity.index import VerticalSlashIndex, full_index
 from mtraining_jax.sparsity.metrics import imbalance, step_imbalance, worker_imbalance
 from pallas_kernels.api import SUPPORTED_HEAD_DIMS
-from pallas_kernels.inputs import check_qkv
+from pallas_kernels.inputs import check_qkv, check_segment_ids
 
 SPARSE_LAYOUTS = ("block_striped", "zigzag", "contiguous")
 
@@ -54,10 +50,7 @@ class MTrainingConfig:
       layout: sequence layout of the inputs: ``block_striped`` (MTraining, default), ``zigzag`` or
         ``contiguous`` (for comparison).
       ring: the ring's options (:class:`~mtraining_jax.ring.config.RingOptions`, or a mapping of its
-        fields): ring order, backward side (the query side converts each visiting rank's step index
-        from the identical global index), K/V exchange and capacity (the index is estimated under
-        ``jit``, so a sparse exchange's capacity is checked at run time), fused calls (the forward's
-        first hop overlaps the index estimate), kernel impl.
+        fields).
       force_full: use the full causal index (every block diagonal) instead of estimating one —
         dense work through the sparse machinery; must equal the dense ring.
     """
@@ -162,12 +155,7 @@ def mtraining_attention(q, k, v, mesh, cfg: MTrainingConfig = MTrainingConfig(),
     spec = PartitionSpec(batch_axis, CP_AXES, None, None)
     sparsity, bs = cfg.sparsity, cfg.block_size
     seg_spec = PartitionSpec(batch_axis, CP_AXES)
-    if segment_ids is not None:
-        segment_ids = jnp.asarray(segment_ids)
-        if segment_ids.shape != (B, S) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise ValueError(f"segment_ids must be integers of shape [B, S] = [{B}, {S}], got "
-                             f"{segment_ids.dtype}{list(segment_ids.shape)}")
-        segment_ids = segment_ids.astype(jnp.int32)
+    segment_ids = check_segment_ids(segment_ids, B, S)
 
     def body(q_l, k_l, v_l, seg_l):
         rank = jax.lax.axis_index(CP_AXES)

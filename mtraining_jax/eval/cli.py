@@ -33,15 +33,9 @@ EXIT_CODES = """exit status:
 
 def check_out(out: str) -> None:
     """``ValueError`` naming ``--out`` unless it is (or can be created as) a writable folder."""
-    path = os.path.abspath(out)
-    probe = path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        what = "is a file" if probe == path else f"cannot be created: {probe} is a file"
-        raise ValueError(f"--out {out} {what}, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out} is not writable (no write permission on {probe})")
+    from mtraining_jax.train.rundir import check_dir
+
+    check_dir("--out", out, create=False)
 
 
 def _ints(s: str) -> list[int]:

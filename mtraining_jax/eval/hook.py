@@ -1,15 +1,12 @@
 """The trainer's long-context evaluation (``eval.long_context`` of the training config).
 
-:class:`LongContextHook` is a training-loop hook (``hook(run, step, metrics)``, see
-:mod:`mtraining_jax.train.loop`): every ``every`` steps and at the run's last step it scores the
-current parameters with :func:`mtraining_jax.eval.api.evaluate_params` on a needle-in-a-haystack
-grid and RULER-style tasks (filler haystack; whole-answer accuracy, 0 or 1 per example, averaged),
-with the model sharded over the run's mesh and its own attention backends, and logs as
-``split="eval"``: ``long/niah_accuracy`` (mean over the grid), ``long/niah_accuracy@<L>`` (per
-length, only when there are several) and ``long/<task>_accuracy`` (mean over lengths), each
-whole-answer accuracy with its ``..._token_accuracy`` twin (share of answer tokens predicted
-right, which moves long before whole answers do in a small model). The examples are the same at
-every evaluation (seeded by the run's ``seed``), so the curves compare.
+:class:`LongContextHook` is a training-loop hook (:mod:`mtraining_jax.train.loop`): every
+``every`` steps and at the last step it scores the current parameters
+(:func:`mtraining_jax.eval.api.evaluate_params`: NIAH grid and RULER-style tasks, filler haystack,
+the run's mesh and attention backends) and logs as ``split="eval"``: ``long/niah_accuracy``,
+``long/niah_accuracy@<L>`` (several lengths only), ``long/<task>_accuracy``, each with its
+``..._token_accuracy`` twin. The examples are seeded by the run's ``seed``: the same at every
+evaluation.
 """
 
 from __future__ import annotations

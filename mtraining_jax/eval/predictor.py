@@ -1,18 +1,11 @@
 """Next-token predictions of a model on long sequences, run as in training.
 
-A *predictor* is any callable ``predict(inputs, labels) -> (pred, nll)``:
-
-* ``inputs, labels``: int ``[B, S]`` in natural token order (``labels[t] = inputs[t + 1]``);
-* ``pred``: int32 ``[B, S]`` greedy (argmax) next token after each prefix;
-* ``nll``: float32 ``[B, S]`` ``-log p(labels[t] | inputs[:t+1])``.
-
-Every scorer in this package takes a predictor, so tests can pass a stub that knows (or does
-not know) the answers. :class:`ModelPredictor` is the real one: the sequence is put in the
-model's layout (block-striped for MTraining) and sharded over the ``(node, local)`` mesh exactly as
-the trainer does (:func:`~mtraining_jax.train.step.batch_shardings`,
-:func:`~mtraining_jax.train.loop.to_global`), the model runs with its own attention backends, and
-the LM head walks the vocabulary in chunks (online log-sum-exp and argmax) so ``[S, vocab]``
-logits are never materialised beyond ``[S_local, vocab_chunk]``.
+A *predictor* is any callable ``predict(inputs, labels) -> (pred, nll)``: ``inputs, labels`` int
+``[B, S]`` in natural order (``labels[t] = inputs[t + 1]``), ``pred`` int32 ``[B, S]`` the greedy
+next token, ``nll`` float32 ``[B, S]`` ``-log p(labels[t] | inputs[:t+1])``. Every scorer of this
+package takes one (tests pass stubs). :class:`ModelPredictor` lays the sequence out and shards it
+as the trainer does (:func:`~mtraining_jax.train.loop.to_global`), runs the model's own attention
+backends, and walks the vocabulary in chunks (never ``[S, vocab]`` logits).
 """
 
 from __future__ import annotations

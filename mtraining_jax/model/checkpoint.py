@@ -1,19 +1,12 @@
 """Our model checkpoint format, and reading weights back from it or from a training run.
 
 A model checkpoint is ``<dir>/model.yaml`` (the :class:`ModelConfig`) and ``<dir>/params/`` (an
-Orbax ``StandardCheckpointer`` directory holding the nested parameter dict
-``nnx.to_pure_dict(nnx.state(model, nnx.Param))``, layers stacked on a leading axis).
-
-Orbax (not ``.npz``) because it stores bfloat16 natively, writes and restores sharded arrays
-without gathering them on one host, and is what the training checkpoints use. A training run's
-checkpoints (``<run_dir>/checkpoints/<step>/state``, the pytree ``{step, params, opt_state, rng}``,
-with the run's ``model.yaml`` next to the step folders) are read the same way:
-:func:`find_model_checkpoint` accepts a converter output, a ``run_dir``, its ``checkpoints``
-folder, or one ``checkpoints/<step>`` folder, and :func:`read_params` restores only ``params``.
-
-Shapes are checked against the stored metadata before anything is restored (Orbax itself would
-restore a mis-shaped array silently): :class:`ParamShapeError` names every mismatched parameter
-with both shapes.
+Orbax ``StandardCheckpointer`` directory of ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``,
+layers stacked). A training run's checkpoints (``<run_dir>/checkpoints/<step>/state``, the pytree
+``{step, params, opt_state, rng}``, ``model.yaml`` beside the step folders) are read the same way:
+:func:`find_model_checkpoint` accepts a converter output, a ``run_dir``, its ``checkpoints`` folder
+or one ``checkpoints/<step>``; :func:`read_params` restores only ``params``. Shapes are checked
+against the stored metadata first: :class:`ParamShapeError` names every mismatch with both shapes.
 """
 
 from __future__ import annotations

@@ -1,34 +1,27 @@
 """``ModelConfig``: the frozen, validated description of a Qwen2-family decoder.
 
-One dataclass holds the architecture (shapes, RoPE, norms), the execution choices (attention
-backend per layer, rematerialisation policy, scan vs Python loop, compute/param dtypes). It is
-built from a YAML file under ``configs/model/`` (:meth:`ModelConfig.from_yaml`) or from a Hugging
-Face ``config.json`` dict (:meth:`ModelConfig.from_hf_config`), and writes the latter back
-(:meth:`ModelConfig.to_hf_config`). Every inconsistency is a ``ValueError`` naming the bad value at
-construction time, so a model is never built from a config that cannot run.
+Architecture (shapes, RoPE, norms) and execution choices (attention backend per layer, remat
+policy, scan vs Python loop, dtypes); built from a YAML under ``configs/model/``
+(:meth:`ModelConfig.from_yaml`) or a Hugging Face ``config.json`` dict
+(:meth:`ModelConfig.from_hf_config`, written back by :meth:`ModelConfig.to_hf_config`). Every
+inconsistency is a ``ValueError`` naming the field and the value, at construction.
 
-Per-layer attention backends (MTraining keeps a few dense layers, cf. §4 of the paper): layer ``i``
-uses ``attention_backends[i]`` when that tuple is given, else ``dense_backend`` when
-``i in dense_layers``, else ``attention_backend``. ``dense_backend=None`` means "the dense
-counterpart of ``attention_backend``" (``ring`` for ``mtraining`` and ``msa``, the backend itself
-otherwise).
+Per-layer attention backends (MTraining keeps a few dense layers, §4): layer ``i`` uses
+``attention_backends[i]`` when given, else ``dense_backend`` when ``i in dense_layers``, else
+``attention_backend``. ``dense_backend=None`` is the dense counterpart of ``attention_backend``
+(``ring`` for ``mtraining`` and ``msa``, the backend itself otherwise).
 
-Ring options (``ring``, YAML ``ring: {backward_ring: query, ...}`` or ``model.ring.<field>=...`` in a
-training config): one :class:`~mtraining_jax.ring.config.RingOptions` — ring order, backward side,
-K/V exchange and capacity, fused calls, kernel impl — for every ring of the model (the ``ring``
-layers, the ``mtraining`` and ``msa`` sparse rings; the K/V exchange applies to the sparse rings).
-``ring_order`` and ``attention_impl`` are older names of ``ring.ring_order`` / ``ring.impl``: given,
-they are moved into ``ring`` (and read back as ``None``); given beside a ``ring`` mapping that sets
-the same option to another value, they are a ``ValueError``.
+``ring``: the :class:`~mtraining_jax.ring.config.RingOptions` of every ring of the model (YAML
+``ring: {...}``, ``model.ring.<field>=...``). ``ring_order`` and ``attention_impl`` are older names
+of ``ring.ring_order`` / ``ring.impl``: moved into ``ring`` (read back as ``None``); a ``ValueError``
+when ``ring`` sets the same option to another value.
 
-MSA (``msa`` layers, :mod:`mtraining_jax.attention.msa`): ``msa`` is ``None`` or a mapping with the
-keys of :data:`MSA_DEFAULTS` — ``index_dim`` (``d_idx`` of the index branch; the paper does not
-state it, 64 here), ``top_k`` (blocks per query block and KV group incl. the forced local block;
-paper 16), ``block_size`` (64, the kernels' tile; paper 128), ``recall_blocks`` (rows sampled
-for the recall metric) and ``pooling`` (``mean`` block keys or the paper's ``max`` token scores). When any layer is ``msa``, EVERY layer carries the index branch (one index
-query head per KV group ``index_q [hidden, Hkv * d_idx]`` and one shared index key head
-``index_k [hidden, d_idx]``, no bias, no RoPE): the layers are one stacked module; the index
-weights of non-``msa`` layers are unused.
+``msa`` (``msa`` layers, :mod:`mtraining_jax.attention.msa`): ``None`` or a mapping with the keys of
+:data:`MSA_DEFAULTS` — ``index_dim`` (``d_idx``), ``top_k`` (blocks per query block and KV group,
+the local block included), ``block_size`` (64, the kernels' tile), ``recall_blocks`` (rows sampled
+for the recall metric), ``pooling`` (``mean`` or ``max``). When any layer is ``msa``, EVERY layer
+carries the index branch (``index_q [hidden, Hkv * d_idx]``, ``index_k [hidden, d_idx]``; the layers
+are one stacked module); non-``msa`` layers do not use it.
 """
 
 from __future__ import annotations
@@ -225,14 +218,11 @@ class ModelConfig:
 
     @property
     def remat_saved_layers(self) -> tuple[int, ...]:
-        """Layers whose attention residuals are kept under ``remat: selective`` (sorted).
-
-        ``remat_save_layers`` when given; else the ``round(remat_save_fraction * num_layers)``
-        layers that are most expensive to recompute: the dense-attention layers first (a dense
-        ring forward costs the whole causal square, a sparse one only its executed fraction),
-        then the ``mtraining`` layers, each group in layer order, so the saved layers form few
-        contiguous runs (each run of one (backend, policy) is one layer scan, ``qwen2.py``).
-        Empty for the other policies.
+        """Layers whose attention residuals are kept under ``remat: selective`` (sorted; empty for the
+        other policies): ``remat_save_layers`` when given, else ``round(remat_save_fraction *
+        num_layers)`` layers, the dense-attention layers first (the most expensive forward to
+        recompute), then the ``mtraining`` layers, each group in layer order (few contiguous runs: each
+        run of one (backend, policy) is one layer scan).
         """
         if self.remat != "selective":
             return ()

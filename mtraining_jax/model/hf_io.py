@@ -1,11 +1,9 @@
 """Hugging Face ``transformers`` Qwen2 checkpoints <-> :class:`Qwen2ForCausalLM` parameters.
 
-A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
-``model.safetensors.index.json`` (``{"weight_map": {tensor: file}}``). Tensors are read and written
-with the ``safetensors`` NumPy API (bfloat16 via ``ml_dtypes``); torch is never imported.
-
-Name mapping (HF ``nn.Linear.weight`` is ``[out, in]``; ``nnx.Linear.kernel`` is ``[in, out]``, so
-every projection is transposed; per-layer tensors are stacked on a leading ``[num_layers]`` axis)::
+A checkpoint directory holds ``config.json`` and ``model.safetensors`` or the shards listed in
+``model.safetensors.index.json``; tensors are read and written with the ``safetensors`` NumPy API
+(torch is never imported). Name mapping (HF ``weight [out, in]`` is transposed to ``kernel [in,
+out]``; per-layer tensors stacked on a leading ``[num_layers]`` axis)::
 
   model.embed_tokens.weight              [V, H]   embed_tokens/embedding       [V, H]
   model.layers.{i}.input_layernorm.weight [H]     layers/input_layernorm/weight [L, H]
@@ -15,23 +13,16 @@ every projection is transposed; per-layer tensors are stacked on a leading ``[nu
   model.norm.weight                      [H]      norm/weight                  [H]
   lm_head.weight                         [V, H]   lm_head                      [H, V]  (untied only)
 
-MSA index branch (``msa`` layers; not part of Qwen2, so never in ``model.safetensors``): saved
-beside the checkpoint in ``msa_index.safetensors`` (:data:`MSA_INDEX_FILE`; transformers ignores
-it) as ``model.layers.{i}.self_attn.index_q.weight [Hkv * d_idx, H]`` and
-``...index_k.weight [d_idx, H]``, with the model's MSA settings (:data:`MSA_SETTINGS`: which layers
-are ``msa``, the layout and the ``msa`` mapping) as JSON under the file's metadata key
-``mtraining_msa`` (``config.json`` stays a plain Qwen2 config). :func:`load_hf_checkpoint` (the
-converter's ``hf-to-ours``, the evaluation) applies those settings, so the branch survives a round
-trip; a file without them is refused (which layers are ``msa`` is unknown) unless the caller's
-overrides name them. Loading for a model whose
-config has ``msa`` layers (``model.init_from: hf:``) reads that file when present (names and shapes
-checked) and otherwise INITIALISES the index branch like a fresh model's projections:
-``normal(0, initializer_range)`` from ``numpy.random.default_rng(0)`` — the indexer warm-up then
-trains it (MSA paper §3.2, converting a dense checkpoint).
+MSA index branch (not part of Qwen2): saved beside the checkpoint in ``msa_index.safetensors``
+(:data:`MSA_INDEX_FILE`) as ``model.layers.{i}.self_attn.index_q.weight [Hkv * d_idx, H]`` and
+``...index_k.weight [d_idx, H]``, with the model's MSA settings (:data:`MSA_SETTINGS`) as JSON
+metadata; :func:`load_hf_checkpoint` applies them (a file without them is refused unless the
+overrides name the ``msa`` layers). Loading into a model with ``msa`` layers without that file
+initialises the branch as a fresh model's (``normal(0, initializer_range)``, seed 0).
 
-Errors: a missing file names its path (``FileNotFoundError``); an unsupported
-``model_type``/``architectures`` is a ``ValueError``; tensors that are missing, unexpected or
-mis-shaped are all listed in one :class:`CheckpointMismatchError` (a ``ValueError``).
+Errors: a missing file is a ``FileNotFoundError`` naming it; an unsupported ``model_type`` /
+``architectures`` a ``ValueError``; missing, unexpected or mis-shaped tensors are listed together
+in one :class:`CheckpointMismatchError` (a ``ValueError``).
 """
 
 from __future__ import annotations

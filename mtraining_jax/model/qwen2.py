@@ -1,60 +1,35 @@
 """Qwen2 / Qwen2.5 decoder-only language model in Flax NNX with pluggable attention.
 
-Why NNX: Flax NNX is the current Flax API (Linen is in maintenance); modules are ordinary Python
-objects holding their ``nnx.Param`` s, so the training code sees one object (``nnx.Optimizer``,
-``nnx.state``/``nnx.split`` for ``jit`` and sharding) and HF import is a plain tree update.
-
 Architecture (transformers ``Qwen2ForCausalLM``; Qwen2 technical report arXiv:2407.10671 §2.1):
 ``h0 = E[tokens]``; each layer ``h = h + Attn(RMSNorm(h)); h = h + MLP(RMSNorm(h))``;
 ``hidden = RMSNorm(h_L)``; ``logits = hidden @ W`` with ``W = E^T`` when embeddings are tied.
 
 * RMSNorm: ``w * (x / sqrt(mean(x^2) + eps))`` with the statistics in float32.
-* Attention: ``q = x Wq + bq``, ``k = x Wk + bk``, ``v = x Wv + bv`` (bias on Q/K/V, none on O),
-  ``Hq`` query heads in ``Hkv`` contiguous GQA groups, RoPE (optionally YaRN, see ``rope.py``) at
-  the tokens' *global positions*, causal by position, scale ``head_dim ** -0.5``; the backend is
-  chosen per layer by the config (``mtraining_jax.attention.dispatch``).
-* MSA index branch (when a layer uses ``msa``; MSA paper Eqs. msa-index-proj / msa-detach):
-  ``q_idx = sg(x) W_q^idx`` (``[B, S, Hkv, d_idx]``, one head per KV group) and
-  ``k_idx = sg(x) W_k^idx`` (``[B, S, d_idx]``, shared), no bias, no RoPE; trained only by the KL.
+* Attention: bias on Q/K/V, none on O; ``Hq`` query heads in ``Hkv`` contiguous GQA groups; RoPE
+  (optionally YaRN, :mod:`.rope`) at the tokens' global positions; causal by position; scale
+  ``head_dim ** -0.5``; the backend per layer (:mod:`mtraining_jax.attention.dispatch`).
+* MSA index branch (layers using ``msa``; MSA paper Eqs. msa-index-proj / msa-detach):
+  ``q_idx = sg(x) W_q^idx [B, S, Hkv, d_idx]``, ``k_idx = sg(x) W_k^idx [B, S, d_idx]``, no bias, no
+  RoPE; trained only by the KL.
 * MLP (SwiGLU): ``down(silu(gate(x)) * up(x))``, no biases.
 
 Shapes: ``tokens int32 [B, S]`` in layout order, ``positions int32 [S]`` (global position of each
 laid-out token, shared by the batch), hidden ``[B, S, hidden]`` in ``cfg.dtype``.
 
-Layer execution. The decoder layers are ONE stacked module (every parameter has a leading
-``[num_layers]`` axis, created with ``nnx.vmap``), so checkpoints and the HF mapping do not depend
-on how the layers run. ``cfg.scan_layers=True`` runs each run of consecutive layers with the same
-attention backend as one ``jax.lax.scan`` over the stacked parameters (split/merge of the layer
-graph); ``False`` unrolls a Python loop over slices. Both are wrapped per layer in
-``jax.checkpoint`` according to ``cfg.remat``:
+Layers: ONE stacked module (every parameter has a leading ``[num_layers]`` axis, ``nnx.vmap``), so
+checkpoints and the HF mapping do not depend on how the layers run. ``cfg.scan_layers=True`` runs
+each run of consecutive layers with one (backend, remat policy) as one ``jax.lax.scan``; ``False``
+unrolls a Python loop. Each layer is wrapped in ``jax.checkpoint`` by ``cfg.remat``:
 
-* ``none``      keep every activation for the backward pass;
-* ``full``      save only the layer input (recompute the whole layer in the backward pass);
-* ``save_attn`` checkpoint the projections/norms before and the output projection/MLP after the
-  attention core separately, leaving the core outside: its own residuals (q, k, v, out, lse, the
-  sparse index) are kept, so the backward pass recomputes everything but the attention forward.
-* ``selective`` (BurstEngine §3.2 in spirit, by layer): ``save_attn`` for
-  ``cfg.remat_saved_layers`` (``remat_save_layers``, or a ``remat_save_fraction`` of the layers,
-  dense-attention layers first: the most expensive attention forwards to recompute), ``full`` for
-  the others. Memory and recomputation lie between ``full`` and ``save_attn`` in proportion.
-  Each run of consecutive layers with one (backend, policy) is one scan over a slice of the
-  stacked parameters; as with ``dense_layers``, slicing copies those parameters once (XLA has
-  no views), so contiguous runs — the default choice — keep the count of runs small. (Two
-  alternatives measured worse on CPU: one scan over groups of the pattern's period kept more
-  activation bytes than ``save_attn``; a dynamic index into the whole stack per run keeps a
-  full-size gradient buffer per run.)
+* ``none``: keep every activation;
+* ``full``: save only the layer input;
+* ``save_attn``: recompute the projections, norms and MLP but not the attention core, whose custom
+  VJP residuals (q, k, v, out, lse, the sparse index) are kept (:func:`_layer_fn`);
+* ``selective``: ``save_attn`` for ``cfg.remat_saved_layers``, ``full`` for the others (per layer,
+  not per sequence position as in BurstEngine §3.2: a checkpoint policy saves whole values, and the
+  attention core is one custom VJP over the local sequence).
 
-  Why by layer and not by sequence position as in BurstEngine (keep the attention residuals of
-  the later tokens, recompute the cheap early ones): the attention core is one ``custom_vjp``
-  over the whole local sequence whose backward needs q, k, v, out and lse of every token, and a
-  ``jax.checkpoint`` policy saves or recomputes whole values, never a slice of one; splitting the
-  core by query segment would need a second ring pass per layer and, for ``mtraining``, a
-  separate sparse-index estimate per segment — another sparsity pattern, so the gradients would
-  no longer equal ``remat: none``. Per layer, every choice keeps the exact gradients.
-
-``scan_layers=True`` (the default) scans the layers: compile time and, with ``remat=full``,
-temporary memory stay flat in depth (``benchmarks/model_scan_vs_loop.md``); a Python loop over the
-layers is the alternative.
+Every policy keeps the exact gradients.
 """
 
 from __future__ import annotations
@@ -227,12 +202,9 @@ def gather_layer_params(layer_state, mesh):
 def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, prevent_cse: bool):
     """``f(h, layer_state) -> (h, stats)`` for one decoder layer under the remat ``policy``.
 
-    ``save_attn`` checkpoints the two parameter pieces around the attention core separately and
-    leaves the core itself outside ``jax.checkpoint``: its ``custom_vjp`` residuals (q, k, v, out,
-    lse and, for ``mtraining``, the sparse index) are saved as usual, so the backward pass
-    recomputes the projections, norms and MLP but never the attention forward (nor the index
-    estimate). A single checkpoint around the whole layer that saves only the attention output
-    would still have to rerun the attention forward to rebuild those residuals.
+    ``save_attn`` checkpoints the parameter pieces before and after the attention core separately and
+    leaves the core outside ``jax.checkpoint``: its custom VJP residuals (q, k, v, out, lse, the sparse
+    index) are saved, so the backward never reruns the attention forward (nor the index estimate).
     """
 
     mesh = attn_kwargs.get("mesh")
@@ -331,17 +303,12 @@ class Qwen2ForCausalLM(nnx.Module):
         """Final-normed hidden states ``[B, S, hidden]`` in ``cfg.dtype``.
 
         ``segment_ids int [B, S]`` (packed documents): no token attends across a document;
-        ``rope_positions int [B, S]``: RoPE positions (default ``positions``, e.g. restarting per
-        document). The causal mask is always by the global ``positions``.
-
-        ``return_stats=True`` also returns the attention statistics of the ``mtraining`` layers:
-        ``{name: float32 [num_mtraining_layers]}`` (work fraction, worker / step imbalance; empty
-        dict when no layer is sparse), emitted as outputs of the layer scan; ``msa`` layers add
-        ``msa_kl`` (differentiable in the index branch) and ``msa_recall``.
-
-        ``msa_warmup`` (bool, may be traced): the ``msa`` layers run dense attention and the
-        full-support KL (MSA indexer warm-up). ``msa_metrics`` (bool, may be traced): compute the
-        monitoring-only ``msa_recall`` (NaN when false; the trainer passes its logging steps).
+        ``rope_positions int [B, S]``: RoPE positions (default ``positions``). The causal mask is always
+        by the global ``positions``. ``return_stats=True`` also returns ``{name: float32 [num layers of
+        that backend]}``: the ``mtraining`` layers' work fraction and worker / step imbalance, the ``msa``
+        layers' ``msa_kl`` (differentiable in the index branch) and ``msa_recall`` (empty when no layer
+        is sparse). ``msa_warmup``, ``msa_metrics`` (bools, may be traced): as the ``msa`` backend's
+        (:func:`mtraining_jax.attention.dispatch.attention`).
         """
         cfg = self.config
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)

@@ -1,38 +1,17 @@
-"""Exact ring attention over the ``(node, local)`` mesh: flat and hierarchical rings, custom VJP.
+"""Exact ring attention over the ``(node, local)`` mesh (MTraining §4.2, Algorithm 2): flat and
+hierarchical rings, custom VJP.
 
-The sequence, already permuted into a layout (``mtraining_jax.layouts``), is sharded contiguously
-over ``P = N * L`` ranks, node-major (``rank = node * L + local``). Every rank keeps its queries
-and sends its K/V chunk around a ring; at each step it attends its queries to the visiting chunk
-with the causal mask taken from *global positions* (so any layout is exact) and merges the partial
-``(out, lse)`` into float32 accumulators (:func:`pallas_kernels.merge.merge_partials`). The per-step
-block computation is ONE function, :func:`pallas_kernels.api.block_sparse_attention_fwd` /
-``_bwd`` (``index=None``: dense causal; a ``StepIndex``: the MTraining sparse ring), which takes
-the accumulators (``acc``; ``dq_acc``, ``dkv_acc``) and, on the Pallas path, updates them in place
-inside its kernels, so no ring step makes an extra pass over the float32 ``[Sl, Hq, D]`` state.
+The sequence, already permuted into a layout (:mod:`mtraining_jax.layouts`), is sharded
+contiguously over ``P = N * L`` ranks, node-major (``rank = node * L + local``). Every rank keeps
+its queries; the K/V chunks travel. At step ``s`` a rank attends its queries to the chunk of
+:func:`.schedule.source_rank` with the causal mask taken from global positions (so any layout is
+exact) through ONE per-step function, :func:`pallas_kernels.api.block_sparse_attention_fwd` /
+``_bwd`` (``index=None``: dense causal; a ``StepIndex``: sparse), which merges into the float32
+``(out, lse)`` accumulators in place.
 
-Which chunk a rank holds at step ``s`` is :func:`mtraining_jax.ring.schedule.source_rank`; the
-communication below realises exactly that table (the tests check it against the index plumbing).
-
-Only the KV heads travel (GQA). Everything that travels together is stacked into one buffer (K and
-V as ``[2, B, Sl, Hkv, D]``, the float32 dK/dV accumulators likewise), so each ring hop is ONE
-collective-permute: with XLA's default of one asynchronous collective in flight, a second permute
-posted beside the first is made synchronous and waited for (``benchmarks/sparse_ring_results.md``, v9).
-Positions are not sent per step: one ``all_gather`` of the tiny
-``k_pos [Sl]`` at the start gives every chunk's positions, indexed by ``source_rank``.
-
-Forward schedule (MTraining §4.2, Algorithm 2). Both orders are the same two-level loop; the flat
-ring is one outer step whose inner ring spans all ranks::
-
-    flat:          inner axis ("node","local") of size P, outer size 1
-    hierarchical:  inner axis "local" of size L,          outer axis "node" of size N
-
-    for i in 0..N_out-1:                        # outer step
-        if i < N_out-1: kv_o = send(kv, outer +1)     # posted BEFORE the inner loop: overlaps it
-        for j in 0..N_in-1:                     # inner step, s = i * N_in + j
-            if j < N_in-1: kv_n = send(kv, inner +1)  # posted before this step's compute
-            out, lse = merge(out, lse, attend(q, kv, step s))
-            kv = kv_n
-        kv = kv_o
+Each hop is one collective-permute of one stacked buffer (K and V as ``[2, B, Sl, Hkv, D]``, only
+the KV heads), posted before the step's compute; the hierarchical outer (``node``) hop is posted
+before the inner loop and overlaps it. Positions and segment ids travel once (``all_gather``)::
 
     N=2, L=2 hierarchical, chunk held by rank (n,l) at step s (= source_rank):
                s=0    s=1    s=2    s=3
@@ -42,26 +21,11 @@ ring is one outer step whose inner ring spans all ranks::
       (1,1)   (1,1)  (1,0) | (0,1)  (0,0)
                  inner ring | outer hop (node chunk of step 0 sent at s=0, used at s=2)
 
-Fused kernel calls. With ``fuse_forward`` the forward's first kernel call covers the own chunk
-AND the chunk of step 1 (K/V concatenated, the index of both chunks converted at once:
-``RankStepIndex.steps``): it waits for the first hop, which overlaps what precedes the ring (the
-index estimate in ``mtraining_attention``), and the hop of step 2 overlaps the fused call. On 2 ranks
-the whole forward is then one kernel call over this rank's queries, as on one GPU: each call re-reads
-the queries and reads and rewrites the float32 accumulators, per-row work that a ring otherwise pays
-once per step (``benchmarks/sparse_ring_results.md``, v11).
+The options (order, backward side, K/V exchange, fused calls, kernel) are explained in
+:class:`.config.RingOptions`; the backward passes are :mod:`.backward`, the sparse exchange's
+passes :mod:`.exchange_ring`, the shared per-step helpers :mod:`.steps`.
 
-Backward: the custom VJP below runs one of the two exact backward rings of :mod:`.backward`
-(the K/V side: K/V and their float32 dK/dV travel; or BurstEngine's query side: Q, dO, lse, delta
-and dQ travel), chosen by ``backward_ring`` (:mod:`.sides`). The user's options are :class:`.config.RingOptions`
-(defined once, held by every config that runs a ring), one call's static configuration
-:class:`.config.RingConfig`; the per-step helpers shared by all passes are in :mod:`.steps`.
-
-Sparse-aware K/V exchange (``kv_exchange="sparse"``, :mod:`.exchange`): instead of the ring, every
-step's chunk owner sends its holder only the K/V tokens the holder's index needs (one static capacity,
-exact from a concrete index or guarded at run time); the forward and the K/V-side backward are then
-those of :mod:`.exchange_ring` (no fused calls), the query-side backward unchanged.
-
-All shapes: ``q [B, Sl, Hq, D]``, ``k, v [B, Sl, Hkv, D]``, ``q_pos, k_pos int32 [Sl]``, ``lse
+Shapes: ``q [B, Sl, Hq, D]``, ``k, v [B, Sl, Hkv, D]``, ``q_pos, k_pos int32 [Sl]``, ``lse
 [B, Hq, Sl]`` float32.
 """
 
@@ -74,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from pallas_kernels.inputs import check_qkv
+from pallas_kernels.inputs import check_qkv, check_segment_ids
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring.backward import backward_kv, backward_query
 from mtraining_jax.ring.config import RingConfig, RingOptions, dense_block, ring_options
@@ -240,33 +204,28 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, options
       k, v: ``[B, Sl, Hkv, D]`` this rank's keys/values, ``Hq % Hkv == 0``.
       q_pos, k_pos: ``int32 [Sl]`` this rank's global token positions (for the causal mask).
       num_nodes, num_local: sizes of the ``node`` and ``local`` mesh axes.
-      options: the :class:`RingOptions` (ring order, backward side, K/V exchange and capacity, fused
-        calls, kernel impl; default ``RingOptions()``); ``**ring_kw``: any of its fields as keywords
-        (``ring_order="flat"``), replacing those of ``options``. The query-side backward and the
-        sparse exchange need every rank's index (an index source with ``for_rank``, or none);
-        ``"auto"`` with a ``[P]``-stacked ``StepIndex`` gives the K/V side and the ring; the fused
-        calls apply to index sources with ``steps`` (and the dense ring).
-      step_index: ``None`` (dense causal), a :class:`pallas_kernels.StepIndex` whose arrays have a
-        leading ``[P]`` ring-step axis, or an index source converting on demand
-        (``step(s) -> StepIndex``, ``steps((s, t)) -> StepIndex`` over those chunks concatenated,
-        ``num_steps == P``; the contract is :mod:`mtraining_jax.ring.index_source`:
-        :class:`mtraining_jax.sparsity.RankStepIndex`, which keeps one step's index alive at a time
-        and only the compact index for the backward).
-        Entry ``s`` describes this rank's queries against the chunk it holds at step ``s`` (source
-        ``schedule.source_rank(rank, s, ...)``), with blocks of ``block_size`` tokens. Never
-        differentiated.
+      options: the :class:`RingOptions` (default ``RingOptions()``); ``**ring_kw``: any of its fields
+        as keywords, replacing those of ``options``.
+      step_index: ``None`` (dense causal), a :class:`pallas_kernels.StepIndex` with a leading ``[P]``
+        ring-step axis, or an index source (:mod:`mtraining_jax.ring.index_source`, e.g.
+        :class:`mtraining_jax.sparsity.RankStepIndex`). Entry ``s``: this rank's queries against the
+        chunk of ``schedule.source_rank(rank, s, ...)``, blocks of ``block_size``. Not differentiated.
       sm_scale: softmax scale (default ``D ** -0.5``).
-      block_size: kernel block size (the ``StepIndex`` block size when one is given). ``None``:
-        ``DEFAULT_BLOCK`` (64) with an index; for the dense ring the largest power of two
-        ``<= DEFAULT_BLOCK`` dividing ``Sl``.
-      return_work: also return ``work f32 [P]``, the kernel slots each ring step attended
-        (``index_format.step_work``; zeros for the dense ring), for load statistics.
-      segment_ids: ``int32 [B, Sl]`` this rank's segment ids (packed documents: a query attends
-        only keys of its own segment; they travel by one all-gather like ``k_pos``), or ``None``.
+      block_size: kernel block size. ``None``: ``DEFAULT_BLOCK`` (64) with an index, else the largest
+        power of two ``<= DEFAULT_BLOCK`` dividing ``Sl``.
+      return_work: also return ``work f32 [P]``, the kernel slots of each ring step
+        (``index_format.step_work``; zeros for the dense ring).
+      segment_ids: ``int32 [B, Sl]`` this rank's segment ids (packed documents: a query attends only
+        keys of its own segment), or ``None``.
 
     Returns:
-      ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``). Differentiable in ``q, k, v`` (custom
-      VJP ring).
+      ``out [B, Sl, Hq, D]`` in ``q.dtype`` (and ``work``); differentiable in ``q, k, v``.
+
+    Raises:
+      TypeError: a keyword that is not a ring option. ValueError: bad shapes, positions or
+      ``step_index``; not inside ``shard_map`` over the mesh; ``backward_ring="query"`` with an
+      index of this rank's queries only, or ``kv_exchange="sparse"`` without a
+      :class:`.index_source.GlobalIndexSource` (the dense ring included).
     """
     opts = ring_options(options, caller="ring_attention_shard()", **ring_kw)
     check_qkv(q, k, v)
@@ -308,10 +267,9 @@ def ring_attention(q, k, v, positions, mesh, *, options: RingOptions | None = No
         ``i`` has global position ``positions[i]``.
       positions: ``int32 [S]`` (``Layout.perm``).
       mesh: a mesh with axes ``("node", "local")`` (and optionally ``"data"``, which shards batch).
-      options: the :class:`RingOptions` (default ``RingOptions()``: hierarchical, backward side by
-        bytes, fused calls, ``impl="auto"``); ``**ring_kw``: any of its fields as keywords
-        (``ring_order="flat"``, ``backward_ring="query"``), replacing those of ``options``. The dense
-        ring has no index: ``kv_exchange="sparse"`` is refused (:meth:`RingOptions.for_dense`).
+      options: the :class:`RingOptions` (default ``RingOptions()``); ``**ring_kw``: any of its fields
+        as keywords, replacing those of ``options``. This ring has no index: ``kv_exchange="sparse"``
+        is a ``ValueError``.
       sm_scale: softmax scale (default ``D ** -0.5``).
       segment_ids: ``int [B, S]`` document of each laid token (packed documents), or ``None``.
 
@@ -340,11 +298,7 @@ def ring_attention(q, k, v, positions, mesh, *, options: RingOptions | None = No
     spec = PartitionSpec(batch_axis, CP_AXES, None, None)
     pos_spec = PartitionSpec(CP_AXES)
     seg_spec = PartitionSpec(batch_axis, CP_AXES)
-    if segment_ids is not None:
-        segment_ids = jnp.asarray(segment_ids)
-        if segment_ids.shape != (B, S) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise ValueError(f"segment_ids must be integers of shape [B, S] = [{B}, {S}], got "
-                             f"{segment_ids.dtype}{list(segment_ids.shape)}")
+    segment_ids = check_segment_ids(segment_ids, B, S)
 
     def body(q_l, k_l, v_l, pos_l, seg_l):
         return ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,

@@ -1,44 +1,27 @@
-"""The ring's two exact backward passes (custom VJP of :mod:`.attention`), which side circulates
-chosen by :mod:`.sides`.
+"""The ring's two exact backward passes (custom VJP of :mod:`.attention`; the side is chosen by
+:mod:`.sides`).
 
-Backward (custom VJP, FlashAttention-2 style, reusing the forward's final ``lse`` and
-``delta = rowsum(dO * O)``; nothing of the forward ring is recomputed beyond the per-step
-probabilities a flash backward needs). Queries, ``dO``, ``lse``, ``delta`` and the ``dQ``
-accumulator stay home. The backward runs the forward's steps in REVERSE order, starting from the
-chunk of the last forward step (saved as a residual: one chunk per rank), so K/V move the other way
-(-1 along each ring). The own chunk is the last one visited and never travels home; with
-``fuse_backward`` its kernel call is fused with the first one (the saved chunk and the own chunk
-are both here from the start). The float32 dK/dV accumulators travel with their chunks and end at
-their owner without a send-home. Each step's kernels compute dK/dV before dQ
-(``pallas_kernels.triton_backward.pallas_bwd``), so the transfer of the step's dK/dV overlaps the
-dQ kernel:
+Both are FlashAttention-2 style: they reuse the forward's final ``lse`` and ``delta = rowsum(dO *
+O)`` and recompute only each step's probabilities.
 
-* inner ring: the accumulator ``acc`` of the chunk being visited follows it hop by hop (sent after
-  the step's dK/dV kernels, so it overlaps the dQ kernel and the next step);
-* end of reverse outer step ``i``: ``acc`` holds node ``n``'s sum for chunk ``(n-i, l)`` (the chunk
-  held at step ``(i, 0)``). It is added to ``tot``, that chunk's total over the nodes already
-  visited (arrived from node ``n+1``), and ``tot`` is sent one node back, to the rank that sees the
-  chunk at step ``(i-1, 0)``; it has the whole inner loop to arrive, like the outer K/V hop, which
-  is posted at the start of each reverse outer step;
-* at step ``(0, 0)`` the rank holds its own chunk: own contribution + ``acc`` (the rest of its
-  node) + ``tot`` (the other nodes) is the chunk's whole dK/dV::
+K/V side (:func:`backward_kv`): queries, ``dO``, ``lse``, ``delta`` and the dQ accumulator stay
+home. The forward's steps run in REVERSE order from the chunk of the last forward step (saved as a
+residual), so K/V move ``-1`` along each ring; the own chunk is visited last and never travels home
+(with ``fuse_backward`` its kernel call is fused with the first). The float32 dK/dV accumulator of
+the visited chunk follows it (sent after the step's dK/dV kernels, overlapping its dQ kernel) and
+ends at the owner::
 
-      reverse outer step i:  acc --inner -1--> acc --inner -1--> ... acc ─┐
-                                                            tot_in ─────┴─(+)─ tot ──outer -1──> step i-1
-      step (0, 0):           own + acc + tot = dK/dV of this rank's chunk
+    reverse outer step i:  acc --inner -1--> acc --inner -1--> ... acc ─┐
+                                                          tot_in ─────┴─(+)─ tot ──outer -1──> step i-1
+    step (0, 0):           own + acc + tot = dK/dV of this rank's chunk
 
-  Per forward + backward: ``P-1`` K/V hops forward, ``P-2`` backward (the hop that would bring the
-  own chunk back is not made) and ``P-1`` accumulator hops; on 2 ranks the backward moves one
-  float32 dK/dV chunk and nothing else.
+Per forward + backward: ``P-1`` K/V hops forward, ``P-2`` backward and ``P-1`` accumulator hops.
 
-Query-side backward (``backward_ring="query"``, BurstEngine; :func:`backward_query`): the
-roles swap — K, V and the float32 dK/dV stay at their owner while the visiting ranks' Q, dO, lse
-and delta (one packed buffer) and their float32 dQ accumulator travel ``+1`` along the rings, over
-the same (query rank, K/V chunk) pairs as the forward (the own step first, then the forward's steps
-in reverse). ``"auto"`` picks the side whose hop moves fewer bytes (:mod:`.sides`): K/V for GQA,
-query for MHA. ``P - 1`` buffer hops and ``P - 1`` dQ hops per backward; no fused call.
+Query side (:func:`backward_query`): K, V and dK/dV stay at their owner; the visiting ranks' Q,
+dO, lse and delta (one packed buffer) and their dQ accumulator travel ``+1``, over the forward's
+(query rank, K/V chunk) pairs; no fused call.
 
-All shapes: ``q [B, Sl, Hq, D]``, ``kv_own [2, B, Sl, Hkv, D]`` (K and V stacked), ``q_pos, k_pos
+Shapes: ``q [B, Sl, Hq, D]``, ``kv_own [2, B, Sl, Hkv, D]`` (K and V stacked), ``q_pos, k_pos
 int32 [Sl]``, ``lse [B, Hq, Sl]`` float32; both return float32 ``(dq, dk, dv)``.
 """
 
@@ -142,16 +125,12 @@ def _unpack_queries(buf, q_shape, dtype):
 
 
 def backward_query(cfg: RingConfig, q, kv_own, qpos_all, kpos_all, step_index, out, out_lo, lse, do, segs=None):
-    """The query-side backward ring (BurstEngine, paper 004 §3): K, V and the float32 dK/dV
-    accumulators stay at their owner; Q, dO, lse and delta (one packed buffer) and the float32 dQ
-    accumulator of the queries being visited travel. At backward step ``s`` kv owner ``r`` holds the
-    queries of ``query_rank(r, s)``, i.e. exactly the (query rank, K/V chunk) pairs of the forward's
-    step ``s``, so the step's index is the visiting rank's (``step_index.for_rank(t).step(s)``:
-    every rank holds the identical global index).
+    """The query-side backward ring (module docstring). At backward step ``s`` kv owner ``r`` holds
+    the queries of ``query_rank(r, s)``, i.e. the forward's step-``s`` pair, so the step's index is
+    the visiting rank's (``step_index.for_rank(t).step(s)``).
 
-    Order: the own step ``(0, 0)`` first (its dQ stays home; the first bundle's hop overlaps it), then
-    the forward's other steps in reverse, as the K/V-side ring, with the roles of queries and K/V
-    swapped and everything moving ``+1`` along its ring::
+    Order: the own step first (its dQ stays home; the first bundle's hop overlaps it), then the
+    forward's other steps in reverse, everything moving ``+1`` along its ring::
 
         own step:              bundle <-- diagonal hop from (n-1, l-1)   (overlaps the own step)
         reverse outer step i:  bundle --inner +1--> ... ; acc (dQ) --inner +1--> ... acc ─┐
@@ -159,8 +138,7 @@ def backward_query(cfg: RingConfig, q, kv_own, qpos_all, kpos_all, step_index, o
                                                           tot_in ───────────────────────┴─(+)─ tot ──outer +1──>
         end:                   dQ = own + acc (rest of this node, arrived after step (0, 1)) + tot
 
-    Per backward: ``P - 1`` bundle hops (one diagonal, the rest inner / outer) and ``P - 1`` dQ hops
-    (``N (L - 1)`` inner, ``N - 1`` outer); nothing is sent home. Returns float32 ``(dq, dk, dv)``.
+    ``P - 1`` bundle hops and ``P - 1`` dQ hops; nothing is sent home. Returns float32 ``(dq, dk, dv)``.
     """
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner

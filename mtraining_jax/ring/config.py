@@ -53,19 +53,23 @@ class RingOptions:
       backward_ring: which side circulates in the backward (:data:`.sides.BACKWARD_RINGS`):
         ``"kv"`` (K/V + dK/dV travel), ``"query"`` (Q, dO, lse, delta + dQ travel; BurstEngine) or
         ``"auto"`` (the side with fewer bytes per hop, :func:`.sides.resolve_backward_ring`).
+        ``"query"`` needs every rank's index (:class:`.index_source.GlobalIndexSource`).
       kv_exchange: how K/V reach the ranks that attend to them (:data:`.exchange.KV_EXCHANGES`):
         ``"ring"`` (whole chunks around the ring), ``"sparse"`` (each rank receives only the tokens
-        its index needs, :mod:`.exchange`) or ``"auto"`` (fewer bytes). It applies to the sparse
-        rings (``mtraining``, ``msa``); a dense ring needs every token and sends whole chunks
-        (:meth:`for_dense`).
+        its index needs, :mod:`.exchange`; needs a :class:`.index_source.GlobalIndexSource`) or
+        ``"auto"`` (fewer bytes). It applies to the sparse rings (``mtraining``, ``msa``); a dense
+        ring needs every token and sends whole chunks (:meth:`for_dense`).
       exchange_capacity: the sparse exchange's static capacity, a token count or a fraction in
         ``(0, 1]`` of the chunk; ``None``: exact from a concrete index, else
         ``exchange.DEFAULT_CAPACITY_FRACTION`` of the chunk, checked at run time (a step that needs
         more sends the whole chunk).
       fuse_forward: the forward's first kernel call covers the own chunk AND the chunk of step 1
         (its hop overlaps what precedes the ring, e.g. the index estimate).
-      fuse_backward: the backward's first kernel call covers the chunk saved from the forward's
-        last step AND the own chunk (one call fewer, one hop fewer).
+      fuse_backward: the K/V-side backward's first kernel call covers the chunk saved from the
+        forward's last step AND the own chunk (one call fewer).
+        Fusing needs the index of two chunks at once: the dense ring and
+        :class:`.index_source.FusedIndexSource` indexes fuse, a ``[P]``-stacked ``StepIndex``, the
+        sparse exchange and the query-side backward do not.
       impl: the per-step kernel (:data:`pallas_kernels.registry.IMPLS`): ``"auto"`` (Mosaic GPU on
         Hopper, Triton on other GPUs, the XLA twin elsewhere), ``"mosaic"``, ``"triton"``,
         ``"pallas"``, ``"xla"``.
@@ -155,10 +159,6 @@ class RingConfig:
         ``block_size``, at most the chunk; 0 when unused).
       exchange_guard: the capacity was configured, not computed from a concrete index: check every
         step's need at run time and send the whole chunk where it does not fit.
-
-    Fusing needs the index of two chunks at once: it applies to the dense ring and to index
-    sources with ``steps`` (:class:`.index_source.FusedIndexSource`), not to a ``[P]``-stacked
-    ``StepIndex``; the query-side backward has no fused call (its chunks are other ranks' queries).
     """
 
     num_nodes: int

@@ -1,29 +1,18 @@
-"""Sparse-aware K/V exchange (issue 22, item 2): what each rank needs of a visiting chunk, the
-compact index over what it receives, the option that chooses it and the bytes it moves.
+"""Sparse-aware K/V exchange (``kv_exchange="sparse"``, :class:`.config.RingOptions`): what each
+rank needs of a visiting chunk, the compact index over what it receives, the choice between the
+exchange and the ring, and the bytes each moves.
 
-Instead of passing whole K/V chunks around the ring, at every ring step ``s >= 1`` the owner of a
-chunk sends the rank that would hold it (``schedule.source_rank``) only the tokens that rank's
-index touches: the KV blocks of its active tiles plus its vertical columns outside those blocks.
-Every rank holds the identical global index, so the sender converts the receiver's step index
-itself (``step_index.for_rank(t).step(s)``) and both sides derive the same token list by the same
-function (:func:`needed_tokens`): no extra messages. The backward reuses the compact chunks kept from
-the forward and returns their float32 dK/dV to the owner, which scatter-adds them
-(:mod:`.exchange_ring`).
+At every ring step ``s >= 1`` the owner of a chunk sends the rank that would hold it
+(``schedule.source_rank``) only the tokens that rank's index touches: the KV blocks of its active
+tiles plus its vertical columns outside them. Every rank holds the identical global index, so
+sender and receiver derive the same token list (:func:`needed_tokens`) with no extra messages.
+The passes are :mod:`.exchange_ring`.
 
-Static shapes: one ``capacity`` (tokens, a multiple of the block size) per layer call, for every
-step. It is either exact — the max need over (rank, step), computed on the host when the index is
-concrete (:func:`host_capacity`) — or configured (a fraction of the chunk); a configured capacity
-is guarded at run time: one all-reduce of every step's max need before the ring, and a step whose
-need exceeds the capacity on any rank sends the whole chunk instead (exact either way).
-
-The token set is the union over batch and heads (the kernels take one ``k_pos`` per chunk), laid
-out compactly as ``[needed blocks ascending | needed columns ascending | padding]`` so the needed
-blocks stay block-aligned and the index keeps its form (:func:`compact_index`).
-
-``kv_exchange``: ``"ring"`` (the ring of :mod:`.attention`), ``"sparse"`` (this exchange) or
-``"auto"`` (the one with fewer bytes per forward + backward, :func:`resolve_kv_exchange`, the same
-count the cost model ``benchmarks/comm_model.py`` and the HLO accounting
-``benchmarks/ring_comm.py`` use).
+Static shapes: one ``capacity`` (tokens, a multiple of the block size) per layer call: exact (the
+max need over (rank, step), :func:`host_capacity`, when the index is concrete) or configured (a
+fraction of the chunk), then guarded at run time: a step whose need exceeds it on any rank sends
+the whole chunk (exact either way). The token set is the union over batch and heads, laid out as
+``[needed blocks ascending | needed columns ascending | padding]`` (:func:`compact_index`).
 """
 
 from __future__ import annotations
@@ -157,13 +146,10 @@ def exchange_bytes(num_ranks: int, *, batch: int, capacity: int, kv_heads: int, 
 def resolve_kv_exchange(mode: str, *, num_ranks: int, chunk_len: int, capacity: int, batch: int, kv_heads: int,
                         head_dim: int, itemsize: int, backward_side: str = "kv", exchange_ok: bool = True,
                         num_nodes: int = 1, ring_order: str = "flat") -> str:
-    """``"ring"`` or ``"sparse"``: ``mode`` itself, or for ``"auto"`` the exchange when it leaves
-    out part of each chunk (``capacity < chunk_len``) and sends fewer bytes in total AND no more
-    between nodes than the ring per forward + backward (with the query-side backward only the
-    forward's K/V differ); ties, one rank and ``exchange_ok=False`` (no index source with
-    ``for_rank``) give ``"ring"``. At the whole chunk the exchange would still send fewer bytes on
-    one node, only because it keeps the ``P - 1`` received chunks for the backward instead of
-    sending K/V again: a memory-for-bytes trade the ring could make too, not a gain of sparsity."""
+    """``"ring"`` or ``"sparse"``: ``mode`` itself, or for ``"auto"`` the exchange when it leaves out
+    part of each chunk (``capacity < chunk_len``) and sends fewer bytes in total AND no more between
+    nodes than the ring per forward + backward (with the query-side backward only the forward's K/V
+    count); ties, one rank and ``exchange_ok=False`` give ``"ring"``."""
     validate_kv_exchange(mode)
     if mode != "auto":
         return mode

@@ -1,31 +1,22 @@
-"""The forward and K/V-side backward passes of the sparse-aware K/V exchange (``kv_exchange="sparse"``;
-what is sent and why it is exact: :mod:`.exchange`).
+"""The forward and K/V-side backward passes of the sparse K/V exchange (what is sent and why it
+is exact: :mod:`.exchange`).
 
-Schedule (same (query rank, K/V chunk) pairs as the ring, :func:`.schedule.source_rank`)::
+Schedule (the ring's (query rank, K/V chunk) pairs, :func:`.schedule.source_rank`)::
 
     forward:   own step; for s in 1..P-1:
                  owner r sends kv_own[tokens needed by t = query_rank(r, s)]  --direct-->  t
-                 t attends its queries to the compact chunk (compact index, compact positions)
-                 and keeps the compact chunk (a residual of the custom VJP)
+                 t attends its queries to the compact chunk and keeps it (a VJP residual)
     backward:  own step; for s in 1..P-1:
                  t runs the step's backward on the compact chunk it kept
                  t sends the compact float32 dK/dV --direct back--> r, which scatter-adds them
 
-Each send is one collective-permute over ``("node", "local")`` whose pairs are the step's
-(owner, holder) pairs; per forward + backward ``P - 1`` compact K/V buffers forward and ``P - 1``
-compact dK/dV buffers back (``exchange.exchange_bytes``). The received buffers are kept from the
-forward to the backward, ``(P - 1) * capacity`` tokens of K/V per rank, where the ring keeps one
-chunk and sends K/V again: XLA merges a resend with the forward's identical send anyway (the same
-gather of the same K/V to the same pairs), so keeping them is what the compiled program does;
-making it explicit keeps the bytes and the memory predictable.
+Each send is one collective-permute over ``("node", "local")``. The received buffers are kept for
+the backward (``(P - 1) * capacity`` tokens of K/V per rank) instead of being sent again. With a
+guarded capacity, ``ok[s - 1]`` says every rank's need at step ``s`` fits; where it does not, the
+step sends the whole chunk (``lax.cond``, alike on every rank) in both passes. No fused calls.
 
-With a guarded (configured) capacity, ``ok[s - 1]`` says every rank's need at step ``s`` fits
-(one all-reduce of the ``P - 1`` needs before the ring); a step where it does not sends the whole
-chunk over the same pairs (``lax.cond``, taken alike on every rank), keeps nothing, and sends the
-whole chunk again in the backward with its whole dK/dV back. No fused kernel calls.
-
-Shapes as :mod:`.backward`: ``q [B, Sl, Hq, D]``, ``kv_own [2, B, Sl, Hkv, D]``, ``kpos_all int32 [P,
-Sl]``, ``lse [B, Hq, Sl]``; ``step_index`` an index source with ``step`` and ``for_rank``.
+Shapes as :mod:`.backward`; ``kpos_all int32 [P, Sl]``; ``step_index`` an index source with
+``step`` and ``for_rank``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Which rank's K/V chunk each rank sees at each ring step (flat and hierarchical orders).
 
-Shared by the ring (``attention/ring.py``) and the per-step sparse-index conversion
-(``sparsity/convert.py``) so both agree on the visit order.
-
-Ranks are node-major, ``rank = node * L + local`` on an ``(N, L)`` mesh, ``P = N * L``.
+Shared by the ring (:mod:`.attention`) and the per-step index conversion
+(:mod:`mtraining_jax.sparsity.convert`) so both agree on the visit order. Ranks are node-major,
+``rank = node * L + local`` on an ``(N, L)`` mesh, ``P = N * L``.
 
 * ``flat``: one ring over all P ranks; at step ``s`` rank ``r`` holds the chunk of ``(r - s) mod P``.
 * ``hierarchical`` (MTraining Algorithm 2): step ``s = i * L + j`` (outer step ``i`` over nodes,
   inner step ``j`` over local devices); rank ``(n, l)`` holds the chunk of
-  ``((n - i) mod N, (l - j) mod L)``. The outer transfer moves whole node chunks one node along
-  while the inner ring runs.
+  ``((n - i) mod N, (l - j) mod L)``.
 """
 
 from __future__ import annotations

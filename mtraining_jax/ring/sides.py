@@ -1,18 +1,10 @@
-"""Which side of the attention circulates in the ring's backward, and what one hop of each costs.
+"""Which side circulates in the ring's backward (``backward_ring``, :class:`.config.RingOptions`)
+and what one hop of each costs.
 
-Two exact backward rings over the same schedule (:mod:`.schedule`):
-
-* ``"kv"``: K, V (input dtype) and the float32 dK/dV accumulators travel; queries, ``dO``, ``lse``,
-  ``delta`` and the dQ accumulator stay home (FlashAttention-2 style ring, this code base's default
-  for GQA);
-* ``"query"``: BurstEngine's backward (paper 004, §3): Q, ``dO`` (input dtype), ``lse`` and
-  ``delta`` (float32) travel as one buffer, with the float32 dQ accumulator beside them; K, V and
-  the dK/dV accumulators stay at their owner;
-* ``"auto"``: the side whose hop moves fewer bytes (:func:`backward_hop_bytes`): the query side for
-  multi-head attention (``Hq == Hkv``), the K/V side for GQA (16/2: 3,072 vs 16,512 bytes per token).
-
-:func:`backward_hop_bytes` is the one byte count: the ring chooses by it and the cost model
-(``benchmarks/comm_model.py``, ``benchmarks/ring_comm.py``) predicts with it.
+``"kv"``: K, V and the float32 dK/dV accumulators travel; ``"query"`` (BurstEngine, paper 004 §3):
+Q, ``dO``, ``lse``, ``delta`` and the float32 dQ accumulator travel; ``"auto"``: the side whose hop
+moves fewer bytes (:func:`backward_hop_bytes`, the one byte count, also used by the cost model):
+the query side for multi-head attention, the K/V side for GQA. The passes are :mod:`.backward`.
 """
 
 from __future__ import annotations

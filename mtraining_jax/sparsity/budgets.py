@@ -1,16 +1,11 @@
 """Top-p coverage budgets (MTraining App. B.1 (i) "online budget approximation"; poster ``score_cover``).
 
-Given non-negative scores (here: integer fixed-point attention mass per vertical column or per
-block-diagonal), the budget of a head is the smallest ``k`` such that the ``k`` largest scores
-cover a fraction ``p`` of the total mass,
-
-    k = min{ k : sum(top_k(scores)) >= p * total },
-
-where ``total`` is the exact mass the scores measure when it is known (``mass``; floored scores
-sum to less) and ``sum(scores)`` otherwise, clipped to the head's ``[min, max]`` caps (and to the number of candidates). The selected lines are
-``argtopk(scores, k)`` (ties broken towards the lower position, ``lax.top_k``'s rule), returned
-sorted ascending. All arithmetic on the scores is integer, so the result does not depend on the
-order in which partial scores were reduced (see :mod:`mtraining_jax.sparsity.estimate`).
+The budget of a head is the smallest ``k`` whose ``k`` largest (non-negative, integer) scores cover
+a fraction ``p`` of the total mass, ``k = min{ k : sum(top_k(scores)) >= p * total }``, clipped to
+the head's ``[min, max]`` caps and the number of candidates; ``total`` is the exact mass when known
+(``mass``), else ``sum(scores)``. The lines are ``argtopk(scores, k)`` (ties to the lower
+position), sorted ascending. Integer arithmetic only: the result does not depend on the order of
+reduction (:mod:`.estimate`).
 """
 
 from __future__ import annotations

@@ -1,37 +1,23 @@
 """``SparsityConfig``: the knobs of MTraining's dynamic vertical-slash pattern (paper App. B.1).
 
-One config describes one attention layer; a model holds one per layer (``tuple[SparsityConfig, ...]``)
-so budgets are configurable per layer. Budget fields accept a scalar (every head) or a tuple with
-one entry per query head (configurable per head).
+One config per attention layer; budget fields take a scalar (every head) or a tuple with one entry
+per query head (checked against the number of heads at call entry, :meth:`SparsityConfig.check`).
+Every field is validated on construction (``ValueError`` naming the field and the value).
 
-Defaults and why:
+Fields and defaults:
 
-* ``block_size = 64``: slash diagonals are pooled over 64x64 blocks (App. B.1 (ii)) and 64 is the
-  block-striped stripe (§4.1 (ii)); the kernels' tile edge (one of
-  ``pallas_kernels.api.SUPPORTED_BLOCKS``, checked on construction).
-* ``sm_scale = None``: ``head_dim ** -0.5``; otherwise a finite number > 0.
-
-Every field is validated on construction (``ValueError`` naming the value): bools and strings are
-rejected where numbers belong, and per-head tuples must all have the same length (checked against
-the number of query heads at call entry, :meth:`SparsityConfig.check`).
+* ``block_size = 64``: slash diagonals are pooled over 64x64 blocks (App. B.1 (ii)); the kernels'
+  tile edge (one of ``pallas_kernels.api.SUPPORTED_BLOCKS``).
 * ``last_q = 64``: Algorithm 1's observation window (the public MTraining code's default).
-* ``vertical_p = slash_p = 0.9``: top-p coverage of the estimated attention mass (poster, ``score_cover``).
-* ``vertical_max = 4096`` tokens: the public code's per-head cap ("top-p 0.9, cap 4096").
-* ``vertical_min = 64`` tokens: the kernel gathers vertical columns in chunks of 64, so fewer than 64
-  columns cost the same as 64; keeping a full chunk also keeps the attention sinks.
-* ``slash_max = 64`` block-diagonals = 4096 tokens of band, the same 4096 cap expressed in the
-  unit slashes are selected in; ``slash_min = 1``: diagonal 0 (the local block) is always kept,
-  so no query row is ever empty.
-* ``window = "sequence"``: Algorithm 1's observation window, the last ``last_q`` queries of the
-  sequence. ``"per_document"`` (packed documents; the same as ``"sequence"`` without segment ids):
-  every document's own last ``last_q`` queries, in at most ``window_blocks`` query blocks (the
-  last ones holding such queries; 64 blocks = 4096 rows by default, ``rows x S`` logits) — on
-  packed data the last queries of the sequence see only the last document, so the others'
-  verticals (their sinks and heavy keys) are missed; measured in
-  ``benchmarks/packed_documents_results.md``.
-* ``max_cols``: static vertical-column slots per (query block, ring step) of the converted index
-  (``None`` = the exact bound ``min(MV, tokens per chunk)``; smaller values trade exactness for
-  memory, see :mod:`mtraining_jax.sparsity.convert`).
+* ``vertical_p = slash_p = 0.9``: top-p coverage of the estimated attention mass (poster ``score_cover``).
+* ``vertical_min = 64``, ``vertical_max = 4096`` tokens (the public code's cap); ``slash_min = 1``
+  (diagonal 0 is always kept), ``slash_max = 64`` block diagonals (4096 tokens of band).
+* ``max_cols``: static column slots per (query block, ring step) of the converted index (``None``:
+  the exact bound; smaller trades exactness for memory, :mod:`mtraining_jax.sparsity.convert`).
+* ``sm_scale = None``: ``head_dim ** -0.5``; otherwise a finite number > 0.
+* ``window = "sequence"``: the last ``last_q`` queries of the sequence; ``"per_document"`` (packed
+  documents): every document's own last ``last_q`` queries, in at most ``window_blocks`` query
+  blocks (:mod:`mtraining_jax.sparsity.estimate`).
 """
 
 from __future__ import annotations

@@ -1,38 +1,31 @@
 """Global vertical-slash index -> per-rank, per-ring-step :class:`~pallas_kernels.index_format.StepIndex`.
 
-MTraining poster, "convert_index(i_v, i_s, j)": every rank turns the (identical) global index into
+MTraining poster, "convert_index(i_v, i_s, j)": every rank turns the identical global index into
 the block + column index of its own queries against the K/V chunk it holds at each ring step.
 
-Layouts must be block-aligned: every local run of ``block_size`` rows is one whole global block
-(``contiguous``, ``zigzag`` with chunks a multiple of 64, ``block_striped`` with stripe a multiple of
-the block). Then local query block ``i`` is global block ``QB_i`` and local KV block ``j`` of the
-visiting chunk is global block ``KB_j``, and for each query block:
+Layouts must be block-aligned (every local run of ``block_size`` rows is one whole global block:
+``contiguous``, ``zigzag`` with chunks a multiple of 64, ``block_striped`` with stripe a multiple of
+the block). For local query block ``i`` (global ``QB_i``) and KV block ``j`` of the visiting chunk
+(global ``KB_j``):
 
-* active KV blocks: ``{ j : QB_i - KB_j = d >= 0, d a slash }`` (sorted; at most ``s_count`` over
-  all steps together); ``block_causal`` from :func:`~pallas_kernels.index_format.causal_flags`;
-* columns: ONE list per head, the verticals ``v`` held by the visiting chunk as local token ids
-  in ascending global position; query block ``i`` uses the prefix of those with
-  ``v <= max(q_pos of block i)`` (causal for at least one query of the block). Verticals inside
-  one of the row's active blocks stay in the list: the kernels skip them for that row
-  (:func:`~pallas_kernels.index_format.row_columns`), so no per-row list is ever built.
+* active KV blocks: ``{ j : QB_i - KB_j = d >= 0, d a slash }`` (sorted);
+* columns: ONE list per head, the verticals held by the chunk as local token ids in ascending
+  global position; query block ``i`` uses the prefix with ``v <= max(q_pos of block i)``; the
+  kernels skip those inside the row's active blocks
+  (:func:`~pallas_kernels.index_format.row_columns`).
 
-So every causal pair of the global mask is covered exactly once over all (rank, step), and
-nothing else is (tested over layouts, meshes and ring orders).
+Every causal pair of the global mask is covered exactly once over all (rank, step), nothing else.
 
-Static sizes and memory. ``MB = min(MS, nKB)`` is exact (a query block has at most ``MS`` active
-blocks). ``MC = cfg.max_cols or min(MV, S/P)``; ``None`` is exact, a smaller ``MC`` keeps the first
-``MC`` held columns (lowest positions, so attention sinks survive) and drops the rest. One step's
-index takes ``4 * B * H * (nQB * (2*MB + 1) + MC)`` bytes (``nQB = S / (P * bs)``) and costs
-``O(B * H * (nQB * MS + MV))`` to build: per rank and ring pass that is ``O(S / bs * MS + P * MV)``,
-so it shrinks with ``P`` (a per-row column list, ``O(nQB * MC)`` per step, would not;
-``benchmarks/sparse_ring_results.md``). :func:`convert_index` materialises all ``P``
-steps; :class:`RankStepIndex` converts one step at a time, inside the ring's forward and again in its
-backward: only the compact global index (``[B, H, MV + MS]``) is kept between them.
+Static sizes: ``MB = min(MS, nKB)`` (exact); ``MC = cfg.max_cols or min(MV, S/P)`` (``None`` is
+exact; a smaller ``MC`` keeps the lowest-position columns). One step's index takes ``4 * B * H *
+(nQB * (2*MB + 1) + MC)`` bytes (``nQB = S / (P * bs)``). :func:`convert_index` materialises all
+``P`` steps; :class:`RankStepIndex` converts one at a time (forward and again in the backward).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +66,7 @@ def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block
     union of the chunks' own step indexes (same ``MC`` per chunk, up to ``MV`` in all).
     """
     bs = block_size
-    sq, sk = q_pos.shape[0], k_pos.shape[0]
+    sk = k_pos.shape[0]
     if num_chunks < 1 or sk % (num_chunks * bs):
         raise ValueError(f"k_pos length {sk} is not {num_chunks} chunk(s) of whole {bs}-token blocks")
     if seq_len % bs:
@@ -85,10 +78,17 @@ def convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block
             check_block_aligned(c, bs, name)
         elif p.shape[0] % bs:
             raise ValueError(f"{name} length {p.shape[0]} is not a multiple of block_size={bs}")
+    return _convert_step(index, jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32), seq_len=seq_len,
+                         block_size=bs, max_cols=max_cols, num_chunks=num_chunks)
+
+
+@functools.partial(jax.jit, static_argnames=("seq_len", "block_size", "max_cols", "num_chunks"))
+def _convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, block_size: int,
+                  max_cols: int | None, num_chunks: int) -> StepIndex:
+    bs = block_size
+    sq, sk = q_pos.shape[0], k_pos.shape[0]
     nqb, nkb, nb = sq // bs, sk // bs, seq_len // bs
     B, H, mv = index.v_idx.shape
-    q_pos = jnp.asarray(q_pos, jnp.int32)
-    k_pos = jnp.asarray(k_pos, jnp.int32)
     QB = q_pos.reshape(nqb, bs)[:, 0] // bs
     KB = k_pos.reshape(nkb, bs)[:, 0] // bs
     qmax = q_pos.reshape(nqb, bs).max(axis=1)

@@ -1,80 +1,38 @@
-"""Online estimation of the vertical-slash index (MTraining Algorithm 1; poster "distributed sparse indexing").
+"""Online estimation of the vertical-slash index (MTraining Algorithm 1; poster "distributed
+sparse indexing"): :func:`estimate_index` (one device), :func:`estimate_index_shard` (inside
+``shard_map``).
 
 Per batch element and query head:
 
-1. take the ``last_q`` queries with the largest GLOBAL positions ``S - last_q .. S - 1``;
-2. ``A_hat = softmax(Q_last K^T * scale + causal mask)`` over the whole sequence (exact: the row max
-   and row sum are reduced over all keys / ranks);
-3. vertical score of key ``k`` = column sum ``sum_q A_hat[q, k]`` (token level, App. B.1 (ii));
-   slash score of block-diagonal ``d`` = ``sum`` of ``A_hat[q, k]`` over pairs with
-   ``q // bs - k // bs = d`` (pooled over 64x64 blocks);
-4. budgets by top-p coverage with per-head caps (:mod:`~mtraining_jax.sparsity.budgets`); diagonal 0
-   always kept so no query row is empty.
+1. take the ``last_q`` queries with the largest global positions ``S - last_q .. S - 1``;
+2. ``A_hat = softmax(Q_last K^T * scale + causal mask)`` over the whole sequence;
+3. vertical score of key ``k`` = column sum ``sum_q A_hat[q, k]`` (App. B.1 (ii)); slash score of
+   block diagonal ``d`` = sum of ``A_hat[q, k]`` over ``q // bs - k // bs = d``;
+4. budgets by top-p coverage with per-head caps (:mod:`.budgets`); diagonal 0 is always kept.
 
-Exactness across layouts, meshes and programs: after the (order-independent) row max, every
-reduction over keys is done on integers. ``exp(z - m)`` is truncated to 47 fraction bits, held as six
-integer digits (:func:`_digits`: power-of-two scalings and floors, exact in floating point) and
-summed per digit (the softmax denominator); probabilities are truncated to ``F + G`` bits held as
-two digits (:func:`fixed_point_bits`, ``F = cfg.score_bits``, 23 for ``last_q = 64``), summed per
-digit and floored to ``2^-F`` per line. Integer sums are associative, so the single-device estimate
-and the sharded one (``psum`` over ranks in any layout) are bit-identical and every rank ends with
-the same index without a broadcast.
+Bit-identical across layouts, meshes and programs (forward, backward, remat, evaluation; any
+kernel impl, fusion or dot algorithm): the inputs are rounded to their storage dtype
+(:func:`_storage_round`), the logits are exact integer sums (:func:`_window_logits`), and after the
+row max every reduction over keys sums integer fixed-point digits (:func:`_digits`,
+:func:`fixed_point_bits`). So every rank ends with the same index without a broadcast.
 
-The same holds across PROGRAMS (forward, backward, a rematerialized forward, evaluation; any kernel
-impl, fusion or dot algorithm, default XLA flags):
+Top-p threshold: ``ceil(p * last_q * 2^F)`` of the exact total mass (``F = cfg.score_bits``): the
+selected lines cover ``p`` and are minimal to within ``(k + 1) 2^-F / last_q`` of coverage, up to
+the float32 error of the logits and ``exp``.
 
-* the inputs are rounded to their storage dtype as they enter (:func:`_storage_round`: a
-  ``reduce_precision``, which XLA must keep, where a convert pair ``f32 -> bf16 -> f32`` may be
-  dropped under ``--xla_allow_excess_precision``, the default): q/k cast to bf16 inside a jitted
-  program reach the estimate as bf16 values in every program, never as the float32 values the
-  cast was given;
-* the logits are exact integer sums (:func:`_window_logits`): each operand row is split into
-  ``J`` balanced base-``2^w`` digits under a power-of-two row scale (exact in bfloat16; 24 bits
-  for ``J = 3, w = 8``) and one bf16 matmul with float32 accumulation sums the digit products of
-  each weight; every partial sum is an integer below ``2^24``, exact in float32 in any order,
-  so no algorithm choice (tiling, split-K, tensor cores) changes a bit. The weights are combined
-  elementwise in a fixed order with power-of-two factors, and the row scales are powers of two:
-  every product that feeds an addition is exact, so an FMA contraction gives the same bits.
-  The result is the dot of the inputs truncated to 24 bits below each row's top power of two
-  (``|error| <= ~3 D 2^-24 max|q_row| max|k_row|``, float32's own error), and the softmax
-  scale is applied after the row max is subtracted, so nothing else is a floating-point
-  reduction.
+Packed documents (``segment_ids [B, S]``): the window is masked to same-document pairs (the
+attention the kernels run). ``cfg.window = "per_document"``: the window is every document's own
+last ``last_q`` queries (:func:`_document_window`), and the threshold comes from the floored total.
 
-Coverage bound (top-p, caps not binding). With ``m_i`` the float64 Algorithm 1 mass of line ``i``
-(summing to ``last_q`` over the lines of a head), the threshold is taken from that exact total
-(``ceil(p * last_q * 2^F)``; every window row sums to one), not from the floored scores, which fall
-short by up to one unit per line (``S * 2^-F`` of a row, most of it in the diffuse tail). The ``k``
-selected lines then satisfy
-
-    sum_K m_i >= p * last_q - eps,   sum_K m_i - min_K m_i < (p + (k + 1) 2^-F / last_q) * last_q + eps,
-
-i.e. they cover ``p`` and are minimal to within ``(k + 1) * 2^-F / last_q`` of coverage
-(``2^-29`` per line for every ``last_q``: ``7.6e-6`` at ``k = 4096``) at every ``S <= 2^23``. ``eps``
-is the float32 error of the logits, ``exp`` and the division (relative ``~1e-7`` per probability;
-the truncations add at most ``S * 2^-47`` relative to the denominator and ``S * 2^-(F+G)`` to a
-row's mass: below ``2^-17`` at ``S = 2^23``). Tested against float64 at ``S = 2^20``.
-
-Packed documents (``segment_ids [B, S]``): the window is masked to same-document pairs, i.e. the
-estimate is Algorithm 1 under the attention the kernels run (block-diagonal causal). Mass is never
-spent on cross-document pairs the kernels skip; slash offsets, being relative, carry over to every
-document; verticals are those of the documents the window sees (the last ones of the sequence).
-With ``cfg.window = "per_document"`` the window is every document's own last ``last_q`` queries
-(:func:`_document_window`: a document is a run of equal ids in position order), taken in whole
-query blocks: the last ``cfg.window_blocks`` blocks that hold such a query, the other rows of those
-blocks masked out. Every document then contributes its verticals; the top-p threshold is taken
-from the floored total (the number of rows is data-dependent). Still exact across layouts and
-meshes (the same integer sums).
-
-Cost per head: ``last_q x S`` logits (the paper's observation window), i.e. ``last_q / S`` of dense;
-the exact logits take one bf16 matmul of ``J^2`` times the flops and ``J`` float32 outputs (one
-H100, 12/4 heads, d64, JAX 0.11.2: 1.5 ms at B=2, S=16K and 7.1 ms at B=1, S=128K, against 0.95
-and 3.3 ms with a float32 ``HIGHEST`` dot whose bits depend on the compiled program).
+Cost per head: ``last_q x S`` logits (``last_q / S`` of dense), as one bf16 matmul of ``J^2`` times
+the flops (:func:`_window_logits`).
 """
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
+import functools
 import math
 
 import jax
@@ -104,15 +62,9 @@ def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
 def _storage_round(x):
     """float32 copy of ``x`` whose values are those of ``x``'s storage dtype.
 
-    A ``bf16``/``f16`` input is rounded to its dtype by ``lax.reduce_precision`` (exponent and
-    mantissa bits of the dtype) after the conversion: XLA may drop an ``f32 -> bf16 -> f32``
-    convert pair (excess precision, ``--xla_allow_excess_precision``, on by default) and hand the
-    estimate the float32 values the cast was given in one program and the bf16 ones in another,
-    but it must keep a ``reduce-precision``. Rounding a bf16 value again is the identity, so the
-    result is the same whether or not XLA kept the cast (bf16: bit for bit the conversion's,
-    subnormals included). float16: ``reduce-precision`` flushes f16 subnormals (``|x| < 2^-14``)
-    to zero, so those read as zero either way (values within ``2^-25`` below ``2^-14`` may still
-    depend on the cast)."""
+    A bf16 / f16 input goes through ``lax.reduce_precision``, which XLA must keep, where it may drop
+    an ``f32 -> bf16 -> f32`` convert pair (``--xla_allow_excess_precision``, on by default): every
+    program then sees the same values. f16 subnormals (``|x| < 2^-14``) are flushed to zero."""
     dt = jnp.dtype(x.dtype)
     x32 = x.astype(jnp.float32)
     if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
@@ -413,7 +365,11 @@ def estimate_index(q, k, positions, cfg: SparsityConfig = SparsityConfig(), segm
       :class:`VerticalSlashIndex` with ``MV = cfg.max_verticals(S)``, ``MS = cfg.max_slashes(S)``.
     """
     _check_inputs(q, k, positions, cfg, 1)
-    positions = jnp.asarray(positions, jnp.int32)
+    return _estimate_index(q, k, jnp.asarray(positions, jnp.int32), segment_ids, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _estimate_index(q, k, positions, segment_ids, *, cfg: SparsityConfig) -> VerticalSlashIndex:
     S = q.shape[1]
     ident = lambda x: x  # noqa: E731
     vert, slash = _local_scores(_storage_round(q), _storage_round(k), positions, S, cfg, ident, ident, segment_ids)
@@ -435,19 +391,13 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
     Args:
       q: local ``[B, S/P, Hq, D]``, k: local ``[B, S/P, Hkv, D]`` of any layout.
       q_pos: ``int [S/P]`` global positions of the local rows (shared by q and k): distinct, in
-        ``0..S-1`` (checked when concrete; inside ``shard_map`` they usually are traced).
+        ``0..S-1`` (checked when concrete).
       segment_ids: local ``int [B, S/P]`` documents of the rows (packed documents), or ``None``.
 
-    Communication: one ``psum`` of the ``last_q`` query rows (``B*last_q*Hq*D``), ``pmax`` and three
-    integer ``psum`` of ``[B, Hq, last_q]`` row statistics, an integer ``psum`` of the
-    ``[B, Hq, S/bs]`` slash scores and of the vertical totals, and an ``all_gather`` of each
-    rank's ``MV`` best vertical candidates (``[B, Hq, MV]`` scores and positions).
-
-    Vertical selection is distributed: every line of the global ``MV`` best (by score, then lower
-    position) is among its own rank's ``MV`` best, so each rank keeps its local top-``MV`` (ranked
-    in position order, so ties fall as on one device), and the top-p selection runs on the
-    ``P * MV`` gathered candidates sorted by position: ``O(S/P)`` work per rank instead of a top-k
-    over all ``S`` keys on every rank.
+    Communication: a ``psum`` of the ``last_q`` query rows, a ``pmax`` and integer ``psum`` s of
+    ``[B, Hq, last_q]`` row statistics, of the ``[B, Hq, S/bs]`` slash scores and of the vertical
+    totals, and an ``all_gather`` of each rank's ``MV`` best vertical candidates (every line of the
+    global ``MV`` best is among its rank's ``MV`` best).
 
     Returns the same :class:`VerticalSlashIndex` on every rank, bit-identical to
     :func:`estimate_index` on the gathered sequence.

@@ -17,6 +17,7 @@ Meaning (global, natural order): query ``q`` may attend key ``k`` iff ``k <= q``
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -40,6 +41,7 @@ class VerticalSlashIndex(NamedTuple):
         return self.s_idx.shape[-1]
 
 
+@functools.partial(jax.jit, static_argnames=("num_blocks",))
 def active_diagonals(index: VerticalSlashIndex, num_blocks: int):
     """``bool [B, H, num_blocks]``: whether block-diagonal ``d`` is a slash (``num_blocks = S // bs``)."""
     B, H, ms = index.s_idx.shape
@@ -50,6 +52,7 @@ def active_diagonals(index: VerticalSlashIndex, num_blocks: int):
     return out[..., :num_blocks]
 
 
+@functools.partial(jax.jit, static_argnames=("seq_len",))
 def vertical_flags(index: VerticalSlashIndex, seq_len: int):
     """``bool [B, H, S]``: whether token ``k`` is a vertical column."""
     B, H, mv = index.v_idx.shape
@@ -60,6 +63,7 @@ def vertical_flags(index: VerticalSlashIndex, seq_len: int):
     return out[..., :seq_len]
 
 
+@functools.partial(jax.jit, static_argnames=("size",))
 def compact_sorted(flags, values, size: int, pad):
     """First ``size`` of ``values`` where ``flags`` (last axis), sorted ascending, padded with ``pad``.
 
@@ -77,6 +81,7 @@ def compact_sorted(flags, values, size: int, pad):
     return jnp.where(srt == big, jnp.int32(pad), srt), count
 
 
+@functools.partial(jax.jit, static_argnames=("size",))
 def compact_in_order(flags, values, size: int, pad):
     """The first ``size`` flagged entries of ``values`` in their order (last axis), by a prefix sum
     and a scatter (``O(n)``, no sort); equals :func:`compact_sorted` when ``values`` is ascending.
@@ -117,6 +122,7 @@ def random_index(seed: int, batch: int, heads: int, seq_len: int, block_size: in
     return VerticalSlashIndex(jnp.asarray(v_idx), jnp.asarray(v_count), jnp.asarray(s_idx), jnp.asarray(s_count))
 
 
+@functools.partial(jax.jit, static_argnames=("batch", "heads", "seq_len", "block_size"))
 def full_index(batch: int, heads: int, seq_len: int, block_size: int) -> VerticalSlashIndex:
     """Every block diagonal active, no verticals: the index whose mask is the full causal mask."""
     nb = seq_len // block_size

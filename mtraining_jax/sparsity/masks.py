@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.reference import dense_attention
@@ -12,6 +15,11 @@ def index_to_mask(index: VerticalSlashIndex, seq_len: int, block_size: int = 64)
     """``bool [B, H, S, S]`` in natural order: ``k <= q`` and (``k`` vertical or ``q//bs - k//bs`` a slash)."""
     if seq_len % block_size:
         raise ValueError(f"seq_len={seq_len} is not a multiple of block_size={block_size}")
+    return _index_to_mask(index, seq_len, block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("seq_len", "block_size"))
+def _index_to_mask(index: VerticalSlashIndex, seq_len: int, block_size: int):
     nb = seq_len // block_size
     vert = vertical_flags(index, seq_len)  # [B, H, S]
     diag = active_diagonals(index, nb)  # [B, H, nb]

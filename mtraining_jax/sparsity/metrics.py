@@ -1,25 +1,19 @@
 """Load and quality metrics of a vertical-slash index under sparse ring attention (MTraining §3.3, Table 3).
 
-Work unit. The kernels execute ``bs x bs`` tiles for active blocks and ``bs``-row column strips for
-verticals, so the work of one query block against one visiting chunk is
+Work unit: the kernels execute ``bs x bs`` tiles for active blocks and ``bs``-row column strips for
+verticals, so one query block against one visiting chunk costs
 
     work = block_count * bs^2 + col_count * bs      (attended (q, k) slots the kernel computes),
 
-summed over the rank's query blocks, the batch and the heads. ``W[r, s]`` is the work of worker
-``r`` at ring step ``s``. (It counts the masked half of diagonal tiles, non-causal rows of a
-column strip and columns that fall inside an active block of the row, as the GPU kernels compute
-them all.)
+summed over the rank's query blocks, the batch and the heads (masked slots of computed tiles
+included). ``W[r, s]``: the work of worker ``r`` at ring step ``s``.
 
-* worker-level imbalance degree: ``mean_s( max_r W[r, s] / mean_r W[r, s] )`` (Fig. 7: max/mean
-  across workers at a step, averaged over steps);
-* step-level imbalance degree: ``mean_r( max_s W[r, s] / mean_s W[r, s] )`` (across the steps of a
-  worker, averaged over workers);
-* both are taken over the steps with work only (a step no worker computes in is a bare K/V hop)
-  and are ``>= 1`` (:func:`imbalance`);
-* computation ratio: ``sum_{r,s} W[r, s] / (P * sum_s T_s)`` with ``T_s = max(max_r W[r, s], C_s)``:
-  the fraction of worker time spent computing when each ring step ends at a barrier set by the
-  slowest worker or by the K/V transfer ``C_s`` (in work units; 0 = compute only). Table 3's
-  "Comp. Ratio" is measured time; this is its cost-model analogue.
+* worker-level imbalance: ``mean_s( max_r W[r, s] / mean_r W[r, s] )`` (Fig. 7);
+* step-level imbalance: ``mean_r( max_s W[r, s] / mean_s W[r, s] )``; both over the steps with
+  work only, ``>= 1`` (:func:`imbalance`);
+* computation ratio: ``sum_{r,s} W[r, s] / (P * sum_s T_s)``, ``T_s = max(max_r W[r, s], C_s)``
+  with ``C_s`` the step's K/V transfer in work units: a cost-model analogue of Table 3's
+  "Comp. Ratio".
 
 Quality: ``density`` / ``sparsity`` over the causal pairs of the global mask, and ``recall`` = the
 full causal softmax mass that the index keeps, averaged over query rows.

@@ -1,43 +1,28 @@
 """MiniMax Sparse Attention (MSA) block selection: index-branch scores -> top-k KV blocks -> ``StepIndex``.
 
-MSA (paper ``003``, §3.1 "Index Branch", Eqs. msa-index-score / msa-topk): one index query head per
-GQA group ``q_idx [B, S, Hkv, d_idx]`` and ONE shared index key head ``k_idx [B, S, d_idx]`` score
-KV blocks; each query keeps its group's top-``k`` blocks, the local (diagonal) block always
-included (it takes one of the ``k`` slots), causal.
+MSA (paper ``003``, §3.1 "Index Branch"): one index query head per GQA group ``q_idx [B, S, Hkv,
+d_idx]`` and ONE shared index key head ``k_idx [B, S, d_idx]`` score KV blocks; each query block
+keeps its group's top-``k`` blocks, the local (diagonal) block always included, causal.
 
-Choices made here (and why):
+Choices (the paper's differ):
 
-* **Block scores, two poolings** (``pooling``). ``"mean"`` (default): block summaries are the
-  mean-pooled index keys ``kbar[b] = mean_{j in block b} k_idx[j]`` (float32 ``[B, nb, d_idx]``),
-  a block's logit ``q_idx . kbar[b] / sqrt(d_idx)`` (the mean of its token scores): ONE small
-  all-gather brings them to every context-parallel rank (``4 * B * S / 64 * d_idx`` bytes in all;
-  512 KiB at ``S = 128K``, ``d_idx = 64``) and scoring is a ``[rows, nb]`` matmul. ``"max"``: the
-  paper's max-pooled token scores ``max_{j in b, j <= i} q_idx_i . k_idx_j / sqrt(d_idx)``: every
-  token's index key is all-gathered (``4 * B * S * d_idx`` bytes, 32 MiB at 128K) and scoring is
-  ``[rows, S]`` (the paper's ``H_kv d_idx N^2`` index cost); with an indexer that mirrors the main
-  branch it recovers much more attention mass (``benchmarks/msa_selection_results.md``).
-* **Block size 64** (paper: 128): the kernels' query/KV tile is 64 rows, so one selected block is
-  exactly one kernel tile and no kernel changes are needed; budget ``k * 64`` tokens per query.
-* **Per query block, not per query row** (scheme (b)). The kernels' ``StepIndex`` holds one active
-  block list per 64-row query block and per query head. Scheme (a) — union of the rows' own top-k
-  plus a per-row mask — needs a per-row mask in every kernel and executes whole tiles anyway, so
-  its work is ``|union| * 64^2`` per query block. Scheme (b) ranks the candidate blocks by the
-  block's aggregated index score: the mean over its 64 rows of each row's index softmax over the
-  causal candidate blocks (the block-level index distribution the KL trains), and keeps the top
-  ``k - 1`` plus the local block: work is exactly ``k * 64^2`` per query block, every row attends
-  all ``k`` blocks (``>= k`` per row, a superset of nothing the row could not see), and the
-  kernels are unchanged. Measured (``benchmarks/msa_selection_results.md``, script
-  ``benchmarks/msa_selection_study.py``): (b) keeps most of (a)'s per-row picks and of the main
-  branch's attention mass at a fraction of (a)'s union work.
-* Candidates of query block ``QB`` are the blocks ``< QB`` (whole, fully visible), the local block
-  ``QB`` is forced; a block's score never reads a key after the block's queries. The selection is
-  discrete and computed under ``stop_gradient``.
+* Block scores (``pooling``): ``"mean"`` (default): ``q_idx . kbar[b] / sqrt(d_idx)`` with
+  ``kbar[b]`` the mean-pooled index keys (one all-gather of ``[B, nb, d_idx]``; scoring
+  ``[rows, nb]``); ``"max"``, the paper's: ``max_{j in b, j <= i} q_idx_i . k_idx_j / sqrt(d_idx)``
+  (every token's index key all-gathered; scoring ``[rows, S]``).
+* Block size 64 (paper: 128): one selected block is one kernel tile.
+* Per query block, not per query row: the kernels' ``StepIndex`` holds one block list per 64-row
+  query block and head, so the candidates are ranked by the mean over the block's rows of each
+  row's index softmax over the causal candidate blocks, and the top ``k - 1`` plus the local block
+  are kept: work is exactly ``k * 64^2`` per query block and the kernels are unchanged.
+* Candidates of query block ``QB``: the blocks ``< QB`` and the forced local block; no score reads a
+  key after the block's queries. The selection is computed under ``stop_gradient``.
 
-Shapes: a selection :class:`MSASelection` holds GLOBAL block ids per (batch, KV group, local
-query block); ``q_pos [Sq]`` are the global positions of the (block-aligned) local queries.
+Shapes: :class:`MSASelection` holds GLOBAL block ids per (batch, KV group, local query block);
+``q_pos [Sq]`` are the global positions of the block-aligned local queries.
 :func:`selection_step_index` / :class:`MSARankStepIndex` turn it into the kernels'
-:class:`~pallas_kernels.index_format.StepIndex` for one visiting K/V chunk (ring step), query heads
-repeated over their group, no vertical columns.
+:class:`~pallas_kernels.index_format.StepIndex` for one visiting K/V chunk (query heads repeated
+over their group, no vertical columns).
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Orbax checkpoints of a training run: parameters, optimizer state, step, RNG, data-iterator state.
 
 One :class:`orbax.checkpoint.CheckpointManager` under ``<run_dir>/checkpoints``: step folders
-``<step>/{state, data, meta}`` (``state`` = the array pytree ``{step, params, opt_state, rng}``,
-``data`` = the loader's small JSON dict, ``meta`` = JSON run info). Saves are asynchronous
-(orbax writes in a background thread after the device->host copy) and keep the last ``keep``.
-Orbax writes each step into a temporary folder and renames it when complete, so a run killed
-mid-save leaves that folder unfinalised and :meth:`latest_step` still returns the previous one.
-:meth:`restore` checks the stored shapes first (a resume with a changed model is a
-``ValueError`` naming each parameter and both shapes; Orbax alone restores mis-shaped arrays).
-The run's ``model.yaml`` sits next to the step folders, so ``mtraining-convert ours-to-hf`` and
-``model.init_from: ckpt:`` read these checkpoints (:mod:`mtraining_jax.model.checkpoint`).
-
-A finalised step can still be damaged afterwards (a file truncated by a full disk or a bad copy, a
-deleted ``_METADATA``): :meth:`restore_newest` (``--resume``) restores the newest step that reads
-back, one line per newer step it skipped (why); a model mismatch is no damage and stops at once.
-Skipped steps are moved aside to ``<step>.damaged`` (:meth:`set_aside`) so the resumed run can
-write those steps again.
+``<step>/{state, data, meta}`` (``state`` = ``{step, params, opt_state, rng}``, ``data`` = the
+loader's JSON dict, ``meta`` = run info), saved asynchronously, the last ``keep`` kept; a step is
+finalised by a rename, so a run killed mid-save leaves the previous one the latest. :meth:`restore`
+checks the stored shapes first (``ValueError`` naming each parameter and both shapes).
+:meth:`restore_newest` (``--resume``) restores the newest step that reads back, naming each newer
+step it skipped and moving it aside to ``<step>.damaged`` (:meth:`set_aside`); a model mismatch
+stops at once. The run's ``model.yaml`` beside the step folders lets
+:mod:`mtraining_jax.model.checkpoint` read them.
 """
 
 from __future__ import annotations

@@ -189,6 +189,12 @@ def _main(argv, hook_factories, signals) -> int:
     if args.print_config:
         import yaml
 
+        from mtraining_jax.train.state import build_model_config
+
+        try:  # the model section is checked against the model's config class, as a run would
+            build_model_config(cfg.model, cfg.config_dir)
+        except ValueError as e:
+            return _fail(str(e))
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
 

@@ -7,8 +7,9 @@ are parsed as YAML scalars/lists) and validates every field. Unknown keys and ba
 ``ValueError`` naming the dotted key and the value.
 
 The model section either points at a model YAML (``model.path: configs/model/tiny.yaml``) or gives
-the model fields inline; any other ``model.<field>`` key overrides that field of the model config
-(checked against the model's own config class when the model is built). ``model.init_from``
+the model fields inline; any other ``model.<field>`` key is merged into the model YAML's fields
+(mappings key by key) and checked against the model's own config class when the model is built
+(``mtraining-train --print-config`` and ``--plan`` included). ``model.init_from``
 (``hf:<dir>`` or ``ckpt:<dir>``) starts the run from pretrained weights (continued pre-training).
 A YAML syntax error is one ``ValueError`` naming the file, line and column.
 """
@@ -45,8 +46,9 @@ class ModelSection:
         {name: per-layer array})`` with ``return_stats``), ``lm_head_weight() -> [hidden, vocab]``).
         Its config class is ``Class.config_class`` if defined, else
         ``mtraining_jax.model.config.ModelConfig``.
-      fields: model config fields given inline or by ``model.<field>=...`` overrides; they
-        override the YAML's. Example: ``model.attention_backend=mtraining``.
+      fields: model config fields given inline or by ``model.<field>=...`` overrides, merged into
+        the YAML's key by key (mappings such as ``ring`` and ``sparsity`` recursively). Example:
+        ``model.attention_backend=mtraining``.
       init_from: ``None`` (random initialisation), ``hf:<dir>`` (a Hugging Face Qwen2 checkpoint
         directory) or ``ckpt:<dir>`` (``mtraining-convert`` output, a training run's ``run_dir``,
         its ``checkpoints`` folder or one ``checkpoints/<step>``): the weights only, with a fresh
@@ -189,15 +191,11 @@ class OptimConfig:
 class MSATrainConfig:
     """MiniMax Sparse Attention training schedule (``msa`` layers; MSA paper §3.2).
 
-    ``warmup_steps``: the first steps run full (dense) attention in the ``msa`` layers and train
-    the index branch by the KL against the full-sequence main distribution ("Indexer Warmup");
-    afterwards the selection is sparse and the KL is on the selected blocks. ``kl_coef``: lambda in
-    ``L = L_LM + lambda * sum_layers L_KL``. The KL's gradient reaches only the index projections
-    (detached inputs and teacher), and the logged ``loss`` stays the LM loss; the KL is logged as
-    ``attn/msa_kl`` (mean over the ``msa`` layers), with ``attn/msa_recall`` (computed on the
-    logging steps only: ``logging.every`` and the last step; NaN on the others) and
-    ``attn/work_fraction``, ``msa/warmup`` (1 during warm-up) and ``msa/kl_grad_norm``, the norm of
-    the KL term's gradient (``kl_coef`` included) w.r.t. the index-branch parameters.
+    ``warmup_steps``: the first steps run dense attention in the ``msa`` layers and train the index
+    branch by the KL against the full-sequence main distribution ("Indexer Warmup"). ``kl_coef``:
+    lambda in ``L = L_LM + lambda * sum_layers L_KL`` (the KL trains only the index projections; the
+    logged ``loss`` stays the LM loss). Logged: ``attn/msa_kl``, ``attn/msa_recall`` (logging steps
+    only, NaN on the others), ``attn/work_fraction``, ``msa/warmup``, ``msa/kl_grad_norm``.
     """
 
     warmup_steps: int = 0

@@ -1,30 +1,20 @@
 """Data: token streams, packed fixed-length sequences in layout order, synthetic passkey retrieval.
 
 A *stream* is a 1-D array of token ids (documents joined by ``eos``). :class:`PackedLoader` cuts
-it into windows of ``S + 1`` tokens (window ``w`` = ``stream[w*S : w*S + S + 1]``), visits the
-windows in a seeded random order per epoch, and emits :class:`Batch` es:
+it into windows of ``S + 1`` tokens (window ``w`` = ``stream[w*S : w*S + S + 1]``), visits them in
+a seeded random order per epoch and emits :class:`Batch` es: ``inputs = window[:S]``, ``labels =
+window[1:]`` (shifted in natural order, BEFORE the layout permutation), both then permuted with
+the layout (``Layout.perm``), and ``positions = perm``.
 
-* ``inputs = window[:S]``, ``labels = window[1:]`` — labels are shifted in natural order, BEFORE
-  the layout permutation, so token ``t``'s label is token ``t + 1`` wherever the layout puts it;
-* both are then permuted with the layout (``Layout.perm``; block-striped by default, MTraining
-  §4.1) and ``positions = perm`` gives every laid token its global position (RoPE, causal mask).
+``pack="documents"``: token ``t`` of a window gets the segment id ``#eos among window[:t]``, the
+labels of ``eos`` inputs are masked out, and ``segment_ids`` travel through the layout
+permutation; ``positions="per_document"`` adds ``rope_positions`` restarting at 0 per document.
+``Batch.positions`` stays the global position (causal mask).
 
-With ``pack="documents"`` (``data.pack``) the windows are cut the same way but keep their
-document boundaries: a document ends with its ``eos``, so token ``t`` of a window gets the segment
-id ``#eos among window[:t]`` (0, 1, ... per window; a document cut by the window edge is a
-segment of its own in each window), ``mask`` drops the labels of ``eos`` inputs (they would
-predict the first token of the NEXT document), and ``segment_ids`` travel with the tokens through
-the layout permutation. ``positions="per_document"`` (``data.positions``) also gives
-``rope_positions``: the position inside the document's part of the window (restarting at 0).
-``Batch.positions`` stays the global layout position: causal-by-global-position and-ed with
-same-segment is the block-diagonal causal document mask, for either choice of RoPE positions.
-
-The loader state is a small dict ``{"epoch", "index", "seed"}`` (checkpointed with the model);
-everything is deterministic given the seed.
-
-Sources: (a) token files (``.npy`` or raw binary, memory-mapped), (b) ``.txt`` / ``.jsonl`` text
-through a tokenizer, (c) the Python standard library's own source files (real code, no
-download), split into train / held-out by a hash of the file path, (d) passkey retrieval.
+The loader state ``{"epoch", "index", "seed"}`` is checkpointed with the model; everything is
+deterministic given the seed. Sources: token files (``.npy`` or raw binary, memory-mapped),
+``.txt`` / ``.jsonl`` text through a tokenizer, the Python standard library's source files (split
+into train / held-out by a hash of the path), passkey retrieval.
 """
 
 from __future__ import annotations

@@ -1,34 +1,24 @@
-"""The training loop in three parts: :func:`setup` (everything before the first step), :func:`train`
-(the step loop) and hooks (what runs after a step: evaluation, or a caller's own).
+"""The training loop: :func:`setup` (everything before the first step), :func:`train` (the step
+loop) and hooks (what runs after a step); :func:`run` is what ``mtraining-train`` calls.
 
-``run(cfg)`` is what ``mtraining-train`` calls. Setup checks the inputs up front (paths, the
-run directory — :mod:`.rundir` —, mesh / layout / model constraints, token files), builds the data,
-the jitted steps (:func:`build_training`) and the state: restored with ``--resume``, else from ``model.init_from``
-(pretrained weights, fresh optimizer) or a random initialisation.
+Setup checks the inputs up front (paths, the run directory :mod:`.rundir`, mesh / layout / model
+constraints, token files), builds the data, the jitted steps (:func:`build_training`) and the
+state: restored with ``--resume`` (the newest checkpoint that restores,
+:meth:`Checkpointer.restore_newest`; changed schedule keys are named), else from
+``model.init_from`` or a random initialisation. One invocation per ``run_dir``
+(:class:`~.rundir.RunLock`).
 
-Per optimizer step: the loader yields a host batch ``[A, B, S]`` in layout order; it becomes a
-global array sharded over the mesh (:func:`to_global`; every process builds the same host batch
-and contributes its own shards); the jitted step updates the state (replicated, or sharded over all
-devices with ``mesh.fsdp``). A step whose loss
-or gradient is not finite leaves the state unchanged (a skipped update, warned about and counted
-in ``skipped_updates``); ``optim.max_bad_steps`` of them in a row stop the run with
-:class:`NonFiniteLossError` before anything is saved, so the last good checkpoint stays the newest.
-SIGINT (Ctrl-C) and SIGTERM (what Slurm and Kubernetes send before they kill a job) are caught for
-the whole run (:class:`StopSignals`): the first finishes the current step (one arriving during the
-setup stops the run before its first step), saves a checkpoint and raises :class:`Interrupted`
-(``exit_code`` 130 / 143); a second one aborts at once (exit 130 / 143, also while XLA compiles),
-keeping the newest saved checkpoint. Checkpoints hold the state and the loader state, so
-``--resume`` continues exactly; it falls back to the newest checkpoint that restores
-(:meth:`Checkpointer.restore_newest`) and names the schedule keys that changed since
-(:func:`~.rundir.schedule_changes`). One invocation per ``run_dir`` (:class:`~.rundir.RunLock`).
+Per optimizer step the host batch ``[A, B, S]`` (layout order) becomes a global array
+(:func:`to_global`) and the jitted step updates the state. A step with a non-finite loss or
+gradient leaves the state unchanged (counted in ``skipped_updates``); ``optim.max_bad_steps`` in a
+row raise :class:`NonFiniteLossError` before anything is saved. SIGINT / SIGTERM
+(:class:`StopSignals`): the first finishes the step, saves a checkpoint and raises
+:class:`Interrupted` (``exit_code`` 130 / 143); a second aborts at once.
 
-A hook is ``hook(run: Run, step: int, metrics: dict) -> None``, called after every good step
-(``run.state`` is the state after it), in this order: :func:`eval_hook` (held-out loss, passkey),
-the config's own, then the caller's. The config's own come from ``hook_factories``, a mapping from a
-config section to a :data:`HookFactory` that builds (and checks) its hooks before the run starts;
-the layers above the trainer provide them (``eval.long_context``: the evaluation package's NIAH /
-RULER-style accuracy, wired in by :mod:`mtraining_jax.apps.train`, the ``mtraining-train`` command).
-A config that switches on a section no factory serves is refused up front.
+A hook is ``hook(run: Run, step: int, metrics: dict) -> None``, called after every good step, in
+this order: :func:`eval_hook` (held-out loss, passkey), the config's own (built by
+``hook_factories``: config section -> :data:`HookFactory`; a section switched on that no factory
+serves is refused up front), then the caller's.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Cross-entropy over a large vocabulary without materialising ``[sequence, vocab]`` logits.
 
-For hidden states ``h [N, H]`` (tokens flattened), LM-head weight ``W [H, V]``, labels ``y`` and
-a loss mask ``m``, with logits ``z = h W``:
+For hidden states ``h [N, H]``, LM-head weight ``W [H, V]``, labels ``y`` and a mask ``m``, with
+logits ``z = h W``: ``loss_sum = sum_t m_t (logsumexp(z_t) - z_t[y_t])``.
 
-    loss_sum = sum_t m_t (logsumexp(z_t) - z_t[y_t])
-    d loss_sum / d z_t = m_t (softmax(z_t) - onehot(y_t))
-    dh_t = (dz_t) W^T,        dW = sum_t h_t^T dz_t
-
-:func:`chunked_cross_entropy` walks the tokens in chunks of ``chunk_size`` with ``lax.scan``:
-the forward keeps only the per-token ``logsumexp`` (``[N]`` float32); the ``custom_vjp`` backward
-recomputes each chunk's logits from ``h`` and ``W`` (the fused LM-head + cross-entropy of
-BurstEngine, paper 004), so peak memory is ``chunk_size x V`` instead of ``N x V``: 128K tokens
-x 151,936 vocab fits. Matmuls take the hidden dtype (bfloat16 in training) and accumulate in
-float32 (float64 if the inputs are).
-
-:func:`sharded_cross_entropy` runs it per device under ``shard_map`` for a sequence sharded over
-``("node", "local")`` (and batch over ``"data"``), so each device only touches its own tokens,
-and sums the results over the mesh; ``dW`` is reduced once by the ``shard_map`` transpose.
+:func:`chunked_cross_entropy` walks the tokens in chunks of ``chunk_size`` (``lax.scan``): the
+forward keeps only the per-token ``logsumexp``; the custom VJP recomputes each chunk's logits
+(BurstEngine's fused LM head + cross-entropy, paper 004), so peak memory is ``chunk_size x V``.
+Matmuls take the hidden dtype and accumulate in float32 (float64 for float64 inputs).
+:func:`sharded_cross_entropy` runs it per device under ``shard_map`` over ``("node", "local")``
+(batch over ``"data"``) and sums over the mesh.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """Host offload of the optimizer state (``optim.offload: opt_state``) through JAX memory kinds.
 
-The AdamW moments (``mu``, ``nu``: 8 bytes per float32 parameter, twice the master weights) live in
-the device's ``pinned_host`` memory between steps (their shardings carry
-``memory_kind="pinned_host"``; FSDP shards them as before), so the forward and backward passes run
-without them on the device. The update streams them layer by layer
-(:func:`streamed_update`): the global norm of the gradients is reduced once (the gradients are
-never materialised a second time: the division by the token count and the clip are applied to
-each layer's slice where it is used, in the order and with the operations of
-``optax.clip_by_global_norm``, so the numbers are the same), the non-layer
-parameters (embedding, final norm, untied LM head) are updated in one piece, then a
-``lax.fori_loop`` over the ``[num_layers]`` axis of the stacked decoder parameters copies one layer's
-moments host -> device, applies AdamW (the same optax transformation, so the same numbers as
-without offload), and writes the new moments back to host memory; parameters and moments are loop
-carries updated in place (``dynamic_update_slice``), so neither is duplicated. The device holds the moments of
-ONE layer at a time; the parameters and the gradient accumulator stay on the device.
+The AdamW moments live in the device's ``pinned_host`` memory between steps (shardings with
+``memory_kind="pinned_host"``; FSDP shards them as before), so the forward and backward run
+without them. :func:`streamed_update` updates the non-layer parameters in one piece, then runs a
+``lax.fori_loop`` over the stacked layers that copies one layer's moments host -> device, applies
+the same optax AdamW and writes them back: the device holds ONE layer's moments at a time, and the
+numbers equal those without offload (the gradients' division and global-norm clip are applied per
+slice as ``optax.clip_by_global_norm`` does). ``optim.offload_stream: false``: :func:`whole_update`
+moves the whole state to the device for the update instead.
 
-``optim.offload_stream: false`` moves the whole state to the device for the update instead
-(:func:`whole_update`): the pattern XLA's host offloading handles everywhere, at the cost of the
-full moments on the device during the update (not during the forward / backward passes).
-
-The platform must offer ``pinned_host`` memory (GPUs and the CPU backend do; ``ValueError``
-otherwise, from :func:`check_host_memory`). Offloading the master weights as well would need the
-layer scan of the model to stream each layer's parameters in, which it does not: not offered.
+Needs ``pinned_host`` memory (GPUs, the CPU backend; :func:`check_host_memory` raises
+``ValueError`` otherwise). The master weights stay on the device.
 """
 
 from __future__ import annotations

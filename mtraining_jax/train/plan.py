@@ -1,33 +1,21 @@
 """Memory plan of a training run before it starts (``mtraining-train --config ... --plan``).
 
-:func:`memory_plan` builds the run's mesh, model, state shardings and training step exactly as
-:func:`~mtraining_jax.train.loop.setup` does (:func:`~mtraining_jax.train.loop.build_training`),
-lowers and compiles the step for abstract inputs (nothing is allocated, no data is read) and reads
-the compiled step's ``memory_analysis`` — the partitioned, per-device program. Per device:
+:func:`memory_plan` builds the run's mesh, model, state shardings and training step as
+:func:`~mtraining_jax.train.loop.setup` does, compiles the step for abstract inputs (nothing
+allocated, no data read) and reads the compiled per-device ``memory_analysis``:
 
-* ``params``, ``opt_state``: the shard bytes of the state (FSDP: ~1/devices of the replicated);
-  with ``optim.offload: opt_state`` the optimizer state is in host memory (``host``), not counted
-  in the device peak (one layer's moments pass through the device in the update: in ``temp``);
-* ``grads``: the gradient accumulator, the parameters' shard bytes (part of XLA's temporaries);
-* ``batch``: the step's token / label / mask / position shards;
-* ``activations``: XLA's temporary bytes minus the gradient accumulator — layer activations kept
-  for the backward pass (per ``model.remat``; ``selective``: ``save_attn`` layers keep their
-  attention residuals, ``full`` layers only their input), attention residuals and the sparse
-  index, and workspace; ``/ layer`` divides it by the number of layers;
-* ``peak``: ``argument + output - alias + temp`` of the compiled step in device memory (the
-  donated state aliases its output). Backends that report host memory separately
-  (``host_argument_size_in_bytes``, GPUs) leave the offloaded state out of these; where the
-  analysis lumps all memories together (CPU) the offloaded bytes are subtracted
-  (:func:`device_peak`).
+* ``params``, ``opt_state``: the state's shard bytes (``optim.offload: opt_state``: in ``host``,
+  not in the device peak);
+* ``grads``: the gradient accumulator (part of XLA's temporaries); ``batch``: the step's inputs;
+* ``activations``: XLA's temporaries minus the gradient accumulator (kept activations per
+  ``model.remat``, attention residuals, workspace); ``/ layer`` per layer;
+* ``peak``: ``argument + output - alias + temp`` in device memory, offloaded host bytes left out
+  (:func:`device_sizes`, :func:`predicted_peak`).
 
-The plan is compiled for THIS host's devices (the table's first line names them). The memory it
-is judged against is, in this order: ``--device h100|h200`` (:data:`DEVICE_MEMORY`: what JAX
-reports for that GPU), ``--device-memory SIZE``, else ``memory_stats()["bytes_limit"]`` of the
-mesh's first device where the backend reports it (GPUs); when none is known (CPU) the plan says
-so and does not judge. A GPU's usable memory scales with ``XLA_PYTHON_CLIENT_MEM_FRACTION``
-(JAX's default 0.75), read from the environment for a named device. A plan compiled on a CPU for a
-GPU target says that its peak is the CPU program's (other kernels, other buffer assignment): run
-``--plan`` on the GPU for that GPU's plan. :class:`DoesNotFit` names what to change.
+The plan is compiled for THIS host's devices. It is judged against ``--device h100|h200``
+(:data:`DEVICE_MEMORY`, scaled by ``XLA_PYTHON_CLIENT_MEM_FRACTION``), else ``--device-memory
+SIZE``, else the device's reported ``bytes_limit``; none known (CPU): not judged. A plan compiled
+on a CPU for a GPU target is the CPU program's. :class:`DoesNotFit` names what to change.
 """
 
 from __future__ import annotations
@@ -71,10 +59,7 @@ class TargetDevice:
         return f"{self.kind}, {self.full_bytes / GIB:.2f} GiB x XLA_PYTHON_CLIENT_MEM_FRACTION"
 
 
-#: measured with JAX 0.11.2 (CUDA 13) on the two GPUs this project runs on (2026-11-26):
-#: ``bytes_limit`` at XLA_PYTHON_CLIENT_MEM_FRACTION=1.0; at 0.95 / the default 0.75 the H100 reports
-#: 80,767,614,976 / 63,763,906,560 bytes (75.22 / 59.38 GiB), the H200 142,606,336,000 /
-#: 112,583,507,968 (132.81 / 104.85 GiB)
+#: ``bytes_limit`` each GPU reports at XLA_PYTHON_CLIENT_MEM_FRACTION=1.0 (JAX 0.11.2, CUDA 13)
 DEVICE_MEMORY = {
     "h100": TargetDevice("h100", "NVIDIA H100 80GB HBM3", 85_018_542_080),  # 79.18 GiB
     "h200": TargetDevice("h200", "NVIDIA H200", 150_109_945_856),  # 139.80 GiB

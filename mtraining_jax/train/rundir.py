@@ -1,26 +1,18 @@
 """The run directory: checked up front, never silently reused.
 
-``run_dir`` holds one run's artefacts (:data:`RUN_ARTEFACTS`: ``metrics.jsonl``, ``tensorboard/``,
-``loss.png``, ``config.yaml``, ``checkpoints/``). :func:`prepare_run_dir` decides what a new
-invocation may do with it:
+``run_dir`` holds one run's artefacts (:data:`RUN_ARTEFACTS`). :func:`prepare_run_dir`:
 
-* fresh run (neither ``--resume`` nor ``--overwrite``): ``run_dir`` must be absent or hold nothing
-  but empty folders, and the checkpoint folder no checkpoint, else :class:`RunDirError` offering
-  both flags;
-* ``--overwrite``: the artefacts of the old run (and nothing else) are deleted first;
-* ``--resume``: the run continues; :func:`truncate_metrics` then drops the records of steps after
-  the restored checkpoint, so ``metrics.jsonl`` (and the loss plot drawn from it) holds one run.
+* fresh run: ``run_dir`` must be absent or hold only empty folders (and no checkpoint), else
+  :class:`RunDirError` offering both flags;
+* ``--overwrite``: the old run's artefacts (and nothing else) are deleted first;
+* ``--resume``: the run continues; :func:`truncate_metrics` drops the records of steps after the
+  restored checkpoint.
 
-Paths are checked before anything is written: a file where a folder belongs (``run_dir``,
-``checkpoint.dir`` or one of their parents) or an unwritable folder is a ``ValueError`` naming
-the config key and the path; folders created for a run whose checks then fail are removed again
-(:func:`remove_created`). Only process 0 deletes or rewrites files.
-
-One invocation at a time: :class:`RunLock` creates ``run_dir/.lock`` exclusively (``O_CREAT |
-O_EXCL``, atomic also on NFS v3+) holding the owner's host, pid and start time before the guard
-looks at the folder, and removes it when the run ends. A second launch on the same ``run_dir`` is
-a :class:`RunDirLocked` (exit 2) naming the owner; a lock whose owner is gone (same host, that
-process no longer running) is stale and taken over with a note.
+A file where a folder belongs or an unwritable folder is a ``ValueError`` naming the config key and
+the path; folders created for a run whose checks fail are removed (:func:`remove_created`). Only
+process 0 deletes or rewrites files. :class:`RunLock`: one invocation per ``run_dir``
+(``run_dir/.lock``, created ``O_CREAT | O_EXCL`` with the owner's host, pid and start time; a
+second launch is a :class:`RunDirLocked`; a lock whose process is gone on this host is taken over).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Shardings of the training state: replicated, or FSDP / ZeRO-3 over the whole mesh.
 
-With ``fsdp`` every array of the state ``{step, params, opt_state, rng}`` whose shape allows it is
-split over ALL mesh axes together (``data``, ``node``, ``local``: one shard per device) along one
-dimension: the largest one divisible by the number of devices, never the leading ``[num_layers]``
-axis of the stacked decoder layers (the layer scan slices that axis; each layer's slice stays
-split, and the model gathers it inside the scan body — see
-:func:`mtraining_jax.model.qwen2.gather_layer_params`). Arrays with no divisible dimension (scalars,
-small biases) stay replicated. The rule depends only on the key path and shape, so the Adam moments
-``mu`` / ``nu`` get exactly their parameter's sharding, and a checkpoint restores onto any mesh
-(the sharding is recomputed for the new mesh; Orbax reshards).
-
-Under GSPMD the forward all-gathers one layer's parameters per scan iteration, the backward
-gathers them again (they are recomputed, not saved, under ``remat`` ``full`` / ``save_attn``) and
-reduce-scatters that layer's gradient into the sharded accumulator.
+With ``fsdp`` every array of the state ``{step, params, opt_state, rng}`` is split over ALL mesh
+axes together (one shard per device) along its largest dimension divisible by the device count,
+never the leading ``[num_layers]`` axis of the stacked layers (the model gathers one layer at a
+time inside its scan: :func:`mtraining_jax.model.qwen2.gather_layer_params`); arrays with no such
+dimension stay replicated. The rule depends only on the key path and shape, so Adam's ``mu`` /
+``nu`` get their parameter's sharding and a checkpoint restores onto any mesh.
 """
 
 from __future__ import annotations

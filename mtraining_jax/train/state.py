@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +68,8 @@ def build_model_config(section: ModelSection, config_dir: str | None = None):
             if not isinstance(base, dict):
                 raise ValueError(f"model.path {path!r} must hold a mapping of model fields, got {type(base).__name__}")
             if hasattr(cfg_cls, "from_dict"):
-                cfg = cfg_cls.from_dict({"name": os.path.splitext(os.path.basename(path))[0], **base, **fields})
+                cfg = cfg_cls.from_dict(merge_fields({"name": os.path.splitext(os.path.basename(path))[0], **base},
+                                                     fields))
             else:
                 cfg = cfg_cls.from_yaml(path, **fields)
         elif hasattr(cfg_cls, "from_dict"):
@@ -82,9 +83,21 @@ def build_model_config(section: ModelSection, config_dir: str | None = None):
     return cls, cfg
 
 
+def merge_fields(base: dict, over) -> dict:
+    """``base`` with ``over``'s keys set, recursively where both values are mappings (a training
+    config's ``model.ring: {impl: xla}`` keeps the model YAML's other ring options)."""
+    out = dict(base)
+    for k, v in over.items():
+        b = out.get(k)
+        out[k] = merge_fields(b, v) if isinstance(b, Mapping) and isinstance(v, Mapping) else v
+    return out
+
+
 def _dotted_model_message(msg: str, names) -> str:
-    """Prefix a model-config message that starts with a field name by ``model.`` (a sparsity field:
-    ``model.sparsity.``; an ``msa <key>`` message: ``model.msa.<key>``)."""
+    """Prefix a model-config message that starts with a field name (``ring.impl: ...``,
+    ``remat must ...``) by ``model.`` (a sparsity field: ``model.sparsity.``; an ``msa <key>``
+    message: ``model.msa.<key>``); unknown ``ring`` / ``sparsity`` / ``msa`` keys are named
+    ``model.<section>.<key>``."""
     import re
 
     from mtraining_jax.model.config import MSA_DEFAULTS
@@ -92,9 +105,9 @@ def _dotted_model_message(msg: str, names) -> str:
     head = msg.split(" ", 1)[0]
     if head == "msa" and msg.count(" ") >= 2 and msg.split(" ", 2)[1] in MSA_DEFAULTS:
         return f"model.msa.{msg.split(' ', 1)[1]}"
-    if head in names:
+    if re.split(r"[ =:.]", msg, maxsplit=1)[0] in names:
         return "model." + msg
-    m = re.fullmatch(r"unknown (sparsity|msa) keys (\[.*?\]); known keys: (\[.*\])", msg)
+    m = re.fullmatch(r"unknown (sparsity|msa|ring) keys (\[.*?\]); known keys: (\[.*\])", msg)
     if m:
         keys = ", ".join(f"model.{m.group(1)}.{k}" for k in re.findall(r"'([^']*)'", m.group(2)))
         return f"unknown config key(s) {keys}; model.{m.group(1)} accepts {m.group(3)}"

@@ -1,17 +1,12 @@
 """The jitted training and evaluation steps.
 
-One training step = ``A = optim.grad_accum`` micro-batches ``[A, B, S]`` scanned with
-``lax.scan``: each computes the summed token loss (:func:`~mtraining_jax.train.loss.sharded_cross_entropy`
-over the final hidden states, never materialising ``[S, vocab]``) and its gradient; sums of
-gradients, losses and token counts are accumulated, then ``grad = sum_grad / num_tokens`` (the
-exact token-mean over all micro-batches) goes through clipping + AdamW.
-
-Sharding: tokens / labels / mask ``P(None, data?, (node, local))`` — the sequence is split over
-the context-parallel ranks in layout order; parameters and optimizer state have the state's
-shardings (replicated, or FSDP over all devices: :mod:`.sharding`), and the gradient accumulator
-is constrained to the parameters' shardings, so under FSDP each micro-batch's gradient is
-reduce-scattered straight into the sharded accumulator.
-Compute runs in the model's ``dtype`` (bfloat16 on accelerators) from float32 master weights.
+One training step = ``A = optim.grad_accum`` micro-batches ``[A, B, S]`` under ``lax.scan``: each
+gives its summed token loss (:func:`~mtraining_jax.train.loss.sharded_cross_entropy`) and
+gradient; ``grad = sum_grad / num_tokens`` (the token mean over all micro-batches) goes through
+clipping + AdamW. Tokens / labels / mask are sharded ``P(None, data?, (node, local))`` in layout
+order; the gradient accumulator takes the parameters' shardings (:mod:`.sharding`; under FSDP each
+micro-batch's gradient is reduce-scattered into it). Compute runs in the model's ``dtype`` from
+float32 master weights.
 """
 
 from __future__ import annotations
