@@ -41,7 +41,7 @@ from mtraining_jax.mesh import make_mesh, num_cp_ranks
 from mtraining_jax.train import data as data_lib
 from mtraining_jax.train.checkpoint import Checkpointer
 from mtraining_jax.train.config import TrainConfig
-from mtraining_jax.train.metrics import MetricsWriter, Progress, plot_losses
+from mtraining_jax.train.metrics import MetricsWriter, Progress, device_peak_gib, plot_losses
 from mtraining_jax.train.offload import check_host_memory, offloaded_keys, streamed_update, whole_update
 from mtraining_jax.train.optim import build_adamw, build_optimizer
 from mtraining_jax.train.rundir import (RunLock, check_dir, missing_top, prepare_run_dir, remove_created,
@@ -510,6 +510,9 @@ def train(run: Run, hooks: Sequence[Hook] = ()) -> RunResult:
         metrics.update(step_time=dt, tokens_per_s=tokens_per_step / dt, skipped_updates=run.skipped_updates)
         run.train_losses.append((done, metrics["loss"]))
         if log:
+            peak = device_peak_gib()
+            if peak is not None:
+                metrics["peak_gib"] = peak
             run.writer.write(done, metrics)
         bar.update(metrics["loss"], metrics["tokens_per_s"], dt, metrics)
         for hook in hooks:

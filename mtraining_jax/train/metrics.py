@@ -5,6 +5,7 @@ tqdm progress bar, and a loss-curve PNG (matplotlib Agg) at the end.
 Every record is one JSON line ``{"step": int, "split": "train"|"eval", "time": float, ...}``;
 the ``mtraining`` backend's statistics (work fraction, worker / step imbalance, averaged over the sparse
 layers; :func:`mtraining_jax.train.step.forward_with_metrics`) arrive in the same records under ``attn/...``.
+Train records also carry ``peak_gib`` (:func:`device_peak_gib`) where the devices report it (GPUs).
 Only process 0 writes.
 """
 
@@ -18,6 +19,21 @@ import time
 import warnings
 
 import jax
+
+
+def device_peak_gib() -> float | None:
+    """Largest ``memory_stats()["peak_bytes_in_use"]`` over this process's devices, in GiB since the
+    process started (the allocator's own counter: everything the program, the state and the batch took),
+    or ``None`` where the devices report no memory statistics (the CPU)."""
+    peaks = []
+    for d in jax.local_devices():
+        try:
+            stats = d.memory_stats()
+        except Exception:  # a backend without the call
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) / 2**30 if peaks else None
 
 
 class MetricsWriter:
@@ -119,6 +135,8 @@ class Progress:
                     extra["recall"] = f"{self._recall:.1%}"
             if attn and "attn/worker_imbalance" in attn:
                 extra["imb"] = f"{float(attn['attn/worker_imbalance']):.2f}"
+            if attn and "peak_gib" in attn:
+                extra["peak"] = f"{float(attn['peak_gib']):.1f}GiB"
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", step_s=f"{step_time:.2f}",
                                   **extra)
             self._bar.update(1)
