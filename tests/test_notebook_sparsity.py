@@ -3,15 +3,16 @@
 import os
 import pathlib
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(300)
 def test_sparsity_notebook_runs():
+    import nbformat  # here, not at module level: a GPU image without them must still collect `pytest -m gpu`
+    from nbclient import NotebookClient
+
     nb = nbformat.read(ROOT / "notebooks" / "sparsity_patterns.ipynb", as_version=4)
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + env_path if env_path else "")
