@@ -212,7 +212,7 @@ class _KernelSuite:
         assert _rel(out, ref_out) < tol
         fin = np.isfinite(np.asarray(ref_lse))
         np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-        assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < tol
+        assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < self.lse_tol[jnp.float32]  # GPU: 6.7e-6
 
         do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
         delta = api.attention_delta(ref_out, do)
@@ -281,11 +281,13 @@ class TestPallasInterpret(_KernelSuite):
 class _GPUSizes(_KernelSuite):
     """8K-token cases with up to 24 active blocks and 200 listed columns per row."""
     S = 8192
-    # compiled kernels (TF32 / bf16 tensor-core dots, approximate exp): the earlier bounds, NOT yet
-    # measured against their observed error on the GPU (issue 35: tighten to ~3x from a GPU run)
-    tol = {jnp.float32: 1e-3, jnp.bfloat16: 2e-2}
-    lse_tol = {jnp.float32: 1e-3, jnp.bfloat16: 2e-2}
-    grad_tol = {jnp.float32: 2e-3, jnp.bfloat16: 4e-2}
+    # compiled kernels (TF32 / bf16 tensor-core dots, approximate exp): ~3x the largest error observed
+    # on an H100 (JAX 0.11.2, 2026-11-26, `MTRAINING_TEST_ERRORS`, Triton and Mosaic alike) over the
+    # forward / gradient / documents tests: out f32 3.0e-4, bf16 8.8e-4; lse f32 1.5e-5, bf16 7.0e-8;
+    # dq/dk/dv f32 5.7e-4, bf16 2.95e-3
+    tol = {jnp.float32: 1e-3, jnp.bfloat16: 3e-3}
+    lse_tol = {jnp.float32: 5e-5, jnp.bfloat16: 2e-7}
+    grad_tol = {jnp.float32: 2e-3, jnp.bfloat16: 9e-3}
 
     def _index(self, rng, B, q_pos, k_pos, sk):
         return random_step_index(rng, B, self.H, self.S, sk, q_pos, k_pos, max_blocks=24, max_cols=200)

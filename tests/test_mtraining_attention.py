@@ -271,7 +271,7 @@ class TestTritonGPU(_SparseRingSuite):
     """Compiled Triton kernels on one GPU (float32: TF32 tensor-core dots, looser tolerance)."""
 
     impl = "triton"
-    tol = 2e-3
+    tol = 2e-3  # observed on an H100 (2026-11-26): out 4.2e-4, dq/dk/dv 8.6e-4
     CASES = [((1, 1), "block_striped", "hierarchical", (True, True)), ((1, 1), "zigzag", "flat", (False, False)),
              ((1, 1), "block_striped", "hierarchical", (True, True), "query")]
 
@@ -281,7 +281,7 @@ class TestMosaicGPU(_SparseRingSuite):
     """Compiled Mosaic GPU kernels (Hopper) on one GPU; bf16 q/k/v (what the kernels take)."""
 
     impl = "mosaic"
-    tol = 2e-2  # the earlier bound, NOT yet measured against the GPU error (issue 35)
+    tol = 9e-3  # ~3x the largest error observed on an H100 (2026-11-26): out 1.8e-3, dq/dk/dv 2.9e-3
     dtype = jnp.bfloat16
     head_dim = 64  # the kernels take 64 or 128
     CASES = TestTritonGPU.CASES
