@@ -279,8 +279,9 @@ class TestTritonGPU(_RingSuite):
     code as on CPU). Float32 runs TF32 tensor-core dots: looser float32 tolerance."""
 
     impl = "triton"
-    # compiled kernels: the earlier bounds, NOT yet measured against their GPU error (issue 35)
-    tol = {"float32": 2e-3, "bfloat16": 2e-2}
+    # ~3x the largest error observed on an H100 (2026-11-26): float32 (TF32 dots) out 3.8e-4, dq/dk/dv
+    # 5.9e-4; bfloat16 out 2.1e-3, dq/dk/dv 2.4e-3
+    tol = {"float32": 2e-3, "bfloat16": 7e-3}
     RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype=dt, backward_ring=b))
                   for dt in ("float32", "bfloat16") for b in ("kv", "query")]
     STEP_CASES = [((1, 1), "hierarchical", "block_striped")]
@@ -294,6 +295,7 @@ class TestMosaicGPU(TestTritonGPU):
     step-index tests at 64-token blocks on a 1024-token chunk (Sq a multiple of 128)."""
 
     impl = "mosaic"
+    tol = {"float32": 2e-3, "bfloat16": 1.5e-2}  # observed on an H100 (2026-11-26): bf16 out 3.3e-3, grads 5.1e-3
     RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype="bfloat16"))]
     STEP_DTYPE = "bfloat16"
 
