@@ -9,9 +9,12 @@
 #   long       sparse ring at 1M on 1x4 and 1x1 (no dense ring: ~45 s a step on one GPU)
 #   train      the trainer at 512K on 4 GPUs (1x4): MTraining vs the dense ring, Qwen2.5-0.5B shape
 #   multiproc  the multi-host recipe of docs/training.md on one box: 2 processes x 2 GPUs (CUDA_VISIBLE_DEVICES),
-#              mesh [2, 2], vs one process on the same [2, 2] mesh and on [1, 4]; 256K, 2 steps
-# Set MTRAINING_COMMIT to the commit the tree is (the device copy has no .git).
+#              mesh [2, 2], vs one process on the same [2, 2] mesh and on [1, 4]; 256K, 2 steps (NGPU below)
+# Set MTRAINING_COMMIT to the commit the tree is (the device copy has no .git). NGPU (default 4) is the
+# box's GPU count: on a 2-GPU box `NGPU=2 SCALING_MESHES="1x2 1x1" DENSE_MESHES=1x2` (multiproc: 2 processes
+# x 1 GPU, mesh [2, 1], vs one process on [2, 1] and [1, 2]).
 set -uo pipefail
+NGPU=${NGPU:-4}; HALF=$((NGPU / 2))
 OUT=${1:?usage: multigpu.sh OUT PHASE...}; shift
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,7 +29,7 @@ for phase in "$@"; do
     scaling)
       # (no --check at 512K on an H100: the sampled-row reference needs 8 GiB buffers; the GPU suite checks the kernels)
       timeout ${SCALING_TIMEOUT:-480} python -m benchmarks.sparse_ring --lengths 524288 --meshes ${SCALING_MESHES:-1x4 1x1 2x2 1x2} \
-        --ring-orders hierarchical flat --repeat 3 --profile --dense-meshes 1x4 --tag v12 \
+        --ring-orders hierarchical flat --repeat 3 --profile --dense-meshes ${DENSE_MESHES:-1x4} --tag ${TAG:-v12} \
         --out "$OUT/scaling" 2>&1 | grep -v '^{' | grep -v '^    ' ;
       rm -rf "$OUT"/scaling/*.hlo.txt "$OUT"/scaling/profile_* "$OUT"/scaling/schedule_* ;;
     long)
@@ -39,17 +42,18 @@ for phase in "$@"; do
       [ "${TRAIN_DENSE:-1}" = 1 ] && timeout 300 python -m benchmarks.train_throughput --config $CFG --mesh 1x4 --seq-lens 524288 \
         --backends ring --warmup 0 --steps 1 --timeout 280 --out "$OUT/train_ring" 2>&1 | tail -6 ;;
     multiproc)
-      common=(--config $CFG data.seq_len=262144 steps=2 eval.every=0 checkpoint.every=0 logging.every=1
+      common=(--config $CFG data.seq_len=262144 steps=${MP_STEPS:-2} eval.every=0 checkpoint.every=0 logging.every=1
               optim.grad_accum=1 model.dense_backend=ring)
-      CUDA_VISIBLE_DEVICES=0,1 timeout ${MP_TIMEOUT:-300} python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,2] \
+      first=$(seq -s, 0 $((HALF - 1))); second=$(seq -s, $HALF $((NGPU - 1)))
+      CUDA_VISIBLE_DEVICES=$first timeout ${MP_TIMEOUT:-300} python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,$HALF] \
         run_dir="$OUT/runs/mp" --coordinator-address localhost:12355 --num-processes 2 --process-id 0 > "$OUT/mp0.log" 2>&1 &
-      CUDA_VISIBLE_DEVICES=2,3 timeout ${MP_TIMEOUT:-300} python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,2] \
+      CUDA_VISIBLE_DEVICES=$second timeout ${MP_TIMEOUT:-300} python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,$HALF] \
         run_dir="$OUT/runs/mp" --coordinator-address localhost:12355 --num-processes 2 --process-id 1 > "$OUT/mp1.log" 2>&1
       wait
       tail -3 "$OUT/mp0.log"
-      timeout ${MP_TIMEOUT:-240} python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,2] run_dir="$OUT/runs/sp22" 2>&1 | tail -3
-      [ "${MP_1X4:-1}" = 1 ] && timeout 240 python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[1,4] run_dir="$OUT/runs/sp14" 2>&1 | tail -3
-      for r in mp sp22 sp14; do
+      timeout ${MP_TIMEOUT:-240} python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,$HALF] run_dir="$OUT/runs/sp2x" 2>&1 | tail -3
+      [ "${MP_1X4:-1}" = 1 ] && timeout 240 python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[1,$NGPU] run_dir="$OUT/runs/sp1x" 2>&1 | tail -3
+      for r in mp sp2x sp1x; do
         [ -f "$OUT/runs/$r/metrics.jsonl" ] && sed "s/^/{\"run\": \"$r\", \"row\": /; s/\$/}/" "$OUT/runs/$r/metrics.jsonl"
       done > "$OUT/multiproc_metrics.jsonl"
       rm -rf "$OUT/runs" ;;
