@@ -28,7 +28,7 @@ import numpy as np
 from pallas_kernels import registry
 from pallas_kernels.inputs import check_qkv
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, check_step_index, full_step_index
-from pallas_kernels.registry import IMPLS
+from pallas_kernels.registry import IMPLS  # noqa: F401  (re-exported: the impl names api callers pass)
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)

@@ -55,6 +55,43 @@ def _selects_gpu_tests(config) -> bool:
         return "gpu" in expr and "not gpu" not in expr
 
 
+#: the run's shared persistent compilation cache (see _shared_compilation_cache)
+_CACHE_ENV = "MTRAINING_TEST_JAX_CACHE"
+CACHE_MIN_COMPILE_SECS = 1.0
+
+
+def _shared_compilation_cache(config) -> None:
+    """One persistent compilation cache for the whole CPU run: the controller makes a temporary folder
+    (removed at the end); the xdist workers and every subprocess a test starts (multi-process workers,
+    CLI runs) find it through the environment. Programs that compiled for ``CACHE_MIN_COMPILE_SECS``
+    or more are stored, so a program compiled again — by another test, another worker or another
+    process — is loaded instead (the suite is compile-bound). ``MTRAINING_TEST_NO_CACHE=1`` turns it off."""
+    if os.environ.get("MTRAINING_TEST_NO_CACHE", "") not in ("", "0"):
+        return
+    path = os.environ.get(_CACHE_ENV)
+    if not path:
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="mtraining-test-jax-cache-")
+        os.environ[_CACHE_ENV] = path
+        config._mtraining_cache_owner = path
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=path,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(CACHE_MIN_COMPILE_SECS),
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECS)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _reset_cache()
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_mtraining_cache_owner", None)
+    if path:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def pytest_configure(config):
     gpu_run = _selects_gpu_tests(config)
     _GPU_STATE["selected"] = gpu_run
@@ -69,6 +106,7 @@ def pytest_configure(config):
         for flag in CPU_FAST_COMPILE_FLAGS:
             if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
                 os.environ["XLA_FLAGS"] += " " + flag
+        _shared_compilation_cache(config)
 
 
 def _gpu_missing_reason():
@@ -129,13 +167,14 @@ def _restore_jax_config():
 
 @pytest.fixture(scope="module")
 def jax_compilation_cache(tmp_path_factory):
-    """For modules whose training runs compile the same tiny train step several times: share it
-    through JAX's persistent compilation cache (restored afterwards). Use with
+    """For modules whose training runs compile the same tiny train step several times: every program
+    of the module goes to JAX's persistent compilation cache, however fast it compiled (the run's
+    shared cache, or a folder of the module's own where that is off; restored afterwards). Use with
     ``pytestmark = pytest.mark.usefixtures("jax_compilation_cache")``."""
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes")
     old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_compilation_cache_dir", os.environ.get(_CACHE_ENV) or str(tmp_path_factory.mktemp("jax_cache")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _reset_cache()  # JAX decides once per process whether the cache is on; make it look again

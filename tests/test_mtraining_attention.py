@@ -93,9 +93,9 @@ def test_full_index_equals_dense_ring(order):
     sparse = jax.jit(lambda a, b, c: mtraining_attention(a, b, c, mesh, cfg))(lq, lk, lv)
     dense = jax.jit(lambda a, b, c: ring_attention(a, b, c, jnp.asarray(layout.perm), mesh, ring_order=order,
                                                     impl="xla"))(lq, lk, lv)
-    assert _rel(sparse, dense) <= 1e-5
+    assert _rel(sparse, dense) <= 2e-6  # observed 0 (the same kernels and schedule)
     ref, _ = dense_attention(q, k, v)
-    assert _rel(layout.unpermute(sparse), ref) <= 1e-5
+    assert _rel(layout.unpermute(sparse), ref) <= 2e-6  # observed 5.5e-7
 
 
 def test_full_index_mask_is_causal():
@@ -193,7 +193,7 @@ class _SparseRingSuite:
     output and q/k/v gradients against the masked reference of the index the operator used."""
 
     impl = "xla"
-    tol = 1e-5
+    tol = 2e-6  # ~3x the largest error observed on CPU (XLA twin, Triton interpret): out 3.7e-7, grads 7.1e-7
     dtype = jnp.float32  # of q/k/v (the reference runs in float32 on the same values)
     head_dim = D
     # (mesh, layout, order, fuse[, backward_ring]): the query-side backward ring on every layout x

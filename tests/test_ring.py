@@ -32,9 +32,10 @@ from _observed import observed
 
 MESHES = ((1, 1), (1, 8), (2, 4), (4, 2))
 STRIPE = 16  # block_striped stripe for these small tests (the layout's default is 64)
-# bfloat16: ~3x the largest error observed on CPU (XLA twin, every bf16 case: out 1.56e-3, dq/dk/dv
-# 1.67e-3 — the bf16 rounding of the results; the reference is float64 of the same bf16 values)
-TOL = {"float32": 1e-5, "bfloat16": 5e-3}
+# ~3x the largest error observed on CPU (XLA twin and Triton interpret, every case; the reference is
+# float64 of the same values): bfloat16 out 1.56e-3, dq/dk/dv 1.67e-3 (the bf16 rounding of the
+# results); float32 out 1.7e-7, dq/dk/dv 3.9e-7
+TOL = {"float32": 1.2e-6, "bfloat16": 5e-3}
 
 
 def _mesh(shape, data: int = 1) -> Mesh:
@@ -249,7 +250,7 @@ class _RingSuite:
             *[jnp.asarray(lay.permute(x), dt) for x in (q, k, v)], jnp.asarray(lay.perm),
             jnp.asarray(lay.permute(cot), jnp.float32))
         for a, b in zip((out, *grads), (dense_out, *dense_grads)):
-            assert _rel(a, b) <= self.tol[dt] / 10, _rel(a, b)
+            assert _rel(a, b) <= self.tol[dt], _rel(a, b)  # observed: CPU float32 3.8e-7, GPU (Triton, Mosaic) 0
         ref_out, ref_grads = _reference(q, k, v, cot)
         _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.dtype(dt), self.tol[dt],
                                  f"full index impl={self.impl}")
