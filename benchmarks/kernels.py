@@ -5,10 +5,16 @@ dense causal (``jax.nn.dot_product_attention(implementation="cudnn")``), JAX's P
 attention (``jax.experimental.pallas.ops.gpu.attention.mha``, K/V repeated to 16 heads outside the
 timed region), our kernels (each ``--impls`` entry: ``triton``; ``auto`` = the registry's choice,
 on Hopper the Mosaic GPU kernels: forward and dQ pass, Triton dK/dV passes) with the full causal index (dense work) and
-with synthetic vertical-slash indices (``pallas_kernels.testing.vertical_slash_index``) of two
-families: ``slash`` (256 verticals per head, slash blocks near the diagonal; names ``vs95``) and
-``vert`` (``--vert-cols`` verticals per head and few slashes, heavy in column tiles; names
-``vert98``), at each ``--sparsities`` value.
+with synthetic vertical-slash indices of the ``--families``
+(``pallas_kernels.testing.index_family``: ``band`` local window, ``slash`` near band + far diagonals
+(names ``vs95``), ``spread`` diagonals spread over distances, ``vert`` up to ``--vert-cols`` verticals,
+``mixed`` 1024 verticals + spread diagonals; names ``<family><sparsity %>``), at each ``--sparsities``
+value. Every row carries ``family``, ``density`` (of the causal pairs), ``x_cudnn`` (cuDNN's time / the
+row's, fwd+bwd where timed) and ``commit``, ``date``, ``device``, ``jax``, ``command``.
+
+The index-family table of issue 34 (128K, 2 / 5 / 10 % density, all families, cuDNN and Triton in the
+same run): ``python -m benchmarks.kernels --seqs 131072 --sparsities 0.98,0.95,0.9 --families
+band,slash,spread,vert,mixed --mha-max 0 --dense-max 0 --json out.json``.
 
 TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per head; sparse counts
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
@@ -30,11 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._driver import provenance
 from benchmarks._timing import timeit
 from pallas_kernels import api
 from pallas_kernels import registry as api_registry
 from pallas_kernels.index_format import full_step_index, row_columns
-from pallas_kernels.testing import vertical_slash_index
+from pallas_kernels.testing import INDEX_FAMILIES, index_family, vertical_slash_index
 
 H, HKV, D, BS = 16, 2, 128, 64
 
@@ -56,14 +63,6 @@ def _fwd_bwd(f):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def _vertical_heavy(rng, S, sp, cols):
-    """Vertical-heavy index: ``cols`` verticals per head; slash blocks sized so that the total
-    density is about ``1 - sp`` (at least the diagonal block)."""
-    col_density = cols * 0.5 / (S / 2)  # each column is causal for about half the rows
-    block_sp = min(0.999, sp + col_density)
-    return vertical_slash_index(rng, 1, H, S, block_sp, block_size=BS, far_slashes=1, max_cols=cols)
-
-
 def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("triton", "auto"),
         families=("slash", "vert"), vert_cols=4096):
     rows = []
@@ -74,12 +73,13 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
         dense_pairs = H * S * (S + 1) / 2
         scale = D**-0.5
 
-        def add(name, pairs, f, fwd_only=False):
+        def add(name, pairs, f, fwd_only=False, family="dense"):
             fwd, fwd_s = timeit(jax.jit(f), q, k, v, warmup=2, repeat=reps)
             fb, fb_s = (None, None) if fwd_only else timeit(_fwd_bwd(f), q, k, v, ct, warmup=2, repeat=reps)
             fl = 4 * pairs * D
             spread = lambda ts: None if ts is None else [round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)]  # noqa: E731
-            row = dict(seq=S, name=name, sparsity=1 - pairs / dense_pairs, fwd_ms=fwd * 1e3,
+            row = dict(seq=S, name=name, family=family, density=pairs / dense_pairs,
+                       sparsity=1 - pairs / dense_pairs, fwd_ms=fwd * 1e3,
                        fwd_spread_ms=spread(fwd_s), fb_spread_ms=spread(fb_s),
                        fwd_tflops=fl / fwd / 1e12, fb_ms=None if fb is None else fb * 1e3,
                        fb_tflops=None if fb is None else 3.5 * fl / fb / 1e12)
@@ -108,7 +108,15 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
                 pairs = sum(_pairs(idx, S))
                 for impl in impls:
                     add(f"{impl}_{name}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
-                        q, k, v, pos, pos, idx, impl=impl))
+                        q, k, v, pos, pos, idx, impl=impl), family=fam)
+        base = next(r for r in rows if r["seq"] == S and r["name"] == "cudnn")
+        for r in rows:
+            if r["seq"] == S:
+                key = "fb_ms" if r.get("fb_ms") and base.get("fb_ms") else "fwd_ms"
+                r["x_cudnn"] = base[key] / r[key]
+    prov = provenance()
+    for r in rows:
+        r.update(prov)
     return rows
 
 
@@ -162,12 +170,11 @@ def sweep(S, sparsities, reps, seed=1):
 
 
 def _family_index(rng, fam, S, sp, vert_cols):
-    if fam == "slash":
-        return vertical_slash_index(rng, 1, H, S, sp, block_size=BS), f"vs{int(round(sp * 100))}"
     if fam == "full":
         pos = jnp.arange(S, dtype=jnp.int32)
         return full_step_index(1, H, S, S, pos, pos, BS), "full"
-    return _vertical_heavy(rng, S, sp, vert_cols), f"vert{int(round(sp * 100))}"
+    idx = index_family(rng, fam, 1, H, S, 1 - sp, block_size=BS, vert_cols=vert_cols)
+    return idx, f"{'vs' if fam == 'slash' else fam}{int(round(sp * 100))}"
 
 
 def _pairs(idx, S):
@@ -377,7 +384,8 @@ def main():
     ap.add_argument("--dense-max", type=int, default=32768, help="longest sequence for ours_full")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--impls", default="triton,auto", help="kernel impls to time (pallas_kernels.registry)")
-    ap.add_argument("--families", default="slash,vert", help="index families: slash, vert")
+    ap.add_argument("--families", default="slash,vert",
+                    help="index families: " + ", ".join(INDEX_FAMILIES) + " (pallas_kernels.testing.index_family)")
     ap.add_argument("--vert-cols", type=int, default=4096, help="verticals per head in the vert family")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")

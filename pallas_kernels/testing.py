@@ -1,5 +1,8 @@
 """Random :class:`StepIndex` generators honouring the index contract (tests and benchmarks).
 
+``index_family`` builds the benchmark's index shapes (issue 34): a local band, slash-heavy
+(near band + far diagonals), slash diagonals spread over distances, vertical-heavy, and mixed.
+
 ``random_step_index`` draws, per (batch, head, query block), distinct sorted active KV blocks, per
 (batch, head) one shared list of distinct columns in random order (some inside active blocks, which
 kernels must skip) and per row a random prefix length; padding slots hold random in-range values
@@ -83,3 +86,79 @@ def vertical_slash_index(rng: np.random.Generator, batch: int, heads: int, seq: 
     return StepIndex(bidx_j, jnp.broadcast_to(jnp.asarray(bcnt), (batch, heads, n)), flags,
                      jnp.broadcast_to(jnp.asarray(cidx), (batch, heads, max_cols)),
                      jnp.broadcast_to(jnp.asarray(ccnt), (batch, heads, n)))
+
+
+def diagonal_index(batch: int, heads: int, seq: int, offsets: np.ndarray, columns: np.ndarray, *,
+                   block_size: int = DEFAULT_BLOCK) -> StepIndex:
+    """Vertical-slash index on one device (positions ``arange``) from per-head block-diagonal
+    ``offsets`` (``int [heads, m]``, distinct per head; query block ``i`` takes KV block ``i - o``
+    where that is ``>= 0``; an offset ``>= seq // block_size`` is padding) and per-head vertical ``columns`` (``int [heads, c]``, ascending, distinct:
+    each row uses the prefix up to its last position)."""
+    bs, n = block_size, seq // block_size
+    offsets = np.asarray(offsets, np.int64)
+    columns = np.asarray(columns, np.int64)
+    blocks = np.arange(n)[None, :, None] - offsets[:, None, :]  # [H, n, m]
+    blocks = np.sort(np.where(blocks >= 0, blocks, n + 10**6), axis=-1)
+    bcnt = (blocks < n).sum(-1).astype(np.int32)
+    bidx = np.where(blocks < n, blocks, 0).astype(np.int32)
+    ccnt = np.stack([np.searchsorted(columns[h], (np.arange(n) + 1) * bs - 1, side="right") for h in range(heads)])
+    pos = jnp.arange(seq, dtype=jnp.int32)
+    bidx_j = jnp.broadcast_to(jnp.asarray(bidx), (batch, heads, n, offsets.shape[1]))
+    flags = causal_flags(pos, pos, bidx_j, bs)
+    return StepIndex(bidx_j, jnp.broadcast_to(jnp.asarray(bcnt), (batch, heads, n)), flags,
+                     jnp.broadcast_to(jnp.asarray(columns.astype(np.int32)), (batch, heads, columns.shape[1])),
+                     jnp.broadcast_to(jnp.asarray(ccnt.astype(np.int32)), (batch, heads, n)))
+
+
+#: the index families of the kernel benchmark (issue 34)
+INDEX_FAMILIES = ("band", "slash", "spread", "vert", "mixed")
+
+
+def _columns(rng, heads: int, seq: int, count: int, sinks: int = 64) -> np.ndarray:
+    count = max(count, sinks)
+    return np.stack([np.concatenate([np.arange(sinks), np.sort(rng.choice(np.arange(sinks, seq), count - sinks,
+                                                                          replace=False))]) for _ in range(heads)])
+
+
+def index_family(rng: np.random.Generator, family: str, batch: int, heads: int, seq: int, density: float, *,
+                 block_size: int = DEFAULT_BLOCK, vert_cols: int = 4096) -> StepIndex:
+    """A synthetic index of one family at about ``density`` of the causal (query, key) pairs:
+
+    * ``band``: a local window — the diagonal block and the ones just below it — and 64 sink columns;
+    * ``slash``: :func:`vertical_slash_index` (near band + 2 far diagonals, 256 verticals);
+    * ``spread``: the diagonal block plus diagonals at distances drawn log-uniformly over the whole
+      sequence (different per head: adjacent query blocks rarely share a tile), 256 verticals;
+    * ``vert``: ``vert_cols`` verticals per head, the rest of the budget in slash blocks;
+    * ``mixed``: 1024 verticals (at most ~40 % of the pairs) plus spread diagonals.
+    """
+    if family not in INDEX_FAMILIES:
+        raise ValueError(f"family must be one of {INDEX_FAMILIES}, got {family!r}")
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    bs, n = block_size, seq // block_size
+    if family == "slash":
+        return vertical_slash_index(rng, batch, heads, seq, 1 - density, block_size=bs)
+    if family == "vert":  # columns: up to 70 % of the pairs (a column is causal for ~half the rows: ~1/seq each)
+        cols = max(64, min(vert_cols, int(0.7 * density * seq) // 64 * 64))
+        block_sp = min(0.999, 1 - density + cols / seq)
+        return vertical_slash_index(rng, batch, heads, seq, block_sp, block_size=bs, far_slashes=1, max_cols=cols)
+    ncols = {"band": 64, "spread": 256, "mixed": 1024}[family]
+    if family == "mixed":  # at most ~40 % of the pairs in columns (short sequences)
+        ncols = max(64, min(ncols, int(0.4 * density * seq) // 64 * 64))
+    # blocks per row for the density, less what the columns give (each covers ~half the rows: 1/bs of a block)
+    budget = max(1, int(round(density * (n + 1) / 2 - ncols * 0.5 / bs)))
+    if family == "band":
+        offsets = np.broadcast_to(np.arange(budget), (heads, budget))
+    else:  # diagonal o covers the n - o rows below it: draw until the head holds budget * n blocks
+        rows = []
+        for _ in range(heads):
+            far, blocks = set(), n
+            while blocks < budget * n and len(far) < n - 1:
+                o = int(np.exp(rng.uniform(0, np.log(n - 1)))) if n > 2 else 1
+                if o not in far:
+                    far.add(o)
+                    blocks += n - o
+            rows.append([0, *sorted(far)])
+        m = max(map(len, rows))
+        offsets = np.array([r + [n] * (m - len(r)) for r in rows], np.int64)  # n: padding (no block)
+    return diagonal_index(batch, heads, seq, offsets, _columns(rng, heads, seq, ncols), block_size=bs)
