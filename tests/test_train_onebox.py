@@ -14,10 +14,11 @@ from _multiprocess import REPO, free_port, worker_env
 
 
 def readme_onebox_script() -> str:
-    """The ```bash block of the Multi-host item of docs/training.md (the one with --process-id 1)."""
+    """The CPU ```bash block of the Multi-host item of docs/training.md (--process-id 1, tiny_cpu.yaml;
+    the GPU-box block beside it needs GPUs)."""
     text = (REPO / "docs" / "training.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
-    (block,) = [b for b in blocks if "--process-id 1" in b]
+    (block,) = [b for b in blocks if "--process-id 1" in b and "tiny_cpu.yaml" in b]
     return block
 
 
