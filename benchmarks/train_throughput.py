@@ -71,6 +71,7 @@ from benchmarks import _driver
 from benchmarks._driver import drive, write_table
 from mtraining_jax.attention.backends import BACKENDS
 from mtraining_jax.train.config import TrainConfig, load_config  # (no JAX backend start)
+from mtraining_jax.train.metrics import device_peak_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -225,12 +226,7 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
                 jax.block_until_ready(compiled(state, batches[0]))
             prof = next(iter(summarize_dir(tdir, top=30, hlo_text=compiled.as_text()).values()), None)
     tokens = cfg.data.seq_len * cfg.data.batch_size
-    peaks = []
-    for dev in mesh.devices.flat:  # the largest peak over the mesh's devices
-        stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
-    peak = max(peaks) if peaks else None
+    peak = device_peak_bytes(mesh.devices.flat)  # the largest peak over the mesh's devices
     from benchmarks._driver import provenance
 
     return {

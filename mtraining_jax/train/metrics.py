@@ -21,19 +21,25 @@ import warnings
 import jax
 
 
-def device_peak_gib() -> float | None:
-    """Largest ``memory_stats()["peak_bytes_in_use"]`` over this process's devices, in GiB since the
-    process started (the allocator's own counter: everything the program, the state and the batch took),
-    or ``None`` where the devices report no memory statistics (the CPU)."""
+def device_peak_bytes(devices=None) -> int | None:
+    """Largest ``memory_stats()["peak_bytes_in_use"]`` over ``devices`` (default: this process's), in
+    bytes since the process started (the allocator's own counter: everything the program, the state
+    and the batch took), or ``None`` where the devices report no memory statistics (the CPU)."""
     peaks = []
-    for d in jax.local_devices():
+    for d in jax.local_devices() if devices is None else devices:
         try:
             stats = d.memory_stats()
         except Exception:  # a backend without the call
             stats = None
         if stats and "peak_bytes_in_use" in stats:
             peaks.append(int(stats["peak_bytes_in_use"]))
-    return max(peaks) / 2**30 if peaks else None
+    return max(peaks) if peaks else None
+
+
+def device_peak_gib() -> float | None:
+    """:func:`device_peak_bytes` of this process's devices in GiB (``None`` on the CPU)."""
+    peak = device_peak_bytes()
+    return None if peak is None else peak / 2**30
 
 
 class MetricsWriter:
