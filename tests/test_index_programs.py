@@ -109,6 +109,38 @@ def test_index_is_bit_identical_in_every_program():
     assert sum(int((np.asarray(a) != np.asarray(b)).sum()) for a, b in zip(f32, ref)) > 0
 
 
+@pytest.mark.parametrize("S", [16384, 131072])
+def test_index_is_bit_identical_in_every_program_at_length(S):
+    """The issue's lengths on the CPU: the estimate op by op, jitted, jitted on laid-out inputs, inside
+    a differentiated program that also uses the bf16 q/k, and inside its ``jax.checkpoint`` recompute
+    (q/k cast to bf16 inside each): every field equal, bit for bit. (The attention programs of the
+    test above at these lengths run on the GPU: ``test_index_is_bit_identical_across_gpu_programs``.)"""
+    q, k, _, _ = _inputs(1, 1, S, 2, 1, 64)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    with jax.disable_jit():
+        ref = estimate_index(q.astype(BF16), k.astype(BF16), pos, CFG)
+
+    def inner(a, b):  # the index beside other uses of the same bf16 values (fusion can change)
+        qb, kb = a.astype(BF16), b.astype(BF16)
+        loss = jnp.sum(qb.astype(jnp.float32) ** 2) + jnp.sum(jnp.tanh(kb.astype(jnp.float32)))
+        return loss, estimate_index(qb, kb, pos, CFG)
+
+    lay = MTrainingConfig(sparsity=CFG).make_layout(S, 4)
+    lpos = jnp.asarray(lay.perm)
+    remat = jax.checkpoint(inner, policy=jax.checkpoint_policies.nothing_saveable)
+    got = {
+        "jitted": jax.jit(lambda a, b: estimate_index(a.astype(BF16), b.astype(BF16), pos, CFG))(q, k),
+        "jitted, laid out": jax.jit(lambda a, b: estimate_index(a.astype(BF16), b.astype(BF16), lpos, CFG))(
+            lay.permute(q), lay.permute(k)),
+        "in a gradient": jax.jit(jax.grad(inner, argnums=(0, 1), has_aux=True))(q, k)[1],
+        "in a remat gradient": jax.jit(jax.grad(remat, argnums=(0, 1), has_aux=True))(q, k)[1],
+    }
+    _assert_same_index(got, ref)
+    assert 4 <= int(np.asarray(ref.v_count).min())  # a real index (here at vertical_max, 512 of S keys)
+    f32 = estimate_index(q, k, pos, CFG)  # the comparison can fail: the float32 values' index differs
+    assert sum(int((np.asarray(a) != np.asarray(b)).sum()) for a, b in zip(f32, ref)) > 0
+
+
 def test_reduce_precision_survives_in_the_optimized_program():
     """The storage rounding is in the COMPILED forward+backward program (XLA did not elide it):
     bf16 ``reduce-precision`` ops (8 exponent, 7 mantissa bits) on the whole q and the whole k."""
