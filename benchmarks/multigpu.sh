@@ -7,9 +7,9 @@
 #   gputests   the Mosaic kernel GPU suite (test_kernels.py TestMosaicGPU), before any timing
 #   scaling    sparse ring fwd+bwd at 512K on 1x4 1x1 2x2 (both ring orders) 1x2, traced, dense ring at 1x4
 #   long       sparse ring at 1M on 1x4 and 1x1 (no dense ring: ~45 s a step on one GPU)
-#   train      the trainer at 512K on 4 GPUs (1x4): MTraining vs the dense ring, Qwen2.5-0.5B shape
+#   train      the trainer at 512K on NGPU GPUs (1xNGPU): MTraining vs the dense ring, Qwen2.5-0.5B shape (TRAIN_CFG)
 #   multiproc  the multi-host recipe of docs/training.md on one box: 2 processes x 2 GPUs (CUDA_VISIBLE_DEVICES),
-#              mesh [2, 2], vs one process on the same [2, 2] mesh and on [1, 4]; 256K, 2 steps (NGPU below)
+#              mesh [2, 2], vs one process on the same [2, 2] mesh and on [1, 4]; 256K, 3 steps, deterministic (NGPU below)
 # Set MTRAINING_COMMIT to the commit the tree is (the device copy has no .git). NGPU (default 4) is the
 # box's GPU count: on a 2-GPU box `NGPU=2 SCALING_MESHES="1x2 1x1" DENSE_MESHES=1x2` (multiproc: 2 processes
 # x 1 GPU, mesh [2, 1], vs one process on [2, 1] and [1, 2]).
@@ -37,13 +37,19 @@ for phase in "$@"; do
         --tag v12 --out "$OUT/long" 2>&1 | grep -v '^{' ;
       rm -rf "$OUT"/long/*.hlo.txt "$OUT"/long/schedule_* ;;
     train)
-      timeout ${TRAIN_TIMEOUT:-300} python -m benchmarks.train_throughput --config $CFG --mesh 1x4 --seq-lens 524288 \
-        --backends mtraining --warmup 1 --steps 2 --timeout ${TRAIN_TIMEOUT:-300} --out "$OUT/train_mt" 2>&1 | tail -6
-      [ "${TRAIN_DENSE:-1}" = 1 ] && timeout 300 python -m benchmarks.train_throughput --config $CFG --mesh 1x4 --seq-lens 524288 \
-        --backends ring --warmup 0 --steps 1 --timeout 280 --out "$OUT/train_ring" 2>&1 | tail -6 ;;
+      # TRAIN_CFG (default the 0.5B config), TRAIN_TAG names the output folders, TRAIN_DENSE=0 skips the dense ring,
+      # TRAIN_MT=0 the MTraining run; TRAIN_SET: extra --set overrides (e.g. "optim.offload=optimizer")
+      tcfg=${TRAIN_CFG:-$CFG}; ttag=${TRAIN_TAG:-}
+      [ "${TRAIN_MT:-1}" = 1 ] && timeout ${TRAIN_TIMEOUT:-300} python -m benchmarks.train_throughput --config $tcfg --mesh 1x$NGPU \
+        --seq-lens 524288 --backends mtraining --warmup 1 --steps 2 --timeout ${TRAIN_TIMEOUT:-300} ${TRAIN_PROFILE:+--profile} \
+        ${TRAIN_SET:+--set $TRAIN_SET} --out "$OUT/train_mt$ttag" 2>&1 | tail -6
+      [ "${TRAIN_DENSE:-1}" = 1 ] && timeout 300 python -m benchmarks.train_throughput --config $tcfg --mesh 1x$NGPU \
+        --seq-lens 524288 --backends ring --warmup 0 --steps 1 --timeout 280 ${TRAIN_SET:+--set $TRAIN_SET} \
+        --out "$OUT/train_ring$ttag" 2>&1 | tail -6 ;;
     multiproc)
-      common=(--config $CFG data.seq_len=262144 steps=${MP_STEPS:-2} eval.every=0 checkpoint.every=0 logging.every=1
-              optim.grad_accum=1 model.dense_backend=ring)
+      # deterministic=true (MP_DETERMINISTIC=0: off): bit-reproducible steps, so the runs can agree exactly
+      common=(--config $CFG data.seq_len=262144 steps=${MP_STEPS:-3} eval.every=0 checkpoint.every=0 logging.every=1
+              optim.grad_accum=1 model.dense_backend=ring deterministic=$([ "${MP_DETERMINISTIC:-1}" = 1 ] && echo true || echo false))
       first=$(seq -s, 0 $((HALF - 1))); second=$(seq -s, $HALF $((NGPU - 1)))
       CUDA_VISIBLE_DEVICES=$first timeout ${MP_TIMEOUT:-300} python -m mtraining_jax.apps.train "${common[@]}" mesh.shape=[2,$HALF] \
         run_dir="$OUT/runs/mp" --coordinator-address localhost:12355 --num-processes 2 --process-id 0 > "$OUT/mp0.log" 2>&1 &

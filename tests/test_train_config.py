@@ -124,3 +124,33 @@ def test_loader_layout_derives_from_the_model_config():
     cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), base + ["data.stripe=128"])
     _, mcfg = build_model_config(cfg.model, cfg.config_dir)
     assert run_layout(cfg, mcfg, 8).stripe == 128  # explicit wins (checked against the model in the loop)
+
+
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+
+
+def test_deterministic_option(monkeypatch):
+    """``deterministic: true`` puts XLA's deterministic-ops flag in XLA_FLAGS once, a GPU backend
+    started without it is refused with the flag named, and a non-boolean is refused."""
+    import jax
+
+    from mtraining_jax.train import determinism
+    from mtraining_jax.train.config import load_config
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    determinism.request(False)
+    assert determinism.FLAG not in os.environ["XLA_FLAGS"]
+    determinism.request(True)
+    determinism.request(True)
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8", determinism.FLAG]
+    determinism.check(True)  # flag set
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="xla_gpu_deterministic_ops"):
+        determinism.check(True)
+    determinism.check(False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    determinism.check(True)  # CPU steps are deterministic already
+    assert load_config(TINY, ["deterministic=true"]).deterministic is True
+    with pytest.raises(ValueError, match="deterministic"):
+        load_config(TINY, ["deterministic=yes please"])

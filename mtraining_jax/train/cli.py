@@ -204,6 +204,9 @@ def _main(argv, hook_factories, signals) -> int:
     try:
         if signals.received:
             return _stopped_early(signals)
+        from mtraining_jax.train import determinism
+
+        determinism.request(cfg.deterministic)
         _setup_platform(cfg.mesh.cpu_devices, cfg.distributed.num_processes)
         maybe_initialize(cfg.distributed)
         if args.plan:

@@ -345,6 +345,9 @@ class TrainConfig:
     learning-rate schedule spans them). ``run_steps``: at most this many steps in this invocation
     (for time-limited jobs that continue with ``--resume``; a checkpoint is written when it stops).
     ``loss_chunk_size``: tokens per chunk of the memory-bounded loss (:mod:`.loss`).
+    ``deterministic``: bit-reproducible steps on GPUs (:mod:`.determinism`: XLA's deterministic
+    scatter-adds; the kernels use no atomics), at some speed; the same run twice, or on one process
+    and on several with the same mesh, then gives the same losses.
     """
 
     run_dir: str = "runs/default"
@@ -352,6 +355,7 @@ class TrainConfig:
     run_steps: Optional[int] = None
     seed: int = 0
     loss_chunk_size: int = 1024
+    deterministic: bool = False
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)

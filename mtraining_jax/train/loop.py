@@ -39,6 +39,7 @@ import numpy as np
 from mtraining_jax.layouts import Layout, validate_layout
 from mtraining_jax.mesh import make_mesh, num_cp_ranks
 from mtraining_jax.train import data as data_lib
+from mtraining_jax.train import determinism
 from mtraining_jax.train.checkpoint import Checkpointer
 from mtraining_jax.train.config import TrainConfig
 from mtraining_jax.train.metrics import MetricsWriter, Progress, device_peak_gib, plot_losses
@@ -310,6 +311,7 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False,
     removed again."""
     t_setup = time.time()
     resume = cfg.checkpoint.resume
+    determinism.check(cfg.deterministic)
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
