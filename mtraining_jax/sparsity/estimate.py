@@ -321,14 +321,17 @@ def _window_logits(q_rows, k: _Digits):
     qd = _operand_digits(q_rows)
     B, R, Hq, _, D = qd.digits.shape
     Hkv = k.digits.shape[2]
-    zero = jnp.zeros_like(qd.digits[..., 0, :])
-    qcat = jnp.stack([jnp.stack([qd.digits[..., l - b, :] if b <= l else zero for b in range(J)], axis=-2)
-                      for l in range(J)], axis=-3)  # [B, R, Hq, J (weight l), J (key digit b), D]
-    qcat = qcat.reshape(B, R, Hkv, Hq // Hkv, J, J, D)
-    lv = jnp.einsum("bqhglcd,bkhcd->bhglqk", qcat, k.digits, preferred_element_type=jnp.float32)
-    z = lv[:, :, :, 0]
+    qdig = jnp.moveaxis(qd.digits, 1, 2)  # [B, Hq, R, J, D] (R rows: small)
+    zero = jnp.zeros_like(qdig[..., 0, :])
+    qcat = jnp.stack([jnp.stack([qdig[..., l - b, :] if b <= l else zero for b in range(J)], axis=-2)
+                      for l in range(J)], axis=-3)  # [B, Hq, R, J (weight l), J (key digit b), D]
+    qcat = qcat.reshape(B, Hkv, Hq // Hkv, R, J, J, D)
+    # the output in the matmul's own order (batch b, h; the query operand's free axes g, q, l; keys k):
+    # no transpose of this J x [B, Hq, R, Sk] intermediate
+    lv = jnp.einsum("bhgqlcd,bkhcd->bhgqlk", qcat, k.digits, preferred_element_type=jnp.float32)
+    z = lv[:, :, :, :, 0]
     for l in range(1, J):  # fixed order; the products are exact, so a fused multiply-add is too
-        z = z + lv[:, :, :, l] * np.float32(2.0 ** (-w * l))
+        z = z + lv[:, :, :, :, l] * np.float32(2.0 ** (-w * l))
     z = z.reshape(B, Hq, R, -1)
     sq = jnp.moveaxis(qd.row_scale, 1, 2)[..., None]  # [B, Hq, R, 1]
     sk = jnp.repeat(jnp.moveaxis(k.row_scale, 1, 2), Hq // Hkv, axis=1)[:, :, None, :]  # [B, Hq, 1, Sk]
