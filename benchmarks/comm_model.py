@@ -28,10 +28,10 @@ step's index conversion, concatenations, accumulator adds, small kernels: part f
 row), a host term per timed call and the synchronous permutes of the compiled program. Calibration
 (:func:`calibrate_traced`): every family's one-GPU traced record gives its rate, per-token and host
 terms; the per-call and per-step terms come from the components (kernels, XLA) of ONE multi-GPU
-trace (default v12a 1x4); every other multi-GPU record is held out and its error reported
+trace (default v14 1x4); every other multi-GPU record is held out and its error reported
 (``results/ring/comm_model.md``, "Current code"), with predictions for one node of 8 GPUs and
 4 nodes x 8 over a 400 Gb/s-class link at 512K and 1M and an error band (:func:`traced_predictions`).
-``python -m benchmarks.comm_model --out DIR`` defaults to the runs ``v12a`` and ``v12`` of
+``python -m benchmarks.comm_model --out DIR`` defaults to the run ``v14`` of
 ``results/ring/ring.jsonl``; older, untraced families (``--earlier-records``) keep the earlier rule:
 :func:`calibrate` fits ``rate`` per measured family and length on its one-GPU record (with a fixed
 ``step_overhead`` per kernel call) and predicts that family's multi-GPU records of the same length.
@@ -811,7 +811,7 @@ def fit_costs(one: dict, terms: dict, sync_hops: int = 0) -> RingCosts:
 
 
 #: the record whose trace gives the per-call and per-step terms: (run, mesh, ring order)
-FIT_RECORD = ("v12a", "1x4", "hierarchical")
+FIT_RECORD = ("v14", "1x4", "hierarchical", "524288")
 
 
 def _traced(records: list[dict]) -> list[dict]:
@@ -1082,14 +1082,14 @@ def main(argv=None) -> int:
                    help="measurements (default: the repository's results/ring/ring.jsonl); families traced on the "
                         "--fit record's device (with a traced one-GPU record) get the per-step model (issue 33), "
                         "the others the earlier rate-only rule")
-    p.add_argument("--runs", default="v12a,v12",
+    p.add_argument("--runs", default="v14",
                    help="comma-separated run tags: only these rows of --records ('' = every row)")
     p.add_argument("--earlier-records", nargs="*", default=[RING_RECORDS],
                    help="older, untraced measurements: calibrated with the earlier rule (section 'earlier'); "
                         "rows of the families --records calibrates are left out")
     p.add_argument("--fit", default=":".join(FIT_RECORD),
                    help="RUN:MESH:ORDER of the traced record that gives the per-call and per-step terms")
-    p.add_argument("--current", default="v12",
+    p.add_argument("--current", default="v14",
                    help="family (run tag) whose one-GPU record gives the predictions' costs")
     p.add_argument("--check", default="x4c:1x4:hierarchical:524288",
                    help="RUN:MESH:ORDER:S of an earlier traced family to calibrate the same way on its own records "

@@ -362,6 +362,46 @@ def plot(rows, path):
     fig.savefig(path, dpi=80)
 
 
+def plot_families(rows, path):
+    """Forward+backward active TFLOP/s (left) and Mosaic / Triton speed-up (right) per index family
+    and density (rows with ``family``; cuDNN dense as a line). Several runs: the last row of each
+    (family, density, impl) is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cud = [r for r in rows if r["family"] == "dense"]
+    last = {}
+    for r in rows:
+        if r["family"] != "dense":
+            last[(r["family"], round(r["density"], 2), "triton" if r["name"].startswith("triton") else "mosaic")] = r
+    cases = sorted({k[:2] for k in last}, key=lambda k: (k[0], k[1]))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    x = range(len(cases))
+    for off, impl, color in [(-0.2, "triton", "tab:blue"), (0.2, "mosaic", "tab:orange")]:
+        ax.bar([i + off for i in x], [last[c + (impl,)]["fb_tflops"] if c + (impl,) in last else 0 for c in cases],
+               width=0.4, color=color, label=impl)
+    if cud:
+        ax.axhline(cud[-1]["fb_tflops"], color="k", ls="--", lw=1, label=f"cuDNN dense {cud[-1]['fb_tflops']:.0f}")
+    labels = [f"{f}\n{d:.0%}" for f, d in cases]
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("fwd+bwd active TFLOP/s")
+    ax.legend(fontsize=8)
+    both = [c for c in cases if c + ("triton",) in last and c + ("mosaic",) in last]
+    ax2.bar(range(len(both)), [last[c + ("triton",)]["fb_ms"] / last[c + ("mosaic",)]["fb_ms"] for c in both],
+            color="tab:orange")
+    ax2.axhline(1.2, color="k", ls="--", lw=1, label="target 1.2x")
+    ax2.set_xticks(range(len(both)), [f"{f}\n{d:.0%}" for f, d in both], fontsize=8)
+    ax2.set_ylabel("Mosaic speed-up over Triton (fwd+bwd)")
+    ax2.legend(fontsize=8)
+    S = rows[0].get("S") or rows[0].get("seq")
+    fig.suptitle(f"block-sparse kernels by index family, {S // 1024}K tokens "
+                 f"({rows[-1].get('device', '')}, commit {rows[-1].get('commit', '?')[:7]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def load_rows(paths, runs=()) -> list[dict]:
     """Result rows of ``--json`` files (``{"meta", "rows"}`` or a list of ``--passes`` rows) and of
     JSONL files (one row per line, ``run`` naming its campaign); ``runs``: keep only those runs."""
@@ -403,6 +443,9 @@ def main():
         rows = load_rows(a.plot_from.split(","), [x for x in a.runs.split(",") if x])
         if not any("fwd_tflops" in r for r in rows):  # --passes rows
             plot_passes([r for r in rows if "pass_" in r], a.plot or "kernel_passes.png")
+            return
+        if any(r.get("table") == "families" for r in rows):
+            plot_families([r for r in rows if r.get("table") == "families"], a.plot or "kernel_families.png")
             return
         plot([r for r in rows if "fwd_tflops" in r], a.plot or "kernels.png")
         return

@@ -83,7 +83,7 @@ ROW_KEYS = (
     "commit", "seq_len", "backend", "batch", "mesh", "gpus", "num_processes", "tokens_per_step", "step_ms", "step_ms_all", "tokens_per_s",
     "compile_s", "peak_bytes", "peak_gib", "memory_analysis", "losses", "loss_finite", "metrics",
     "work_fraction", "num_params", "model", "layer_backends", "layout", "remat", "dtype",
-    "loss_chunk_size", "overrides", "device_kind", "platform", "jax_version", "profile", "error",
+    "loss_chunk_size", "overrides", "device_kind", "platform", "jax_version", "device", "jax", "profile", "error",
 )
 
 
@@ -260,6 +260,8 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
         "device_kind": device.device_kind,
         "platform": device.platform,
         "jax_version": jax.__version__,
+        "device": device.device_kind,  # the names every results row uses
+        "jax": jax.__version__,
         "profile": prof,
         "error": None,
     }
