@@ -120,6 +120,52 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
     return rows
 
 
+def ring_step(S, hq, hkv, d, reps, impls=("auto",), seed=0):
+    """One step of the DENSE ring on one GPU, our per-step kernel against cuDNN (issue 33 item 3): a
+    ``[1, S, hq, d]`` query chunk against a ``[1, S, hkv, d]`` K/V chunk, fwd and fwd+bwd, for the two
+    kinds of step a ring has — ``visible`` (the chunk precedes the queries: no mask; ours with
+    ``q_pos = S + i``, ``k_pos = j``, cuDNN with no mask) and ``diagonal`` (the own chunk: causal). Our
+    kernel is what the ring runs (``index=None``: dense by position); cuDNN needs GQA heads repeated and
+    returns no log-sum-exp, so it cannot be a ring step itself: it is the bound a user would compare with.
+    Rows: ``table: ring_step``, ``step``, ``impl``, ``fwd_ms``, ``fb_ms``, TFLOP/s, ``x_cudnn`` (cuDNN
+    time / this one: > 1 faster than cuDNN)."""
+    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(kq, (1, S, hq, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (1, S, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (1, S, hkv, d), jnp.bfloat16)
+    ct = jax.random.normal(kc, (1, S, hq, d), jnp.float32)
+    g = hq // hkv
+    gpu = jax.default_backend() == "gpu"
+    cudnn_impl = "cudnn" if gpu else None  # a CPU smoke run times XLA's attention in its place
+    rows = []
+    for step, causal in (("visible", False), ("diagonal", True)):
+        pairs = hq * (S * (S + 1) / 2 if causal else S * S)
+        q_pos = jnp.arange(S, dtype=jnp.int32) + (0 if causal else S)
+        k_pos = jnp.arange(S, dtype=jnp.int32)
+        fns = {"cudnn": lambda q, k, v, causal=causal: jax.nn.dot_product_attention(
+            q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2), is_causal=causal, implementation=cudnn_impl)}
+        for impl in impls:
+            fns[impl] = lambda q, k, v, impl=impl, q_pos=q_pos: api.block_sparse_attention(
+                q, k, v, q_pos, k_pos, None, impl=impl)
+        for name, f in fns.items():
+            fwd = _time(jax.jit(f), q, k, v, reps=reps)
+            fb = _time(_fwd_bwd(f), q, k, v, ct, reps=reps)
+            fl = 4 * pairs * d
+            rows.append(dict(table="ring_step", seq=S, heads=hq, kv_heads=hkv, head_dim=d, step=step, name=name,
+                             impl=(("cudnn" if gpu else "xla (no cuDNN off GPU)") if name == "cudnn"
+                                   else api_registry.resolve(name, "fwd", q, BS, S)),
+                             fwd_ms=fwd * 1e3, fb_ms=fb * 1e3, fwd_tflops=fl / fwd / 1e12, fb_tflops=3.5 * fl / fb / 1e12))
+            print(json.dumps(rows[-1]), flush=True)
+        base = next(r for r in rows if r["step"] == step and r["name"] == "cudnn")
+        for r in rows:
+            if r["step"] == step:
+                r["x_cudnn"], r["x_cudnn_fb"] = base["fwd_ms"] / r["fwd_ms"], base["fb_ms"] / r["fb_ms"]
+    prov = provenance()
+    for r in rows:
+        r.update(prov)
+    return rows
+
+
 FWD_CONFIGS = [dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=2)]
 BWD_CONFIGS = [dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3)]
 
@@ -436,6 +482,9 @@ def main():
     ap.add_argument("--runs", default="", help="with --plot-from: comma-separated run tags, only these rows")
     ap.add_argument("--plot", default=None, help="PNG path for the bar chart")
     ap.add_argument("--col-split-sweep", default="", help="S:max_cols pairs, e.g. 131072:1024,524288:4096")
+    ap.add_argument("--ring-step", default="", metavar="S,HQ,HKV,D",
+                    help="time one dense ring step (a visible and a causal chunk pair) of our kernel against cuDNN, "
+                         "e.g. 131072,14,2,64 (the 0.5B model's chunk on 4 GPUs at 512K); rows go to --json")
     ap.add_argument("--passes", default="", help="comma-separated sequence lengths: time each kernel pass "
                     "alone per backend (families from --families, plus 'full')")
     a = ap.parse_args()
@@ -464,6 +513,13 @@ def main():
     if pass_rows:
         print(passes_table(pass_rows))
         sweeps += pass_rows
+    if a.ring_step:
+        S, hq, hkv, d = (int(x) for x in a.ring_step.split(","))
+        rs = ring_step(S, hq, hkv, d, a.reps, tuple(i for i in a.impls.split(",") if i != "triton") or ("auto",))
+        for r in rs:
+            print(f"ring step {r['step']:>8} {r['name']:>7} ({r['impl']}): fwd {r['fwd_ms']:8.2f} ms, fwd+bwd "
+                  f"{r['fb_ms']:8.2f} ms, {r['fb_tflops']:5.0f} TFLOP/s, x cuDNN {r['x_cudnn_fb']:.2f}")
+        sweeps += rs
     if sweeps and a.json:
         with open(a.json.replace(".json", "_sweep.json"), "w") as f:
             json.dump(sweeps, f, indent=1)

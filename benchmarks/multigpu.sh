@@ -52,6 +52,9 @@ for phase in "$@"; do
       # TRAIN_CFG (default the 0.5B config), TRAIN_TAG names the output folders, TRAIN_DENSE=0 skips the dense ring,
       # TRAIN_MT=0 the MTraining run; TRAIN_SET: extra --set overrides (e.g. "optim.offload=optimizer")
       tcfg=${TRAIN_CFG:-$CFG}; ttag=${TRAIN_TAG:-}
+      # the dense ring's per-step kernel against cuDNN on one chunk (0.5B shape: 14 / 2 heads, head_dim 64; 512K / NGPU)
+      [ "${TRAIN_RINGSTEP:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 200 python -m benchmarks.kernels --only-sweeps --reps 5 \
+        --ring-step $((524288 / NGPU)),14,2,64 --impls auto --json "$OUT/ring_step.json" 2>&1 | grep "^ring step"
       [ "${TRAIN_MT:-1}" = 1 ] && timeout ${TRAIN_TIMEOUT:-300} python -m benchmarks.train_throughput --config $tcfg --mesh 1x$NGPU \
         --seq-lens 524288 --backends mtraining --warmup 1 --steps 2 --timeout ${TRAIN_TIMEOUT:-300} ${TRAIN_PROFILE:+--profile} \
         ${TRAIN_SET:+--set $TRAIN_SET} --out "$OUT/train_mt$ttag" 2>&1 | tail -6
