@@ -9,12 +9,13 @@
 #   long       sparse ring at 1M on 1x4 and 1x1 (no dense ring: ~45 s a step on one GPU)
 #   s256       sparse ring at 256K on the scaling meshes, traced, dense ring at 1x4
 #   weak       weak scaling: 128K tokens per GPU (S = 128K x P) on 1x1 1x2 1x4 2x2, traced, no dense ring
-#   train      the trainer at 512K on NGPU GPUs (1xNGPU): MTraining vs the dense ring, Qwen2.5-0.5B shape (TRAIN_CFG)
+#   train      the dense ring step vs cuDNN on GPU 0 (kernels.py --ring-step), then the trainer at 512K on NGPU GPUs
+#              (1xNGPU): MTraining vs the dense ring, Qwen2.5-0.5B shape (TRAIN_CFG)
 #   multiproc  the multi-host recipe of docs/training.md on one box: 2 processes x 2 GPUs (CUDA_VISIBLE_DEVICES),
 #              mesh [2, 2], vs one process on the same [2, 2] mesh and on [1, 4]; 256K, 3 steps, deterministic (NGPU below)
 # Set MTRAINING_COMMIT to the commit the tree is (the device copy has no .git). NGPU (default 4) is the
 # box's GPU count: on a 2-GPU box `NGPU=2 SCALING_MESHES="1x2 1x1" DENSE_MESHES=1x2` (multiproc: 2 processes
-# x 1 GPU, mesh [2, 1], vs one process on [2, 1] and [1, 2]).
+# x 1 GPU, mesh [2, 1], vs one process on [2, 1] and [1, 2]). TAG names the sparse_ring run (rows' `run`).
 set -uo pipefail
 NGPU=${NGPU:-4}; HALF=$((NGPU / 2))
 OUT=${1:?usage: multigpu.sh OUT PHASE...}; shift
@@ -31,21 +32,21 @@ for phase in "$@"; do
     scaling)
       # (no --check at 512K on an H100: the sampled-row reference needs 8 GiB buffers; the GPU suite checks the kernels)
       timeout ${SCALING_TIMEOUT:-480} python -m benchmarks.sparse_ring --lengths 524288 --meshes ${SCALING_MESHES:-1x4 1x1 2x2 1x2} \
-        --ring-orders hierarchical flat --repeat 3 --profile --dense-meshes ${DENSE_MESHES:-1x4} --tag ${TAG:-v12} \
+        --ring-orders hierarchical flat --repeat 3 --profile --dense-meshes ${DENSE_MESHES:-1x4} --tag ${TAG:-untagged} \
         --out "$OUT/scaling" 2>&1 | grep -v '^{' | grep -v '^    ' | grep -v '^/device' ;
       rm -rf "$OUT"/scaling/*.hlo.txt "$OUT"/scaling/profile_* "$OUT"/scaling/schedule_* ;;
     long)
       timeout 300 python -m benchmarks.sparse_ring --lengths 1048576 --meshes 1x4 1x1 --repeat 3 --skip-dense \
-        --tag v12 --out "$OUT/long" 2>&1 | grep -v '^{' ;
+        --tag ${TAG:-untagged} --out "$OUT/long" 2>&1 | grep -v '^{' ;
       rm -rf "$OUT"/long/*.hlo.txt "$OUT"/long/schedule_* ;;
     s256)
       timeout ${SCALING_TIMEOUT:-400} python -m benchmarks.sparse_ring --lengths 262144 --meshes ${SCALING_MESHES:-1x4 1x1 2x2 1x2} \
-        --ring-orders hierarchical flat --repeat 3 --profile --dense-meshes ${DENSE_MESHES:-1x4} --tag ${TAG:-v12} \
+        --ring-orders hierarchical flat --repeat 3 --profile --dense-meshes ${DENSE_MESHES:-1x4} --tag ${TAG:-untagged} \
         --out "$OUT/s256" 2>&1 | grep -v '^{' | grep -v '^    ' | grep -v '^/device' ;
       rm -rf "$OUT"/s256/*.hlo.txt "$OUT"/s256/profile_* "$OUT"/s256/schedule_* ;;
     weak)
       timeout ${SCALING_TIMEOUT:-400} python -m benchmarks.sparse_ring --per-gpu-length 131072 --lengths 131072 \
-        --meshes ${WEAK_MESHES:-1x1 1x2 1x4 2x2} --ring-orders hierarchical --repeat 3 --profile --skip-dense --tag ${TAG:-v12} \
+        --meshes ${WEAK_MESHES:-1x1 1x2 1x4 2x2} --ring-orders hierarchical --repeat 3 --profile --skip-dense --tag ${TAG:-untagged} \
         --out "$OUT/weak" 2>&1 | grep -v '^{' | grep -v '^    ' | grep -v '^/device' ;
       rm -rf "$OUT"/weak/*.hlo.txt "$OUT"/weak/profile_* "$OUT"/weak/schedule_* ;;
     train)
