@@ -15,7 +15,12 @@ event (``"ph": "X"``) per kernel or copy. From those this module computes, per d
 * ``top``       kernels grouped by name: total ms and count, largest first; given the step's
   optimized HLO text (``compiled.as_text()``), each XLA kernel also gets ``op`` and ``src``: the
   JAX op name and source line of the HLO instruction it runs (:func:`benchmarks.hlo.hlo_sources`),
-  so "where do the non-Pallas milliseconds come from" has an answer.
+  so "where do the non-Pallas milliseconds come from" has an answer;
+* ``by_source`` every kernel's time, none left out, grouped by where it comes from: ``pallas``
+  (Mosaic / Triton kernels), ``communication`` (NCCL), the innermost source line of the kernel's
+  HLO instruction (``file.py:N``, with the step's HLO text), or ``library`` (cuBLAS / cuDNN / copies
+  with no HLO source) — ``[{"source", "ms", "count"}]``, largest first; the sums of kernel durations
+  (kernels on several streams may overlap, so they can exceed ``span_ms``).
 
 Usage: ``python -m benchmarks.trace_summary TRACE_DIR [--top 20] [--hlo STEP.hlo.txt]`` (prints
 JSON), or :func:`summarize_dir` from a benchmark script.
@@ -33,6 +38,7 @@ import re
 from benchmarks.hlo import hlo_sources
 
 COMM = re.compile(r"nccl|all[-_]?reduce|collective|sendrecv", re.IGNORECASE)
+PALLAS = re.compile(r"mosaic|triton|pallas", re.IGNORECASE)
 
 
 def find_trace(trace_dir: str) -> str:
@@ -131,7 +137,30 @@ def summarize(kernels: list[tuple[str, float, float]], top: int = 20, sources: d
         "exposed": exposed_intervals(kernels, exposed),
         "idle_ms": (span - _length(every)) / 1e3,
         "top": [_attributed({"name": n[:120], "ms": t / 1e3, "count": c}, n, sources) for n, (t, c) in ranked],
+        "by_source": by_source(by_name, sources),
     }
+
+
+def source_of(name: str, sources: dict | None) -> str:
+    """Where kernel ``name`` comes from (see ``by_source`` in the module docstring)."""
+    if COMM.search(name):
+        return "communication"
+    if PALLAS.search(name):
+        return "pallas"
+    hit = (sources or {}).get(re.sub(r"__\d+$", "", name))
+    if hit and hit.get("src"):
+        return hit["src"].split(" < ")[0]
+    return "library"
+
+
+def by_source(by_name: dict, sources: dict | None) -> list[dict]:
+    """``[{"source", "ms", "count"}]`` of every kernel in ``by_name`` (``{name: [us, count]}``)."""
+    acc: dict[str, list[float]] = {}
+    for n, (t, c) in by_name.items():
+        a = acc.setdefault(source_of(n, sources), [0.0, 0])
+        a[0] += t
+        a[1] += c
+    return [{"source": k, "ms": t / 1e3, "count": c} for k, (t, c) in sorted(acc.items(), key=lambda kv: -kv[1][0])]
 
 
 def _attributed(row: dict, name: str, sources: dict | None) -> dict:
