@@ -24,6 +24,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 mkdir -p "$OUT"
 CFG=configs/qwen2.5-0.5b-128k.yaml
 
+# one sparse_ring run: ring_phase NAME TIMEOUT ARGS... -> rows in $OUT/NAME (run $TAG), HLO / traces / schedules removed
+ring_phase() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python -m benchmarks.sparse_ring "$@" --repeat 3 --tag "${TAG:-untagged}" --out "$OUT/$name" 2>&1 \
+    | grep -v '^{' | grep -v '^    ' | grep -v '^/device'
+  rm -rf "$OUT/$name"/*.hlo.txt "$OUT/$name"/profile_* "$OUT/$name"/schedule_*
+}
+
 for phase in "$@"; do
   echo "=== phase $phase $(date -u +%T)"
   case $phase in
@@ -31,24 +39,16 @@ for phase in "$@"; do
       MTRAINING_TEST_GPU=1 timeout 200 python -m pytest -q -x -m gpu tests/test_kernels.py -k TestMosaicGPU -p no:cacheprovider 2>&1 | tail -4 ;;
     scaling)
       # (no --check at 512K on an H100: the sampled-row reference needs 8 GiB buffers; the GPU suite checks the kernels)
-      timeout ${SCALING_TIMEOUT:-480} python -m benchmarks.sparse_ring --lengths 524288 --meshes ${SCALING_MESHES:-1x4 1x1 2x2 1x2} \
-        --ring-orders hierarchical flat --repeat 3 --profile --dense-meshes ${DENSE_MESHES:-1x4} --tag ${TAG:-untagged} \
-        --out "$OUT/scaling" 2>&1 | grep -v '^{' | grep -v '^    ' | grep -v '^/device' ;
-      rm -rf "$OUT"/scaling/*.hlo.txt "$OUT"/scaling/profile_* "$OUT"/scaling/schedule_* ;;
+      ring_phase scaling ${SCALING_TIMEOUT:-480} --lengths 524288 --meshes ${SCALING_MESHES:-1x4 1x1 2x2 1x2} \
+        --ring-orders hierarchical flat --profile --dense-meshes ${DENSE_MESHES:-1x4} ;;
     long)
-      timeout 300 python -m benchmarks.sparse_ring --lengths 1048576 --meshes 1x4 1x1 --repeat 3 --skip-dense \
-        --tag ${TAG:-untagged} --out "$OUT/long" 2>&1 | grep -v '^{' ;
-      rm -rf "$OUT"/long/*.hlo.txt "$OUT"/long/schedule_* ;;
+      ring_phase long 300 --lengths 1048576 --meshes 1x4 1x1 --skip-dense ;;
     s256)
-      timeout ${SCALING_TIMEOUT:-400} python -m benchmarks.sparse_ring --lengths 262144 --meshes ${SCALING_MESHES:-1x4 1x1 2x2 1x2} \
-        --ring-orders hierarchical flat --repeat 3 --profile --dense-meshes ${DENSE_MESHES:-1x4} --tag ${TAG:-untagged} \
-        --out "$OUT/s256" 2>&1 | grep -v '^{' | grep -v '^    ' | grep -v '^/device' ;
-      rm -rf "$OUT"/s256/*.hlo.txt "$OUT"/s256/profile_* "$OUT"/s256/schedule_* ;;
+      ring_phase s256 ${SCALING_TIMEOUT:-400} --lengths 262144 --meshes ${SCALING_MESHES:-1x4 1x1 2x2 1x2} \
+        --ring-orders hierarchical flat --profile --dense-meshes ${DENSE_MESHES:-1x4} ;;
     weak)
-      timeout ${SCALING_TIMEOUT:-400} python -m benchmarks.sparse_ring --per-gpu-length 131072 --lengths 131072 \
-        --meshes ${WEAK_MESHES:-1x1 1x2 1x4 2x2} --ring-orders hierarchical --repeat 3 --profile --skip-dense --tag ${TAG:-untagged} \
-        --out "$OUT/weak" 2>&1 | grep -v '^{' | grep -v '^    ' | grep -v '^/device' ;
-      rm -rf "$OUT"/weak/*.hlo.txt "$OUT"/weak/profile_* "$OUT"/weak/schedule_* ;;
+      ring_phase weak ${SCALING_TIMEOUT:-400} --per-gpu-length 131072 --lengths 131072 \
+        --meshes ${WEAK_MESHES:-1x1 1x2 1x4 2x2} --ring-orders hierarchical --profile --skip-dense ;;
     train)
       # TRAIN_CFG (default the 0.5B config), TRAIN_TAG names the output folders, TRAIN_DENSE=0 skips the dense ring,
       # TRAIN_MT=0 the MTraining run; TRAIN_SET: extra --set overrides (e.g. "optim.offload=optimizer")

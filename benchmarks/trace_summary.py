@@ -147,7 +147,7 @@ def source_of(name: str, sources: dict | None) -> str:
         return "communication"
     if PALLAS.search(name):
         return "pallas"
-    hit = (sources or {}).get(re.sub(r"__\d+$", "", name))
+    hit = _hlo_source(name, sources)
     if hit and hit.get("src"):
         return hit["src"].split(" < ")[0]
     return "library"
@@ -163,8 +163,13 @@ def by_source(by_name: dict, sources: dict | None) -> list[dict]:
     return [{"source": k, "ms": t / 1e3, "count": c} for k, (t, c) in sorted(acc.items(), key=lambda kv: -kv[1][0])]
 
 
+def _hlo_source(name: str, sources: dict | None) -> dict | None:
+    """``{"op", "src"}`` of kernel ``name``'s HLO instruction, or None."""
+    return (sources or {}).get(re.sub(r"__\d+$", "", name))  # "__N": N-th launch of one instruction
+
+
 def _attributed(row: dict, name: str, sources: dict | None) -> dict:
-    hit = (sources or {}).get(re.sub(r"__\d+$", "", name))  # "__N": N-th launch of one instruction
+    hit = _hlo_source(name, sources)
     return {**row, **hit} if hit else row
 
 
