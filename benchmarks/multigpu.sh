@@ -23,6 +23,11 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 CFG=configs/qwen2.5-0.5b-128k.yaml
+# A device call returns at most 8 files: whatever ends the script (the end, an outer `timeout`'s TERM, ^C),
+# drop the bulky per-case artefacts (HLO text, traces, schedules) so that the row files come back.
+cleanup() { rm -rf "$OUT"/*/*.hlo.txt "$OUT"/*/profile_* "$OUT"/*/schedule_*; }
+trap cleanup EXIT
+trap 'echo "multigpu.sh: stopped by a signal during phase ${phase:-none}"; exit 143' TERM INT
 
 # one sparse_ring run: ring_phase NAME TIMEOUT ARGS... -> rows in $OUT/NAME (run $TAG), HLO / traces / schedules removed
 ring_phase() {
