@@ -429,9 +429,11 @@ def targets(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Throughput (tokens/s, log-log) vs GPUs. One colour per (mode, length, method): solid/dashed
+    """Left: throughput (tokens/s, log-log) vs GPUs. One colour per (mode, length, method): solid/dashed
     line with dots for the one-level meshes 1xP, hollow squares (hierarchical) and triangles (flat)
-    for two-level meshes NxL, and for fixed-total series a dotted ideal-linear line from P = 1."""
+    for two-level meshes NxL, and for fixed-total series a dotted ideal-linear line from P = 1.
+    Right: per-GPU efficiency of the fixed-total series that have a 1-GPU point,
+    ``tokens_per_s(P) / (P * tokens_per_s(1))``, same colours and markers."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -440,7 +442,8 @@ def plot(rows: list[dict], path: str) -> None:
     for r in rows:
         groups.setdefault((r["mode"] != "total", r["S"] if r["mode"] == "total" else r["S"] // r["gpus"],
                            r["method"]), []).append(r)
-    fig, ax = plt.subplots(figsize=(7, 4.8), constrained_layout=True)
+    fig, (ax, eff_ax) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True,
+                                     gridspec_kw={"width_ratios": [1.4, 1]})
     for i, ((per_gpu, length, method), rs) in enumerate(sorted(groups.items())):
         color = f"C{i % 10}"
         name = f"{method}, {_len(length)}" + ("/GPU" if per_gpu else " total")
@@ -459,6 +462,15 @@ def plot(rows: list[dict], path: str) -> None:
             if pmax > 1:
                 ax.plot([1, pmax], [one[0]["tokens_per_s"], one[0]["tokens_per_s"] * pmax], ls=":", color=color,
                         alpha=0.5)
+            base = one[0]["tokens_per_s"]
+            eff = lambda r: 100.0 * r["tokens_per_s"] / (r["gpus"] * base)  # noqa: E731
+            eff_ax.plot([r["gpus"] for r in one], [eff(r) for r in one], marker="o", color=color,
+                        ls="-" if method == "sparse" else "--", label=f"{name}, 1xP")
+            for order, marker in (("hierarchical", "s"), ("flat", "^")):
+                two = [r for r in rs if not r["mesh"].startswith("1x") and r["ring_order"] == order]
+                if two:
+                    eff_ax.plot([r["gpus"] for r in two], [eff(r) for r in two], ls="none", marker=marker,
+                                mfc="none", ms=9, color=color)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     gp = sorted({r["gpus"] for r in rows})
@@ -469,6 +481,15 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_title(f"Ring attention throughput vs GPUs ({', '.join(dev)}); dotted: ideal linear", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+    eff_ax.axhline(100.0, ls=":", color="gray")
+    eff_ax.set_xscale("log", base=2)
+    eff_ax.set_xticks(gp, [str(g) for g in gp])
+    eff_ax.set_xlabel("GPUs (context-parallel ranks)")
+    eff_ax.set_ylabel("per-GPU efficiency, % (fixed total length)")
+    eff_ax.set_title("tokens/s at P GPUs / (P x tokens/s at 1 GPU)", fontsize=9)
+    eff_ax.grid(True, which="both", alpha=0.3)
+    if eff_ax.lines[1:]:
+        eff_ax.legend(fontsize=7)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
