@@ -4,7 +4,6 @@ in one process on 8 devices; and a peer that never arrives: a one-line error nam
 instead of JAX's C++ abort."""
 
 import json
-import os
 import re
 import subprocess
 import sys
