@@ -807,6 +807,37 @@ def paired_differences(vals, arm: str, metric: str, base: str = "dense") -> dict
     return iv
 
 
+def relative_difference(vals, arm: str, metric: str = "heldout_loss", base: str = "dense") -> dict:
+    """:func:`paired_interval` of the per-seed relative differences ``(arm - base) / base`` in percent
+    (the issue's "within X % of dense, 95 % interval [a, b]"), over the seeds both have."""
+    iv = paired_differences(vals, arm, metric, base)
+    rel = [100.0 * d / vals[(base, s)][metric] for s, d in zip(iv["seeds"], iv["diffs"])]
+    out = paired_interval(rel)
+    out["seeds"] = iv["seeds"]
+    return out
+
+
+def relative_lines(vals, arms, S, tokens) -> list:
+    """One sentence per sparse arm: its held-out loss relative to dense with the 95 % interval, and
+    whether it meets "within +-1 %, interval inside +-2 %"."""
+    out = []
+    for a in arms:
+        if a == "dense":
+            continue
+        iv = relative_difference(vals, a)
+        if not iv["n"]:
+            continue
+        if iv["lo"] is None:
+            out.append(f"* {a}: held-out loss @ {S} {iv['mean']:+.2f} % of dense's at {tokens} tokens "
+                       f"(one seed: no interval).")
+            continue
+        within = abs(iv["mean"]) <= 1.0 and -2.0 <= iv["lo"] and iv["hi"] <= 2.0
+        out.append(f"* {a}: held-out loss @ {S} {iv['mean']:+.2f} % of dense's at {tokens} tokens, 95 % interval "
+                   f"[{iv['lo']:+.2f} %, {iv['hi']:+.2f} %] over {iv['n']} seeds; within +-1 % with the interval "
+                   f"inside +-2 %: {'yes' if within else 'no'}.")
+    return out
+
+
 def seed_report_md(rows, protocol: dict | None = None) -> str:
     """Markdown of the multi-seed comparison of ``rows``."""
     vals, notes = seed_values(rows)
@@ -852,6 +883,10 @@ def seed_report_md(rows, protocol: dict | None = None) -> str:
             per = ", ".join(f"s{s}: {d:+.4g}" for s, d in zip(iv["seeds"], iv["diffs"]))
             lines.append(f"| {what.format(S=S)} | {a} − dense | {iv['n']} | {iv['mean']:+.4g} | {ci} | {per} "
                          f"| {verdict(iv)} |")
+    rel = relative_lines(vals, arms, S, ", ".join(f"{b:,}" for b in budget) or "—")
+    if rel:
+        lines += ["", "Held-out loss (evaluator) relative to dense, per seed (arm − dense) / dense, mean and 95 % "
+                  "t-interval:", ""] + rel
     times = {s: v.get("equal_time") for (_, s), v in sorted(vals.items())}
     lines += ["", "Equal training time: each seed's arms are read at its fastest arm's training time (seconds, "
               "compile excluded): " + ", ".join(f"seed {s}: {fmt(t, '.1f')}" for s, t in sorted(times.items()))

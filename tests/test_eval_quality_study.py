@@ -96,6 +96,31 @@ def test_paired_interval_on_synthetic_numbers():
     assert any("corpus_sha" in n for n in notes) and any("several rows" in n for n in notes)
 
 
+def test_relative_difference_is_per_seed_and_judges_the_target():
+    def row(arm, seed, loss):
+        return {"arm": arm, "seed": seed, "heldout_loss": loss, "steps": 2, "tokens": 1024, "tokens_per_step": 512,
+                "corpus_sha": "x", "train_loss": [[1, 3.0], [2, 2.0]], "heldout_curve": [[2, loss]],
+                "train_time": [[1, 1.0], [2, 2.0]]}
+
+    dense = [2.0, 1.0, 4.0]
+    # the same 10 % gap at every seed, whatever the seed's own loss level: exactly -10 %, no spread
+    vals, _ = quality_study.seed_values([row("dense", s, d) for s, d in enumerate(dense)]
+                                        + [row("mtraining", s, 0.9 * d) for s, d in enumerate(dense)])
+    iv = quality_study.relative_difference(vals, "mtraining")
+    assert iv["seeds"] == [0, 1, 2] and np.allclose(iv["diffs"], [-10.0] * 3) and abs(iv["mean"] + 10.0) < 1e-9
+    (line,) = quality_study.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
+    assert "-10.00 % of dense's" in line and line.endswith("inside +-2 %: no.")
+    # within 1 % and the interval inside 2 %: yes; the interval is that of the per-seed percentages
+    vals, _ = quality_study.seed_values([row("dense", s, d) for s, d in enumerate(dense)]
+                                        + [row("mtraining", s, d * (1 + r)) for s, (d, r) in
+                                           enumerate(zip(dense, [0.002, -0.004, 0.005]))])
+    iv = quality_study.relative_difference(vals, "mtraining")
+    ref = quality_study.paired_interval([0.2, -0.4, 0.5])
+    assert abs(iv["lo"] - ref["lo"]) < 1e-9 and abs(iv["hi"] - ref["hi"]) < 1e-9
+    (line,) = quality_study.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
+    assert line.endswith("inside +-2 %: yes.") == (-2 <= ref["lo"] and ref["hi"] <= 2)
+
+
 def test_loss_at_equal_training_time():
     """Each seed's arms are read at its fastest arm's training time: the slower arm's held-out curve
     is interpolated in time, the faster arm's is its final value."""
@@ -270,6 +295,9 @@ def test_quality_study_seeds_smoke(tmp_path):
     md = open(os.path.join(out, "seeds.md")).read()
     assert "| held-out loss @ 512, evaluator (nats/byte) | mtraining − dense | 2 |" in md
     assert "Token budget per arm and seed: 1,024 tokens" in md
+    rel = 100 * np.mean([(by[("mtraining", s)]["heldout_loss"] - by[("dense", s)]["heldout_loss"])
+                         / by[("dense", s)]["heldout_loss"] for s in (0, 1)])
+    assert f"* mtraining: held-out loss @ 512 {rel:+.2f} % of dense's at 1,024 tokens, 95 % interval" in md
     assert os.path.getsize(os.path.join(out, "loss_vs_tokens.png")) > 10_000
     os.remove(os.path.join(out, "seeds.md"))
     assert quality_study.main(["--out", out, "--report-only"]) == 0
