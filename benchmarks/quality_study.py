@@ -1095,6 +1095,8 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child
+    p.add_argument("--runs", help="with --report-only: comma-separated `run` tags, only the rows of these runs "
+                   "(e.g. s8-800-steps-4-seeds of results/quality/quality.jsonl)")
     p.add_argument("--msa-warmup-fraction", type=float, default=MSA_WARMUP_FRACTION,
                    help="msa variant: indexer warm-up (dense attention + full-support KL) as a fraction of the steps")
     p.add_argument("--msa-kl-coef", type=float, help="msa variant: KL coefficient (default: configs/quality/msa.yaml)")
@@ -1115,8 +1117,12 @@ def main(argv=None) -> int:
     args.argv = argv
     if args.report_only is not None:
         rows = read_rows(args.report_only or [os.path.join(args.out, "quality.jsonl")])
+        if args.runs:
+            keep = set(args.runs.split(","))
+            rows = [r for r in rows if r.get("run") in keep]
         if not rows:
-            print("no rows of the multi-seed study (rows with 'arm') found", file=sys.stderr)
+            print("no rows of the multi-seed study (rows with 'arm'"
+                  + (f", run in {args.runs!r}" if args.runs else "") + ") found", file=sys.stderr)
             return 1
         print(write_seed_report(rows, args.out))
         return 0

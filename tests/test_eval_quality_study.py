@@ -330,3 +330,16 @@ def test_quality_study_seeds_smoke(tmp_path):
     assert "| metric | dense s0 | mtraining s0 | dense s1 | mtraining s1 |" in md and "| mtraining s0 | 2 |" in md
     assert "| mtraining s0 | vertical_min=512, last_q=128 | 0.9 |" in md
     assert "| mtraining s0 | " in md and "| reference (every layer) |" in md
+
+
+def test_committed_four_seed_run_reports_what_the_results_say(tmp_path):
+    """The committed rows of run s8-800-steps-4-seeds, re-reported: the numbers results/quality/quality.md
+    quotes (paired difference, its interval, the relative line) come out of the rows."""
+    rows = os.path.join(os.path.dirname(__file__), "..", "results", "quality", "quality.jsonl")
+    assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs", "s8-800-steps-4-seeds"]) == 0
+    md = open(tmp_path / "seeds.md").read()
+    assert ("| held-out loss @ 32768, evaluator (nats/byte) | mtraining − dense | 4 | -0.1187 | [-0.2249, -0.01257] |"
+            in md)
+    assert "-8.28 % of dense's at 26,214,400 tokens, 95 % interval [-15.24 %, -1.32 %] over 4 seeds" in md
+    assert "Notes:" not in md  # every seed paired on the same corpus, one row per (arm, seed)
+    assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs", "no-such-run"]) == 1
