@@ -1,0 +1,354 @@
+"""Statistics of the multi-seed quality study (``benchmarks/quality_study.py``): the rows of a run read
+per (arm, seed), paired differences arm - dense per seed with a two-sided Student-t interval over the
+seeds (no scipy), the loss at equal training time, the markdown comparison (``seeds.md``) and its plot
+(``loss_vs_tokens.png``). Pure functions of the JSONL rows; nothing here trains or evaluates."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+
+VARIANTS = ("dense", "mtraining", "msa")  # the arms, in report order
+
+
+def _curve(r) -> list:
+    """The trainer's held-out curve (``heldout_loss`` held it in records before the multi-seed study)."""
+    c = r.get("heldout_curve")
+    return c if c is not None else (r["heldout_loss"] if isinstance(r.get("heldout_loss"), list) else [])
+
+
+def _student_t_two_sided(t: float, df: int) -> float:
+    """``P(|T| <= t)`` for Student's t with integer ``df`` (closed form, Abramowitz & Stegun 26.7.3-4)."""
+    theta = math.atan(t / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2:  # odd
+        term = total = math.cos(theta)
+        for k in range(1, (df - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        return (2 / math.pi) * (theta + (s * total if df > 1 else 0.0))
+    term = total = 1.0
+    for k in range(1, df // 2):
+        term *= c2 * (2 * k - 1) / (2 * k)
+        total += term
+    return s * total
+
+
+def t_quantile(q: float, df: int) -> float:
+    """The ``q`` quantile (``0.5 < q < 1``) of Student's t with integer ``df >= 1``, by bisection on
+    the closed-form distribution function (no scipy): ``t_quantile(0.975, 2) = 4.303``."""
+    if not 0.5 < q < 1.0 or int(df) != df or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 < q < 1 and an integer df >= 1, got q={q}, df={df}")
+    target, lo, hi = 2 * q - 1, 0.0, 1.0
+    while _student_t_two_sided(hi, int(df)) < target:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _student_t_two_sided(mid, int(df)) < target else (lo, mid)
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return (lo + hi) / 2
+
+
+def paired_interval(diffs, confidence: float = 0.95) -> dict:
+    """Mean of the per-seed differences and its two-sided ``confidence`` t-interval over the seeds
+    (``df = n - 1``); ``lo``/``hi``/``sd`` are ``None`` for one seed."""
+    d = [float(x) for x in diffs]
+    n = len(d)
+    out = {"n": n, "mean": statistics.fmean(d) if d else None, "sd": None, "se": None, "t": None,
+           "lo": None, "hi": None, "confidence": confidence, "diffs": d}
+    if n >= 2:
+        sd = statistics.stdev(d)
+        t = t_quantile(0.5 + confidence / 2, n - 1)
+        se = sd / math.sqrt(n)
+        out.update(sd=sd, se=se, t=t, lo=out["mean"] - t * se, hi=out["mean"] + t * se)
+    return out
+
+
+def verdict(iv: dict) -> str:
+    if iv["n"] == 0:
+        return "no paired seeds"
+    if iv["lo"] is None:
+        return "one seed: no interval, no difference established"
+    if iv["lo"] > 0:
+        return "higher than dense (interval excludes 0)"
+    if iv["hi"] < 0:
+        return "lower than dense (interval excludes 0)"
+    return "no difference established (interval includes 0)"
+
+
+def read_rows(paths) -> list:
+    """The rows of the JSONL ``paths`` that belong to the multi-seed study (they carry ``arm``)."""
+    rows = []
+    for p in paths:
+        if not os.path.isfile(p):
+            continue
+        with open(p) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    r = json.loads(line)
+                    if "arm" in r:
+                        rows.append(r)
+    return rows
+
+
+def _value_at_time(curve, times, T):
+    """``curve [[step, value]]`` read at training time ``T`` (linear in time between its points;
+    its last value at or after its end; ``None`` before its first point)."""
+    import numpy as np
+
+    tmap = {int(s): float(t) for s, t in times}
+    pts = [(tmap[int(s)], float(v)) for s, v in curve if int(s) in tmap]
+    if not pts or T < pts[0][0] - 1e-9:
+        return None
+    ts, vs = zip(*pts)
+    return float(np.interp(T, ts, vs))
+
+
+def _train_loss_at_time(r, T, share: float = 0.05):
+    """Mean train loss over the last ``share`` of the run's steps done by training time ``T``."""
+    tmap = {int(s): float(t) for s, t in r.get("train_time") or []}
+    done = [float(l) for s, l in r["train_loss"] if int(s) in tmap and tmap[int(s)] <= T + 1e-9]
+    if not done:
+        return None
+    k = max(1, int(round(share * r["steps"])))
+    return statistics.fmean(done[-k:])
+
+
+PAIRED = (("heldout_loss", "held-out loss @ {S}, evaluator (nats/byte)"),
+          ("trainer_heldout_final", "held-out loss, trainer's eval, final"),
+          ("heldout_equal_time", "held-out loss, trainer's eval, at equal training time"),
+          ("train_loss_equal_time", "train loss (last 5 % of steps) at equal training time"),
+          ("niah_accuracy", "NIAH passkey accuracy (whole answer)"),
+          ("niah_token_accuracy", "NIAH answer-token accuracy"),
+          ("recall", "index recall p = 0.9 (mean over heads)"))
+
+
+def seed_values(rows) -> tuple:
+    """``(values {(arm, seed): {metric: value}}, notes)``: the last row of each (arm, seed), its
+    metrics, and the equal-time values at each seed's fastest arm's training time."""
+    last, notes = {}, []
+    for r in rows:
+        if r.get("error"):
+            notes.append(f"{r['arm']} seed {r.get('seed')}: failed ({r['error']})")
+            continue
+        key = (r["arm"], r["seed"])
+        if key in last:
+            notes.append(f"{r['arm']} seed {r['seed']}: several rows, the last one is used")
+        last[key] = r
+    vals = {}
+    for (arm, seed), r in last.items():
+        curve = _curve(r)
+        vals[(arm, seed)] = {"heldout_loss": r.get("heldout_loss"), "niah_accuracy": r.get("niah_accuracy"),
+                             "niah_token_accuracy": r.get("niah_token_accuracy"), "recall": r.get("recall"),
+                             "trainer_heldout_final": curve[-1][1] if curve else None,
+                             "tokens": r.get("tokens"), "tokens_per_s": r.get("tokens_per_s"),
+                             "train_compute_seconds": r.get("train_compute_seconds"),
+                             "corpus_sha": r.get("corpus_sha"), "device": r.get("device")}
+    for seed in sorted({s for _, s in last}):
+        arms = [a for a, s in last if s == seed]
+        totals = [last[(a, seed)]["train_time"][-1][1] for a in arms if last[(a, seed)].get("train_time")]
+        T = min(totals) if totals else None
+        for a in arms:
+            r, v = last[(a, seed)], vals[(a, seed)]
+            v["equal_time"] = T
+            ok = T is not None and r.get("train_time")
+            v["heldout_equal_time"] = _value_at_time(_curve(r), r["train_time"], T) if ok else None
+            v["train_loss_equal_time"] = _train_loss_at_time(r, T) if ok else None
+        for k in ("tokens", "corpus_sha", "device"):
+            got = {vals[(a, seed)][k] for a in arms}
+            if len(got) > 1:
+                notes.append(f"seed {seed}: the arms differ in {k} ({sorted(map(str, got))})"
+                             + ("; this seed is left out of the paired differences" if k != "device" else
+                                "; equal-time values compare different devices"))
+                if k != "device":
+                    for a in arms:
+                        vals[(a, seed)]["unpaired"] = True
+    return vals, notes
+
+
+def paired_differences(vals, arm: str, metric: str, base: str = "dense") -> dict:
+    """:func:`paired_interval` of ``arm - base`` over the seeds both have (and whose data match)."""
+    seeds = sorted(s for a, s in vals if a == arm and (base, s) in vals)
+    pairs = [(s, vals[(arm, s)].get(metric), vals[(base, s)].get(metric)) for s in seeds
+             if not vals[(arm, s)].get("unpaired")]
+    pairs = [(s, x, y) for s, x, y in pairs if x is not None and y is not None]
+    iv = paired_interval([x - y for _, x, y in pairs])
+    iv["seeds"] = [s for s, _, _ in pairs]
+    return iv
+
+
+def relative_difference(vals, arm: str, metric: str = "heldout_loss", base: str = "dense") -> dict:
+    """:func:`paired_interval` of the per-seed relative differences ``(arm - base) / base`` in percent
+    (the issue's "within X % of dense, 95 % interval [a, b]"), over the seeds both have."""
+    iv = paired_differences(vals, arm, metric, base)
+    rel = [100.0 * d / vals[(base, s)][metric] for s, d in zip(iv["seeds"], iv["diffs"])]
+    out = paired_interval(rel)
+    out["seeds"] = iv["seeds"]
+    return out
+
+
+def relative_lines(vals, arms, S, tokens) -> list:
+    """One sentence per sparse arm: its held-out loss relative to dense with the 95 % interval, and
+    whether it meets "within +-1 %, interval inside +-2 %"."""
+    out = []
+    for a in arms:
+        if a == "dense":
+            continue
+        iv = relative_difference(vals, a)
+        if not iv["n"]:
+            continue
+        if iv["lo"] is None:
+            out.append(f"* {a}: held-out loss @ {S} {iv['mean']:+.2f} % of dense's at {tokens} tokens "
+                       f"(one seed: no interval).")
+            continue
+        within = abs(iv["mean"]) <= 1.0 and -2.0 <= iv["lo"] and iv["hi"] <= 2.0
+        out.append(f"* {a}: held-out loss @ {S} {iv['mean']:+.2f} % of dense's at {tokens} tokens, 95 % interval "
+                   f"[{iv['lo']:+.2f} %, {iv['hi']:+.2f} %] over {iv['n']} seeds; within +-1 % with the interval "
+                   f"inside +-2 %: {'yes' if within else 'no'}.")
+    return out
+
+
+def seed_report_md(rows, protocol: dict | None = None) -> str:
+    """Markdown of the multi-seed comparison of ``rows``."""
+    vals, notes = seed_values(rows)
+    arms = [a for a in VARIANTS if any(k[0] == a for k in vals)]
+    fmt = lambda v, f=".4f": "—" if v is None else format(v, f)  # noqa: E731
+    lines = ["# Multi-seed quality study", ""]
+    ref = next((r for r in reversed(rows) if not r.get("error")), rows[-1] if rows else {})
+    S = ref.get("seq_len") or "S"
+    budget = sorted({v["tokens"] for v in vals.values() if v.get("tokens")})
+    lines.append(f"Token budget per arm and seed: {', '.join(f'{b:,}' for b in budget) or '—'} tokens "
+                 f"({ref.get('steps')} steps of {ref.get('tokens_per_step')} tokens); retrieval in the training mix "
+                 f"{json.dumps(ref.get('retrieval'))}; evaluation haystack {ref.get('eval_haystack')}; "
+                 f"devices {sorted({str(v.get('device')) for v in vals.values()})}; commits "
+                 f"{sorted({str(r.get('commit')) for r in rows})}.")
+    if protocol:
+        lines.append(f"Protocol: {json.dumps(protocol)}")
+    lines += ["", "Per arm (mean ± s.d. over seeds; s.d. needs two seeds):", "",
+              f"| arm | seeds | held-out loss @ {S} | trainer's held-out, final | NIAH accuracy | index recall p=0.9 "
+              "| tokens/s | training s (compile excluded) |", "|---|---|---|---|---|---|---|---|"]
+
+    def ms(a, k, f=".4f"):
+        xs = [v[k] for (b, _), v in sorted(vals.items()) if b == a and v.get(k) is not None]
+        if not xs:
+            return "—"
+        return format(statistics.fmean(xs), f) + (f" ± {statistics.stdev(xs):{f}}" if len(xs) > 1 else "")
+
+    for a in arms:
+        seeds = sorted(s for b, s in vals if b == a)
+        lines.append(f"| {a} | {', '.join(map(str, seeds))} | {ms(a, 'heldout_loss')} | {ms(a, 'trainer_heldout_final')} "
+                     f"| {ms(a, 'niah_accuracy', '.3f')} | {ms(a, 'recall', '.3f')} | {ms(a, 'tokens_per_s', ',.0f')} "
+                     f"| {ms(a, 'train_compute_seconds', '.1f')} |")
+    lines += ["", "Paired differences arm − dense (per seed, same data and order), mean and 95 % t-interval over "
+              "seeds (t_{0.975, n−1}):", "",
+              "| metric | arm − dense | n | mean | 95 % interval | per seed | verdict |", "|---|---|---|---|---|---|---|"]
+    for a in arms:
+        if a == "dense":
+            continue
+        for k, what in PAIRED:
+            iv = paired_differences(vals, a, k)
+            if not iv["n"]:
+                continue
+            ci = f"[{iv['lo']:+.4g}, {iv['hi']:+.4g}]" if iv["lo"] is not None else "—"
+            per = ", ".join(f"s{s}: {d:+.4g}" for s, d in zip(iv["seeds"], iv["diffs"]))
+            lines.append(f"| {what.format(S=S)} | {a} − dense | {iv['n']} | {iv['mean']:+.4g} | {ci} | {per} "
+                         f"| {verdict(iv)} |")
+    rel = relative_lines(vals, arms, S, ", ".join(f"{b:,}" for b in budget) or "—")
+    if rel:
+        lines += ["", "Held-out loss (evaluator) relative to dense, per seed (arm − dense) / dense, mean and 95 % "
+                  "t-interval:", ""] + rel
+    times = {s: v.get("equal_time") for (_, s), v in sorted(vals.items())}
+    lines += ["", "Equal training time: each seed's arms are read at its fastest arm's training time (seconds, "
+              "compile excluded): " + ", ".join(f"seed {s}: {fmt(t, '.1f')}" for s, t in sorted(times.items()))
+              + ". A slower arm's value there comes from its fixed-budget run (learning rate not yet decayed)."]
+    if notes:
+        lines += ["", "Notes:"] + [f"* {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot_seeds(rows, path: str, smooth: int = 10) -> str:
+    """Loss vs training tokens (mean over seeds, band min-max) and held-out loss vs training seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    vals, _ = seed_values(rows)
+    last = {}
+    for r in rows:
+        if not r.get("error"):
+            last[(r["arm"], r["seed"])] = r
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"dense": "C0", "mtraining": "C1", "msa": "C2"}
+    zoom = None
+    for a in VARIANTS:
+        rs = [r for (b, _), r in sorted(last.items()) if b == a and r.get("train_loss")]
+        if not rs:
+            continue
+        n = min(len(r["train_loss"]) for r in rs)
+        k = max(1, min(smooth, n))
+        ys = []
+        for r in rs:
+            y = np.asarray([l for _, l in r["train_loss"][:n]], float)
+            ys.append(np.convolve(y, np.ones(k) / k, mode="valid"))
+        ys = np.stack(ys)
+        x = np.asarray([s for s, _ in rs[0]["train_loss"][:n]], float)[k - 1:] * rs[0]["tokens_per_step"] / 1e6
+        ax.plot(x, ys.mean(0), color=colors[a], lw=1.2, label=f"{a} train ({len(rs)} seeds, mean; band min-max)")
+        ax.fill_between(x, ys.min(0), ys.max(0), color=colors[a], alpha=0.25, lw=0)
+        if len(x) > 10:  # the last 40 % of the budget, where the arms' differences are
+            if zoom is None:
+                zoom = ax.inset_axes([0.42, 0.42, 0.55, 0.4])
+            tail = x >= 0.6 * x[-1]
+            zoom.plot(x[tail], ys.mean(0)[tail], color=colors[a], lw=1)
+            zoom.fill_between(x[tail], ys.min(0)[tail], ys.max(0)[tail], color=colors[a], alpha=0.25, lw=0)
+        cs = [_curve(r) for r in rs if _curve(r)]
+        if cs:
+            m = min(len(c) for c in cs)
+            hv = np.asarray([[v for _, v in c[:m]] for c in cs])
+            hx = np.asarray([s for s, _ in cs[0][:m]], float) * rs[0]["tokens_per_step"] / 1e6
+            err = np.clip([hv.mean(0) - hv.min(0), hv.max(0) - hv.mean(0)], 0, None)  # rounding: never < 0
+            ax.errorbar(hx, hv.mean(0), yerr=err, fmt="o--",
+                        color=colors[a], ms=3, lw=0.8, capsize=2, label=f"{a} held-out (trainer)")
+        for r in rs:
+            c, tm = _curve(r), {int(s): t for s, t in r.get("train_time") or []}
+            pts = [(tm[int(s)], v) for s, v in c if int(s) in tm]
+            if pts:
+                bx.plot(*zip(*pts), "o-", color=colors[a], ms=2, lw=0.8, alpha=0.8,
+                        label=a if r is rs[0] else None)
+    for s in sorted({s for _, s in vals}):
+        T = next((v.get("equal_time") for (b, t), v in vals.items() if t == s), None)
+        if T:
+            bx.axvline(T, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("loss vs tokens", fontsize=9)
+    bx.set_xlabel("training seconds (compile excluded)")
+    bx.set_ylabel("held-out loss, trainer's eval")
+    bx.set_title("held-out loss vs time, one line per seed (dotted: equal-time points)", fontsize=9)
+    for a_ in (ax, bx):
+        a_.grid(alpha=0.3)
+        a_.legend(fontsize=7, loc="upper right" if zoom is None or a_ is bx else "lower left")
+    if zoom is not None:
+        zoom.grid(alpha=0.3)
+        zoom.tick_params(labelsize=6)
+        zoom.set_title("last 40 % of the tokens", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_seed_report(rows, out: str, protocol: dict | None = None) -> str:
+    """``seeds.md`` and ``loss_vs_tokens.png`` in ``out`` from ``rows``; returns the markdown."""
+    os.makedirs(out, exist_ok=True)
+    md = seed_report_md(rows, protocol)
+    with open(os.path.join(out, "seeds.md"), "w") as f:
+        f.write(md)
+    if any(r.get("train_loss") for r in rows):
+        plot_seeds(rows, os.path.join(out, "loss_vs_tokens.png"))
+    return md
