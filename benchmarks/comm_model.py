@@ -54,6 +54,8 @@ import os
 import re
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from benchmarks.ring_comm import Hop, exchange_hops, hop_bytes, hop_link, ring_hops
 from benchmarks.trace_summary import COMM
 from mtraining_jax.ring.exchange import capacity_tokens, validate_kv_exchange
@@ -558,8 +560,11 @@ class RingCosts:
     (``index_token_s``, before the ring) and the rest (``xla_token_s``: loss, delta, conversions); XLA
     work per ring step beyond the first (``step_fixed_s + step_row_s * chunk rows``: the step's index
     conversion, concatenations, accumulator adds and stacks, copies, small kernels); ``host_s`` per
-    timed call (dispatch, sync, idle gaps); ``sync_hops``: collective-permutes the compiled program runs
-    synchronously (each exposes one K/V hop)."""
+    timed call (dispatch, sync, idle gaps), ``host_multi_s`` instead on more than one GPU when set (a
+    two-length fit measures it on the multi-GPU records: :func:`fit_two_lengths`); ``call_fixed_s``: a
+    per-call cost that does not scale with the rows (launch, pipeline fill, the last wave; also from a
+    two-length fit); ``sync_hops``: collective-permutes the compiled program runs synchronously (each
+    exposes one K/V hop)."""
 
     rate: float
     call_row_s: float = 0.0
@@ -569,10 +574,20 @@ class RingCosts:
     step_row_s: float = 0.0
     host_s: float = 0.0
     sync_hops: int = 0
+    call_fixed_s: float = 0.0
+    host_multi_s: float | None = None
 
     def step_xla(self, rows: float) -> float:
         """XLA seconds of one ring step beyond the first, for chunks of ``rows`` tokens."""
         return self.step_fixed_s + self.step_row_s * rows
+
+    def call(self, rows: float) -> float:
+        """Seconds of one kernel call's per-call cost (forward + backward) on ``rows`` query rows."""
+        return self.call_fixed_s + self.call_row_s * rows
+
+    def host(self, ranks: int) -> float:
+        """The host term of a layer on ``ranks`` GPUs."""
+        return self.host_s if ranks == 1 or self.host_multi_s is None else self.host_multi_s
 
     def with_form(self, form: str, rows_ref: float) -> "RingCosts":
         """The same per-step cost at chunks of ``rows_ref`` tokens, scaled with the chunk as ``form``
@@ -624,12 +639,12 @@ def simulate_fused(w: Workload, num_nodes: int, num_local: int, ring_order: str 
     time 0 and overlaps it. Each kernel call of a pass first runs its step's XLA work (``step_xla / 2``
     per pass and step beyond the first; it needs no chunk), then waits for its chunk's K/V hop (posted
     one step ahead on the inner ring, one inner loop ahead on the outer ring, as :func:`simulate`),
-    then runs its kernels (``flops / P^2 / rate`` per step plus ``call_row_s * S/P`` per call, 1:2.5
+    then runs its kernels (``flops / P^2 / rate`` per step plus ``costs.call(S/P)`` per call, 1:2.5
     forward : backward). A backward call runs its dQ kernel, then waits for the float32 dK/dV hop of
     its chunk, posted when the call holding the previous step ended, then runs its dK/dV kernels; the
     dK/dV of the own chunk (fused into the first backward call) comes home after the last call and
     overlaps the remaining XLA work (``xla_token_s * S/P``). Synchronous permutes add a K/V hop each;
-    ``host_s`` is added once. The exposed communication is the waiting."""
+    ``costs.host(P)`` is added once. The exposed communication is the waiting."""
     if w.S % (num_nodes * num_local):
         raise ValueError(f"S={w.S} does not divide over {num_nodes} x {num_local} ranks")
     if not 0 < w.density <= 1:
@@ -641,7 +656,7 @@ def simulate_fused(w: Workload, num_nodes: int, num_local: int, ring_order: str 
     links = _links(num_nodes, ring_order, intra, inter)
     n_inner = P if ring_order == "flat" else num_local
     work = w.flops / P / P / costs.rate  # kernels of one (rank, step), forward + backward
-    call = costs.call_row_s * rows  # per kernel call, forward + backward
+    call = costs.call(rows)  # per kernel call, forward + backward
     prep = costs.step_xla(rows) / 2  # per pass and step beyond the first
     index, post = costs.index_token_s * rows, costs.xla_token_s * rows
     hop_t, sent = {}, {"inner": 0, "outer": 0}
@@ -711,10 +726,11 @@ def simulate_fused(w: Workload, num_nodes: int, num_local: int, ring_order: str 
         exposed += sync
         end += sync
     nf, nb = len(fg), len(bg)
-    return FusedPrediction(step_s=end + costs.host_s, kernel_s=work * P,
+    host = costs.host(P)
+    return FusedPrediction(step_s=end + host, kernel_s=work * P,
                            call_s=call * (nf * (1 - BWD_SHARE) + nb * BWD_SHARE), index_s=index, xla_token_s=post,
                            xla_step_s=sum(preps(fg, fuse_forward)) + sum(preps(bg, fuse_backward)),
-                           exposed_comm_s=exposed, host_s=costs.host_s, bytes_inner=sent["inner"],
+                           exposed_comm_s=exposed, host_s=host, bytes_inner=sent["inner"],
                            bytes_outer=sent["outer"], steps=P, calls=max(nf, nb))
 
 
@@ -801,13 +817,59 @@ def fit_costs(one: dict, terms: dict, sync_hops: int = 0) -> RingCosts:
         raise ValueError(f"fit_costs needs a one-GPU record, got mesh {one.get('mesh')}")
     c = trace_components(one)
     S = one["S"]
-    work_ms = c["kernels"] - terms["call_row_s"] * S * 1e3
+    call_fixed_s = terms.get("call_fixed_s", 0.0)
+    work_ms = c["kernels"] - (call_fixed_s + terms["call_row_s"] * S) * 1e3
     if work_ms <= 0:
         raise ValueError("the per-call cost exceeds the one-GPU kernels' time")
     return RingCosts(rate=Workload(S, one["density"]).flops / (work_ms * 1e-3), call_row_s=terms["call_row_s"],
                      index_token_s=c["index"] * 1e-3 / S, xla_token_s=(c["xla"] - c["index"]) * 1e-3 / S,
                      step_fixed_s=terms["step_fixed_s"], step_row_s=terms["step_row_s"],
-                     host_s=one["sparse_fwdbwd_s"] - (c["compute"] + c["exposed"]) * 1e-3, sync_hops=int(sync_hops))
+                     host_s=measured_host_s(one), sync_hops=int(sync_hops), call_fixed_s=call_fixed_s,
+                     host_multi_s=terms.get("host_multi_s"))
+
+
+def measured_host_s(rec: dict) -> float:
+    """A traced record's host term: its measured time minus the trace's compute and exposed time."""
+    c = trace_components(rec)
+    return rec["sparse_fwdbwd_s"] - (c["compute"] + c["exposed"]) * 1e-3
+
+
+def fit_two_lengths(pairs) -> dict:
+    """Per-call, per-step and multi-GPU host terms from traced ``(one-GPU, multi-GPU)`` record pairs at
+    TWO lengths (same mesh family, e.g. 1x4 at 256K and 512K), solved exactly instead of assumed:
+
+    * kernels: ``K_P - K_1 / P = c0 (m - 1/P) + c1 (S/P) (m - 1)`` per length (``m`` calls per pass,
+      weighted 1 : 2.5 forward : backward; each call costs ``c0 + c1 * rows``) -> ``call_fixed_s = c0``,
+      ``call_row_s = c1``;
+    * XLA per ring step beyond the first: ``(X_P - X_1 / P) / (P - 1) = x0 + x1 * S/P`` per length ->
+      ``step_fixed_s``, ``step_row_s``;
+    * host term on more than one GPU: the mean of the multi-GPU records' measured host terms
+      (:func:`measured_host_s`), ``host_multi_s``.
+
+    Returns the terms (seconds), with the inputs (ms) per pair under ``pairs``."""
+    if len(pairs) != 2:
+        raise ValueError(f"fit_two_lengths needs two (one-GPU, multi-GPU) pairs, got {len(pairs)}")
+    A, b_call, X, b_step, inputs = [], [], [], [], []
+    for one, multi in pairs:
+        t = fit_step_terms(one, multi)
+        P, S, m = t["P"], t["S"], t["calls_weighted"]
+        A.append([m - 1 / P, (S / P) * (m - 1)])
+        b_call.append((t["kernels_ms"] - t["kernels_1gpu_ms"] / P) * 1e-3)
+        X.append([1.0, S / P])
+        b_step.append(t["step_s"])
+        inputs.append(dict(t, measured_host_ms=measured_host_s(multi) * 1e3))
+    if inputs[0]["S"] == inputs[1]["S"]:
+        raise ValueError(f"the two pairs are at the same length S={inputs[0]['S']}: the terms are not identifiable")
+    c0, c1 = np.linalg.solve(np.array(A), np.array(b_call))
+    x0, x1 = np.linalg.solve(np.array(X), np.array(b_step))
+    host = float(np.mean([p["measured_host_ms"] for p in inputs])) * 1e-3
+    first = inputs[0]
+    return dict(run=first["run"], mesh=first["mesh"], ring_order=first["ring_order"], S=first["S"], P=first["P"],
+                rows=first["rows"], form="two lengths", call_fixed_s=float(c0), call_row_s=float(c1),
+                step_fixed_s=float(x0), step_row_s=float(x1), step_s=float(x0 + x1 * first["rows"]),
+                row_fraction=float(x1 * first["rows"] / (x0 + x1 * first["rows"])) if x0 + x1 * first["rows"] else 0.0,
+                per_call_ms_at_S=float(c0 + c1 * first["S"]) * 1e3, host_multi_s=host, pairs=inputs,
+                fits=[(p["run"], p["mesh"], p["ring_order"], p["S"]) for p in inputs])
 
 
 #: the record whose trace gives the per-call and per-step terms: (run, mesh, ring order)
@@ -829,20 +891,27 @@ def calibrate_traced(records: list[dict], fit: tuple = FIT_RECORD, intra: Link =
                      inter: Link | None = None) -> tuple[list[dict], dict, dict]:
     """The traced families (records with ``sparse_trace``; ``run`` tag = same code and machine):
     per-call / per-step terms from the ``fit`` record (``(run, mesh, order[, S])``; :func:`fit_step_terms`,
-    with its family's one-GPU record of that length), every family's other costs from its own one-GPU
-    record (:func:`fit_costs`), each record predicted with :func:`simulate_fused` (its own count of
+    with its family's one-GPU record of that length) or, given a list of two such records at two
+    lengths, from both (:func:`fit_two_lengths`: per-call and per-step terms with a fixed and a per-row
+    part, and a multi-GPU host term); every family's other costs from its own one-GPU record
+    (:func:`fit_costs`), each record predicted with :func:`simulate_fused` (its own count of
     synchronous permutes from the compiled HLO; ``inter`` defaults to ``intra``: the measured meshes are
     one host), also with every per-step form (``forms``). Returns ``(rows, terms, {run: RingCosts})``; a
     row's ``role``: ``"fit: 1 GPU"``, ``"fit: per-step terms"`` or ``"held out"``."""
     traced = _traced(records)
-    run, mesh, order, fit_S = (tuple(fit) + (None,))[:4]
-    multi = _find(traced, run, mesh, order, S=int(fit_S) if fit_S else None)
-    if multi is None:
-        raise ValueError(f"no traced record {run} {mesh} {order} to fit the per-step terms on")
-    one_fit = _find(traced, run, "1x1", S=multi["S"])
-    if one_fit is None:
-        raise ValueError(f"no one-GPU traced record of {run} at S={multi['S']}")
-    terms = fit_step_terms(one_fit, multi)
+    fits = list(fit) if fit and isinstance(fit[0], (tuple, list)) else [fit]
+    pairs = []
+    for f in fits:
+        run, mesh, order, fit_S = (tuple(f) + (None,))[:4]
+        multi = _find(traced, run, mesh, order, S=int(fit_S) if fit_S else None)
+        if multi is None:
+            raise ValueError(f"no traced record {run} {mesh} {order} to fit the per-step terms on")
+        one_fit = _find(traced, run, "1x1", S=multi["S"])
+        if one_fit is None:
+            raise ValueError(f"no one-GPU traced record of {run} at S={multi['S']}")
+        pairs.append((one_fit, multi))
+    terms = fit_step_terms(*pairs[0]) if len(pairs) == 1 else fit_two_lengths(pairs)
+    fitted = [m for _, m in pairs]
     rows, costs = [], {}
     for r in sorted(traced, key=lambda r: (r["run"], r["S"], _mesh(r)[0] * _mesh(r)[1], _mesh(r),
                                            r.get("ring_order", ""))):
@@ -859,13 +928,13 @@ def calibrate_traced(records: list[dict], fit: tuple = FIT_RECORD, intra: Link =
                                    costs=c.with_form(f, terms["rows"]), intra=intra, inter=inter or intra,
                                    fuse_forward=ff, fuse_backward=fb).step_s for f in STEP_FORMS}
         m = trace_components(r)
-        role = "fit: 1 GPU" if n * l == 1 else "fit: per-step terms" if r is multi else "held out"
+        role = "fit: 1 GPU" if n * l == 1 else "fit: per-step terms" if any(r is m for m in fitted) else "held out"
         rows.append(dict(run=r["run"], commit=r.get("commit"), device=r.get("device"), S=r["S"], mesh=f"{n}x{l}",
                          ring_order=r.get("ring_order", "hierarchical"), role=role, measured_s=r["sparse_fwdbwd_s"],
                          predicted_s=p.step_s, rel_err=p.step_s / r["sparse_fwdbwd_s"] - 1,
                          sync_hops=c.sync_hops, predicted=p.as_dict(), forms=forms,
                          measured_trace_ms={k: m[k] for k in ("kernels", "xla", "index", "exposed", "idle", "span")},
-                         measured_host_ms=r["sparse_fwdbwd_s"] * 1e3 - m["compute"] - m["exposed"],
+                         measured_host_ms=measured_host_s(r) * 1e3,
                          worker_imbalance=r.get("worker_imbalance"), step_imbalance=r.get("step_imbalance")))
     return rows, terms, costs
 
@@ -1025,20 +1094,23 @@ def _plot_traced(result: dict, path: str) -> None:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(19, 5))
     cols = {"fit: 1 GPU": "C0", "fit: per-step terms": "C2", "held out": "C1"}
     rows = result["calibration"]
-    labels = [f"{r['run']}\n{r['mesh']}{' flat' if r['ring_order'] == 'flat' else ''}" for r in rows]
+    labels = [f"{r['run']} {r['S'] // 1024}K\n{r['mesh']}{' flat' if r['ring_order'] == 'flat' else ''}" for r in rows]
     errs = [r["rel_err"] * 100 for r in rows]
-    a.bar(labels, errs, color=[cols[r["role"]] for r in rows])
+    lim = max(12.0, min(30.0, max(abs(e) for e in errs) + 4))
+    a.bar(range(len(rows)), errs, color=[cols[r["role"]] for r in rows])
+    a.set_xticks(range(len(rows)), labels, fontsize=7)
     for x, (e, r) in enumerate(zip(errs, rows)):
-        a.text(x, e + (0.3 if e >= 0 else -0.9), f"{e:+.1f}%\n{r['measured_s'] * 1e3:.0f} ms", ha="center",
+        y = max(-lim + 1, min(lim - 3, e))  # a bar beyond the axis gets its label inside
+        a.text(x, y + (0.3 if e >= 0 else -0.9), f"{e:+.1f}%\n{r['measured_s'] * 1e3:.0f} ms", ha="center",
                fontsize=7, va="bottom" if e >= 0 else "top")
     for y in (-10, 10):
         a.axhline(y, color="k", ls="--", lw=1)
     a.axhline(0, color="k", lw=0.5)
     for role, col in cols.items():
-        a.bar([labels[0]], [0], color=col, label=role)
-    a.set_ylim(-12, 12)
+        a.bar([0], [0], color=col, label=role)
+    a.set_ylim(-lim, lim)
     a.set_ylabel("predicted / measured - 1, %")
-    a.set_title("sparse ring, 512K on H100: model error per record (target +-10 %)", fontsize=10)
+    a.set_title("sparse ring on H100: model error per record (target +-10 %)", fontsize=10)
     a.legend(fontsize=7, loc="lower left")
     preds = [r for r in result["predictions"] if r["ring"] == "sparse" and r["ring_order"] == "hierarchical"]
     for S, col in zip(sorted({r["S"] for r in preds}), ("C0", "C3")):
@@ -1088,7 +1160,8 @@ def main(argv=None) -> int:
                    help="older, untraced measurements: calibrated with the earlier rule (section 'earlier'); "
                         "rows of the families --records calibrates are left out")
     p.add_argument("--fit", default=":".join(FIT_RECORD),
-                   help="RUN:MESH:ORDER of the traced record that gives the per-call and per-step terms")
+                   help="RUN:MESH:ORDER[:S] of the traced record that gives the per-call and per-step terms, or two "
+                        "such records at two lengths, comma-separated (fixed + per-row terms, multi-GPU host term)")
     p.add_argument("--current", default="v14",
                    help="family (run tag) whose one-GPU record gives the predictions' costs")
     p.add_argument("--check", default="x4c:1x4:hierarchical:524288",
@@ -1102,9 +1175,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     runs = {x for x in a.runs.split(",") if x}
     records = [r for r in _records(a.records) if not runs or r.get("run") in runs]
-    fit = tuple(a.fit.split(":"))
+    fits = [tuple(f.split(":")) for f in a.fit.split(",") if f]
+    fit = fits[0] if len(fits) == 1 else fits
     traced = _traced(records)
-    ref = _find(traced, *fit[:3], S=int(fit[3]) if len(fit) > 3 else None)
+    ref = _find(traced, *fits[0][:3], S=int(fits[0][3]) if len(fits[0]) > 3 else None)
     if ref is None and traced:
         print(f"no traced record {a.fit} among --records: the earlier rule only")
     # the per-step model covers the families traced on the fit record's device; the rest: the earlier rule
@@ -1140,7 +1214,8 @@ def main(argv=None) -> int:
                                    length_err=length_err)
         cur = [r for r in traced if r["run"] == current]
         result.update(model=dict(
-            fit_record=dict(zip(("run", "mesh", "ring_order"), fit)), terms=terms, current=current,
+            fit_record=dict(zip(("run", "mesh", "ring_order"), fits[0])),
+            fit_records=[dict(zip(("run", "mesh", "ring_order", "S"), f)) for f in fits], terms=terms, current=current,
             current_commit=sorted({r.get("commit") for r in cur})[0], current_device=cur[0].get("device"),
             costs={k: dataclasses.asdict(v) for k, v in costs.items()}, prediction_costs=dataclasses.asdict(c),
             held_out_error=err, length_err=length_err, forms=list(STEP_FORMS), row_kernel_ms=ROW_KERNEL_MS,

@@ -433,7 +433,8 @@ def plot(rows: list[dict], path: str) -> None:
     line with dots for the one-level meshes 1xP, hollow squares (hierarchical) and triangles (flat)
     for two-level meshes NxL, and for fixed-total series a dotted ideal-linear line from P = 1.
     Right: per-GPU efficiency of the fixed-total series that have a 1-GPU point,
-    ``tokens_per_s(P) / (P * tokens_per_s(1))``, same colours and markers."""
+    ``tokens_per_s(P) / (P * tokens_per_s(1))``, same colours and markers; weak-scaling (per-GPU length)
+    series as the same ratio in active pairs per second (their rows' ``efficiency``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -471,6 +472,11 @@ def plot(rows: list[dict], path: str) -> None:
                 if two:
                     eff_ax.plot([r["gpus"] for r in two], [eff(r) for r in two], ls="none", marker=marker,
                                 mfc="none", ms=9, color=color)
+        if per_gpu and method == "sparse":  # weak scaling: the rows' own efficiency (active pairs per second)
+            pts = [r for r in one if r["efficiency"] is not None]
+            if pts:
+                eff_ax.plot([r["gpus"] for r in pts], [100.0 * r["efficiency"] for r in pts], marker="D", color=color,
+                            ls="-.", label=f"{name}, 1xP (active pairs / s)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     gp = sorted({r["gpus"] for r in rows})
@@ -485,8 +491,9 @@ def plot(rows: list[dict], path: str) -> None:
     eff_ax.set_xscale("log", base=2)
     eff_ax.set_xticks(gp, [str(g) for g in gp])
     eff_ax.set_xlabel("GPUs (context-parallel ranks)")
-    eff_ax.set_ylabel("per-GPU efficiency, % (fixed total length)")
-    eff_ax.set_title("tokens/s at P GPUs / (P x tokens/s at 1 GPU)", fontsize=9)
+    eff_ax.set_ylabel("per-GPU efficiency, %")
+    eff_ax.set_title("fixed total: tokens/s at P GPUs / (P x tokens/s at 1 GPU);\nper GPU (dash-dot): the same "
+                     "in active pairs / s", fontsize=9)
     eff_ax.grid(True, which="both", alpha=0.3)
     if eff_ax.lines[1:]:
         eff_ax.legend(fontsize=7)

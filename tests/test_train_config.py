@@ -33,6 +33,7 @@ def test_paper_setup_config():
     assert m.rope_scaling["rope_type"] == "yarn" and m.rope_scaling["factor"] == 32.0
     assert m.hidden_size == 2048 and m.num_layers == 36
     assert cfg.optim.grad_accum == 64
+    assert m.attention_backend == "mtraining"  # the paper trains sparse attention in every layer
 
 
 def test_overrides_are_typed_and_applied():
