@@ -71,6 +71,15 @@ Single-call outputs in ``--out`` besides the rows: ``quality.md`` (side-by-side 
 runs), ``loss_curves.png``, ``quality_niah.png``, ``quality_position_loss.png``,
 ``quality_recall.png``. A failing section is recorded as an error and the study goes on. Run dirs
 (no checkpoints) and the token files go to ``--work/seed<s>/``.
+
+A protocol longer than one device call runs in slices on one machine (``--work`` on a disk that
+persists between the calls): ``--run-steps N`` trains at most N steps of each arm's schedule, writes a
+checkpoint and stops (no evaluation, no row); each later call passes ``--resume`` (and ``--run-steps``
+again until the last slice), which continues every arm from its checkpoint; the call that reaches the
+last step evaluates and writes the row as one uninterrupted run would. The schedule (warm-up, decay,
+the MSA warm-up) is the whole run's in every slice; the first step of each slice, which compiles, counts
+as the median step in the training-time curve (``quality_invocations.json`` in the run dir records
+where the slices started).
 """
 
 from __future__ import annotations
@@ -287,17 +296,21 @@ def eval_spec(smoke: bool, seq_len: int, recall_ps=(0.9, 0.5), haystack: str = "
 # ----------------------------------------------------------------------------------- one run
 
 
-def time_curve(train_rows) -> list:
+def time_curve(train_rows, compile_steps=()) -> list:
     """``[[step, cumulative training seconds]]`` from the trainer's ``step_time`` (every logged
-    step; a gap of ``g`` steps counts ``g`` times the logged one); the first step, which carries the
-    compilation, counts as the median step."""
+    step; a gap of ``g`` steps counts ``g`` times the logged one); the first step and the steps in
+    ``compile_steps`` (the first of each resumed slice), which carry a compilation, count as the
+    median of the others."""
     import numpy as np
 
     st = [(int(m["step"]), float(m["step_time"])) for m in train_rows if "step_time" in m]
     if not st:
         return []
     if len(st) > 1:
-        st[0] = (st[0][0], float(np.median([t for _, t in st[1:]])))
+        slow = {st[0][0], *compile_steps}
+        rest = [t for s, t in st if s not in slow] or [t for _, t in st[1:]]
+        med = float(np.median(rest))
+        st = [(s, med if s in slow else t) for s, t in st]
     out, cum, prev = [], 0.0, 0
     for s, t in st:
         cum += t * max(s - prev, 1)
@@ -352,9 +365,22 @@ def base_row(name: str, seed, args) -> dict:
     return row
 
 
-def run_variant(name: str, args, corpus, seed=None) -> dict:
+def _slices(run_dir: str, start: int | None = None) -> list:
+    """The first steps of the run's slices (``quality_invocations.json``), with ``start`` appended
+    (and written) when given."""
+    path = os.path.join(run_dir, "quality_invocations.json")
+    starts = json.load(open(path)) if os.path.exists(path) else []
+    if start is not None:
+        starts = [s for s in starts if s < start] + [start]
+        with open(path, "w") as f:
+            json.dump(starts, f)
+    return starts
+
+
+def run_variant(name: str, args, corpus, seed=None) -> dict | None:
     """Train and evaluate one arm of one seed; every section's failure is recorded, not raised.
-    ``corpus``: :func:`build_corpus` (or the old ``(train, heldout)`` paths)."""
+    ``corpus``: :func:`build_corpus` (or the old ``(train, heldout)`` paths). ``None`` when this
+    call trained a slice that ends before the schedule does (``--run-steps``: module docstring)."""
     import numpy as np
 
     from mtraining_jax.eval.api import evaluate_params
@@ -377,6 +403,17 @@ def run_variant(name: str, args, corpus, seed=None) -> dict:
         over.append(f"steps={args.steps}")
     if seed is not None:
         over += seed_overrides(seed)
+    run_dir = os.path.join(work, name)
+    sliced = bool(getattr(args, "run_steps", None) or getattr(args, "resume", False))
+    ckdir = os.path.join(run_dir, "checkpoints")  # the configs' checkpoint folder (checkpoint.dir unset)
+    resume = (sliced and getattr(args, "resume", False) and os.path.isdir(ckdir)
+              and any(n.isdigit() for n in os.listdir(ckdir)))
+    if sliced:  # a checkpoint where a slice stops (and at the end): the next slice continues from it
+        over.append(f"checkpoint.every={args.steps or load_config(os.path.join(QUALITY, f'{name}.yaml'), over).steps}")
+    if getattr(args, "run_steps", None):
+        over.append(f"run_steps={args.run_steps}")
+    if resume:
+        over.append("checkpoint.resume=true")
     if name == "msa":
         steps = args.steps or load_config(os.path.join(QUALITY, "msa.yaml"), over).steps
         over.append(f"msa.warmup_steps={msa_warmup_steps(steps, args.msa_warmup_fraction)}")
@@ -389,13 +426,20 @@ def run_variant(name: str, args, corpus, seed=None) -> dict:
                data_seed=cfg.data.seed, corpus_sha=info.get("sha"),
                corpus={k: v for k, v in info.items() if k != "paths"})
     t0 = time.time()
-    result = run(cfg, overwrite=True)  # the study's run dirs are scratch: a rerun replaces them
+    result = run(cfg, overwrite=not resume)  # the study's run dirs are scratch: a new run replaces them
     rec["train_seconds"] = time.time() - t0
+    starts = _slices(cfg.run_dir, result.train_losses[0][0] if result.train_losses else None) if sliced else []
+    if result.final_step < cfg.steps:
+        print(f"[{name} seed {cfg.seed}] trained to step {result.final_step} of {cfg.steps} (a slice: "
+              f"{rec['train_seconds']:.0f}s); continue with --resume", flush=True)
+        return None
+    rec["slices"] = starts or None
     rows = [m for m in read_metrics(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in m]
     train_rows = [m for m in rows if m.get("split", "train") == "train"]
     rec["train_loss"] = [[int(m["step"]), float(m["loss"])] for m in train_rows]
-    rec["heldout_curve"] = [[int(e["step"]), float(e["loss"])] for e in result.eval_metrics if "loss" in e]
-    rec["train_time"] = time_curve(train_rows)
+    # from the metrics file, not result.eval_metrics: a resumed run's earlier slices are in the file only
+    rec["heldout_curve"] = [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split") == "eval"]
+    rec["train_time"] = time_curve(train_rows, compile_steps=starts[1:])
     rec["train_compute_seconds"] = rec["train_time"][-1][1] if rec["train_time"] else None
     tps = [m["tokens_per_s"] for m in train_rows[len(train_rows) // 4:] if "tokens_per_s" in m]
     rec["tokens_per_s"] = float(np.median(tps)) if tps else None
@@ -761,6 +805,10 @@ def main(argv=None) -> int:
     p.add_argument("--recall-ps", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.9, 0.5],
                    help="top-p budgets of the index recall (comma-separated; a budget sweep)")
     p.add_argument("--no-untrained-recall", action="store_true", help="skip the untrained initialisation's recall")
+    p.add_argument("--run-steps", type=int, help="train at most this many steps of each arm's schedule in this call, "
+                   "then stop with a checkpoint (no evaluation, no row); continue with --resume (module docstring)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue each arm's run dir from its checkpoint (an arm without one starts from step 0)")
     p.add_argument("--cross-eval", metavar="BACKEND",
                    help="also evaluate each trained model with this attention backend in every layer "
                         "(e.g. cudnn: the sparse-trained model read with dense attention)")
@@ -790,6 +838,8 @@ def main(argv=None) -> int:
     args.recall_p = float(study["eval"]["recall_p"])
     if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0:
         raise SystemExit("quality_study: --retrieval-mix must lie in [0, 1] and --retrieval-keys be >= 0")
+    if args.run_steps is not None and args.run_steps < 1:
+        raise SystemExit(f"quality_study: --run-steps must be >= 1, got {args.run_steps}")
     if args.gpu_per_seed:
         if args.smoke:
             raise SystemExit("quality_study: --gpu-per-seed is for GPU machines (--smoke runs on the CPU)")
@@ -815,7 +865,7 @@ def main(argv=None) -> int:
           f"retrieval mix {args.retrieval_mix:g}, {args.retrieval_keys} extra pairs per window; "
           f"eval haystack {args.eval_haystack}", flush=True)
     windows = max(2 * args.steps * base.data.batch_size * base.optim.grad_accum, 16) + 8
-    recs, failed = [], 0
+    recs, failed, sliced = [], 0, 0
     for seed in seeds:
         t0 = time.time()
         corpus = build_corpus(os.path.join(args.work, f"seed{seed}"), base.data.seq_len, windows, args.retrieval_mix,
@@ -831,6 +881,9 @@ def main(argv=None) -> int:
                 rec = base_row(name, seed, args)
                 rec.update(error=f"{type(e).__name__}: {e}", **provenance_row(argv))
                 failed += 1
+            if rec is None:  # a slice that ends before the schedule: nothing to report yet
+                sliced += 1
+                continue
             with open(os.path.join(args.out, "quality.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
             if "error" not in rec:
@@ -838,9 +891,11 @@ def main(argv=None) -> int:
     if recs:
         write_report(recs, args.out)
         print(open(os.path.join(args.out, "quality.md")).read())
+    elif sliced:
+        print(f"{sliced} arm(s) stopped at the end of a slice (--run-steps): continue with --resume")
     else:
         print("no variant finished")
-    if not args.child:
+    if not args.child and os.path.exists(os.path.join(args.out, "quality.jsonl")):
         rows = read_rows([os.path.join(args.out, "quality.jsonl")])
         if rows:
             print(write_seed_report(rows, args.out, protocol))

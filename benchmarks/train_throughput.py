@@ -287,11 +287,11 @@ def _one_main(args) -> int:
         row = run_one(args.config, args.set, args.seq_len, args.backend, batch=args.batch,
                       warmup=args.warmup, steps=args.steps, seed=args.seed, profile=args.profile, mesh=args.mesh)
     except Exception as e:  # noqa: BLE001  (OOM, compile errors, bad config: all become rows)
-        extra = {}
+        extra = {"mesh": args.mesh}
         try:
             import jax
 
-            extra = {"jax_version": jax.__version__, "device_kind": jax.devices()[0].device_kind}
+            extra.update(jax_version=jax.__version__, device_kind=jax.devices()[0].device_kind)
         except Exception:  # noqa: BLE001
             pass
         row = error_row(args.seq_len, args.backend, args.batch, f"{type(e).__name__}: {e}", **extra)
@@ -314,9 +314,9 @@ def child_command(args, seq_len: int, backend: str) -> list[str]:
     return cmd
 
 
-def run_child(cmd: Sequence[str], seq_len: int, backend: str, batch: int, timeout: float) -> dict:
-    """Run one ``--one`` child; its last JSON stdout line, or an error row."""
-    return _driver.run_child(cmd, REPO, timeout, lambda why: error_row(seq_len, backend, batch, why))
+def run_child(cmd: Sequence[str], seq_len: int, backend: str, batch: int, timeout: float, mesh: str = "1x1") -> dict:
+    """Run one ``--one`` child; its last JSON stdout line, or an error row (on ``mesh``)."""
+    return _driver.run_child(cmd, REPO, timeout, lambda why: error_row(seq_len, backend, batch, why, mesh=mesh))
 
 
 def _fmt(x, spec: str) -> str:
@@ -423,8 +423,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        list(sys.argv[1:] if argv is None else argv))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     cases = [(S, b) for S in args.seq_lens for b in args.backends]
-    rows = drive(cases, lambda c, t: run_child(child_command(args, *c), *c, args.batch, t),
-                 lambda c, why: error_row(*c, args.batch, why), timeout=args.timeout, time_budget=args.time_budget,
+    rows = drive(cases, lambda c, t: run_child(child_command(args, *c), *c, args.batch, t, mesh=args.mesh),
+                 lambda c, why: error_row(*c, args.batch, why, mesh=args.mesh), timeout=args.timeout,
+                 time_budget=args.time_budget,
                  out=args.out, name="train_throughput", command=command, date=date,
                  describe=lambda c, row: f"S={c[0]} {c[1]}: " + (
                      row["error"] or f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s"))

@@ -28,7 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_common import LOG2E, NEG_INF, col_layout, load_smem, row_layout, tile_transforms, transposed
+from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
+                                          transposed)
 from pallas_kernels.mosaic_stream import (consumer_row, query_pair_ids, segment_ok, stream_barriers, stream_operands,
                                           stream_producer, stream_smem, stream_walk, walk_stream)
 from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
@@ -174,7 +175,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     if accumulate:
         args.append(dq_acc.astype(jnp.float32))
     return plgpu.kernel(
-        kernel,
+        named(kernel, "mosaic_dq"),
         out_type=jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
         scratch_types=scratch,
         grid=(nqb // 2, H, B),
@@ -444,7 +445,8 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
     args = [counts, sched, k_pos.astype(jnp.int32), column_slots(index, sk), q, do.astype(q.dtype), rinfo, qinfo, k, v]
     if sg:
         args.append(segs[1].astype(jnp.int32))
-    return tuple(_launch(kernel, [out, out], scratch, (sk // bs // 2, hkv, B), ("p", "h", "b"), *args))
+    return tuple(_launch(named(kernel, "mosaic_dkv_blocks"), [out, out], scratch, (sk // bs // 2, hkv, B),
+                         ("p", "h", "b"), *args))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks",))
@@ -468,7 +470,7 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
                                segs=sg)
     out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
     scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg)
-    dkc, dvc = _launch(kernel, [out, out], scratch, (nch // 2, H, B * nranges), ("p", "h", "br"),
-                       first, ops.c_info, q, do.astype(q.dtype), rinfo, qinfo, ops.kc, ops.vc)
+    dkc, dvc = _launch(named(kernel, "mosaic_dkv_cols"), [out, out], scratch, (nch // 2, H, B * nranges),
+                       ("p", "h", "br"), first, ops.c_info, q, do.astype(q.dtype), rinfo, qinfo, ops.kc, ops.vc)
     cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - index.max_cols)])
     return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), cidx, index.col_count)

@@ -1,9 +1,10 @@
 """What every Pallas Mosaic GPU kernel of this package shares: the exp2 constants, the register
 layouts of a 64-row tile's rows and columns, the SMEM -> register load with that layout (across JAX
-versions), and the shared-memory transforms of a 64-key tile (swizzle, transpose)."""
+versions), the shared-memory transforms of a 64-key tile (swizzle, transpose) and the kernels' names."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -42,3 +43,13 @@ def transposed(ref):
 def tile_transforms(dtype):
     swizzle = 128
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def named(body, name: str):
+    """``body`` (a kernel body, e.g. a ``functools.partial``) under ``name``: ``plgpu.kernel`` names the
+    compiled kernel after its body (``anonymous`` for a partial), so a profile can tell the passes
+    apart (``mosaic_fwd``, ``mosaic_dq``, ``mosaic_dkv_blocks``, ``mosaic_dkv_cols``; every name holds
+    ``mosaic``, which ``benchmarks/trace_summary.py`` counts as a Pallas kernel)."""
+    fn = functools.partial(body)
+    fn.__name__ = name
+    return fn

@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_common import LOG2E, LN2, NEG_INF, row_layout, col_layout, load_smem, transposed, tile_transforms
+from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
+                                          transposed)
 from pallas_kernels.mosaic_stream import query_pair_ids, segment_ok, stream_walk, walk_stream, consumer_row, stream_producer, stream_operands, stream_smem, stream_barriers
 
 def _online_softmax(carry, s, masked: bool, scale: float):
@@ -227,7 +228,7 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     if merge:
         args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
     out, lse = plgpu.kernel(
-        kernel,
+        named(kernel, "mosaic_fwd"),
         out_type=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
         scratch_types=scratch,
         grid=(nqb // 2, H, B),

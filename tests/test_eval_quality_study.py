@@ -344,3 +344,30 @@ def test_committed_four_seed_run_reports_what_the_results_say(tmp_path):
     assert "-8.28 % of dense's at 26,214,400 tokens, 95 % interval [-15.24 %, -1.32 %] over 4 seeds" in md
     assert "Notes:" not in md  # every seed paired on the same corpus, one row per (arm, seed)
     assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs", "no-such-run"]) == 1
+
+
+def test_quality_study_runs_in_slices_and_resumes(tmp_path):
+    """A protocol longer than one device call: ``--run-steps 2`` of a 4-step schedule stops each arm
+    with a checkpoint and writes no row; ``--resume`` continues from it, and the row then covers the
+    whole schedule (steps 1-4 logged once each, both slices recorded, the trainer's step 3 following
+    step 2's checkpoint: the same loss as a run that was never stopped)."""
+    out, work = str(tmp_path / "out"), str(tmp_path / "work")
+    common = ["--out", out, "--work", work, "--smoke", "--variant", "dense", "--steps", "4", "--recall-ps", "0.9",
+              "--no-untrained-recall"]
+    assert quality_study.main(common + ["--run-steps", "2"]) == 0
+    assert not os.path.exists(os.path.join(out, "quality.jsonl"))
+    run_dir = os.path.join(work, "seed0", "dense")
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "model.yaml"]
+    assert quality_study.main(common + ["--resume"]) == 0
+    (row,) = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
+    assert row["steps"] == 4 and [s for s, _ in row["train_loss"]] == [1, 2, 3, 4]
+    assert row["slices"] == [1, 3] and np.isfinite(row["heldout_loss"])
+    assert [s for s, _ in row["train_time"]] == [1, 2, 3, 4]
+    # the same arm in one go, in another work folder: identical losses at every step
+    assert quality_study.main(["--out", str(tmp_path / "one"), "--work", str(tmp_path / "w1"), "--smoke", "--variant",
+                               "dense", "--steps", "4", "--recall-ps", "0.9", "--no-untrained-recall"]) == 0
+    (one,) = [json.loads(line) for line in open(tmp_path / "one" / "quality.jsonl")]
+    np.testing.assert_allclose([v for _, v in row["train_loss"]], [v for _, v in one["train_loss"]], rtol=1e-6)
+    assert one.get("slices") is None
+    assert [s for s, _ in row["heldout_curve"]] == [s for s, _ in one["heldout_curve"]] == [2, 4]
+    np.testing.assert_allclose([v for _, v in row["heldout_curve"]], [v for _, v in one["heldout_curve"]], rtol=1e-6)

@@ -327,13 +327,14 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
     acc = (jnp.zeros((B, S, H, D)), jnp.zeros((B, H, S))) if merge else None
     f = jax.jit(lambda q, k, v, idx, acc, segs: mosaic_fwd(q, k, v, pos, pos, idx, acc, sm_scale=0.1, segs=segs))
     text = f.trace(q, k, k, idx, acc, segs).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    # each pass is named (a profile tells them apart); an unnamed body would lower as "anonymous"
+    assert "mosaic_gpu" in text and "mosaic_fwd" in text and "anonymous" not in text
     lse = jnp.zeros((B, H, S))
     dq_acc = jnp.zeros(q.shape) if merge else None
     g = jax.jit(lambda q, k, v, idx, do, lse, delta, acc, segs: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta, acc,
                                                                          sm_scale=0.1, segs=segs))
     text = g.trace(q, k, k, idx, q, lse, lse, dq_acc, segs).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in text and "mosaic_dq" in text and "anonymous" not in text
     if not merge and not documents:  # the other step width of each query-side kernel
         f = jax.jit(lambda q, k, v, idx: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, kv_step=64))
         assert "mosaic_gpu" in f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()
@@ -348,11 +349,11 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
         f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_blocks(
             q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, segs=segs))
         text = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        assert "mosaic_gpu" in text and "mosaic_dkv_blocks" in text and "anonymous" not in text
         from pallas_kernels.mosaic_bwd import mosaic_dkv_cols
 
         z = jnp.zeros(k.shape, jnp.float32)
         f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_cols(
             q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs))
         text = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        assert "mosaic_gpu" in text and "mosaic_dkv_cols" in text and "anonymous" not in text

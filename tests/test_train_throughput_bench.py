@@ -104,7 +104,7 @@ def test_driver_records_child_failures_as_rows(tmp_path, capsys):
                   "--backends", "reference", "--out", str(tmp_path)])
     assert rc == 0
     (row,) = [json.loads(l) for l in open(tmp_path / "train_throughput.jsonl")]
-    assert (row["seq_len"], row["backend"]) == (S, "reference")
+    assert (row["seq_len"], row["backend"], row["mesh"]) == (S, "reference", "1x1")
     assert "num_kv_heads" in row["error"] and row["command"].startswith("benchmarks/train_throughput.py")
     assert row["date"]
     assert "error: ValueError" in capsys.readouterr().out
@@ -114,6 +114,9 @@ def test_driver_records_child_failures_as_rows(tmp_path, capsys):
                     "--time-budget", "0", "--out", str(tmp_path / "b")]) == 0
     rows = [json.loads(l) for l in open(tmp_path / "b" / "train_throughput.jsonl")]
     assert [(r["seq_len"], r["error"].split(":")[0]) for r in rows] == [(S, "skipped"), (2 * S, "skipped")]
+    assert {r["mesh"] for r in rows} == {"1x1"}
+    hang_row = tt.run_child([sys.executable, "-c", "raise SystemExit(5)"], S, "cudnn", 1, timeout=60, mesh="1x4")
+    assert hang_row["mesh"] == "1x4" and "status 5" in hang_row["error"]
     # a crash without a JSON line, and a hang
     crash = tt.run_child([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"],
                          S, "cudnn", 1, timeout=60)
