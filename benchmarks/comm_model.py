@@ -57,9 +57,9 @@ import json
 import os
 
 from benchmarks.comm_model_exchange import exchange_rows
-from benchmarks.comm_model_fit import (FIT_RECORD, MODELS, RING_RECORDS, ROW_KERNEL_MS, _find, _records, _traced,
-                                       calibrate, calibrate_traced, fit_dense_rate, held_out_error, predictions,
-                                       traced_predictions)
+from benchmarks.comm_model_fit import (FIT_RECORD, MODELS, RING_RECORDS, ROW_KERNEL_MS, calibrate, calibrate_traced,
+                                       find_record, fit_dense_rate, held_out_error, predictions, read_records,
+                                       traced_predictions, traced_records)
 from benchmarks.comm_model_sim import (IB_400G, NVLINK_H100, NVLINK_H200, STEP_FORMS, Kernels, Workload,
                                        backward_bytes)
 
@@ -233,23 +233,23 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="folder for comm_model.json, comm_model.png and comm_model_current.md")
     a = p.parse_args(argv)
     runs = {x for x in a.runs.split(",") if x}
-    records = [r for r in _records(a.records) if not runs or r.get("run") in runs]
+    records = [r for r in read_records(a.records) if not runs or r.get("run") in runs]
     fits = [tuple(f.split(":")) for f in a.fit.split(",") if f]
     fit = fits[0] if len(fits) == 1 else fits
-    traced = _traced(records)
-    ref = _find(traced, *fits[0][:3], S=int(fits[0][3]) if len(fits[0]) > 3 else None)
+    traced = traced_records(records)
+    ref = find_record(traced, *fits[0][:3], S=int(fits[0][3]) if len(fits[0]) > 3 else None)
     if ref is None and traced:
         print(f"no traced record {a.fit} among --records: the earlier rule only")
     # the per-step model covers the families traced on the fit record's device; the rest: the earlier rule
     traced = [r for r in traced if ref is not None and r.get("device") == ref.get("device")]
     result: dict = {}
     fams = {r["run"] for r in traced}
-    earlier = [r for r in records + _records(a.earlier_records or []) if r.get("run") not in fams]
+    earlier = [r for r in records + read_records(a.earlier_records or []) if r.get("run") not in fams]
     length_err = 0.0
     if a.check:
         spec = a.check.split(":")
         fam = [r for r in earlier if r.get("run") == spec[0]]
-        if _traced(fam):
+        if traced_records(fam):
             rows_c, terms_c, _ = calibrate_traced(fam, tuple(spec), intra=NVLINK_H200)
             result["earlier_traced_check"] = dict(fit=spec, terms=terms_c, calibration=rows_c,
                                                   held_out_error=held_out_error(rows_c))

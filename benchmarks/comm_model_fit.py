@@ -28,7 +28,8 @@ RING_RECORDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
                             "ring.jsonl")
 
 
-def _records(paths: Iterable[str]) -> list[dict]:
+def read_records(paths: Iterable[str]) -> list[dict]:
+    """Every JSON row of the JSONL files ``paths``, in order."""
     out = []
     for p in paths:
         with open(p) as f:
@@ -267,13 +268,15 @@ def fit_two_lengths(pairs) -> dict:
 FIT_RECORD = ("v14", "1x4", "hierarchical", "524288")
 
 
-def _traced(records: list[dict]) -> list[dict]:
+def traced_records(records: list[dict]) -> list[dict]:
+    """The ``records`` a calibration can use: traced, timed, with a density, whole fwd+bwd, the K/V ring."""
     return [r for r in records if r.get("sparse_trace") and r.get("sparse_fwdbwd_s") and r.get("density")
             and r.get("mode", "total") == "total" and (r.get("kv_exchange") or "ring") == "ring"
             and (r.get("backward_ring") or "auto") in ("auto", "kv")]
 
 
-def _find(records, run, mesh, order="hierarchical", S=None):
+def find_record(records, run, mesh, order="hierarchical", S=None):
+    """The first of ``records`` of ``run`` on ``mesh`` (``"PxQ"``) with ``order`` (and length ``S``), or ``None``."""
     return next((r for r in records if r.get("run") == run and "%dx%d" % _mesh(r) == mesh
                  and r.get("ring_order", "hierarchical") == order and (S is None or r["S"] == S)), None)
 
@@ -289,15 +292,15 @@ def calibrate_traced(records: list[dict], fit: tuple = FIT_RECORD, intra: Link =
     synchronous permutes from the compiled HLO; ``inter`` defaults to ``intra``: the measured meshes are
     one host), also with every per-step form (``forms``). Returns ``(rows, terms, {run: RingCosts})``; a
     row's ``role``: ``"fit: 1 GPU"``, ``"fit: per-step terms"`` or ``"held out"``."""
-    traced = _traced(records)
+    traced = traced_records(records)
     fits = list(fit) if fit and isinstance(fit[0], (tuple, list)) else [fit]
     pairs = []
     for f in fits:
         run, mesh, order, fit_S = (tuple(f) + (None,))[:4]
-        multi = _find(traced, run, mesh, order, S=int(fit_S) if fit_S else None)
+        multi = find_record(traced, run, mesh, order, S=int(fit_S) if fit_S else None)
         if multi is None:
             raise ValueError(f"no traced record {run} {mesh} {order} to fit the per-step terms on")
-        one_fit = _find(traced, run, "1x1", S=multi["S"])
+        one_fit = find_record(traced, run, "1x1", S=multi["S"])
         if one_fit is None:
             raise ValueError(f"no one-GPU traced record of {run} at S={multi['S']}")
         pairs.append((one_fit, multi))
@@ -306,7 +309,7 @@ def calibrate_traced(records: list[dict], fit: tuple = FIT_RECORD, intra: Link =
     rows, costs = [], {}
     for r in sorted(traced, key=lambda r: (r["run"], r["S"], _mesh(r)[0] * _mesh(r)[1], _mesh(r),
                                            r.get("ring_order", ""))):
-        one = _find(traced, r["run"], "1x1", S=r["S"])
+        one = find_record(traced, r["run"], "1x1", S=r["S"])
         if one is None:
             continue
         n, l = _mesh(r)

@@ -13,7 +13,7 @@ import statistics
 VARIANTS = ("dense", "mtraining", "msa")  # the arms, in report order
 
 
-def _curve(r) -> list:
+def heldout_curve_of(r) -> list:
     """The trainer's held-out curve (``heldout_loss`` held it in records before the multi-seed study)."""
     c = r.get("heldout_curve")
     return c if c is not None else (r["heldout_loss"] if isinstance(r.get("heldout_loss"), list) else [])
@@ -141,7 +141,7 @@ def seed_values(rows) -> tuple:
         last[key] = r
     vals = {}
     for (arm, seed), r in last.items():
-        curve = _curve(r)
+        curve = heldout_curve_of(r)
         vals[(arm, seed)] = {"heldout_loss": r.get("heldout_loss"), "niah_accuracy": r.get("niah_accuracy"),
                              "niah_token_accuracy": r.get("niah_token_accuracy"), "recall": r.get("recall"),
                              "trainer_heldout_final": curve[-1][1] if curve else None,
@@ -156,7 +156,7 @@ def seed_values(rows) -> tuple:
             r, v = last[(a, seed)], vals[(a, seed)]
             v["equal_time"] = T
             ok = T is not None and r.get("train_time")
-            v["heldout_equal_time"] = _value_at_time(_curve(r), r["train_time"], T) if ok else None
+            v["heldout_equal_time"] = _value_at_time(heldout_curve_of(r), r["train_time"], T) if ok else None
             v["train_loss_equal_time"] = _train_loss_at_time(r, T) if ok else None
         for k in ("tokens", "corpus_sha", "device"):
             got = {vals[(a, seed)][k] for a in arms}
@@ -306,7 +306,7 @@ def plot_seeds(rows, path: str, smooth: int = 10) -> str:
             tail = x >= 0.6 * x[-1]
             zoom.plot(x[tail], ys.mean(0)[tail], color=colors[a], lw=1)
             zoom.fill_between(x[tail], ys.min(0)[tail], ys.max(0)[tail], color=colors[a], alpha=0.25, lw=0)
-        cs = [_curve(r) for r in rs if _curve(r)]
+        cs = [heldout_curve_of(r) for r in rs if heldout_curve_of(r)]
         if cs:
             m = min(len(c) for c in cs)
             hv = np.asarray([[v for _, v in c[:m]] for c in cs])
@@ -315,7 +315,7 @@ def plot_seeds(rows, path: str, smooth: int = 10) -> str:
             ax.errorbar(hx, hv.mean(0), yerr=err, fmt="o--",
                         color=colors[a], ms=3, lw=0.8, capsize=2, label=f"{a} held-out (trainer)")
         for r in rs:
-            c, tm = _curve(r), {int(s): t for s, t in r.get("train_time") or []}
+            c, tm = heldout_curve_of(r), {int(s): t for s, t in r.get("train_time") or []}
             pts = [(tm[int(s)], v) for s, v in c if int(s) in tm]
             if pts:
                 bx.plot(*zip(*pts), "o-", color=colors[a], ms=2, lw=0.8, alpha=0.8,

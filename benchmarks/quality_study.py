@@ -92,7 +92,7 @@ import sys
 import time
 import traceback
 
-from benchmarks.quality_seeds import VARIANTS, _curve, read_rows, write_seed_report  # the statistics over seeds
+from benchmarks.quality_seeds import VARIANTS, heldout_curve_of, read_rows, write_seed_report  # the statistics over seeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(ROOT, "configs", "quality")
@@ -620,7 +620,7 @@ def training_table(recs) -> str:
              "| untrained recall p=0.9 |", "|---|---|---|---|---|---|---|---|"]
     for r in recs:
         last = r["train_loss"][-1][1] if r["train_loss"] else float("nan")
-        held = _curve(r)[-1][1] if _curve(r) else float("nan")
+        held = heldout_curve_of(r)[-1][1] if heldout_curve_of(r) else float("nan")
         ur = r.get("recall_untrained", {}).get("mean_recall", {}).get("0.9", float("nan"))
         tps = r["tokens_per_s"] or float("nan")
         lines.append(f"| {_label(r, multi)} | {r['steps']} | {r['train_seconds']:.0f} | {tps:.0f} "
@@ -661,8 +661,8 @@ def write_report(recs, out: str) -> None:
         if r["train_loss"]:
             s, l = zip(*r["train_loss"])
             ax.plot(s, l, label=f"{_label(r, multi)} train", lw=1)
-        if _curve(r):
-            s, l = zip(*_curve(r))
+        if heldout_curve_of(r):
+            s, l = zip(*heldout_curve_of(r))
             ax.plot(s, l, "o--", label=f"{_label(r, multi)} held-out", ms=4)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
@@ -845,9 +845,9 @@ def main(argv=None) -> int:
             raise SystemExit("quality_study: --gpu-per-seed is for GPU machines (--smoke runs on the CPU)")
         return launch_per_seed(args, list(sys.argv[1:] if argv is None else argv), resolve_seeds(args))
     if args.smoke:
-        from mtraining_jax.train.cli import _setup_platform
+        from mtraining_jax.train.cli import setup_platform
 
-        _setup_platform(2)
+        setup_platform(2)
     from mtraining_jax.train.config import load_config
 
     os.makedirs(args.out, exist_ok=True)

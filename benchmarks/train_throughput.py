@@ -172,9 +172,9 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     cfg, overrides = bench_config(config, sets, seq_len, backend, batch, mesh)
-    from mtraining_jax.train.cli import _setup_platform
+    from mtraining_jax.train.cli import setup_platform
 
-    _setup_platform(cfg.mesh.cpu_devices)  # as the CLI does (CPU configs); no-op on GPU configs
+    setup_platform(cfg.mesh.cpu_devices)  # as the CLI does (CPU configs); no-op on GPU configs
 
     import jax
     import numpy as np

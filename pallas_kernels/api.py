@@ -34,29 +34,62 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
 
 
+#: the integer type of ``out_lo`` (:func:`split_output`): the bf16 / f16 rounding error of each output
+#: element in ``1 / lo_steps(LO_DTYPE)`` of the element's ulp. int4 (half a byte per element, packed)
+#: gives the bf16 gradients of int8 codes or of a float32 output (tests/test_bf16_gradients.py)
+LO_DTYPE = jnp.int4
+
+
+def lo_steps(dtype) -> int:
+    """Codes per ulp of an ``out_lo`` of integer ``dtype`` (codes in ``[-steps/2, steps/2]``): 14 for
+    int4, 254 for int8."""
+    return 2 * int(jnp.iinfo(dtype).max)
+
+
+def _ulp(hi):
+    """``f32``: the spacing of ``hi``'s dtype at each element of ``hi`` (``2^(e - precision)`` for
+    ``|hi|`` in ``[2^(e-1), 2^e)``; the subnormal spacing below the dtype's smallest normal), at
+    least float32's smallest normal (subnormals flush to zero on GPUs and XLA's CPU; an output that
+    small restores to within ``2^-126 / 508``)."""
+    fi = jnp.finfo(hi.dtype)
+    _, e = jnp.frexp(jnp.maximum(jnp.abs(hi.astype(jnp.float32)), jnp.float32(fi.smallest_normal)))
+    return jnp.ldexp(jnp.float32(1.0), jnp.maximum(e - (fi.nmant + 1), -126))
+
+
 def split_output(out, dtype):
     """``(hi, lo)``: the float32 output ``out [B, Sq, Hq, D]`` as ``hi = out`` rounded to ``dtype``
-    (the op's result) and ``lo = out - hi`` rounded to ``dtype`` (``None`` when ``dtype`` is float32).
+    (the op's result) and ``lo [B, Sq, Hq, D]`` of integer type :data:`LO_DTYPE`, its rounding error
+    ``out - hi`` in units of ``ulp(hi) / lo_steps`` (``None`` when ``dtype`` is float32).
 
-    ``hi + lo`` equals the float32 output to ``~2^-17`` relative in bf16 (``2^-22`` in f16), so a
-    backward that saves ``(hi, lo)`` forms :func:`attention_delta` from the float32 output, not from
-    the rounded result, at the memory of one float32 copy (``hi`` is the op's output, usually kept
-    by the next layer anyway)."""
+    Round-to-nearest puts ``out - hi`` within half an ulp of ``hi``, so the codes fit, and
+    :func:`output_f32` restores the float32 output to ``ulp / (2 lo_steps)`` per element (int4:
+    ``ulp / 28``, ``~2^-13`` relative in bf16; the rounded output alone is off by up to ``ulp / 2``).
+    A backward that saves ``(hi, lo)`` forms :func:`attention_delta` from that, not from the rounded
+    result (which doubles the dQ error when keys share a direction), at half a byte per element beside
+    ``hi`` (the op's output, usually kept by the next layer anyway)."""
     hi = out.astype(dtype)
     if jnp.dtype(dtype) == jnp.float32:
         return hi, None
-    return hi, (out.astype(jnp.float32) - hi.astype(jnp.float32)).astype(dtype)
+    err = out.astype(jnp.float32) - hi.astype(jnp.float32)
+    steps = lo_steps(LO_DTYPE)
+    codes = jnp.clip(jnp.round(err / _ulp(hi) * steps), -steps // 2, steps // 2)
+    return hi, codes.astype(LO_DTYPE)
+
+
+def output_f32(out, out_lo=None):
+    """``f32``: the output ``hi`` of :func:`split_output` with its rounding error ``out_lo`` added back."""
+    o = out.astype(jnp.float32)
+    if out_lo is None:
+        return o
+    return o + out_lo.astype(jnp.float32) * (_ulp(out) / lo_steps(out_lo.dtype))
 
 
 def attention_delta(out, do, out_lo=None):
     """``delta f32 [B, Hq, Sq] = rowsum(dO * O)`` (computed once per attention, FlashAttention-2).
 
-    ``out``: ``O [B, Sq, Hq, D]``; with ``out_lo`` (:func:`split_output`) ``O = out + out_lo``, the
-    float32 output (a delta from O rounded to bf16 loses gradient accuracy)."""
-    o = out.astype(jnp.float32)
-    if out_lo is not None:
-        o = o + out_lo.astype(jnp.float32)
-    return jnp.einsum("bqhd,bqhd->bhq", o, do.astype(jnp.float32), precision="highest")
+    ``out``: ``O [B, Sq, Hq, D]``; with ``out_lo`` (:func:`split_output`) ``O`` is the float32 output
+    restored by :func:`output_f32` (a delta from O rounded to bf16 loses gradient accuracy)."""
+    return jnp.einsum("bqhd,bqhd->bhq", output_f32(out, out_lo), do.astype(jnp.float32), precision="highest")
 
 
 def check_sm_scale(sm_scale) -> None:

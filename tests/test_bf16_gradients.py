@@ -3,12 +3,13 @@
 sparse ring; XLA twin kernels). Fails when ``delta = rowsum(dO * O)`` is formed from the output
 rounded to bf16 instead of the float32 output (about 2x worse)."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention
 from pallas_kernels.reference import dense_attention
@@ -17,6 +18,7 @@ from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.sparsity import SparsityConfig, estimate_index, index_to_mask
+from pallas_kernels import api
 from pallas_kernels.api import block_sparse_attention
 
 RATIO = 1.2
@@ -93,3 +95,61 @@ def test_sparse_ring_bf16_gradients():
         return lay.unpermute(mtraining_attention(lay.permute(q), lay.permute(k), lay.permute(v), mesh, cfg))
 
     _check(fn, q, k, v, cot, mask=mask)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["bfloat16", "float16"]), st.integers(0, 2**31 - 1),
+       st.floats(-30, 10))
+def test_split_output_restores_the_float32_output(dtype, seed, log2_scale):
+    """``split_output``'s integer codes restore the float32 output to ``ulp(hi) / (2 lo_steps)`` per
+    element (int4: ``ulp / 28``) across magnitudes, signs, exact zeros, values at powers of two and
+    just below them (rounded up to the next binade), and the dtypes' subnormals."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 64, 3, 32)) * 2.0 ** log2_scale
+    x.flat[:8] = [0.0, 1.0, -2.0, 2.0 ** log2_scale, np.nextafter(np.float32(4.0), 0), -0.5 * (1 - 2**-12),
+                  2.0 ** -20, 65000.0 if dtype == "float16" else 1e30]
+    out = jnp.asarray(x, jnp.float32)
+    hi, lo = api.split_output(out, jnp.dtype(dtype))
+    assert hi.dtype == jnp.dtype(dtype) and lo.dtype == api.LO_DTYPE and lo.shape == out.shape
+    np.testing.assert_array_equal(np.asarray(hi), np.asarray(out.astype(dtype)))  # the op's result unchanged
+    restored = np.asarray(api.output_f32(hi, lo), np.float64)
+    err = np.abs(restored - np.asarray(out, np.float64))
+    ulp = np.asarray(api._ulp(hi), np.float64)
+    # (+ the float32 rounding of the restored sum)
+    bound = ulp / (2 * api.lo_steps(lo.dtype)) + np.abs(np.asarray(out, np.float64)) * 2.0**-23
+    assert np.all(err <= bound), float(np.max(err / ulp))
+    # the rounded output alone is half an ulp off: the codes carry what it lost
+    plain = np.abs(np.asarray(hi, np.float64) - np.asarray(out, np.float64))
+    normal = np.abs(x) >= 4 * float(jnp.finfo(dtype).smallest_normal)  # (far below, hi is 0 and so is ulp's share)
+    assert normal.sum() > 1000 or log2_scale < -10
+    assert np.max(err / ulp) < 1 / 27
+    if normal.sum() > 1000:
+        assert np.max((plain / ulp)[normal]) > 0.3
+    assert api.split_output(out, jnp.float32)[1] is None
+
+
+def test_single_device_op_saves_an_int4_rounding_error():
+    """The op's backward residuals: the bf16 output, its int4 rounding-error codes (packed: a quarter
+    of a bf16 copy's bytes), no float32 copy."""
+    q, k, v, _ = _inputs(1, 256, 2, 1, 64)
+    _, res = jax.vjp(lambda q, k, v: block_sparse_attention(q, k, v, impl="xla"), q, k, v)
+    leaves = [a for a in jax.tree.leaves(res) if hasattr(a, "shape") and a.shape == q.shape]
+    assert sorted(str(a.dtype) for a in leaves) == ["bfloat16", "bfloat16", "int4"]  # q, out, out_lo
+    lo = next(a for a in leaves if a.dtype == jnp.int4)
+    assert jnp.abs(lo.astype(jnp.int32)).max() > 0
+    stats = jax.jit(lambda x: api.split_output(x, jnp.bfloat16)[1]).lower(q.astype(jnp.float32)).compile()
+    assert stats.memory_analysis().output_size_in_bytes == q.size // 2  # stored packed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+def test_gpu_kernels_bf16_gradients_and_packed_codes(impl):
+    """On the GPU: the kernels' bf16 gradients at the bf16 floor (delta from the int4-restored
+    output), and the int4 codes stored packed (half a byte per element in device memory)."""
+    if impl == "mosaic" and "H100" not in jax.devices()[0].device_kind and "H200" not in jax.devices()[0].device_kind:
+        pytest.skip("Mosaic GPU kernels need Hopper")
+    q, k, v, cot = _inputs(1, 1024, 8, 2, 128, seed=3)
+    _check(lambda q, k, v: block_sparse_attention(q, k, v, impl=impl, block_size=64), q, k, v, cot)
+    x = jnp.ones((4096, 1024), jnp.float32) / 3
+    stats = jax.jit(lambda x: api.split_output(x, jnp.bfloat16)[1]).lower(x).compile().memory_analysis()
+    assert stats.output_size_in_bytes == x.size // 2

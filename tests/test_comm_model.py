@@ -13,7 +13,7 @@ import numpy as np
 
 from benchmarks.comm_model import main
 from benchmarks.comm_model_exchange import exchange_bytes, exchange_need, hot_blocks
-from benchmarks.comm_model_fit import _records, calibrate, calibrate_traced, fit_step_terms, held_out_error
+from benchmarks.comm_model_fit import read_records, calibrate, calibrate_traced, fit_step_terms, held_out_error
 from benchmarks.comm_model_sim import (BWD_SHARE, DQ_SHARE, NVLINK_H200, Kernels, Link, RingCosts, Workload,
                                        backward_bytes, simulate, simulate_fused)
 from mtraining_jax.layouts import Layout
@@ -336,7 +336,7 @@ def test_committed_h100_records_within_ten_percent():
     """The committed 4-GPU H100 measurements (runs v12a / v12): per-step terms from v12a 1x4
     only; the 2x2 records (both orders), v12a 1x2 and v12 1x4 are held out; every 2- and 4-GPU record
     within 10 %, the one-GPU records reproduced exactly."""
-    recs = [r for r in _records([RING]) if r.get("run") in ("v12a", "v12")]
+    recs = [r for r in read_records([RING]) if r.get("run") in ("v12a", "v12")]
     assert [r["run"] for r in recs] == ["v12a"] * 5 + ["v12"] * 2
     rows, terms, _ = calibrate_traced(recs, ("v12a", "1x4", "hierarchical"))
     assert (terms["run"], terms["mesh"], terms["P"]) == ("v12a", "1x4", 4)
@@ -370,7 +370,7 @@ def test_main_defaults_to_the_traced_records(tmp_path):
 
 
 def test_main_keeps_the_older_records_usable(tmp_path):
-    old = sorted({r["run"] for r in _records([RING])} - {"v12a", "v12", "v14"})
+    old = sorted({r["run"] for r in read_records([RING])} - {"v12a", "v12", "v14"})
     assert main(["--records", RING, "--runs", ",".join(old), "--earlier-records", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "comm_model.json").read_text())
     assert "calibration" not in res and len(res["earlier"]["calibration"]) > 30
@@ -381,7 +381,7 @@ def test_earlier_traced_family_checks_the_structure():
     """The same fit on an earlier traced family (x4c: H200, unfused calls, 4 GPUs at 256K and 512K):
     per-step terms from its 512K 1x4 trace only, every other record within 5 % -- the 256K ones at
     half the chunk too, where the per-step cost scaled with the chunk (the all-fixed form overshoots)."""
-    recs = [r for r in _records([RING]) if r.get("run") == "x4c"]
+    recs = [r for r in read_records([RING]) if r.get("run") == "x4c"]
     rows, terms, _ = calibrate_traced(recs, ("x4c", "1x4", "hierarchical", 524288), intra=NVLINK_H200)
     assert terms["S"] == 524288 and 0.5 < terms["row_fraction"] < 0.9
     assert sum(r["role"] == "held out" for r in rows) == 7
@@ -395,7 +395,7 @@ def test_current_h100_records_within_ten_percent():
     """Run v14 (the current code's 4-GPU H100 records, the default fit): per-step terms from its 1x4
     trace; 1x2 and both 2x2 orders held out; every 2- and 4-GPU record within 10 % (and optimistic: the
     multi-GPU host term is larger than the one-GPU record's), the one-GPU record reproduced exactly."""
-    recs = [r for r in _records([RING]) if r.get("run") == "v14" and r["S"] == 524288]
+    recs = [r for r in read_records([RING]) if r.get("run") == "v14" and r["S"] == 524288]
     rows, terms, _ = calibrate_traced(recs)
     assert (terms["run"], terms["mesh"], terms["P"]) == ("v14", "1x4", 4)
     assert 7.0 < terms["per_call_ms_at_S"] < 9.5 and 1.5e-3 < terms["step_s"] < 2.5e-3
@@ -413,7 +413,7 @@ def test_two_length_fit_on_the_committed_records():
     lengths) and held out against every other 2- and 4-GPU record of v14, v15 and v16 (128K, 256K): the
     per-call cost does not grow with the rows (1.3-1.9 ms a call at 128K-32K rows), and the held-out records at 256K
     and 512K are within 10 %, those at 128K are not (+14 % / +24 %: ``comm_model.md``)."""
-    recs = [r for r in _records([RING]) if r.get("run") in ("v14", "v15", "v16")]
+    recs = [r for r in read_records([RING]) if r.get("run") in ("v14", "v15", "v16")]
     fits = [("v14", "1x4", "hierarchical", 524288), ("v15", "1x4", "hierarchical", 262144)]
     rows, terms, _ = calibrate_traced(recs, fits)
     call = lambda rows: terms["call_fixed_s"] + terms["call_row_s"] * rows  # noqa: E731

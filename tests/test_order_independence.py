@@ -17,10 +17,10 @@ from mtraining_jax.mesh import make_mesh
 
 
 def test_a_cli_asking_for_two_cpu_devices_first():
-    from mtraining_jax.train.cli import _setup_platform
+    from mtraining_jax.train.cli import setup_platform
 
     before = (os.environ.get("JAX_PLATFORMS"), os.environ.get("XLA_FLAGS"), jax.config.jax_platforms)
-    _setup_platform(2)  # what `mtraining-train` does with mesh.cpu_devices=2, in this process
+    setup_platform(2)  # what `mtraining-train` does with mesh.cpu_devices=2, in this process
     assert len(jax.devices("cpu")) == 8
     test_a_cli_asking_for_two_cpu_devices_first.before = before
 

@@ -138,9 +138,9 @@ def _evaluate(args) -> int:
     run = _run_yaml(args.checkpoint)
     cpu = args.cpu_devices or (run.get("mesh") or {}).get("cpu_devices")
     if cpu:
-        from mtraining_jax.train.cli import _setup_platform
+        from mtraining_jax.train.cli import setup_platform
 
-        _setup_platform(int(cpu))
+        setup_platform(int(cpu))
     from mtraining_jax.eval.api import EvalSpec, check_spec, evaluate_params
     from mtraining_jax.eval.checkpoints import load_for_eval
     from mtraining_jax.mesh import num_cp_ranks

@@ -135,8 +135,9 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     kv_own = jnp.stack([k, v])  # one permute per hop (see module docstring)
     segs = _gather_segments(seg, cfg)
     out, lse, work, kv_last, ok = _passes_forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
-    # O is returned in q's dtype; its rounding error is kept beside it (split_output) so that
-    # delta = rowsum(dO * O) is formed from the float32 O (bf16 gradients at the bf16 floor).
+    # O is returned in q's dtype; its rounding error is kept beside it as one int4 code per element
+    # (split_output), so that delta = rowsum(dO * O) is formed from the float32 O (bf16 gradients at
+    # the bf16 floor).
     # An on-demand index source (RankStepIndex) is saved as its compact global index only.
     out, out_lo = split_output(out, q.dtype)
     if _side(cfg, q, k) == "query":

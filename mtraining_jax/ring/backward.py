@@ -46,7 +46,7 @@ __all__ = ["backward_kv", "backward_query"]
 
 def backward_kv(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs=None):
     """The backward ring (see module docstring): the forward's steps in reverse order, starting
-    from ``kv_last``; ``out + out_lo`` is the forward's float32 output (``split_output``); returns
+    from ``kv_last``; ``(out, out_lo)`` is the forward's float32 output as ``split_output`` saves it; returns
     float32 ``(dq, dk, dv)``."""
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner

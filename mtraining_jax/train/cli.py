@@ -88,7 +88,7 @@ def _device_choices() -> dict:
     return {k: d.describe() for k, d in DEVICE_MEMORY.items()}
 
 
-def _setup_platform(cpu_devices: int | None, num_processes: int | None = None) -> None:
+def setup_platform(cpu_devices: int | None, num_processes: int | None = None) -> None:
     """Ask for ``cpu_devices`` virtual CPU devices in total, ``cpu_devices / num_processes`` in this
     process; effective only before JAX's backends start."""
     if cpu_devices is None:
@@ -207,7 +207,7 @@ def _main(argv, hook_factories, signals) -> int:
         from mtraining_jax.train import determinism
 
         determinism.request(cfg.deterministic)
-        _setup_platform(cfg.mesh.cpu_devices, cfg.distributed.num_processes)
+        setup_platform(cfg.mesh.cpu_devices, cfg.distributed.num_processes)
         maybe_initialize(cfg.distributed)
         if args.plan:
             rc = _plan(cfg, device_memory, args.device)
