@@ -1,8 +1,8 @@
 """MTraining sparse ring attention (issue 5) against the masked dense float32 reference.
 
 ``_SparseRingSuite`` holds the operator-level cases; subclasses pick the per-step kernel backend
-(``pallas_kernels.registry.BACKENDS``): the XLA twin (every mesh x layout, mesh x order and
-layout x order pair; the whole product with ``MTRAINING_TEST_FULL_PRODUCT=1``; fused and unfused
+(``pallas_kernels.registry.BACKENDS``): the XLA twin (every pair of mesh, layout, order and
+backward side; the whole product with ``MTRAINING_TEST_FULL_PRODUCT=1``; fused and unfused
 kernel calls), the Triton kernels in interpret mode on CPU (two ranks, three fuse variants)
 and compiled on a GPU (``@pytest.mark.gpu``: ``pytest -m gpu
 tests/test_mtraining_attention.py``).
@@ -79,19 +79,26 @@ def _reference(index, q, k, v, cot):
 MESHES = [(1, 8), (2, 4), (4, 2)]
 LAYOUTS = ["block_striped", "zigzag", "contiguous"]
 ORDERS = ["hierarchical", "flat"]
+SIDES = ["auto", "query"]  # the backward ring's side: "auto" is the K/V side at these shapes
 # The layout fixes which global positions a chunk holds, the mesh and order which chunk visits at
-# which step, so each (mesh, layout, order) is its own causal pattern. CI runs a pairwise-covering
-# set (every mesh x layout pair once, the order alternating so that every mesh x order and layout x
-# order pair appears too: 9 cases); MTRAINING_TEST_FULL_PRODUCT=1 runs the whole product (18).
+# which step, so each (mesh, layout, order) is its own causal pattern, and the backward side walks it
+# another way. CI runs a pairwise-covering set of (mesh, layout, order, side): every pair of any two
+# of the four appears (9 cases: order alternating over mesh x layout, the query side where exactly one
+# of mesh and layout is the last); MTRAINING_TEST_FULL_PRODUCT=1 runs the whole (mesh, layout, order)
+# product (18) on the K/V side and the query side on every layout x order.
 FULL_PRODUCT = os.environ.get("MTRAINING_TEST_FULL_PRODUCT", "") not in ("", "0")
-CASES = (list(itertools.product(MESHES, LAYOUTS, ORDERS)) if FULL_PRODUCT else
-         [(m, lay, ORDERS[(i + j) % 2]) for i, m in enumerate(MESHES) for j, lay in enumerate(LAYOUTS)])
+CASES = ([c + ("auto",) for c in itertools.product(MESHES, LAYOUTS, ORDERS)]
+         + [(m, lay, o, "query") for m, (lay, o) in zip(MESHES * 2, itertools.product(LAYOUTS, ORDERS))]
+         if FULL_PRODUCT else
+         [(m, lay, ORDERS[(i + j) % 2], SIDES[(i == 2) != (j == 2)])
+          for i, m in enumerate(MESHES) for j, lay in enumerate(LAYOUTS)])
 
 
 def test_cases_cover_every_pair():
-    """The CI set of (mesh, layout, order) cases holds every pair of any two of the three."""
-    for a, b in itertools.combinations(range(3), 2):
-        want = set(itertools.product(*[(MESHES, LAYOUTS, ORDERS)[i] for i in (a, b)]))
+    """The CI set of (mesh, layout, order, side) cases holds every pair of any two of the four."""
+    factors = (MESHES, LAYOUTS, ORDERS, SIDES)
+    for a, b in itertools.combinations(range(4), 2):
+        want = set(itertools.product(factors[a], factors[b]))
         assert {(c[a], c[b]) for c in CASES} == want, (a, b)
 
 
@@ -215,10 +222,9 @@ class _SparseRingSuite:
     tol = 2e-6  # ~3x the largest error observed on CPU (XLA twin, Triton interpret): out 3.7e-7, grads 7.1e-7
     dtype = jnp.float32  # of q/k/v (the reference runs in float32 on the same values)
     head_dim = D
-    # (mesh, layout, order, fuse[, backward_ring]): CASES (pairwise, or the full product), the fused
-    # variants, the query-side backward ring on every layout x order, each mesh twice
-    CASES = ([c + ((True, True),) for c in CASES] + FUSED_CASES
-             + [(m, lay, o, (True, True), "query") for m, (lay, o) in zip(MESHES * 2, itertools.product(LAYOUTS, ORDERS))]
+    # (mesh, layout, order, fuse[, backward_ring[, kv_exchange]]): CASES (pairwise over mesh, layout,
+    # order and backward side, or the full product), the fused variants, the query side on two ranks
+    CASES = ([(m, lay, o, (True, True), side) for m, lay, o, side in CASES] + FUSED_CASES
              + [((2, 1), "zigzag", "hierarchical", (True, True), "query")]
              # the sparse K/V exchange (traced index: guarded default capacity), with either backward side
              + [((2, 4), "zigzag", "hierarchical", (True, True), "kv", "sparse"),
