@@ -92,13 +92,14 @@ import sys
 import time
 import traceback
 
-from benchmarks.quality_seeds import VARIANTS, heldout_curve_of, read_rows, write_seed_report  # the statistics over seeds
+from benchmarks.quality_corpus import TRAIN_TASKS, build_corpus  # the training corpus
+from benchmarks.quality_report import write_report  # the single-call report
+from benchmarks.quality_seeds import VARIANTS, read_rows, write_seed_report  # the statistics over seeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(ROOT, "configs", "quality")
 STUDY = os.path.join(QUALITY, "study.yaml")
 GROUPS = {"both": ("dense", "mtraining"), "all": VARIANTS}  # --variant names of several variants
-TRAIN_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
 REQUIRED = ("arm", "seed", "steps", "tokens", "heldout_loss", "niah_accuracy", "recall", "commit", "date",
             "device", "jax", "command")  # every JSONL row carries these (None where not measured)
 SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
@@ -107,7 +108,6 @@ SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layer
 SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["model.dense_backend=ring"],
                   "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
 MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
-EXTRA_SHARE = 0.25  # at most this share of a retrieval window goes to the extra key-value pairs
 STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "tasks": {t: 1.0 for t in TRAIN_TASKS}},
                   "eval": {"haystack": "filler", "recall_p": 0.9}}
 
@@ -186,97 +186,6 @@ def resolve_steps(args, base, study: dict) -> int:
 def seed_overrides(seed: int) -> list:
     """The training-config overrides of one seed: initialisation AND data order."""
     return [f"seed={int(seed)}", f"data.seed={int(seed)}"]
-
-
-# ----------------------------------------------------------------------------------- corpus
-
-
-class _Parts(Exception):
-    """Raised by the stand-in of :func:`mtraining_jax.eval.tasks.compose` with a task's parts."""
-
-
-def task_parts(task: str, tok, seq_len: int, depth: float, rng, stream=None):
-    """``(needles, depths, question, answer)`` that ``tasks.GENERATORS[task]`` would compose (its
-    own random draws included), so the training examples use the evaluation's exact formats."""
-    from unittest import mock
-
-    from mtraining_jax.eval import tasks
-
-    def capture(tokenizer, seq_len, needles, depths, question, answer, rng, stream=None):
-        raise _Parts(list(needles), [float(d) for d in depths], question, answer)
-
-    with mock.patch.object(tasks, "compose", capture):
-        try:
-            tasks.GENERATORS[task](tok, seq_len, depth, rng, stream=stream)
-        except _Parts as p:
-            return p.args
-    raise RuntimeError(f"task {task!r} composed no example")
-
-
-def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: float = EXTRA_SHARE):
-    """``(tokens int32 [n], pairs)``: ``n`` tokens of ``stream`` (this window's code) with one
-    ``task`` example (its question and answer at the end) and up to ``keys`` extra key-value pairs
-    (needle at a random depth, its question and answer at a random later depth; words distinct from
-    the task's), at most ``share`` of the window; ``pairs`` = the extra pairs that fit."""
-    from mtraining_jax.eval import tasks
-
-    if keys <= 0:
-        return tasks.GENERATORS[task](tok, n - 1, float(rng.uniform()), rng, stream=stream).tokens, 0
-    needles, depths, question, answer = task_parts(task, tok, n - 1, float(rng.uniform()), rng, stream)
-    used_text = " ".join(needles) + question
-    free = [w for w in tasks.WORDS if w not in used_text]
-    free = [free[i] for i in rng.permutation(len(free))]
-    budget, used, pairs = int(share * n), 0, 0
-    for w in free[:keys]:
-        num = str(int(rng.integers(10 ** 5, 10 ** 6)))
-        needle = f"The special magic number for {w} is: {num}."
-        qa = f"What is the special magic number for {w}? The special magic number for {w} is: {num}."
-        cost = len(tok.encode(f" {needle} ")) + len(tok.encode(f" {qa} "))
-        if used + cost > budget:
-            break
-        d1 = float(rng.uniform())
-        needles += [needle, qa]
-        depths += [d1, float(rng.uniform(d1, 1.0))]  # the question after its needle (stable order on ties)
-        used, pairs = used + cost, pairs + 1
-    return tasks.compose(tok, n - 1, needles, depths, question, answer, rng, stream).tokens, pairs
-
-
-def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, keys: int = 0, task_weights=None) -> dict:
-    """The training and held-out token files of one seed: ``windows`` training windows of
-    ``seq_len`` stdlib tokens, a fraction ``mix`` of them holding retrieval content
-    (:func:`retrieval_window`) built into their own code; plain held-out code.
-    Returns ``{"paths": (train, heldout), "windows", "retrieval_windows", "pairs_per_window", "sha", "seed"}``."""
-    import hashlib
-
-    import numpy as np
-
-    from mtraining_jax.train.data import stdlib_streams
-    from mtraining_jax.train.tokenizer import ByteTokenizer
-
-    tok = ByteTokenizer()
-    train, held = stdlib_streams(tok)
-    n = min(windows, len(train) // seq_len)
-    blocks = np.asarray(train[:n * seq_len], np.int32).reshape(n, seq_len).copy()
-    rng = np.random.default_rng([seed, 20240518])
-    weights = task_weights or {t: 1.0 for t in TRAIN_TASKS}
-    names = [t for t in TRAIN_TASKS if weights.get(t, 0) > 0]
-    prob = np.asarray([float(weights[t]) for t in names])
-    prob = prob / prob.sum()
-    uniform = len(names) == len(TRAIN_TASKS) and np.allclose(prob, prob[0])
-    chosen, pairs = np.nonzero(rng.random(n) < mix)[0], []
-    for w in chosen:
-        # uniform weights draw as the first study did (its seed-0 corpus is reproduced with keys=0)
-        task = names[int(rng.integers(len(names)))] if uniform else names[int(rng.choice(len(names), p=prob))]
-        blocks[w], k = retrieval_window(tok, seq_len, task, rng, blocks[w], keys)
-        pairs.append(k)
-    os.makedirs(work, exist_ok=True)
-    paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
-    flat = blocks.reshape(-1).astype(np.uint16)
-    np.save(paths[0], flat)
-    np.save(paths[1], np.asarray(held, np.uint16))
-    return {"paths": paths, "windows": int(n), "retrieval_windows": int(len(chosen)),
-            "pairs_per_window": float(np.mean(pairs)) if pairs else 0.0,
-            "sha": hashlib.sha1(flat.tobytes()).hexdigest()[:12], "seed": int(seed)}
 
 
 def eval_spec(smoke: bool, seq_len: int, recall_ps=(0.9, 0.5), haystack: str = "filler"):
@@ -579,105 +488,6 @@ def budget_sweep(model_cfg, params, window, mesh, budgets, rows: int, p: float =
         print(f"  recall p={p:g} {b or 'model budgets'}: mean {out[-1]['mean_recall']:.3f} "
               f"min {out[-1]['min_recall']:.3f} density {out[-1]['mean_density']:.3f}", flush=True)
     return out
-
-
-def cross_table(recs) -> str:
-    """Markdown: each variant's held-out loss with its own attention and read with another."""
-    rows = [r for r in recs if "cross_eval" in r and "eval" in r]
-    if not rows:
-        return ""
-    multi = len({r.get("seed") for r in recs}) > 1
-    lines = ["| variant | own attention: held-out loss | read with | held-out loss | difference |", "|---|---|---|---|---|"]
-    for r in rows:
-        own = r["eval"]["perplexity"]["mean_loss"]
-        other = r["cross_eval"]["eval"]["perplexity"]["mean_loss"]
-        lines.append(f"| {_label(r, multi)} | {own:.4f} | {r['cross_eval']['backend']} (every layer) | {other:.4f} "
-                     f"| {other - own:+.4f} |")
-    return "\n".join(lines) + "\n"
-
-
-def budget_table(recs) -> str:
-    """Markdown: the recall budget sweep of each variant."""
-    lines = ["| variant | budget (SparsityConfig overrides) | p | mean recall | min head | mean density |",
-             "|---|---|---|---|---|---|"]
-    multi = len({r.get("seed") for r in recs}) > 1
-    for r in recs:
-        for b in r.get("recall_budgets", []):
-            name = ", ".join(f"{k}={v}" for k, v in b["budget"].items()) or "model's own"
-            lines.append(f"| {_label(r, multi)} | {name} | {b['p']:g} | {b['mean_recall']:.3f} | {b['min_recall']:.3f} "
-                         f"| {b['mean_density']:.3f} |")
-    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
-
-
-def _label(r, multi: bool) -> str:
-    return f"{r['variant']} s{r.get('seed')}" if multi else r["variant"]
-
-
-def training_table(recs) -> str:
-    """Markdown: training-side numbers per run."""
-    multi = len({r.get("seed") for r in recs}) > 1
-    lines = ["| variant | steps | train s | tokens/s | work fraction | final train loss | held-out loss (trainer) "
-             "| untrained recall p=0.9 |", "|---|---|---|---|---|---|---|---|"]
-    for r in recs:
-        last = r["train_loss"][-1][1] if r["train_loss"] else float("nan")
-        held = heldout_curve_of(r)[-1][1] if heldout_curve_of(r) else float("nan")
-        ur = r.get("recall_untrained", {}).get("mean_recall", {}).get("0.9", float("nan"))
-        tps = r["tokens_per_s"] or float("nan")
-        lines.append(f"| {_label(r, multi)} | {r['steps']} | {r['train_seconds']:.0f} | {tps:.0f} "
-                     f"| {r['work_fraction']:.3f} | {last:.4f} | {held:.4f} | {ur:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
-def msa_table(recs) -> str:
-    """Markdown: the MSA variant's schedule and its index-branch metrics over the sparse steps' last half."""
-    rows = [r for r in recs if "msa" in r]
-    if not rows:
-        return ""
-    fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
-    lines = ["| variant | warm-up steps | KL coef | KL (sparse, last half) | KL grad norm (last step) "
-             "| recall of main mass (sparse, last half) | work fraction (sparse) |", "|---|---|---|---|---|---|---|"]
-    multi = len({r.get("seed") for r in recs}) > 1
-    for r in rows:
-        m = r["msa"]
-        gn = m["kl_grad_norm"][-1][1] if m["kl_grad_norm"] else None
-        lines.append(f"| {_label(r, multi)} | {m['warmup_steps']} | {m['kl_coef']:g} | {fmt(m['kl_sparse_mean'], '.4f')} "
-                     f"| {fmt(gn, '.3e')} | {fmt(m['recall_sparse_mean'], '.3f')} "
-                     f"| {fmt(m['work_fraction_sparse_mean'], '.3f')} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(recs, out: str) -> None:
-    """The single-call files: ``loss_curves.png``, ``quality.md`` and the side-by-side eval plots."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from mtraining_jax.eval.compare import compare_results
-
-    multi = len({r.get("seed") for r in recs}) > 1
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for r in recs:
-        if r["train_loss"]:
-            s, l = zip(*r["train_loss"])
-            ax.plot(s, l, label=f"{_label(r, multi)} train", lw=1)
-        if heldout_curve_of(r):
-            s, l = zip(*heldout_curve_of(r))
-            ax.plot(s, l, "o--", label=f"{_label(r, multi)} held-out", ms=4)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "loss_curves.png"), dpi=110)
-    plt.close(fig)
-    runs = [(_label(r, multi), r["eval"]) for r in recs if "eval" in r]
-    if runs:
-        compare_results(runs, out, prefix="quality", sections=("niah", "perplexity", "recall"))
-    with open(os.path.join(out, "quality.md"), "a" if runs else "w") as f:
-        f.write("\n" + training_table(recs) + "\n" + msa_table(recs) + "\n" + cross_table(recs) + "\n"
-                + budget_table(recs))
-
 
 
 # ----------------------------------------------------------------------------------- one process per seed

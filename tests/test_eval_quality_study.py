@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import quality_study
+from benchmarks import quality_corpus, quality_study
 from benchmarks import quality_seeds
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")  # the arms and seeds share compiled steps
@@ -164,8 +164,8 @@ def test_seed_sets_initialisation_data_order_and_corpus(tmp_path):
     from mtraining_jax.train.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    corpora = {s: quality_study.build_corpus(str(tmp_path / f"s{s}"), 512, 24, 1.0, s, 16) for s in (0, 1)}
-    again = quality_study.build_corpus(str(tmp_path / "again"), 512, 24, 1.0, 0, 16)
+    corpora = {s: quality_corpus.build_corpus(str(tmp_path / f"s{s}"), 512, 24, 1.0, s, 16) for s in (0, 1)}
+    again = quality_corpus.build_corpus(str(tmp_path / "again"), 512, 24, 1.0, 0, 16)
     assert again["sha"] == corpora[0]["sha"] != corpora[1]["sha"]
     stream = data_lib.token_file_stream(corpora[0]["paths"][0])
 
@@ -196,8 +196,8 @@ def test_retrieval_window_formats():
 
     tok = ByteTokenizer()
     code = np.resize(tok.encode("def f(x):\n    return x + 1\n"), 8192).astype(np.int32)
-    for task in quality_study.TRAIN_TASKS:
-        toks, pairs = quality_study.retrieval_window(tok, 8192, task, np.random.default_rng(3), code, 8)
+    for task in quality_corpus.TRAIN_TASKS:
+        toks, pairs = quality_corpus.retrieval_window(tok, 8192, task, np.random.default_rng(3), code, 8)
         assert len(toks) == 8192 and pairs == 8
         text = tok.decode(toks)
         qs = list(re.finditer(r"What is the special magic number for (\w+)\? The special magic number for \1 is: "
@@ -206,9 +206,9 @@ def test_retrieval_window_formats():
         for m in qs:  # each extra question after its needle, with the needle's number
             assert text.find(f" The special magic number for {m[1]} is: {m[2]}. ") < m.start(), (task, m[1])
         assert re.search(END[task], text), (task, text[-120:])  # the task's own question and answer last
-    few, pairs = quality_study.retrieval_window(tok, 1024, "passkey", np.random.default_rng(0), code[:1024], 16)
+    few, pairs = quality_corpus.retrieval_window(tok, 1024, "passkey", np.random.default_rng(0), code[:1024], 16)
     assert len(few) == 1024 and 0 < pairs < 16  # at most a quarter of the window
-    old, _ = quality_study.retrieval_window(tok, 1024, "vartrack", np.random.default_rng(5), code[:1024], 0)
+    old, _ = quality_corpus.retrieval_window(tok, 1024, "vartrack", np.random.default_rng(5), code[:1024], 0)
     rng = np.random.default_rng(5)
     assert np.array_equal(old, tasks.vartrack(tok, 1023, float(rng.uniform()), rng, stream=code[:1024]).tokens)
 
@@ -216,7 +216,7 @@ def test_retrieval_window_formats():
 def test_study_protocol(tmp_path):
     study = quality_study.load_study(quality_study.STUDY)
     assert study["token_budget"] % 32768 == 0 and study["retrieval"]["keys"] > 0
-    assert set(study["retrieval"]["tasks"]) <= set(quality_study.TRAIN_TASKS)
+    assert set(study["retrieval"]["tasks"]) <= set(quality_corpus.TRAIN_TASKS)
     bad = tmp_path / "bad.yaml"
     bad.write_text("token_budget: 100\nretrieval: {mixx: 1}\n")
     with pytest.raises(ValueError, match="retrieval"):

@@ -1,0 +1,98 @@
+"""The quality study's training corpus (issue 37): per seed, windows of stdlib code of which a fraction
+carries retrieval content in the evaluation's own formats (a RULER-style task example plus extra
+key-value pairs), and the plain held-out code. Used by :mod:`benchmarks.quality_study`."""
+
+from __future__ import annotations
+
+import os
+
+TRAIN_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
+EXTRA_SHARE = 0.25  # at most this share of a retrieval window goes to the extra key-value pairs
+
+
+class _Parts(Exception):
+    """Raised by the stand-in of :func:`mtraining_jax.eval.tasks.compose` with a task's parts."""
+
+
+def task_parts(task: str, tok, seq_len: int, depth: float, rng, stream=None):
+    """``(needles, depths, question, answer)`` that ``tasks.GENERATORS[task]`` would compose (its
+    own random draws included), so the training examples use the evaluation's exact formats."""
+    from unittest import mock
+
+    from mtraining_jax.eval import tasks
+
+    def capture(tokenizer, seq_len, needles, depths, question, answer, rng, stream=None):
+        raise _Parts(list(needles), [float(d) for d in depths], question, answer)
+
+    with mock.patch.object(tasks, "compose", capture):
+        try:
+            tasks.GENERATORS[task](tok, seq_len, depth, rng, stream=stream)
+        except _Parts as p:
+            return p.args
+    raise RuntimeError(f"task {task!r} composed no example")
+
+
+def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: float = EXTRA_SHARE):
+    """``(tokens int32 [n], pairs)``: ``n`` tokens of ``stream`` (this window's code) with one
+    ``task`` example (its question and answer at the end) and up to ``keys`` extra key-value pairs
+    (needle at a random depth, its question and answer at a random later depth; words distinct from
+    the task's), at most ``share`` of the window; ``pairs`` = the extra pairs that fit."""
+    from mtraining_jax.eval import tasks
+
+    if keys <= 0:
+        return tasks.GENERATORS[task](tok, n - 1, float(rng.uniform()), rng, stream=stream).tokens, 0
+    needles, depths, question, answer = task_parts(task, tok, n - 1, float(rng.uniform()), rng, stream)
+    used_text = " ".join(needles) + question
+    free = [w for w in tasks.WORDS if w not in used_text]
+    free = [free[i] for i in rng.permutation(len(free))]
+    budget, used, pairs = int(share * n), 0, 0
+    for w in free[:keys]:
+        num = str(int(rng.integers(10 ** 5, 10 ** 6)))
+        needle = f"The special magic number for {w} is: {num}."
+        qa = f"What is the special magic number for {w}? The special magic number for {w} is: {num}."
+        cost = len(tok.encode(f" {needle} ")) + len(tok.encode(f" {qa} "))
+        if used + cost > budget:
+            break
+        d1 = float(rng.uniform())
+        needles += [needle, qa]
+        depths += [d1, float(rng.uniform(d1, 1.0))]  # the question after its needle (stable order on ties)
+        used, pairs = used + cost, pairs + 1
+    return tasks.compose(tok, n - 1, needles, depths, question, answer, rng, stream).tokens, pairs
+
+
+def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, keys: int = 0, task_weights=None) -> dict:
+    """The training and held-out token files of one seed: ``windows`` training windows of
+    ``seq_len`` stdlib tokens, a fraction ``mix`` of them holding retrieval content
+    (:func:`retrieval_window`) built into their own code; plain held-out code.
+    Returns ``{"paths": (train, heldout), "windows", "retrieval_windows", "pairs_per_window", "sha", "seed"}``."""
+    import hashlib
+
+    import numpy as np
+
+    from mtraining_jax.train.data import stdlib_streams
+    from mtraining_jax.train.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    train, held = stdlib_streams(tok)
+    n = min(windows, len(train) // seq_len)
+    blocks = np.asarray(train[:n * seq_len], np.int32).reshape(n, seq_len).copy()
+    rng = np.random.default_rng([seed, 20240518])
+    weights = task_weights or {t: 1.0 for t in TRAIN_TASKS}
+    names = [t for t in TRAIN_TASKS if weights.get(t, 0) > 0]
+    prob = np.asarray([float(weights[t]) for t in names])
+    prob = prob / prob.sum()
+    uniform = len(names) == len(TRAIN_TASKS) and np.allclose(prob, prob[0])
+    chosen, pairs = np.nonzero(rng.random(n) < mix)[0], []
+    for w in chosen:
+        # uniform weights draw as the first study did (its seed-0 corpus is reproduced with keys=0)
+        task = names[int(rng.integers(len(names)))] if uniform else names[int(rng.choice(len(names), p=prob))]
+        blocks[w], k = retrieval_window(tok, seq_len, task, rng, blocks[w], keys)
+        pairs.append(k)
+    os.makedirs(work, exist_ok=True)
+    paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
+    flat = blocks.reshape(-1).astype(np.uint16)
+    np.save(paths[0], flat)
+    np.save(paths[1], np.asarray(held, np.uint16))
+    return {"paths": paths, "windows": int(n), "retrieval_windows": int(len(chosen)),
+            "pairs_per_window": float(np.mean(pairs)) if pairs else 0.0,
+            "sha": hashlib.sha1(flat.tobytes()).hexdigest()[:12], "seed": int(seed)}
