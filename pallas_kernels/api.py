@@ -50,7 +50,7 @@ def _ulp(hi):
     """``f32``: the spacing of ``hi``'s dtype at each element of ``hi`` (``2^(e - precision)`` for
     ``|hi|`` in ``[2^(e-1), 2^e)``; the subnormal spacing below the dtype's smallest normal), at
     least float32's smallest normal (subnormals flush to zero on GPUs and XLA's CPU; an output that
-    small restores to within ``2^-126 / 508``)."""
+    small restores to within ``2^-126 / (2 lo_steps)``)."""
     fi = jnp.finfo(hi.dtype)
     _, e = jnp.frexp(jnp.maximum(jnp.abs(hi.astype(jnp.float32)), jnp.float32(fi.smallest_normal)))
     return jnp.ldexp(jnp.float32(1.0), jnp.maximum(e - (fi.nmant + 1), -126))
