@@ -28,6 +28,7 @@ import numpy as np
 from pallas_kernels import registry
 from pallas_kernels.inputs import check_qkv
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, check_step_index, full_step_index
+from pallas_kernels.rounding import storage_round
 from pallas_kernels.registry import IMPLS  # noqa: F401  (re-exported: the impl names api callers pass)
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -51,9 +52,21 @@ def _ulp(hi):
     ``|hi|`` in ``[2^(e-1), 2^e)``; the subnormal spacing below the dtype's smallest normal), at
     least float32's smallest normal (subnormals flush to zero on GPUs and XLA's CPU; an output that
     small restores to within ``2^-126 / (2 lo_steps)``)."""
-    fi = jnp.finfo(hi.dtype)
-    _, e = jnp.frexp(jnp.maximum(jnp.abs(hi.astype(jnp.float32)), jnp.float32(fi.smallest_normal)))
+    return _ulp_of(_as_stored(hi), hi.dtype)
+
+
+def _ulp_of(hi32, dtype):
+    fi = jnp.finfo(dtype)
+    _, e = jnp.frexp(jnp.maximum(jnp.abs(hi32), jnp.float32(fi.smallest_normal)))
     return jnp.ldexp(jnp.float32(1.0), jnp.maximum(e - (fi.nmant + 1), -126))
+
+
+def _as_stored(hi):
+    """``f32``: the values of ``hi`` (bf16 / f16) as stored, also inside a program that would keep
+    them in excess precision (:mod:`pallas_kernels.rounding`); f16 subnormals converted as is."""
+    x32 = hi.astype(jnp.float32)
+    r = storage_round(x32, hi.dtype)
+    return jnp.where(jnp.abs(x32) < jnp.finfo(hi.dtype).smallest_normal, x32, r)
 
 
 def split_output(out, dtype):
@@ -66,22 +79,28 @@ def split_output(out, dtype):
     ``ulp / 28``, ``~2^-13`` relative in bf16; the rounded output alone is off by up to ``ulp / 2``).
     A backward that saves ``(hi, lo)`` forms :func:`attention_delta` from that, not from the rounded
     result (which doubles the dQ error when keys share a direction), at half a byte per element beside
-    ``hi`` (the op's output, usually kept by the next layer anyway)."""
+    ``hi`` (the op's output, usually kept by the next layer anyway). The error is taken against the
+    rounding as :mod:`pallas_kernels.rounding` keeps it: a plain ``out - hi.astype(f32)`` is zero
+    on XLA:GPU, which drops the convert pair."""
     hi = out.astype(dtype)
     if jnp.dtype(dtype) == jnp.float32:
         return hi, None
-    err = out.astype(jnp.float32) - hi.astype(jnp.float32)
+    out32 = out.astype(jnp.float32)
+    r = storage_round(out32, dtype)
+    # f16 subnormals: reduce_precision flushes them; the convert keeps them (an error below 2^-25)
+    hi32 = jnp.where(jnp.abs(out32) < jnp.finfo(dtype).smallest_normal, hi.astype(jnp.float32), r)
     steps = lo_steps(LO_DTYPE)
-    codes = jnp.clip(jnp.round(err / _ulp(hi) * steps), -steps // 2, steps // 2)
+    codes = jnp.clip(jnp.round((out32 - hi32) / _ulp_of(hi32, dtype) * steps), -steps // 2, steps // 2)
     return hi, codes.astype(LO_DTYPE)
 
 
 def output_f32(out, out_lo=None):
-    """``f32``: the output ``hi`` of :func:`split_output` with its rounding error ``out_lo`` added back."""
-    o = out.astype(jnp.float32)
+    """``f32``: the output ``hi`` of :func:`split_output` with its rounding error ``out_lo`` added back
+    (``hi`` taken at its stored values, also where a program would keep it in excess precision)."""
     if out_lo is None:
-        return o
-    return o + out_lo.astype(jnp.float32) * (_ulp(out) / lo_steps(out_lo.dtype))
+        return out.astype(jnp.float32)
+    hi32 = _as_stored(out)
+    return hi32 + out_lo.astype(jnp.float32) * (_ulp_of(hi32, out.dtype) / lo_steps(out_lo.dtype))
 
 
 def attention_delta(out, do, out_lo=None):

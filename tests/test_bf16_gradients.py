@@ -141,6 +141,24 @@ def test_single_device_op_saves_an_int4_rounding_error():
     assert stats.memory_analysis().output_size_in_bytes == q.size // 2  # stored packed
 
 
+def test_split_output_rounds_where_xla_keeps_it():
+    """The codes are the error against ``hi`` rounded by ``reduce_precision`` (which XLA keeps), not
+    against ``out.astype(bf16).astype(f32)``: XLA:GPU drops that convert pair under its default
+    excess precision, which made every code 0 there (delta from the bf16 output alone, dQ 1.4x
+    ``dot_product_attention``'s error). Both the split and the restore keep the rounding in the
+    optimized program; a restore from codes inside one program (no stored bf16 buffer) still
+    restores the float32 output."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 128, 4, 64), jnp.float32)
+    split = jax.jit(lambda x: api.split_output(x, jnp.bfloat16))
+    assert "reduce-precision" in split.lower(x).compile().as_text()
+    both = jax.jit(lambda x: api.output_f32(*api.split_output(x, jnp.bfloat16)))
+    assert "reduce-precision" in both.lower(x).compile().as_text()
+    hi = x.astype(jnp.bfloat16).astype(jnp.float32)
+    ulp = np.asarray(api._ulp(x.astype(jnp.bfloat16)))
+    assert np.max(np.abs(np.asarray(both(x)) - np.asarray(x)) / ulp) < 1 / 27
+    assert np.max(np.abs(np.asarray(hi) - np.asarray(x)) / ulp) > 0.4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["mosaic", "triton"])
 def test_gpu_kernels_bf16_gradients_and_packed_codes(impl):

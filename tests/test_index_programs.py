@@ -30,7 +30,8 @@ from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attenti
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.sparsity import SparsityConfig, estimate_index
-from mtraining_jax.sparsity.estimate import _digit_plan, _operand_digits, _storage_round, _window_logits
+from mtraining_jax.sparsity.estimate import _digit_plan, _operand_digits, _window_logits
+from pallas_kernels.rounding import storage_round
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk
 
 BF16 = jnp.bfloat16
@@ -158,7 +159,7 @@ def test_reduce_precision_survives_in_the_optimized_program():
 
 def test_storage_round_is_the_dtype_conversion():
     """What the estimate sees of a bf16 input is the same whether XLA kept the cast or handed over
-    the float32 values it was given: ``_storage_round`` of the bf16 values and of the float32
+    the float32 values it was given: ``storage_round`` of the bf16 values and of the float32
     values both give the bits of ``astype(bf16)`` (round to nearest even, ties, subnormals,
     overflow to inf). float16: the same except that f16 subnormals (``|x| < 2^-14``) read as zero
     (``reduce-precision`` flushes them), and values within ``2^-25`` below ``2^-14`` may differ."""
@@ -173,7 +174,7 @@ def test_storage_round_is_the_dtype_conversion():
     xj = jnp.asarray(x)
     for dt in (BF16, jnp.float16):
         cast = np.asarray(xj.astype(dt).astype(jnp.float32))
-        kept = np.asarray(jax.jit(lambda a, dt=dt: _storage_round(lax.convert_element_type(a, dt)))(xj))
+        kept = np.asarray(jax.jit(lambda a, dt=dt: storage_round(lax.convert_element_type(a, dt)))(xj))
         fi = jnp.finfo(dt)
         dropped = np.asarray(jax.jit(lambda a, fi=fi: lax.reduce_precision(a, exponent_bits=int(fi.nexp),
                                                                            mantissa_bits=int(fi.nmant)))(xj))

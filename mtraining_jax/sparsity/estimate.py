@@ -12,8 +12,8 @@ Per batch element and query head:
 
 Bit-identical across layouts, meshes and programs (forward, backward, remat, evaluation; any
 kernel impl, fusion or dot algorithm): the inputs are rounded to their storage dtype
-(:func:`_storage_round`), the logits are exact integer sums (:func:`_window_logits`), and after the
-row max every reduction over keys sums integer fixed-point digits (:func:`_digits`,
+(:func:`pallas_kernels.rounding.storage_round`), the logits are exact integer sums
+(:func:`_window_logits`), and after the row max every reduction over keys sums integer fixed-point digits (:func:`_digits`,
 :func:`fixed_point_bits`). So every rank ends with the same index without a broadcast.
 
 Top-p threshold: ``ceil(p * last_q * 2^F)`` of the exact total mass (``F = cfg.score_bits``): the
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.inputs import check_qkv
+from pallas_kernels.rounding import storage_round
 from mtraining_jax.sparsity.budgets import top_p_select
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.index import VerticalSlashIndex
@@ -57,20 +58,6 @@ def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
     check_positions(positions, S, name=name, permutation=num_ranks == 1, shape=(q.shape[1],))
     cfg.check(S, q.shape[2], num_ranks)
     _digit_plan(q.shape[3])  # a head_dim the exact logits can take
-
-
-def _storage_round(x):
-    """float32 copy of ``x`` whose values are those of ``x``'s storage dtype.
-
-    A bf16 / f16 input goes through ``lax.reduce_precision``, which XLA must keep, where it may drop
-    an ``f32 -> bf16 -> f32`` convert pair (``--xla_allow_excess_precision``, on by default): every
-    program then sees the same values. f16 subnormals (``|x| < 2^-14``) are flushed to zero."""
-    dt = jnp.dtype(x.dtype)
-    x32 = x.astype(jnp.float32)
-    if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
-        fi = jnp.finfo(dt)
-        x32 = jax.lax.reduce_precision(x32, exponent_bits=int(fi.nexp), mantissa_bits=int(fi.nmant))
-    return x32
 
 
 def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
@@ -375,7 +362,7 @@ def estimate_index(q, k, positions, cfg: SparsityConfig = SparsityConfig(), segm
 def _estimate_index(q, k, positions, segment_ids, *, cfg: SparsityConfig) -> VerticalSlashIndex:
     S = q.shape[1]
     ident = lambda x: x  # noqa: E731
-    vert, slash = _local_scores(_storage_round(q), _storage_round(k), positions, S, cfg, ident, ident, segment_ids)
+    vert, slash = _local_scores(storage_round(q), storage_round(k), positions, S, cfg, ident, ident, segment_ids)
     vert_nat = jnp.zeros_like(vert).at[:, :, positions].set(vert)
     return _select(vert_nat, slash, cfg, S)
 
@@ -412,7 +399,7 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
     S = q.shape[1] * P
     psum = lambda x: jax.lax.psum(x, axis_names)  # noqa: E731
     pmax = lambda x: jax.lax.pmax(x, axis_names)  # noqa: E731
-    vert, slash = _local_scores(_storage_round(q), _storage_round(k), q_pos, S, cfg, psum, pmax, segment_ids)
+    vert, slash = _local_scores(storage_round(q), storage_round(k), q_pos, S, cfg, psum, pmax, segment_ids)
     order = jnp.argsort(q_pos)  # local keys in position order: top_k's ties fall to lower positions
     size = min(cfg.max_verticals(S), q.shape[1])
     vals, top = jax.lax.top_k(vert[..., order], size)  # [B, Hq, size]
