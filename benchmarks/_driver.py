@@ -75,8 +75,9 @@ def run_child(cmd, cwd: str, timeout: float, fail: Callable) -> dict:
 
 def provenance(argv=None) -> dict:
     """``commit``, ``date``, ``command`` and (where JAX is imported) ``jax`` / ``device`` of a
-    results row. The commit is ``git rev-parse HEAD`` of the repository, or ``$MTRAINING_COMMIT``
-    where the tree travels without its ``.git`` (the device machine): set it in the command line."""
+    results row. The commit is ``git rev-parse HEAD`` of the repository, with ``+dirty`` where tracked
+    files differ from it (the row did not run that commit's code), or ``$MTRAINING_COMMIT`` where the
+    tree travels without its ``.git``: set it in the command line."""
     import datetime
     import shlex
 
@@ -86,6 +87,10 @@ def provenance(argv=None) -> dict:
         try:
             commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True,
                                     text=True, timeout=10).stdout.strip() or None
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            if commit and dirty:
+                commit += "+dirty"
         except (OSError, subprocess.SubprocessError):
             commit = None
     args = sys.argv if argv is None else [sys.argv[0], *argv]
