@@ -5,7 +5,6 @@ the short entry page (<= 12 KB) and benchmarks/ holds code only (results live in
 import pathlib
 import re
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

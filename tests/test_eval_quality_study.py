@@ -21,6 +21,7 @@ from benchmarks import quality_seeds
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")  # the arms and seeds share compiled steps
 
 
+@pytest.mark.slow(seconds=29)
 def test_quality_study_msa_smoke(tmp_path):
     """The MSA variant: warm-up steps from --msa-warmup-fraction, the KL coefficient override, its
     index-branch metrics per step and the MSA table; evaluated with its own (msa) layers."""
@@ -269,6 +270,7 @@ def test_gpu_per_seed_launches_one_process_per_seed(tmp_path, monkeypatch):
     assert "| mtraining − dense | 2 | -0.1 | [-0.1, -0.1] | s0: -0.1, s1: -0.1 | lower than dense" in md
 
 
+@pytest.mark.slow(seconds=49)
 def test_quality_study_seeds_smoke(tmp_path):
     """2 seeds x 2 arms at toy size, one process: one row per (arm, seed) with every required field,
     the arms of a seed on the same data, the seeds on different data, order and initialisation, the

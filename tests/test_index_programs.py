@@ -110,7 +110,7 @@ def test_index_is_bit_identical_in_every_program():
     assert sum(int((np.asarray(a) != np.asarray(b)).sum()) for a, b in zip(f32, ref)) > 0
 
 
-@pytest.mark.parametrize("S", [16384, 131072])
+@pytest.mark.parametrize("S", [16384, pytest.param(131072, marks=pytest.mark.slow(seconds=31))])
 def test_index_is_bit_identical_in_every_program_at_length(S):
     """The issue's lengths on the CPU: the estimate op by op, jitted, jitted on laid-out inputs, inside
     a differentiated program that also uses the bf16 q/k, and inside its ``jax.checkpoint`` recompute
@@ -213,6 +213,7 @@ def test_logits_do_not_depend_on_the_summation_order(D):
     assert (w, J) == (8, 3) and J * D * 4 ** (w - 1) <= 2**24  # every level sum exact in float32
 
 
+@pytest.mark.slow(seconds=24)
 def test_remat_backward_uses_the_forward_index():
     """A tiny model with MTraining attention: gradients under ``remat: full`` (the backward
     recomputes the forward, the index included) equal those without remat to 1e-6 in float32.

@@ -3,9 +3,12 @@ index-branch gradients, KL and work fraction equal the single-process / referenc
 
 from pathlib import Path
 
+import pytest
+
 from _multiprocess import run_workers
 
 
+@pytest.mark.slow(seconds=29)
 def test_msa_two_processes_match_single_process():
     results = run_workers(Path(__file__).with_name("_msa_mp_worker.py"), 2, 2, timeout_s=300)
     for i, res in enumerate(results):

@@ -21,6 +21,7 @@ FAST = [
 ]
 
 
+@pytest.mark.slow(seconds=31)
 def test_msa_training_warmup_then_sparse_with_metrics_and_checkpoint(tmp_path, capsys):
     rd = tmp_path / "run"
     rc = cli.main(["--config", CONFIG, *FAST, f"run_dir={rd}", "steps=4", "checkpoint.every=4"])

@@ -9,6 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow(seconds=24)
 def test_sparsity_notebook_runs():
     import nbformat  # here, not at module level: a GPU image without them must still collect `pytest -m gpu`
     from nbclient import NotebookClient

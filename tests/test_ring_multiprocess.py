@@ -9,9 +9,12 @@ capacity check is an all-reduce across the processes, its direct sends cross the
 
 from pathlib import Path
 
+import pytest
+
 from _multiprocess import run_workers
 
 
+@pytest.mark.slow(seconds=36)
 def test_ring_two_processes_matches_reference():
     results = run_workers(Path(__file__).with_name("_ring_mp_worker.py"), 2, 4, timeout_s=150)
     for i, res in enumerate(results):

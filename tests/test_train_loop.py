@@ -34,6 +34,7 @@ def _cfg(tmp_path, *extra):
     return load_config(CONFIG, SMALL + [f"run_dir={tmp_path}"] + list(extra))
 
 
+@pytest.mark.slow(seconds=33)
 def test_cli_end_to_end_loss_falls_with_checkpoint_and_plot(tmp_path, capsys):
     rc = cli.main(["--config", CONFIG, *SMALL, f"run_dir={tmp_path}", "steps=6", "checkpoint.every=3",
                    "eval.every=3"])
@@ -57,6 +58,7 @@ def test_cli_end_to_end_loss_falls_with_checkpoint_and_plot(tmp_path, capsys):
     assert "done: step 6" in capsys.readouterr().out
 
 
+@pytest.mark.slow(seconds=34)
 def test_resume_is_exact(tmp_path):
     straight = run(_cfg(tmp_path / "a", "steps=4", "checkpoint.every=2", "eval.every=0"))
     first = run(_cfg(tmp_path / "b", "steps=4", "run_steps=2", "checkpoint.every=10", "eval.every=0"))

@@ -29,7 +29,7 @@ def _env():
     return worker_env()  # CPU, no device-count flag inherited, this checkout first on PYTHONPATH
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=85)
 @pytest.mark.timeout(420)
 def test_readme_two_process_recipe_runs_as_printed(tmp_path):
     script = readme_onebox_script()
