@@ -31,6 +31,7 @@ import argparse
 import datetime
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -231,9 +232,11 @@ def _pairs(idx, S):
     return bc * BS * BS, cc * BS
 
 
-def passes(S, sparsities, families, vert_cols, reps, seed=1):
+def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",)):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
-    dK/dV block pass, dK/dV column pass, with TFLOP/s on the pass's own active work
+    dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
+    pass's own active work. ``walks``: the Mosaic forward and dQ once per consumer walk
+    (:data:`pallas_kernels.mosaic_stream.WALKS`; impl ``mosaic[switch]`` for the one-loop walk)
     (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
     block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
     active blocks from the block pass to the column pass, a small share of either)."""
@@ -255,10 +258,12 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1):
         delta = api.attention_delta(out, do)
         args = (q, k, v, pos, pos, idx, do, lse, delta)
         zeros = jnp.zeros(k.shape, jnp.float32)
+        walked = lambda f, w: f if w == "loops" else functools.partial(f, walk=w)  # noqa: E731
+        mname = lambda w: "mosaic" if w == "loops" else f"mosaic[{w}]"  # noqa: E731
         fns = [("fwd", "triton", tk.pallas_fwd, args[:6], 2 * (bp + cp)),
-               ("fwd", "mosaic", mosaic_fwd.mosaic_fwd, args[:6], 2 * (bp + cp)),
+               *[("fwd", mname(w), walked(mosaic_fwd.mosaic_fwd, w), args[:6], 2 * (bp + cp)) for w in walks],
                ("dq", "triton", tb.dq_pass, args, 3 * (bp + cp)),
-               ("dq", "mosaic", mosaic_bwd.mosaic_dq, args, 3 * (bp + cp)),
+               *[("dq", mname(w), walked(mosaic_bwd.mosaic_dq, w), args, 3 * (bp + cp)) for w in walks],
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
@@ -266,20 +271,24 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1):
         for pname, impl, fn, a, matmul_pairs in fns:
             if pname == "dkv_cols" and cp == 0:
                 continue
-            ms, ts = timeit(jax.jit(functools.partial(fn, **kw)), *a, warmup=2, repeat=reps)
+            t0 = time.perf_counter()
+            compiled = jax.jit(functools.partial(fn, **kw)).lower(*a).compile()
+            compile_s = time.perf_counter() - t0
+            ms, ts = timeit(compiled, *a, warmup=2, repeat=reps)
             row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (H * S * (S + 1) / 2), pass_=pname, impl=impl,
                        ms=ms * 1e3, spread_ms=[round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)],
-                       tflops=2 * D * matmul_pairs / ms / 1e12)
+                       tflops=2 * D * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
 def passes_table(rows):
-    out = ["| seq | index | pass | impl | ms (min-max) | TFLOP/s |", "|---|---|---|---|---|---|"]
+    out = ["| seq | index | pass | impl | ms (min-max) | TFLOP/s | compile s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['seq']} | {r['index']} | {r['pass_']} | {r['impl']} | {r['ms']:.2f} "
-                   f"({r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}) | {r['tflops']:.0f} |")
+                   f"({r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}) | {r['tflops']:.0f} | "
+                   f"{r.get('compile_s', float('nan')):.1f} |")
     return "\n".join(out)
 
 
@@ -487,6 +496,8 @@ def main():
                          "e.g. 131072,14,2,64 (the 0.5B model's chunk on 4 GPUs at 512K); rows go to --json")
     ap.add_argument("--passes", default="", help="comma-separated sequence lengths: time each kernel pass "
                     "alone per backend (families from --families, plus 'full')")
+    ap.add_argument("--walks", default="loops", help="with --passes: the Mosaic forward / dQ consumer walks to "
+                    "time, comma-separated (pallas_kernels.mosaic_stream.WALKS: loops,switch)")
     a = ap.parse_args()
     if a.plot_from:
         rows = load_rows(a.plot_from.split(","), [x for x in a.runs.split(",") if x])
@@ -509,7 +520,7 @@ def main():
     pass_rows = []
     for S in [int(x) for x in a.passes.split(",") if x]:
         pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x], tuple(a.families.split(",")),
-                            a.vert_cols, a.reps)
+                            a.vert_cols, a.reps, walks=tuple(a.walks.split(",")))
     if pass_rows:
         print(passes_table(pass_rows))
         sweeps += pass_rows

@@ -30,15 +30,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, query_pair_ids, segment_ok, stream_barriers, stream_operands,
-                                          stream_producer, stream_smem, stream_walk, walk_stream)
+from pallas_kernels.mosaic_stream import (check_walk, consumer_row, query_pair_ids, segment_ok, stream_barriers,
+                                          stream_operands, stream_producer, stream_smem, stream_walk, walk_stream)
 from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
 from pallas_kernels.three_pass import add_column_grads
 
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
             kinfo_ref, cinfo_ref, null_ref, *refs, accumulate: bool, slots: int, halves: int, g: int, bs: int,
-            qk_scale: float, scale: float, npairs: int, segs: bool = False):
+            qk_scale: float, scale: float, npairs: int, segs: bool = False, walk: str = "loops"):
     *ins, dq_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     dqacc_ref = ins[0] if accumulate else None
@@ -127,7 +127,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
         def _():  # the first step's K (each later one is waited for under the dS K before it)
             plgpu.barrier_wait(k_bar.at[0])
 
-        dq = walk_stream(w, bounds, n_union, total, row, tile, skip, dq)
+        dq = walk_stream(w, bounds, n_union, total, row, tile, skip, dq, walk)
         dq = dq * scale
         if accumulate:
             dq = dq + load_smem(dqacc_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False)
@@ -144,12 +144,14 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
 _STATIC = ("sm_scale", "block_size", "stages")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk"))
 def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
-              block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None):
+              block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None, walk: str = "loops"):
     """``dq f32 [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given.
     ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed
-    documents (module docstring); ``kv_step`` / ``slots`` as in :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd`."""
+    documents (module docstring); ``kv_step`` / ``slots`` / ``walk`` as in
+    :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd`."""
+    check_walk(walk)
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
@@ -157,7 +159,8 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     accumulate = dq_acc is not None
     sg = segs is not None
     kernel = functools.partial(_kernel, accumulate=accumulate, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
-                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2, segs=sg)
+                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2, segs=sg,
+                               walk=walk)
     tr = tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),

@@ -28,7 +28,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import query_pair_ids, segment_ok, stream_walk, walk_stream, consumer_row, stream_producer, stream_operands, stream_smem, stream_barriers
+from pallas_kernels.mosaic_stream import (check_walk, consumer_row, query_pair_ids, segment_ok, stream_barriers,
+                                          stream_operands, stream_producer, stream_smem, stream_walk, walk_stream)
+
 
 def _online_softmax(carry, s, masked: bool, scale: float):
     """One online-softmax step on raw scores ``s [64, n]`` (``-inf`` = masked) whose log2-domain
@@ -69,7 +71,7 @@ def _finish(acc, m, l, merge_prev):
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
             null_ref, *refs, merge: bool, slots: int, halves: int, g: int, bs: int, qk_scale: float, npairs: int,
-            segs: bool = False):
+            segs: bool = False, walk: str = "loops"):
     *ins, out_ref, lse_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     oprev_ref, lprev_ref = ins if merge else (None, None)
@@ -168,7 +170,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             plgpu.barrier_wait(k_bar.at[0])
 
         pl.when(w == 1)(schedule)  # consumer 0 goes first
-        carry = walk_stream(w, bounds, n_union, total, row, tile, skip, carry)
+        carry = walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk)
         pl.when(w == 0)(schedule)
         acc, m, l = carry
         prev = None
@@ -192,17 +194,19 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
                          kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
 
 
-_STATIC = ("sm_scale", "block_size", "slots", "kv_step")
+_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
-               slots: int | None = None, kv_step: int = 128, segs=None):
+               slots: int | None = None, kv_step: int = 128, segs=None, walk: str = "loops"):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
     lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given. ``segs = (q_seg
     [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``.
     ``kv_step``: keys per step (64 or 128: two 64-key tiles of the stream in one softmax step);
-    ``slots``: depth of the CTA's shared K/V ring (default: as many as fit, 2-4)."""
+    ``slots``: depth of the CTA's shared K/V ring (default: as many as fit, 2-4); ``walk``: how the
+    consumers walk the stream (:data:`pallas_kernels.mosaic_stream.WALKS`)."""
+    check_walk(walk)
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
@@ -210,7 +214,7 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     merge = acc is not None
     sg = segs is not None
     kernel = functools.partial(_kernel, merge=merge, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
-                               qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg)
+                               qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg, walk=walk)
     tr = tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),

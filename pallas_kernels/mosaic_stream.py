@@ -67,10 +67,46 @@ def stream_segments(w, bounds, n_union, row):
     return loops
 
 
-def walk_stream(w, bounds, n_union, total, row, tile, skip, carry):
-    """Run consumer ``w``'s loops over the CTA's stream (:func:`stream_segments`, then the skipped
-    column steps of the other row's longer prefix). ``tile(t, carry, masked, thr)``, ``skip(t, carry)``."""
+#: how a consumer walks the stream: ``"loops"``, one loop per segment of :func:`stream_segments` (each
+#: its own copy of the step body: up to 17 in the forward); ``"switch"``, one loop whose body picks the
+#: free / masked / skip step per tile (:func:`step_kind`): one copy of each body, a smaller program
+WALKS = ("loops", "switch")
+
+
+def check_walk(walk) -> None:
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
+
+
+def step_kind(t, w, bounds, n_union, row):
+    """``(kind, col)`` of stream step ``t`` for consumer ``w``, as :func:`stream_segments`' loops
+    classify it: ``kind`` 0 free, 1 masked, 2 skipped; ``col`` a column step. Scalar integer
+    arithmetic on the walk's bounds (works on traced and on numpy values)."""
+    kind = 2
+    for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
+        c = c0 if c0 == c1 else jnp.where(w == 0, c0, c1)
+        kind = jnp.where((t >= bounds[s]) & (t < bounds[s + 1]), c, kind)
+    _, _, nct, ncf = row
+    u = t - n_union
+    col = t >= n_union
+    return jnp.where(col, jnp.where(u < ncf, 0, jnp.where(u < nct, 1, 2)), kind).astype(jnp.int32), col
+
+
+def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "loops"):
+    """Run consumer ``w``'s walk over the CTA's stream (:func:`stream_segments`, then the skipped
+    column steps of the other row's longer prefix). ``tile(t, carry, masked, thr)``, ``skip(t, carry)``;
+    ``walk`` (:data:`WALKS`): segment loops, or one loop choosing the body per step."""
+    check_walk(walk)
     ncol, nct = row[1], row[2]
+    if walk == "switch":
+        def step(t, carry):
+            kind, col = step_kind(t, w, bounds, n_union, row)
+            thr = jnp.where(col, 1 - ncol, ncol)
+            return lax.switch(kind, [lambda c: tile(t, c, masked=False, thr=None),
+                                     lambda c: tile(t, c, masked=True, thr=thr),
+                                     lambda c: skip(t, c)], carry)
+
+        return lax.fori_loop(0, total, step, carry)
     for lo, hi, kind, col in stream_segments(w, bounds, n_union, row):
         if kind == 2:
             body = skip

@@ -73,9 +73,10 @@ def test_prepared_tile_walk_equals_masked_reference(B, S, Sk, H, Hkv, permuted, 
 def test_shared_stream_walk_equals_masked_reference(halves, B, S, Sk, H, Hkv, permuted, mb, mc, documents):
     """The query-side kernels' CTA stream (``pair_stream`` + the consumers' loop bounds of
     ``mosaic_fwd``), walked step by step in numpy as each consumer does: every step in exactly one
-    of its loops, free steps unmasked, masked steps by the ``info`` rule (a NULL half all masked),
+    of its loops (and classified the same by ``step_kind``, the one-loop walk), free steps unmasked, masked steps by the ``info`` rule (a NULL half all masked),
     skipped steps not used. Softmax over the keys gathered that way equals the masked reference."""
     from pallas_kernels.mosaic_stream import consumer_row as _consumer_row
+    from pallas_kernels.mosaic_stream import step_kind as _step_kind
     from pallas_kernels.mosaic_stream import stream_segments as _stream_segments
     from pallas_kernels.mosaic_stream import stream_walk as _stream_walk
     from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, pair_stream
@@ -106,6 +107,13 @@ def test_shared_stream_walk_equals_masked_reference(halves, B, S, Sk, H, Hkv, pe
             loops.append((n_union + int(row[2]), total, 2, True))
             seen = sorted(t for lo, hi, _, _ in loops for t in range(lo, hi))
             assert seen == list(range(total))  # every step once, in some loop
+            # the one-loop walk (walk="switch") classifies every step as these loops do
+            want_kind, want_col = np.full(total, -1), np.zeros(total, bool)
+            for lo, hi, kind, col in loops:
+                want_kind[lo:hi], want_col[lo:hi] = kind, col
+            got_kind, got_col = _step_kind(np.arange(total), w, bounds, n_union, row)
+            np.testing.assert_array_equal(np.asarray(got_kind), want_kind)
+            np.testing.assert_array_equal(np.asarray(got_col), want_col)
             keys, vals, keep = [], [], []
             rq = slice(i * BS, (i + 1) * BS)
             for lo, hi, kind, col in loops:
@@ -336,11 +344,22 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
     text = g.trace(q, k, k, idx, q, lse, lse, dq_acc, segs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "mosaic_dq" in text and "anonymous" not in text
     if not merge and not documents:  # the other step width of each query-side kernel
+        sizes = {}
         f = jax.jit(lambda q, k, v, idx: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, kv_step=64))
         assert "mosaic_gpu" in f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()
         g = jax.jit(lambda q, k, v, idx, do, lse, delta: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta,
                                                                    sm_scale=0.1, kv_step=128))
         assert "mosaic_gpu" in g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+        # the one-loop walk: the step bodies once each (a smaller program), the pass still named
+        for walk in ("loops", "switch"):
+            f = jax.jit(lambda q, k, v, idx, walk=walk: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, walk=walk))
+            g = jax.jit(lambda q, k, v, idx, do, lse, delta, walk=walk: mosaic_dq(
+                q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, walk=walk))
+            sizes[walk] = [len(f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()),
+                           len(g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text())]
+        assert all(a < 0.6 * b for a, b in zip(sizes["switch"], sizes["loops"])), sizes
+        with pytest.raises(ValueError, match="walk must be one of"):
+            mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.1, walk="segments")
         with pytest.raises(ValueError, match="kv_step must be 64 or 128, got 96"):
             mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.1, kv_step=96)
     if not merge:  # the dK/dV block pass has no accumulator variant
