@@ -1,0 +1,98 @@
+"""What a Mosaic query-side CTA's two consumers can share, per index family (issue 34 item 2; CPU,
+no timing): the forward and dQ kernels run two consumer warpgroups per CTA over one stream of K/V
+tiles; a step both consumers use keeps the FlashAttention-3 ping-pong (one's softmax under the
+other's matmuls), a step only one uses runs its softmax and matmuls in series.
+
+Per pairing of the CTA's two (head, query block) rows:
+
+* ``blocks``: query blocks ``2p`` and ``2p + 1`` of one head (the kernels today);
+* ``heads``: one query block of two query heads of the same KV group;
+* ``separate``: each consumer its own tiles, the two lists interleaved (both busy while both have
+  tiles);
+
+``stream_per_work`` = tiles the stream carries / tiles the two rows compute (0.5: every tile shared),
+``paired_work`` = share of the rows' tiles computed in steps both consumers use. Block tiles only
+(column tiles are per row in every pairing).
+
+    python -m benchmarks.consumer_pairing --seq 131072 --densities 0.02,0.05 --json pairing.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from pallas_kernels.testing import INDEX_FAMILIES, index_family
+
+PAIRINGS = ("blocks", "heads", "separate")
+
+
+def row_sets(index, b: int = 0):
+    """``sets[h][i]``: the KV blocks query block ``i`` of head ``h`` lists."""
+    bi, bc = np.asarray(index.block_idx)[b], np.asarray(index.block_count)[b]
+    return [[set(bi[h, i, :bc[h, i]].tolist()) for i in range(bi.shape[1])] for h in range(bi.shape[0])]
+
+
+def pairing_stats(sets, pairing: str) -> dict:
+    """``{stream_per_work, paired_work}`` of one pairing (module docstring) over every CTA."""
+    H, nqb = len(sets), len(sets[0])
+    if pairing == "heads":
+        pairs = [(sets[h][i], sets[h + 1][i]) for h in range(0, H - 1, 2) for i in range(nqb)]
+    else:
+        pairs = [(sets[h][2 * p], sets[h][2 * p + 1]) for h in range(H) for p in range(nqb // 2)]
+    work = sum(len(a) + len(b) for a, b in pairs)
+    if pairing == "separate":
+        stream, paired = work, sum(2 * min(len(a), len(b)) for a, b in pairs)
+    else:
+        stream, paired = sum(len(a | b) for a, b in pairs), sum(2 * len(a & b) for a, b in pairs)
+    return {"stream_per_work": stream / work, "paired_work": paired / work}
+
+
+def measure(seq: int, densities, families=INDEX_FAMILIES, heads: int = 16, seed: int = 1):
+    rows = []
+    for fam in families:
+        for dens in densities:
+            sets = row_sets(index_family(np.random.default_rng(seed), fam, 1, heads, seq, dens))
+            for pairing in PAIRINGS:
+                rows.append({"table": "consumer_pairing", "family": fam, "S": seq, "density": dens, "heads": heads,
+                             "pairing": pairing, **pairing_stats(sets, pairing)})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    out = ["| family | density | stream / work: blocks / heads | paired work: blocks / heads / separate |",
+           "|---|---|---|---|"]
+    keys = list(dict.fromkeys((r["family"], r["density"]) for r in rows))
+    for fam, dens in keys:
+        by = {r["pairing"]: r for r in rows if (r["family"], r["density"]) == (fam, dens)}
+        out.append(f"| {fam} | {dens:.0%} | {by['blocks']['stream_per_work']:.2f} / {by['heads']['stream_per_work']:.2f} "
+                   f"| {by['blocks']['paired_work']:.2f} / {by['heads']['paired_work']:.2f} / "
+                   f"{by['separate']['paired_work']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    from benchmarks._driver import provenance
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--densities", default="0.02,0.05")
+    p.add_argument("--families", default=",".join(INDEX_FAMILIES))
+    p.add_argument("--json", help="append the rows (JSONL) to this file")
+    a = p.parse_args(argv)
+    prov = provenance(argv)
+    rows = measure(a.seq, [float(x) for x in a.densities.split(",")], a.families.split(","))
+    print(table(rows))
+    if a.json:
+        with open(a.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({**r, **prov}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
