@@ -105,3 +105,13 @@ def provenance(argv=None) -> dict:
         except RuntimeError:
             pass
     return row
+
+
+def append_rows(path: Optional[str], rows, prov: dict) -> None:
+    """Append ``rows`` to the JSONL file ``path`` (nothing when ``path`` is empty), each row with the
+    run's ``prov`` (:func:`provenance`) fields."""
+    if not path:
+        return
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps({**r, **prov}) + "\n")

@@ -15,7 +15,6 @@ dtype.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
@@ -111,7 +110,7 @@ def measure(impls, residuals, S=1024, Hq=8, Hkv=2, D=128, block_size=64, seed=3)
 
 
 def main(argv=None):
-    from benchmarks._driver import provenance
+    from benchmarks._driver import append_rows, provenance
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impls", default="mosaic,triton,xla")
@@ -129,10 +128,7 @@ def main(argv=None):
             continue
         x = " / ".join(f"{t:.2f}" for t in r.get("x_xla_dpa", []))
         print(f"| {r['impl']} | {r['residual']} | {r['dq_rel']:.3e} | {r['dk_rel']:.3e} | {r['dv_rel']:.3e} | {x} |")
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps({**r, **prov}) + "\n")
+    append_rows(a.json, rows, prov)
     return 0
 
 

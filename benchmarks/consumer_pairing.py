@@ -76,7 +76,7 @@ def table(rows) -> str:
 
 
 def main(argv=None):
-    from benchmarks._driver import provenance
+    from benchmarks._driver import append_rows, provenance
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=131072)
@@ -87,10 +87,7 @@ def main(argv=None):
     prov = provenance(argv)
     rows = measure(a.seq, [float(x) for x in a.densities.split(",")], a.families.split(","))
     print(table(rows))
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps({**r, **prov}) + "\n")
+    append_rows(a.json, rows, prov)
     return 0
 
 
