@@ -232,11 +232,12 @@ def _pairs(idx, S):
     return bc * BS * BS, cc * BS
 
 
-def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",)):
+def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",)):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
-    pass's own active work. ``walks``: the Mosaic forward and dQ once per consumer walk
-    (:data:`pallas_kernels.mosaic_stream.WALKS`; impl ``mosaic[switch]`` for the one-loop walk)
+    pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
+    and stream (:data:`pallas_kernels.mosaic_stream.WALKS`, ``STREAMS``; impl e.g. ``mosaic[switch]``,
+    ``mosaic[split]``; the split dQ takes 128-key steps)
     (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
     block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
     active blocks from the block pass to the column pass, a small share of either)."""
@@ -258,12 +259,20 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",)):
         delta = api.attention_delta(out, do)
         args = (q, k, v, pos, pos, idx, do, lse, delta)
         zeros = jnp.zeros(k.shape, jnp.float32)
-        walked = lambda f, w: f if w == "loops" else functools.partial(f, walk=w)  # noqa: E731
-        mname = lambda w: "mosaic" if w == "loops" else f"mosaic[{w}]"  # noqa: E731
+        variants = [(w, st) for w in walks for st in streams]
+
+        def variant(f, w, st, dq=False):
+            opts = dict(walk=w, stream=st, **({"kv_step": 128} if dq and st == "split" else {}))
+            return functools.partial(f, **opts)
+
+        mname = lambda w, st: "mosaic" + (f"[{','.join(x for x in (w, st) if x not in ('loops', 'shared'))}]"  # noqa: E731
+                                          if (w, st) != ("loops", "shared") else "")
         fns = [("fwd", "triton", tk.pallas_fwd, args[:6], 2 * (bp + cp)),
-               *[("fwd", mname(w), walked(mosaic_fwd.mosaic_fwd, w), args[:6], 2 * (bp + cp)) for w in walks],
+               *[("fwd", mname(w, st), variant(mosaic_fwd.mosaic_fwd, w, st), args[:6], 2 * (bp + cp))
+                 for w, st in variants],
                ("dq", "triton", tb.dq_pass, args, 3 * (bp + cp)),
-               *[("dq", mname(w), walked(mosaic_bwd.mosaic_dq, w), args, 3 * (bp + cp)) for w in walks],
+               *[("dq", mname(w, st), variant(mosaic_bwd.mosaic_dq, w, st, dq=True), args, 3 * (bp + cp))
+                 for w, st in variants],
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
@@ -498,6 +507,8 @@ def main():
                     "alone per backend (families from --families, plus 'full')")
     ap.add_argument("--walks", default="loops", help="with --passes: the Mosaic forward / dQ consumer walks to "
                     "time, comma-separated (pallas_kernels.mosaic_stream.WALKS: loops,switch)")
+    ap.add_argument("--streams", default="shared", help="with --passes: the Mosaic forward / dQ streams to time, "
+                    "comma-separated (pallas_kernels.mosaic_stream.STREAMS: shared,split)")
     a = ap.parse_args()
     if a.plot_from:
         rows = load_rows(a.plot_from.split(","), [x for x in a.runs.split(",") if x])
@@ -520,7 +531,7 @@ def main():
     pass_rows = []
     for S in [int(x) for x in a.passes.split(",") if x]:
         pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x], tuple(a.families.split(",")),
-                            a.vert_cols, a.reps, walks=tuple(a.walks.split(",")))
+                            a.vert_cols, a.reps, walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")))
     if pass_rows:
         print(passes_table(pass_rows))
         sweeps += pass_rows

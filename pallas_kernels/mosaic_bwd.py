@@ -38,7 +38,8 @@ from pallas_kernels.three_pass import add_column_grads
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
             kinfo_ref, cinfo_ref, null_ref, *refs, accumulate: bool, slots: int, halves: int, g: int, bs: int,
-            qk_scale: float, scale: float, npairs: int, segs: bool = False, walk: str = "loops"):
+            qk_scale: float, scale: float, npairs: int, segs: bool = False, walk: str = "loops",
+            split: bool = False):
     *ins, dq_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     dqacc_ref = ins[0] if accumulate else None
@@ -67,10 +68,13 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             plgpu.barrier_wait(row_bar.at[2 * j + w])
         plgpu.barrier_wait(q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[2 + w])
-        qpos_b = lax.broadcast_in_dim(load_smem(qpos_smem.at[w], row_layout()), (bs, kv), [0])
+        qpos = load_smem(qpos_smem.at[w], row_layout())
         lse = load_smem(lse_smem.at[w], row_layout())
-        lse2_b = lax.broadcast_in_dim(jnp.where(lse == NEG_INF, 0.0, lse * LOG2E), (bs, kv), [0])
-        delta_b = lax.broadcast_in_dim(load_smem(delta_smem.at[w], row_layout()), (bs, kv), [0])
+        lse2 = jnp.where(lse == NEG_INF, 0.0, lse * LOG2E)
+        delta = load_smem(delta_smem.at[w], row_layout())
+        # per-row vectors broadcast to a step's keys: kv, and (split stream) the consumer's half
+        rows_b = {n: tuple(lax.broadcast_in_dim(x, (bs, n), [0]) for x in (qpos, lse2, delta))
+                  for n in ({kv, bs} if split else {kv})}
         d = q_smem.shape[-1]
         dq = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -79,35 +83,40 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             def _():
                 plgpu.barrier_wait(k_bar.at[lax.rem(t + 1, jnp.int32(slots))])
 
-        def tile(t, dq, masked: bool, thr):
+        def tile(t, dq, masked: bool, thr, own: bool = False):
+            # own: only this consumer's half of the step (split stream's block steps: 64 keys)
             slot = lax.rem(t, jnp.int32(slots))  # its K: waited for under the last dS K
+            n = bs if own else kv
+            keys = (pl.ds(pl.multiple_of(w * bs, bs), bs),) if own else ()
+            k_tile, v_tile = k_smem.at[(slot, *keys)], v_smem.at[(slot, *keys)]
+            qpos_b, lse2_b, delta_b = rows_b[n]
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[w], transposed(k_smem.at[slot]))
+                plgpu.wgmma(acc_ref, q_smem.at[w], transposed(k_tile))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bs, kv), jnp.float32))  # unscaled: qk_scale folds into the FMA
+            s = pl.run_scoped(qk, plgpu.ACC((bs, n), jnp.float32))  # unscaled: qk_scale folds into the FMA
             plgpu.barrier_wait(i_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
 
             def dov(acc_ref):  # P is computed while the dP wgmma runs
-                plgpu.wgmma(acc_ref, do_smem.at[w], transposed(v_smem.at[slot]))
+                plgpu.wgmma(acc_ref, do_smem.at[w], transposed(v_tile))
                 sm = s
                 if masked:
-                    pos = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 0], col_layout()), (bs, kv), [1])
-                    aux = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 1], col_layout()), (bs, kv), [1])
+                    pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
+                    aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
                     ok = (pos <= qpos_b) & (aux >= thr)
                     if segs:
-                        ok = ok & segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, kv)
+                        ok = ok & segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, n, *keys)
                     sm = jnp.where(ok, sm, NEG_INF)
                 return acc_ref[...], jnp.exp2(sm * qk_scale - lse2_b)
 
-            dp, p = pl.run_scoped(dov, plgpu.ACC((bs, kv), jnp.float32))
+            dp, p = pl.run_scoped(dov, plgpu.ACC((bs, n), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             ds = (p * (dp - delta_b)).astype(dtype)
 
             def dsk(acc_ref):
-                plgpu.wgmma(acc_ref, ds, k_smem.at[slot])
+                plgpu.wgmma(acc_ref, ds, k_tile)
                 wait_next_k(t)  # the next step's K, while this dS K runs
 
             dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
@@ -127,7 +136,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
         def _():  # the first step's K (each later one is waited for under the dS K before it)
             plgpu.barrier_wait(k_bar.at[0])
 
-        dq = walk_stream(w, bounds, n_union, total, row, tile, skip, dq, walk)
+        dq = walk_stream(w, bounds, n_union, total, row, tile, skip, dq, walk, split)
         dq = dq * scale
         if accumulate:
             dq = dq + load_smem(dqacc_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False)
@@ -144,23 +153,25 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
 _STATIC = ("sm_scale", "block_size", "stages")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk", "stream"))
 def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
-              block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None, walk: str = "loops"):
+              block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None, walk: str = "loops",
+              stream: str = "shared"):
     """``dq f32 [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given.
     ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed
-    documents (module docstring); ``kv_step`` / ``slots`` / ``walk`` as in
-    :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd`."""
+    documents (module docstring); ``kv_step`` / ``slots`` / ``walk`` / ``stream`` as in
+    :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd` (``stream="split"`` needs ``kv_step=128``)."""
     check_walk(walk)
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops, stream, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step, slots)
+    ops, walk_ops, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step, slots,
+                                                             stream)
     accumulate = dq_acc is not None
     sg = segs is not None
     kernel = functools.partial(_kernel, accumulate=accumulate, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
                                qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2, segs=sg,
-                               walk=walk)
+                               walk=walk, split=stream == "split")
     tr = tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
@@ -171,7 +182,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
          plgpu.SMEM((2, bs), jnp.float32)),
         (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg), *stream_barriers(slots, halves, sg)),
     ]
-    args = [ops.counts, stream.bounds, stream.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype),
+    args = [ops.counts, walk_ops.bounds, walk_ops.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype),
             lse.astype(jnp.float32), delta.astype(jnp.float32), k, v, ops.kc, ops.vc, ops.k_info, ops.c_info, null_info]
     if sg:
         args.append(segs[0].astype(jnp.int32))

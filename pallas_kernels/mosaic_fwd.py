@@ -8,9 +8,10 @@ per-step :class:`~pallas_kernels.index_format.StepIndex`; empty rows give out 0 
 One CTA ``(p, h, b)`` = query blocks ``2p`` and ``2p + 1`` of head ``h`` (from the last: heavy
 causal rows first) = two consumer warpgroups (one query block each: ``wgmma`` from shared memory,
 online softmax in float32, turns on the tensor cores FlashAttention-3 style) and one producer
-warpgroup that TMA-loads the CTA's ONE shared stream of K/V steps
-(:func:`pallas_kernels.mosaic_index.pair_stream`, :mod:`pallas_kernels.mosaic_stream`) into a ring
-of ``slots`` shared-memory slots. Packed documents: masked tiles add ``seg == q_seg``.
+warpgroup that TMA-loads the CTA's ONE stream of K/V steps (:mod:`pallas_kernels.mosaic_stream`)
+into a ring of ``slots`` shared-memory slots: by default the union of the two rows' tiles
+(:func:`pallas_kernels.mosaic_index.pair_stream`), or with ``stream="split"`` each consumer's own tiles
+in one half of every 128-key step (:func:`pallas_kernels.mosaic_index.split_stream`). Packed documents: masked tiles add ``seg == q_seg``.
 
 Supported: bf16 / f16, head_dim 64 or 128, block size 64, ``Sq`` a multiple of 128, compute
 capability 9.x (:mod:`pallas_kernels.backend_mosaic`). Design notes: ``docs/kernels.md``.
@@ -71,7 +72,7 @@ def _finish(acc, m, l, merge_prev):
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
             null_ref, *refs, merge: bool, slots: int, halves: int, g: int, bs: int, qk_scale: float, npairs: int,
-            segs: bool = False, walk: str = "loops"):
+            segs: bool = False, walk: str = "loops", split: bool = False):
     *ins, out_ref, lse_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     oprev_ref, lprev_ref = ins if merge else (None, None)
@@ -101,6 +102,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             plgpu.barrier_wait(row_bar.at[4 + w])
         qpos = load_smem(row_smem.at[w], row_layout())
         qpos_b = lax.broadcast_in_dim(qpos, (bs, kv), [0])
+        qpos_h = lax.broadcast_in_dim(qpos, (bs, bs), [0]) if split else None
         d = q_smem.shape[-1]
         acc = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((bs,), NEG_INF, jnp.float32), row_layout())
@@ -115,23 +117,27 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             def _():
                 plgpu.barrier_wait(k_bar.at[lax.rem(t + 1, jnp.int32(slots))])
 
-        def tile(t, carry, masked: bool, thr):
+        def tile(t, carry, masked: bool, thr, own: bool = False):
+            # own: only this consumer's half of the step (split stream's block steps: 64 keys)
             acc, m, l = carry
             slot = lax.rem(t, jnp.int32(slots))  # its K: waited for under the last P V
+            n = bs if own else kv
+            keys = (pl.ds(pl.multiple_of(w * bs, bs), bs),) if own else ()
+            k_tile, v_tile = k_smem.at[(slot, *keys)], v_smem.at[(slot, *keys)]
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[w], transposed(k_smem.at[slot]))
+                plgpu.wgmma(acc_ref, q_smem.at[w], transposed(k_tile))
                 schedule()  # the other consumer's softmax runs under this wgmma
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bs, kv), jnp.float32))  # unscaled: qk_scale folds into FMAs
+            s = pl.run_scoped(qk, plgpu.ACC((bs, n), jnp.float32))  # unscaled: qk_scale folds into FMAs
             plgpu.barrier_wait(i_bar.at[slot])
             if masked:
-                pos = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 0], col_layout()), (bs, kv), [1])
-                aux = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 1], col_layout()), (bs, kv), [1])
-                ok = (pos <= qpos_b) & (aux >= thr)
+                pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
+                aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
+                ok = (pos <= (qpos_b if n == kv else qpos_h)) & (aux >= thr)
                 if segs:
-                    ok = ok & segment_ok(info_smem, slot, row_smem.at[2 + w], bs, kv)
+                    ok = ok & segment_ok(info_smem, slot, row_smem.at[2 + w], bs, n, *keys)
                 s = jnp.where(ok, s, NEG_INF)
             plgpu.barrier_arrive(k_free.at[slot])
             p, alpha, m, l = _online_softmax((m, l), s, masked, qk_scale)
@@ -144,7 +150,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p16, v_tile)
                 wait_next_k(t)  # the next tile's K, while this P V runs
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -170,7 +176,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             plgpu.barrier_wait(k_bar.at[0])
 
         pl.when(w == 1)(schedule)  # consumer 0 goes first
-        carry = walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk)
+        carry = walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk, split)
         pl.when(w == 0)(schedule)
         acc, m, l = carry
         prev = None
@@ -194,27 +200,32 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
                          kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
 
 
-_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk")
+_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
-               slots: int | None = None, kv_step: int = 128, segs=None, walk: str = "loops"):
+               slots: int | None = None, kv_step: int = 128, segs=None, walk: str = "loops",
+               stream: str = "shared"):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
     lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given. ``segs = (q_seg
     [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``.
     ``kv_step``: keys per step (64 or 128: two 64-key tiles of the stream in one softmax step);
     ``slots``: depth of the CTA's shared K/V ring (default: as many as fit, 2-4); ``walk``: how the
-    consumers walk the stream (:data:`pallas_kernels.mosaic_stream.WALKS`)."""
+    consumers walk the stream (:data:`pallas_kernels.mosaic_stream.WALKS`); ``stream``: what the CTA's
+    two consumers share (:data:`pallas_kernels.mosaic_stream.STREAMS`: the union of their tiles, or
+    ``"split"``, each its own tiles in one half of every 128-key step)."""
     check_walk(walk)
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops, stream, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step, slots)
+    ops, walk_ops, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step, slots,
+                                                             stream)
     merge = acc is not None
     sg = segs is not None
     kernel = functools.partial(_kernel, merge=merge, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
-                               qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg, walk=walk)
+                               qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg, walk=walk,
+                               split=stream == "split")
     tr = tile_transforms(q.dtype)
     scratch = [
         (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
@@ -225,7 +236,7 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
          *stream_barriers(slots, halves, sg),
          plgpu.Barrier(num_arrivals=2)),
     ]
-    args = [ops.counts, stream.bounds, stream.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc,
+    args = [ops.counts, walk_ops.bounds, walk_ops.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc,
             ops.k_info, ops.c_info, null_info]
     if sg:
         args.append(segs[0].astype(jnp.int32))

@@ -224,6 +224,31 @@ def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
     return PairStream(out[..., :L, :], sbound)
 
 
+@jax.jit
+def split_stream(ops: MosaicOperands) -> PairStream:
+    """Separate streams of query blocks ``2p`` and ``2p + 1`` in one ring of 128-key steps: half ``w``
+    of step ``t`` is row ``2p + w``'s ``t``-th block tile (its free ones first, then its masked ones;
+    :data:`NULL_BLOCK` past its list), so each consumer computes 64 keys of its own per step and both
+    use every step while both have tiles (the shared stream pairs only tiles both rows list:
+    ``benchmarks/consumer_pairing.py``). A step's class pair (row ``2p``'s class of its half, row
+    ``2p + 1``'s of its) only grows along the stream, which is :data:`STREAM_SEGMENTS`' order: the
+    same ``bounds`` describe the walk (``halves`` is 2)."""
+    B, H, nqb, mb = ops.block_idx.shape
+    npair, nseg = nqb // 2, len(STREAM_SEGMENTS)
+    rows = ops.block_idx.reshape(B, H, npair, 2, mb)
+    n_free = ops.counts[..., 0].reshape(B, H, npair, 2, 1)
+    n_blk = ops.counts[..., 1].reshape(B, H, npair, 2, 1)
+    t = jnp.arange(mb, dtype=jnp.int32)
+    cls = jnp.where(t < n_free, 0, jnp.where(t < n_blk, 1, 2)).astype(jnp.int32)  # [B, H, P, 2, MB]
+    halves = jnp.where(cls < 2, rows, NULL_BLOCK).astype(jnp.int32)
+    seg_of = jnp.full((9,), nseg, jnp.int32)
+    for g, (a, c) in enumerate(STREAM_SEGMENTS):
+        seg_of = seg_of.at[3 * a + c].set(g)
+    seg = seg_of[3 * cls[..., 0, :] + cls[..., 1, :]]  # [B, H, P, MB]; (2, 2) past both lists: nseg
+    bounds = (seg[..., None] < jnp.arange(nseg + 1, dtype=jnp.int32)).sum(-2, dtype=jnp.int32)
+    return PairStream(jnp.moveaxis(halves, 3, -1), bounds)
+
+
 #: largest key range sorted as one uint32 key (above it: a two-key sort; tests lower it)
 _ONE_KEY_LIMIT = 2**32
 

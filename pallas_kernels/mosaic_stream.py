@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import row_layout, col_layout, load_smem, tile_transforms
-from pallas_kernels.mosaic_index import POS_PAD, STREAM_SEGMENTS, pair_stream, prepare
+from pallas_kernels.mosaic_index import POS_PAD, STREAM_SEGMENTS, pair_stream, prepare, split_stream
 
 def query_pair_ids(npairs: int):
     """``(b, h, pair, wg)`` of a query-side kernel's CTA (forward, dQ): pairs of query blocks are
@@ -23,11 +23,13 @@ def query_pair_ids(npairs: int):
     return lax.axis_index("b"), lax.axis_index("h"), npairs - 1 - lax.axis_index("p"), lax.axis_index("wg")
 
 
-def segment_ok(info_smem, slot, qseg_smem, bs: int, kv: int | None = None):
+def segment_ok(info_smem, slot, qseg_smem, bs: int, kv: int | None = None, keys=None):
     """``bool [64, kv]`` of a masked tile with packed documents: the tile's keys (segment row 2 of
-    its ``info``) lie in the document of the consumer's query rows (``qseg_smem [bs]``)."""
+    its ``info``; ``keys``: a slice of the step's keys) lie in the document of the consumer's query
+    rows (``qseg_smem [bs]``)."""
     kv = kv or bs
-    kseg = lax.broadcast_in_dim(load_smem(info_smem.at[slot, 2], col_layout()), (bs, kv), [1])
+    ref = info_smem.at[slot, 2] if keys is None else info_smem.at[slot, 2, keys]
+    kseg = lax.broadcast_in_dim(load_smem(ref, col_layout()), (bs, kv), [1])
     qseg = lax.broadcast_in_dim(load_smem(qseg_smem, row_layout()), (bs, kv), [0])
     return kseg == qseg
 
@@ -73,6 +75,13 @@ def stream_segments(w, bounds, n_union, row):
 WALKS = ("loops", "switch")
 
 
+#: what a CTA's two consumers share: ``"shared"``, the union of their rows' block tiles
+#: (:func:`pallas_kernels.mosaic_index.pair_stream`; a tile both rows list is loaded once and used by
+#: both); ``"split"``, each its own tiles in one half of every 128-key step
+#: (:func:`pallas_kernels.mosaic_index.split_stream`; both consumers busy on every step)
+STREAMS = ("shared", "split")
+
+
 def check_walk(walk) -> None:
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
@@ -92,19 +101,26 @@ def step_kind(t, w, bounds, n_union, row):
     return jnp.where(col, jnp.where(u < ncf, 0, jnp.where(u < nct, 1, 2)), kind).astype(jnp.int32), col
 
 
-def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "loops"):
+def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "loops", split: bool = False):
     """Run consumer ``w``'s walk over the CTA's stream (:func:`stream_segments`, then the skipped
-    column steps of the other row's longer prefix). ``tile(t, carry, masked, thr)``, ``skip(t, carry)``;
-    ``walk`` (:data:`WALKS`): segment loops, or one loop choosing the body per step."""
+    column steps of the other row's longer prefix). ``tile(t, carry, masked, thr, own=...)``,
+    ``skip(t, carry)``; ``walk`` (:data:`WALKS`): segment loops, or one loop choosing the body per
+    step. ``split`` (:func:`pallas_kernels.mosaic_index.split_stream`): the block steps are
+    ``own=True`` (the consumer's half of the step), the column steps shared as always."""
     check_walk(walk)
     ncol, nct = row[1], row[2]
     if walk == "switch":
         def step(t, carry):
             kind, col = step_kind(t, w, bounds, n_union, row)
             thr = jnp.where(col, 1 - ncol, ncol)
-            return lax.switch(kind, [lambda c: tile(t, c, masked=False, thr=None),
-                                     lambda c: tile(t, c, masked=True, thr=thr),
-                                     lambda c: skip(t, c)], carry)
+            bodies = [lambda c: tile(t, c, masked=False, thr=None), lambda c: tile(t, c, masked=True, thr=thr),
+                      lambda c: skip(t, c)]
+            if split:  # block steps (0, 1): the consumer's own half; column steps (2, 3): both; skip 4
+                own = [lambda c: tile(t, c, masked=False, thr=None, own=True),
+                       lambda c: tile(t, c, masked=True, thr=thr, own=True)]
+                which = jnp.where(kind == 2, 4, kind + 2 * col.astype(jnp.int32))
+                return lax.switch(which, own + bodies, carry)
+            return lax.switch(kind, bodies, carry)
 
         return lax.fori_loop(0, total, step, carry)
     for lo, hi, kind, col in stream_segments(w, bounds, n_union, row):
@@ -112,6 +128,8 @@ def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "
             body = skip
         else:
             body = functools.partial(tile, masked=kind == 1, thr=(1 - ncol if col else ncol) if kind else None)
+            if split and not col:
+                body = functools.partial(body, own=True)
         carry = lax.fori_loop(lo, hi, body, carry)
     return lax.fori_loop(n_union + nct, total, skip, carry)
 
@@ -173,12 +191,17 @@ def stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref,
         load(t, v_ref, vc_ref, None, v_smem.at[slot], v_bar.at[slot])
 
 
-def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None):
+def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None,
+                    stream: str = "shared"):
     """``(ops, stream, null_info, halves, slots)`` of a query-side kernel (forward, dQ) walking the
-    CTA's shared stream in steps of ``kv_step`` keys; ``slots`` defaults to what fits beside the
-    resident query tiles (4 at ``kv_step * head_dim <= 8192``, else 2)."""
+    CTA's stream (``stream``: :data:`STREAMS`) in steps of ``kv_step`` keys; ``slots`` defaults to
+    what fits beside the resident query tiles (4 at ``kv_step * head_dim <= 8192``, else 2)."""
     if kv_step not in (bs, 2 * bs):
         raise ValueError(f"kv_step must be {bs} or {2 * bs}, got {kv_step!r}")
+    if stream not in STREAMS:
+        raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+    if stream == "split" and kv_step != 2 * bs:
+        raise ValueError(f"stream='split' needs kv_step={2 * bs} (one {bs}-key half per consumer), got {kv_step!r}")
     halves = kv_step // bs
     if slots is None:
         slots = 4 if kv_step * k.shape[-1] <= 64 * 128 else 2
@@ -186,7 +209,8 @@ def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step
         raise ValueError(f"slots must be an int >= 2, got {slots!r}")
     ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
     null_info = jnp.full((2 + (segs is not None), bs), POS_PAD, jnp.int32)
-    return ops, pair_stream(ops, halves), null_info, halves, slots
+    walk_ops = split_stream(ops) if stream == "split" else pair_stream(ops, halves)
+    return ops, walk_ops, null_info, halves, slots
 
 
 def stream_smem(slots: int, kv_step: int, d: int, dtype, segs: bool):

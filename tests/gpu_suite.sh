@@ -11,8 +11,8 @@ mkdir -p "$log_dir"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.18}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 groups=(
-  "tests/test_kernels.py -k TestMosaicGPU and (merges or one_loop or dense_index or fully_masked)"
-  "tests/test_kernels.py -k TestMosaicGPU and not (merges or one_loop or dense_index or fully_masked)"
+  "tests/test_kernels.py -k TestMosaicGPU and (merges or walks_and_streams or dense_index or fully_masked)"
+  "tests/test_kernels.py -k TestMosaicGPU and not (merges or walks_and_streams or dense_index or fully_masked)"
   "tests/test_kernels.py tests/test_index_programs.py -k not TestMosaicGPU"
   "tests/test_ring.py tests/test_sparsity_fidelity.py"
   "tests/test_mtraining_attention.py tests/test_bf16_gradients.py"

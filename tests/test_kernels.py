@@ -345,10 +345,11 @@ class TestMosaicGPU(_GPUSizes):
         assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < 1e-5
 
     @pytest.mark.parametrize("documents", [False, True])
-    def test_one_loop_walk_equals_segment_loops(self, documents):
+    def test_walks_and_streams_equal_segment_loops(self, documents):
         """``walk="switch"`` (one loop, the step body chosen per tile) gives the forward's ``(out, lse)``
         and the dQ pass's ``dq`` of the segment loops (the same tiles in the same order: equal to
-        float32 rounding of the instruction schedule), on a ring step with permuted positions, GQA 4, causal columns and (optionally) packed documents."""
+        float32 rounding of the instruction schedule); ``stream="split"`` (separate streams) the same
+        within bf16 rounding of P (the tiles in another order), on a ring step with permuted positions, GQA 4, causal columns and (optionally) packed documents."""
         from pallas_kernels.index_format import apply_segments
         from pallas_kernels.mosaic_bwd import mosaic_dq
         from pallas_kernels.mosaic_fwd import mosaic_fwd
@@ -374,6 +375,15 @@ class TestMosaicGPU(_GPUSizes):
         dq = {w: mosaic_dq(q, k, v, q_pos, k_pos, index, do, lse, delta, walk=w, **kw) for w in ("loops", "switch")}
         assert _rel(dq["switch"], dq["loops"]) < 1e-6
         assert float(jnp.abs(dq["loops"]).max()) > 0
+        # separate streams (each consumer its own tiles, every block step half each): the same
+        # attention, its tiles summed in another order
+        for walk in ("loops", "switch"):
+            out3, lse3 = mosaic_fwd(q, k, v, q_pos, k_pos, index, walk=walk, stream="split", **kw)
+            assert _rel(out3, out) < 5e-3
+            np.testing.assert_array_equal(np.isfinite(np.asarray(lse3)), fin)
+            np.testing.assert_allclose(np.asarray(lse3)[fin], np.asarray(lse)[fin], rtol=0, atol=1e-4)
+            dq3 = mosaic_dq(q, k, v, q_pos, k_pos, index, do, lse, delta, walk=walk, stream="split", kv_step=128, **kw)
+            assert _rel(dq3, dq["loops"]) < 5e-3
 
 
 class TestValidation:

@@ -63,23 +63,25 @@ def test_prepared_tile_walk_equals_masked_reference(B, S, Sk, H, Hkv, permuted, 
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=2e-5)
 
 
-@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("halves, stream", [(1, "shared"), (2, "shared"), (2, "split")])
 @pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb, mc, documents", [
     (1, 256, 256, 2, 2, False, 3, 70, False),    # ragged column tail, odd groups (NULL halves)
     (2, 256, 384, 4, 1, True, 4, 12, False),     # GQA 4, ring-like positions, Sq != Sk
     (1, 512, 512, 2, 1, False, 6, 200, False),   # causal columns: free column steps
     (1, 512, 512, 2, 1, False, 5, 90, True),     # packed documents
 ])
-def test_shared_stream_walk_equals_masked_reference(halves, B, S, Sk, H, Hkv, permuted, mb, mc, documents):
+def test_stream_walk_equals_masked_reference(halves, stream, B, S, Sk, H, Hkv, permuted, mb, mc, documents):
     """The query-side kernels' CTA stream (``pair_stream`` + the consumers' loop bounds of
     ``mosaic_fwd``), walked step by step in numpy as each consumer does: every step in exactly one
     of its loops (and classified the same by ``step_kind``, the one-loop walk), free steps unmasked, masked steps by the ``info`` rule (a NULL half all masked),
-    skipped steps not used. Softmax over the keys gathered that way equals the masked reference."""
+    skipped steps not used. Softmax over the keys gathered that way equals the masked reference.
+    ``stream="split"`` (``split_stream``): a block step's half ``w`` is consumer ``w``'s own tile,
+    the only half it uses; column steps as in the shared stream."""
     from pallas_kernels.mosaic_stream import consumer_row as _consumer_row
     from pallas_kernels.mosaic_stream import step_kind as _step_kind
     from pallas_kernels.mosaic_stream import stream_segments as _stream_segments
     from pallas_kernels.mosaic_stream import stream_walk as _stream_walk
-    from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, pair_stream
+    from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, pair_stream, split_stream
 
     rng = np.random.default_rng(S + mb + halves)
     q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, mb, mc)
@@ -87,7 +89,7 @@ def test_shared_stream_walk_equals_masked_reference(halves, B, S, Sk, H, Hkv, pe
     if documents:
         idx = apply_segments(idx, *segs, BS)
     ops = mosaic_index.prepare(idx, k, v, kp, BS, qp, segs)
-    st = pair_stream(ops, halves)
+    st = split_stream(ops) if stream == "split" else pair_stream(ops, halves)
     cnt, bnd, sidx = (np.asarray(x) for x in (ops.counts, st.bounds, st.block_idx))
     kinfo, cinfo = np.asarray(ops.k_info), np.asarray(ops.c_info)
     kf, vf = np.asarray(k, np.float64), np.asarray(v, np.float64)
@@ -120,11 +122,14 @@ def test_shared_stream_walk_equals_masked_reference(halves, B, S, Sk, H, Hkv, pe
                 for t in range(lo, hi):
                     for hf in range(halves):
                         if t < n_union:
+                            if stream == "split" and hf != w:
+                                continue  # the other consumer's tile
                             kb = sidx[b, h, p, t, hf]
                             kr = kf[b, max(kb, 0) * BS:(max(kb, 0) + 1) * BS, h // g]
                             vr = vf[b, max(kb, 0) * BS:(max(kb, 0) + 1) * BS, h // g]
                             info = kinfo[b, h, max(kb, 0)] if kb != NULL_BLOCK else np.full_like(kinfo[0, 0, 0], POS_PAD)
                             assert kb != NULL_BLOCK or kind != 0  # a NULL half is never in a free step
+                            assert stream != "split" or (kb == NULL_BLOCK) == (kind == 2)  # own tile iff walked
                         else:
                             c = (t - n_union) * halves + hf
                             kr, vr, info = kcf[b, h, c * BS:(c + 1) * BS], vcf[b, h, c * BS:(c + 1) * BS], cinfo[b, h, c]
@@ -358,6 +363,18 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             sizes[walk] = [len(f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()),
                            len(g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text())]
         assert all(a < 0.6 * b for a, b in zip(sizes["switch"], sizes["loops"])), sizes
+        # separate streams (each consumer its own half of every block step), with either walk
+        for walk in ("loops", "switch"):
+            f = jax.jit(lambda q, k, v, idx, walk=walk: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, walk=walk,
+                                                                  stream="split"))
+            assert "mosaic_fwd" in f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()
+            g = jax.jit(lambda q, k, v, idx, do, lse, delta, walk=walk: mosaic_dq(
+                q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, walk=walk, stream="split", kv_step=128))
+            assert "mosaic_dq" in g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+        with pytest.raises(ValueError, match="stream='split' needs kv_step=128"):
+            mosaic_dq(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="split")
+        with pytest.raises(ValueError, match="stream must be one of"):
+            mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.1, stream="union")
         with pytest.raises(ValueError, match="walk must be one of"):
             mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.1, walk="segments")
         with pytest.raises(ValueError, match="kv_step must be 64 or 128, got 96"):
