@@ -87,13 +87,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
 
 from benchmarks.quality_corpus import TRAIN_TASKS, build_corpus  # the training corpus
 from benchmarks.quality_report import write_report  # the single-call report
+from benchmarks.quality_launch import launch_per_seed  # --gpu-per-seed: one process per seed
+from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets  # --cross-eval, --recall-budgets
 from benchmarks.quality_seeds import VARIANTS, read_rows, write_seed_report  # the statistics over seeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -432,154 +433,6 @@ def msa_summary(cfg, train_rows) -> dict:
         vals = [float(m[keys[k]]) for m in sparse[len(sparse) // 2:] if isinstance(m.get(keys[k]), float)]
         out[f"{k}_sparse_mean"] = float(np.mean(vals)) if vals else None
     return out
-
-
-def parse_budgets(text: str) -> list:
-    """``"vertical_max=8192,slash_max=128;last_q=256"`` -> ``[{"vertical_max": 8192, ...}, {...}]``
-    (``;`` between budgets, ``,`` between fields; an empty budget is the model's own)."""
-    out = []
-    for part in text.split(";"):
-        b = {}
-        for kv in filter(None, (t.strip() for t in part.split(","))):
-            k, sep, v = kv.partition("=")
-            if not sep:
-                raise argparse.ArgumentTypeError(f"budget field {kv!r} is not NAME=VALUE")
-            try:
-                b[k.strip()] = float(v) if "." in v else int(v)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"budget field {kv!r}: {v!r} is not a number") from None
-        out.append(b)
-    return out
-
-
-def cross_eval(model_cfg, params, tok, spec, mesh, held, backend: str, retrieval: bool = True) -> dict:
-    """The trained parameters evaluated with ``backend`` attention in EVERY layer (e.g. a model
-    trained with sparse attention, read with dense attention): held-out loss by position and the
-    retrieval sections of ``spec`` unless ``retrieval=False``. Shows whether what the model learned
-    holds without the sparse pattern (whose index is estimated from the window's last queries)."""
-    import dataclasses
-
-    from mtraining_jax.eval.api import evaluate_params
-
-    cfg = dataclasses.replace(model_cfg, attention_backends=(backend,) * model_cfg.num_layers)
-    spec = dataclasses.replace(spec, recall_ps=(), ppl_len=spec.perplexity_len,
-                               **({} if retrieval else {"lengths": ()}))
-    res = evaluate_params(cfg, params, tok, spec, mesh=mesh, heldout=held, label=f"as {backend}", progress=False)
-    out = {"backend": backend, "eval": res}
-    print(f"  read with {backend} attention in every layer: held-out loss "
-          f"{res['perplexity']['mean_loss']:.4f}", flush=True)
-    return out
-
-
-def budget_sweep(model_cfg, params, window, mesh, budgets, rows: int, p: float = 0.9) -> list:
-    """Index recall / density at top-p ``p`` under each budget (SparsityConfig overrides) on the
-    trained model's q/k of one held-out ``window [1, S]`` (q/k captured once)."""
-    from mtraining_jax.eval.recall import index_recall, layer_qk
-
-    qs, ks, _ = layer_qk(model_cfg, params, window, mesh)
-    out = []
-    for b in budgets:
-        r = index_recall(model_cfg, None, None, (p,), num_rows=rows, qk=(qs, ks), budgets=b)
-        key = f"{p:g}"
-        out.append({"budget": b, "p": p, "mean_recall": r["mean_recall"][key], "min_recall": r["min_recall"][key],
-                    "mean_density": r["mean_density"][key],
-                    "layer_recall": [float(sum(h) / len(h)) for h in r["recall"][key]],
-                    "layer_density": [float(sum(h) / len(h)) for h in r["density"][key]]})
-        print(f"  recall p={p:g} {b or 'model budgets'}: mean {out[-1]['mean_recall']:.3f} "
-              f"min {out[-1]['min_recall']:.3f} density {out[-1]['mean_density']:.3f}", flush=True)
-    return out
-
-
-# ----------------------------------------------------------------------------------- one process per seed
-
-# options the parent of --gpu-per-seed sets for each child itself: name -> number of values ("+": one or more)
-_PARENT_ONLY = {"--gpu-per-seed": 0, "--gpus": 1, "--seeds": "+", "--num-seeds": 1, "--seed": 1, "--out": 1}
-
-
-def strip_parent_args(argv) -> list:
-    """``argv`` without the options of :data:`_PARENT_ONLY` (``--opt value`` and ``--opt=value``)."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        key = a.split("=", 1)[0]
-        if key not in _PARENT_ONLY:
-            out.append(a)
-            i += 1
-            continue
-        i += 1
-        if "=" in a or _PARENT_ONLY[key] == 0:
-            continue
-        if _PARENT_ONLY[key] == 1:
-            i += 1
-        else:
-            while i < len(argv) and not argv[i].startswith("--"):
-                i += 1
-    return out
-
-
-def child_commands(argv, seeds, gpus, out: str) -> list:
-    """``[(seed, gpu, cmd, env, child_out)]``: one child per seed on GPU ``gpus[i % len(gpus)]``."""
-    import shlex
-
-    keep = strip_parent_args(list(argv))
-    parent = " ".join(shlex.quote(a) for a in [sys.argv[0], *argv])
-    jobs = []
-    for i, s in enumerate(seeds):
-        gpu = str(gpus[i % len(gpus)])
-        child_out = os.path.join(out, f"seed{s}")
-        cmd = [sys.executable, os.path.abspath(__file__), *keep, "--seeds", str(s), "--out", child_out, "--child"]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, MTRAINING_STUDY_COMMAND=parent)
-        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        jobs.append((s, gpu, cmd, env, child_out))
-    return jobs
-
-
-def launch_per_seed(args, argv, seeds) -> int:
-    """Run one child per seed, at most one per GPU at a time; append their new rows to
-    ``--out/quality.jsonl`` and write the comparison. Exit status 0 when every child succeeded."""
-    gpus = args.gpus or [str(i) for i in range(len(seeds))]
-    jobs = child_commands(argv, seeds, gpus, args.out)
-    os.makedirs(args.out, exist_ok=True)
-    offsets, pending, running, codes = {}, list(jobs), {}, {}
-    t0 = time.time()
-    while pending or running:
-        busy = {j[1] for j in running.values()}
-        for job in list(pending):
-            if job[1] in busy:
-                continue
-            s, gpu, cmd, env, child_out = job
-            os.makedirs(child_out, exist_ok=True)
-            rows_file = os.path.join(child_out, "quality.jsonl")
-            offsets[s] = os.path.getsize(rows_file) if os.path.isfile(rows_file) else 0
-            log = open(os.path.join(child_out, f"log_{args.variant}.txt"), "a")
-            print(f"[{time.time() - t0:6.0f}s] seed {s} on GPU {gpu}: {' '.join(cmd[1:])}", flush=True)
-            running[s] = (subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), gpu, log)
-            pending.remove(job)
-            busy.add(gpu)
-        time.sleep(0.5)
-        for s, (proc, gpu, log) in list(running.items()):
-            if proc.poll() is not None:
-                log.close()
-                codes[s] = proc.returncode
-                del running[s]
-                print(f"[{time.time() - t0:6.0f}s] seed {s} (GPU {gpu}) exited with status {proc.returncode}",
-                      flush=True)
-    new = []
-    for s, gpu, _, _, child_out in jobs:
-        rows_file = os.path.join(child_out, "quality.jsonl")
-        if os.path.isfile(rows_file):
-            with open(rows_file) as f:
-                f.seek(offsets[s])
-                new += [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
-        if codes.get(s):
-            tail = open(os.path.join(child_out, f"log_{args.variant}.txt")).read().splitlines()[-15:]
-            print(f"seed {s} failed; its log ends:\n" + "\n".join(tail), file=sys.stderr)
-    with open(os.path.join(args.out, "quality.jsonl"), "a") as f:
-        f.writelines(new)
-    rows = read_rows([os.path.join(args.out, "quality.jsonl")])
-    if rows:
-        print(write_seed_report(rows, args.out))
-    return 0 if all(c == 0 for c in codes.values()) else 1
 
 
 # ----------------------------------------------------------------------------------- main

@@ -63,10 +63,16 @@ def _ulp_of(hi32, dtype):
 
 def _as_stored(hi):
     """``f32``: the values of ``hi`` (bf16 / f16) as stored, also inside a program that would keep
-    them in excess precision (:mod:`pallas_kernels.rounding`); f16 subnormals converted as is."""
-    x32 = hi.astype(jnp.float32)
-    r = storage_round(x32, hi.dtype)
-    return jnp.where(jnp.abs(x32) < jnp.finfo(hi.dtype).smallest_normal, x32, r)
+    them in excess precision."""
+    return _rounded_f32(hi.astype(jnp.float32), hi.dtype)
+
+
+def _rounded_f32(x32, dtype):
+    """``f32``: ``x32`` rounded to ``dtype`` by :func:`~pallas_kernels.rounding.storage_round` (kept by
+    every program); below the smallest normal, where that flushes f16 subnormals, by the convert
+    (an error below ``2^-25`` where a program drops it)."""
+    small = jnp.abs(x32) < jnp.finfo(dtype).smallest_normal
+    return jnp.where(small, x32.astype(dtype).astype(jnp.float32), storage_round(x32, dtype))
 
 
 def split_output(out, dtype):
@@ -86,9 +92,7 @@ def split_output(out, dtype):
     if jnp.dtype(dtype) == jnp.float32:
         return hi, None
     out32 = out.astype(jnp.float32)
-    r = storage_round(out32, dtype)
-    # f16 subnormals: reduce_precision flushes them; the convert keeps them (an error below 2^-25)
-    hi32 = jnp.where(jnp.abs(out32) < jnp.finfo(dtype).smallest_normal, hi.astype(jnp.float32), r)
+    hi32 = _rounded_f32(out32, dtype)
     steps = lo_steps(LO_DTYPE)
     codes = jnp.clip(jnp.round((out32 - hi32) / _ulp_of(hi32, dtype) * steps), -steps // 2, steps // 2)
     return hi, codes.astype(LO_DTYPE)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import quality_corpus, quality_study
+from benchmarks import quality_corpus, quality_launch, quality_study
 from benchmarks import quality_seeds
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")  # the arms and seeds share compiled steps
@@ -235,7 +235,7 @@ def test_study_protocol(tmp_path):
 def test_gpu_per_seed_launches_one_process_per_seed(tmp_path, monkeypatch):
     argv = ["--out", str(tmp_path / "out"), "--variant", "dense", "--num-seeds", "5", "--gpu-per-seed",
             "--gpus=0,1,2,3", "--work", "/tmp/w", "--seeds", "7", "8"]
-    jobs = quality_study.child_commands(argv, [0, 1, 2, 3, 4], ["0", "1", "2", "3"], str(tmp_path / "out"))
+    jobs = quality_launch.child_commands(argv, [0, 1, 2, 3, 4], ["0", "1", "2", "3"], str(tmp_path / "out"))
     assert [j[1] for j in jobs] == ["0", "1", "2", "3", "0"]  # a fifth seed waits for GPU 0
     for s, gpu, cmd, env, child_out in jobs:
         assert env["CUDA_VISIBLE_DEVICES"] == gpu and child_out == str(tmp_path / "out" / f"seed{s}")
@@ -254,8 +254,8 @@ def test_gpu_per_seed_launches_one_process_per_seed(tmp_path, monkeypatch):
         "           gpu=os.environ['CUDA_VISIBLE_DEVICES'], train_loss=[[1, 3.0], [2, 2.5]],\n"
         "           heldout_curve=[[2, 2.6]], train_time=[[1, 1.0], [2, 2.0]])\n"
         "open(os.path.join(out, 'quality.jsonl'), 'a').write(json.dumps(row) + '\\n')\n")
-    real = quality_study.child_commands
-    monkeypatch.setattr(quality_study, "child_commands", lambda *a: [
+    real = quality_launch.child_commands
+    monkeypatch.setattr(quality_launch, "child_commands", lambda *a: [
         (s, g, [sys.executable, str(child), *c[2:]], e, o) for s, g, c, e, o in real(*a)])
     out = str(tmp_path / "run")
     assert quality_study.main(["--out", out, "--variant", "dense", "--seeds", "0", "1", "--gpu-per-seed"]) == 0

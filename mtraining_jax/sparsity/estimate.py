@@ -13,8 +13,9 @@ Per batch element and query head:
 Bit-identical across layouts, meshes and programs (forward, backward, remat, evaluation; any
 kernel impl, fusion or dot algorithm): the inputs are rounded to their storage dtype
 (:func:`pallas_kernels.rounding.storage_round`), the logits are exact integer sums
-(:func:`_window_logits`), and after the row max every reduction over keys sums integer fixed-point digits (:func:`_digits`,
-:func:`fixed_point_bits`). So every rank ends with the same index without a broadcast.
+(:func:`_window_logits`), and after the row max every reduction over keys sums integer fixed-point
+digits (:func:`_digits`, :func:`fixed_point_bits`). So every rank ends with the same index without a
+broadcast.
 
 Top-p threshold: ``ceil(p * last_q * 2^F)`` of the exact total mass (``F = cfg.score_bits``): the
 selected lines cover ``p`` and are minimal to within ``(k + 1) 2^-F / last_q`` of coverage, up to

@@ -1,0 +1,63 @@
+"""Evaluations of a trained arm of the quality study beyond its protocol: the parameters read with
+another attention backend in every layer (``--cross-eval``) and index recall / density under other
+sparsity budgets on the trained q/k (``--recall-budgets``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parse_budgets(text: str) -> list:
+    """``"vertical_max=8192,slash_max=128;last_q=256"`` -> ``[{"vertical_max": 8192, ...}, {...}]``
+    (``;`` between budgets, ``,`` between fields; an empty budget is the model's own)."""
+    out = []
+    for part in text.split(";"):
+        b = {}
+        for kv in filter(None, (t.strip() for t in part.split(","))):
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise argparse.ArgumentTypeError(f"budget field {kv!r} is not NAME=VALUE")
+            try:
+                b[k.strip()] = float(v) if "." in v else int(v)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"budget field {kv!r}: {v!r} is not a number") from None
+        out.append(b)
+    return out
+
+
+def cross_eval(model_cfg, params, tok, spec, mesh, held, backend: str, retrieval: bool = True) -> dict:
+    """The trained parameters evaluated with ``backend`` attention in EVERY layer (e.g. a model
+    trained with sparse attention, read with dense attention): held-out loss by position and the
+    retrieval sections of ``spec`` unless ``retrieval=False``. Shows whether what the model learned
+    holds without the sparse pattern (whose index is estimated from the window's last queries)."""
+    import dataclasses
+
+    from mtraining_jax.eval.api import evaluate_params
+
+    cfg = dataclasses.replace(model_cfg, attention_backends=(backend,) * model_cfg.num_layers)
+    spec = dataclasses.replace(spec, recall_ps=(), ppl_len=spec.perplexity_len,
+                               **({} if retrieval else {"lengths": ()}))
+    res = evaluate_params(cfg, params, tok, spec, mesh=mesh, heldout=held, label=f"as {backend}", progress=False)
+    out = {"backend": backend, "eval": res}
+    print(f"  read with {backend} attention in every layer: held-out loss "
+          f"{res['perplexity']['mean_loss']:.4f}", flush=True)
+    return out
+
+
+def budget_sweep(model_cfg, params, window, mesh, budgets, rows: int, p: float = 0.9) -> list:
+    """Index recall / density at top-p ``p`` under each budget (SparsityConfig overrides) on the
+    trained model's q/k of one held-out ``window [1, S]`` (q/k captured once)."""
+    from mtraining_jax.eval.recall import index_recall, layer_qk
+
+    qs, ks, _ = layer_qk(model_cfg, params, window, mesh)
+    out = []
+    for b in budgets:
+        r = index_recall(model_cfg, None, None, (p,), num_rows=rows, qk=(qs, ks), budgets=b)
+        key = f"{p:g}"
+        out.append({"budget": b, "p": p, "mean_recall": r["mean_recall"][key], "min_recall": r["min_recall"][key],
+                    "mean_density": r["mean_density"][key],
+                    "layer_recall": [float(sum(h) / len(h)) for h in r["recall"][key]],
+                    "layer_density": [float(sum(h) / len(h)) for h in r["density"][key]]})
+        print(f"  recall p={p:g} {b or 'model budgets'}: mean {out[-1]['mean_recall']:.3f} "
+              f"min {out[-1]['min_recall']:.3f} density {out[-1]['mean_density']:.3f}", flush=True)
+    return out
