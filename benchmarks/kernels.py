@@ -232,12 +232,15 @@ def _pairs(idx, S):
     return bc * BS * BS, cc * BS
 
 
-def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",)):
+PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
+
+
+def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
     and stream (:data:`pallas_kernels.mosaic_stream.WALKS`, ``STREAMS``; impl e.g. ``mosaic[switch]``,
-    ``mosaic[split]``; the split dQ takes 128-key steps)
+    ``mosaic[split]``; the split dQ takes 128-key steps); ``names``: the passes to time (:data:`PASSES`)
     (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
     block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
     active blocks from the block pass to the column pass, a small share of either)."""
@@ -278,7 +281,7 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
                ("dkv_cols", "mosaic", mosaic_bwd.mosaic_dkv_cols, args + (zeros, zeros), 4 * cp)]
         for pname, impl, fn, a, matmul_pairs in fns:
-            if pname == "dkv_cols" and cp == 0:
+            if pname not in names or (pname == "dkv_cols" and cp == 0):
                 continue
             t0 = time.perf_counter()
             compiled = jax.jit(functools.partial(fn, **kw)).lower(*a).compile()
@@ -509,7 +512,12 @@ def main():
                     "time, comma-separated (pallas_kernels.mosaic_stream.WALKS: loops,switch)")
     ap.add_argument("--streams", default="shared", help="with --passes: the Mosaic forward / dQ streams to time, "
                     "comma-separated (pallas_kernels.mosaic_stream.STREAMS: shared,split)")
+    ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
+                    "comma-separated (" + ",".join(PASSES) + ")")
     a = ap.parse_args()
+    bad = sorted(set(a.pass_names.split(",")) - set(PASSES))
+    if bad:
+        ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
     if a.plot_from:
         rows = load_rows(a.plot_from.split(","), [x for x in a.runs.split(",") if x])
         if not any("fwd_tflops" in r for r in rows):  # --passes rows
@@ -531,7 +539,8 @@ def main():
     pass_rows = []
     for S in [int(x) for x in a.passes.split(",") if x]:
         pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x], tuple(a.families.split(",")),
-                            a.vert_cols, a.reps, walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")))
+                            a.vert_cols, a.reps, walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")),
+                            names=tuple(a.pass_names.split(",")))
     if pass_rows:
         print(passes_table(pass_rows))
         sweeps += pass_rows

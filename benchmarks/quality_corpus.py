@@ -8,6 +8,21 @@ import os
 
 TRAIN_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
 EXTRA_SHARE = 0.25  # at most this share of a retrieval window goes to the extra key-value pairs
+KEY_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def key_names(rng, free, keys: int, length: int = 6) -> list:
+    """``keys`` distinct key names for the extra pairs: the evaluation's words in ``free`` first (in
+    that order), then made-up lowercase names of ``length`` letters drawn from ``rng`` (the word list
+    has 20 entries, so without them a window held at most 20 pairs whatever ``keys`` asked for)."""
+    names = list(free[:keys])
+    seen = set(names)
+    while len(names) < keys:
+        w = "".join(KEY_LETTERS[i] for i in rng.integers(0, len(KEY_LETTERS), length))
+        if w not in seen:
+            names.append(w)
+            seen.add(w)
+    return names
 
 
 class _Parts(Exception):
@@ -35,8 +50,9 @@ def task_parts(task: str, tok, seq_len: int, depth: float, rng, stream=None):
 def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: float = EXTRA_SHARE):
     """``(tokens int32 [n], pairs)``: ``n`` tokens of ``stream`` (this window's code) with one
     ``task`` example (its question and answer at the end) and up to ``keys`` extra key-value pairs
-    (needle at a random depth, its question and answer at a random later depth; words distinct from
-    the task's), at most ``share`` of the window; ``pairs`` = the extra pairs that fit."""
+    (needle at a random depth, its question and answer at a random later depth; keys distinct from
+    the task's words, :func:`key_names`), at most ``share`` of the window; ``pairs`` = the extra pairs
+    that fit."""
     from mtraining_jax.eval import tasks
 
     if keys <= 0:
@@ -46,7 +62,7 @@ def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: floa
     free = [w for w in tasks.WORDS if w not in used_text]
     free = [free[i] for i in rng.permutation(len(free))]
     budget, used, pairs = int(share * n), 0, 0
-    for w in free[:keys]:
+    for w in key_names(rng, free, keys):
         num = str(int(rng.integers(10 ** 5, 10 ** 6)))
         needle = f"The special magic number for {w} is: {num}."
         qa = f"What is the special magic number for {w}? The special magic number for {w} is: {num}."
@@ -60,11 +76,17 @@ def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: floa
     return tasks.compose(tok, n - 1, needles, depths, question, answer, rng, stream).tokens, pairs
 
 
-def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, keys: int = 0, task_weights=None) -> dict:
+def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, keys: int = 0, task_weights=None,
+                 share: float = EXTRA_SHARE, fresh: bool = False) -> dict:
     """The training and held-out token files of one seed: ``windows`` training windows of
     ``seq_len`` stdlib tokens, a fraction ``mix`` of them holding retrieval content
-    (:func:`retrieval_window`) built into their own code; plain held-out code.
-    Returns ``{"paths": (train, heldout), "windows", "retrieval_windows", "pairs_per_window", "sha", "seed"}``."""
+    (:func:`retrieval_window`, extra pairs capped at ``share`` of a window) built into their own
+    code; plain held-out code. Without ``fresh`` there are at most as many windows as the code
+    holds, so a run longer than one epoch sees the same retrieval examples again (answers it can
+    memorise); with ``fresh`` the code windows repeat as often as ``windows`` needs, each
+    repetition with retrieval examples of its own.
+    Returns ``{"paths": (train, heldout), "windows", "code_windows", "retrieval_windows",
+    "pairs_per_window", "sha", "seed"}``."""
     import hashlib
 
     import numpy as np
@@ -74,8 +96,10 @@ def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, k
 
     tok = ByteTokenizer()
     train, held = stdlib_streams(tok)
-    n = min(windows, len(train) // seq_len)
-    blocks = np.asarray(train[:n * seq_len], np.int32).reshape(n, seq_len).copy()
+    n_code = len(train) // seq_len
+    n = windows if fresh else min(windows, n_code)
+    code = np.asarray(train[:n_code * seq_len], np.int32).reshape(n_code, seq_len)
+    blocks = code[np.arange(n) % n_code].copy()
     rng = np.random.default_rng([seed, 20240518])
     weights = task_weights or {t: 1.0 for t in TRAIN_TASKS}
     names = [t for t in TRAIN_TASKS if weights.get(t, 0) > 0]
@@ -86,13 +110,13 @@ def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, k
     for w in chosen:
         # uniform weights draw as the first study did (its seed-0 corpus is reproduced with keys=0)
         task = names[int(rng.integers(len(names)))] if uniform else names[int(rng.choice(len(names), p=prob))]
-        blocks[w], k = retrieval_window(tok, seq_len, task, rng, blocks[w], keys)
+        blocks[w], k = retrieval_window(tok, seq_len, task, rng, blocks[w], keys, share)
         pairs.append(k)
     os.makedirs(work, exist_ok=True)
     paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
     flat = blocks.reshape(-1).astype(np.uint16)
     np.save(paths[0], flat)
     np.save(paths[1], np.asarray(held, np.uint16))
-    return {"paths": paths, "windows": int(n), "retrieval_windows": int(len(chosen)),
+    return {"paths": paths, "windows": int(n), "code_windows": int(n_code), "retrieval_windows": int(len(chosen)),
             "pairs_per_window": float(np.mean(pairs)) if pairs else 0.0,
             "sha": hashlib.sha1(flat.tobytes()).hexdigest()[:12], "seed": int(seed)}

@@ -91,7 +91,7 @@ import sys
 import time
 import traceback
 
-from benchmarks.quality_corpus import TRAIN_TASKS, build_corpus  # the training corpus
+from benchmarks.quality_corpus import EXTRA_SHARE, TRAIN_TASKS, build_corpus  # the training corpus
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import launch_per_seed  # --gpu-per-seed: one process per seed
 from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets  # --cross-eval, --recall-budgets
@@ -109,7 +109,8 @@ SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layer
 SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["model.dense_backend=ring"],
                   "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
 MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
-STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "tasks": {t: 1.0 for t in TRAIN_TASKS}},
+STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "share": EXTRA_SHARE, "fresh": False,
+                                                      "tasks": {t: 1.0 for t in TRAIN_TASKS}},
                   "eval": {"haystack": "filler", "recall_p": 0.9}}
 
 
@@ -140,6 +141,10 @@ def load_study(path: str) -> dict:
         raise ValueError(f"study config {path!r}: retrieval.tasks must weight some of {TRAIN_TASKS}, got {r['tasks']!r}")
     if not 0.0 <= float(r["mix"]) <= 1.0 or int(r["keys"]) < 0:
         raise ValueError(f"study config {path!r}: retrieval.mix must lie in [0, 1] and keys be >= 0, got {r!r}")
+    if isinstance(r["share"], bool) or not isinstance(r["share"], (int, float)) or not 0.0 < r["share"] <= 1.0:
+        raise ValueError(f"study config {path!r}: retrieval.share must be a number in (0, 1], got {r['share']!r}")
+    if not isinstance(r["fresh"], bool):
+        raise ValueError(f"study config {path!r}: retrieval.fresh must be true or false, got {r['fresh']!r}")
     if out["eval"]["haystack"] not in ("filler", "heldout"):
         raise ValueError(f"study config {path!r}: eval.haystack must be filler or heldout")
     if out["token_budget"] is not None and int(out["token_budget"]) <= 0:
@@ -266,11 +271,17 @@ def provenance_row(argv=None) -> dict:
     return row
 
 
+def retrieval_settings(args) -> dict:
+    """The training mix's retrieval settings as a row records them."""
+    return {"mix": args.retrieval_mix, "keys": args.retrieval_keys, "share": args.retrieval_share,
+            "fresh": args.fresh_retrieval, "tasks": args.retrieval_tasks}
+
+
 def base_row(name: str, seed, args) -> dict:
     """A row with every :data:`REQUIRED` field (``None`` until measured) and the study settings."""
     row = dict.fromkeys(REQUIRED)
     row.update(arm=name, variant=name, seed=seed, retrieval_mix=args.retrieval_mix,
-               retrieval={"mix": args.retrieval_mix, "keys": args.retrieval_keys, "tasks": args.retrieval_tasks},
+               retrieval=retrieval_settings(args),
                eval_haystack=args.eval_haystack)
     return row
 
@@ -454,6 +465,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="steps per arm and seed instead of --tokens")
     p.add_argument("--retrieval-mix", type=float, help="fraction of training windows with retrieval (study: retrieval.mix)")
     p.add_argument("--retrieval-keys", type=int, help="extra key-value pairs per retrieval window (study: retrieval.keys)")
+    p.add_argument("--retrieval-share", type=float,
+                   help="most of a retrieval window the extra pairs may take (study: retrieval.share)")
+    p.add_argument("--fresh-retrieval", action=argparse.BooleanOptionalAction, default=None,
+                   help="new retrieval examples on every pass over the code (study: retrieval.fresh)")
     p.add_argument("--eval-haystack", choices=("filler", "heldout"), help="NIAH/RULER haystack (study: eval.haystack)")
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
@@ -497,10 +512,13 @@ def main(argv=None) -> int:
     args.retrieval_mix = study["retrieval"]["mix"] if args.retrieval_mix is None else args.retrieval_mix
     args.retrieval_keys = study["retrieval"]["keys"] if args.retrieval_keys is None else args.retrieval_keys
     args.retrieval_tasks = {t: float(w) for t, w in study["retrieval"]["tasks"].items()}
+    args.retrieval_share = study["retrieval"]["share"] if args.retrieval_share is None else args.retrieval_share
+    args.fresh_retrieval = study["retrieval"]["fresh"] if args.fresh_retrieval is None else args.fresh_retrieval
     args.eval_haystack = args.eval_haystack or study["eval"]["haystack"]
     args.recall_p = float(study["eval"]["recall_p"])
-    if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0:
-        raise SystemExit("quality_study: --retrieval-mix must lie in [0, 1] and --retrieval-keys be >= 0")
+    if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0 or not 0.0 < args.retrieval_share <= 1.0:
+        raise SystemExit(f"quality_study: --retrieval-mix must lie in [0, 1] (got {args.retrieval_mix}), --retrieval-keys "
+                         f"be >= 0 (got {args.retrieval_keys}) and --retrieval-share in (0, 1] (got {args.retrieval_share})")
     if args.run_steps is not None and args.run_steps < 1:
         raise SystemExit(f"quality_study: --run-steps must be >= 1, got {args.run_steps}")
     if args.gpu_per_seed:
@@ -520,19 +538,19 @@ def main(argv=None) -> int:
     per_step = base.data.seq_len * base.data.batch_size * base.optim.grad_accum
     names = GROUPS.get(args.variant, (args.variant,))
     protocol = {"token_budget": args.steps * per_step, "steps": args.steps, "tokens_per_step": per_step,
-                "arms": list(names), "seeds": seeds, "retrieval": {"mix": args.retrieval_mix, "keys": args.retrieval_keys,
-                                                                   "tasks": args.retrieval_tasks},
+                "arms": list(names), "seeds": seeds, "retrieval": retrieval_settings(args),
                 "eval_haystack": args.eval_haystack}
     print(f"protocol: token budget {args.steps * per_step:,} tokens per arm and seed = {args.steps} steps x "
           f"{per_step} tokens; arms {', '.join(names)}; seeds {seeds} (each: init, data order, corpus); "
-          f"retrieval mix {args.retrieval_mix:g}, {args.retrieval_keys} extra pairs per window; "
+          f"retrieval mix {args.retrieval_mix:g}, up to {args.retrieval_keys} extra pairs per window in at most "
+          f"{args.retrieval_share:g} of it, {'fresh' if args.fresh_retrieval else 'the same'} examples each epoch; "
           f"eval haystack {args.eval_haystack}", flush=True)
     windows = max(2 * args.steps * base.data.batch_size * base.optim.grad_accum, 16) + 8
     recs, failed, sliced = [], 0, 0
     for seed in seeds:
         t0 = time.time()
         corpus = build_corpus(os.path.join(args.work, f"seed{seed}"), base.data.seq_len, windows, args.retrieval_mix,
-                              seed, args.retrieval_keys, args.retrieval_tasks)
+                              seed, args.retrieval_keys, args.retrieval_tasks, args.retrieval_share, args.fresh_retrieval)
         print(f"corpus of seed {seed}: {corpus['windows']} windows of {base.data.seq_len} tokens, "
               f"{corpus['retrieval_windows']} with retrieval ({corpus['pairs_per_window']:.1f} extra pairs each), "
               f"sha {corpus['sha']} ({time.time() - t0:.0f}s)", flush=True)

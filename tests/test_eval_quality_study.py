@@ -214,6 +214,46 @@ def test_retrieval_window_formats():
     assert np.array_equal(old, tasks.vartrack(tok, 1023, float(rng.uniform()), rng, stream=code[:1024]).tokens)
 
 
+def test_retrieval_keys_beyond_the_word_list():
+    """More extra pairs than the evaluation has words: made-up keys fill the rest (the word list alone
+    capped a window at 20 pairs whatever ``keys`` asked for), every key distinct and answered with
+    its own needle's number; ``share`` caps them."""
+    from mtraining_jax.eval import tasks
+    from mtraining_jax.train.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    code = np.resize(tok.encode("def f(x):\n    return x + 1\n"), 32768).astype(np.int32)
+    toks, pairs = quality_corpus.retrieval_window(tok, 32768, "passkey", np.random.default_rng(1), code, 120, 0.6)
+    assert pairs == 120 > len(tasks.WORDS)
+    text = tok.decode(toks)
+    needles = dict(re.findall(r" The special magic number for (\w+) is: (\d{6})\. ", text))
+    answers = re.findall(r"What is the special magic number for (\w+)\? The special magic number for \1 is: (\d{6})\. ", text)
+    assert len(answers) == 120 and len({k for k, _ in answers}) == 120
+    assert all(needles[k] == v for k, v in answers)
+    names = quality_corpus.key_names(np.random.default_rng(0), ["apple", "river"], 30)
+    assert names[:2] == ["apple", "river"] and len(set(names)) == 30
+    _, capped = quality_corpus.retrieval_window(tok, 32768, "passkey", np.random.default_rng(1), code, 120, 0.25)
+    assert 0 < capped < 120 and capped * 140 <= 0.25 * 32768
+
+
+def test_fresh_retrieval_repeats_the_code_with_new_examples(tmp_path, monkeypatch):
+    """``fresh``: more windows than the code holds, each repetition of a code window with retrieval
+    examples of its own; without it the corpus stops at the code's windows."""
+    from mtraining_jax.train import data as data_lib
+    from mtraining_jax.train.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    code = np.resize(tok.encode("import os\nprint(os.sep)\n"), 4 * 2048).astype(np.int32)
+    monkeypatch.setattr(data_lib, "stdlib_streams", lambda t: (code, code[:4096]))
+    fresh = quality_corpus.build_corpus(str(tmp_path / "f"), 2048, 10, 1.0, 0, 4, fresh=True)
+    stale = quality_corpus.build_corpus(str(tmp_path / "s"), 2048, 10, 1.0, 0, 4)
+    assert (fresh["windows"], fresh["code_windows"], stale["windows"]) == (10, 4, 4)
+    w = np.load(fresh["paths"][0]).reshape(10, 2048)
+    assert len({w[i].tobytes() for i in range(10)}) == 10  # no two windows alike
+    nums = [set(re.findall(r"is: (\d{6})\.", tok.decode(w[i]))) for i in (0, 4, 8)]  # one code window, 3 passes
+    assert nums[0] and not (nums[0] & nums[1]) and not (nums[1] & nums[2])
+
+
 def test_study_protocol(tmp_path):
     study = quality_study.load_study(quality_study.STUDY)
     assert study["token_budget"] % 32768 == 0 and study["retrieval"]["keys"] > 0
