@@ -30,8 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (check_walk, consumer_row, query_pair_ids, segment_ok, stream_barriers,
-                                          stream_operands, stream_producer, stream_smem, stream_walk, walk_stream)
+from pallas_kernels.mosaic_stream import (consumer_row, query_pair_ids, run_stream, segment_ok, stream_barriers,
+                                          stream_producer, stream_smem, stream_walk, walk_stream)
 from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
 from pallas_kernels.three_pass import add_column_grads
 
@@ -156,48 +156,50 @@ _STATIC = ("sm_scale", "block_size", "stages")
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk", "stream"))
 def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
               block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None, walk: str = "loops",
-              stream: str = "shared"):
+              stream: str = "auto"):
     """``dq f32 [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given.
     ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed
     documents (module docstring); ``kv_step`` / ``slots`` / ``walk`` / ``stream`` as in
     :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd` (``stream="split"`` needs ``kv_step=128``)."""
-    check_walk(walk)
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops, walk_ops, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step, slots,
-                                                             stream)
     accumulate = dq_acc is not None
     sg = segs is not None
-    kernel = functools.partial(_kernel, accumulate=accumulate, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
-                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2, segs=sg,
-                               walk=walk, split=stream == "split")
-    tr = tile_transforms(q.dtype)
-    scratch = [
-        (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
-         plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
-         *stream_smem(slots, kv_step, d, q.dtype, sg),
-         plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
-         plgpu.SMEM((2, bs), jnp.float32),
-         plgpu.SMEM((2, bs), jnp.float32)),
-        (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg), *stream_barriers(slots, halves, sg)),
-    ]
-    args = [ops.counts, walk_ops.bounds, walk_ops.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype),
-            lse.astype(jnp.float32), delta.astype(jnp.float32), k, v, ops.kc, ops.vc, ops.k_info, ops.c_info, null_info]
-    if sg:
-        args.append(segs[0].astype(jnp.int32))
-    if accumulate:
-        args.append(dq_acc.astype(jnp.float32))
-    return plgpu.kernel(
-        named(kernel, "mosaic_dq"),
-        out_type=jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
-        scratch_types=scratch,
-        grid=(nqb // 2, H, B),
-        grid_names=("p", "h", "b"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(*args)
+
+    def launch(ops, walk_ops, null_info, halves, slots, kv_step, walk, split):
+        kernel = functools.partial(_kernel, accumulate=accumulate, slots=slots, halves=halves, g=H // k.shape[2],
+                                   bs=bs, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2,
+                                   segs=sg, walk=walk, split=split)
+        tr = tile_transforms(q.dtype)
+        scratch = [
+            (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
+             plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
+             *stream_smem(slots, kv_step, d, q.dtype, sg),
+             plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
+             plgpu.SMEM((2, bs), jnp.float32),
+             plgpu.SMEM((2, bs), jnp.float32)),
+            (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg), *stream_barriers(slots, halves, sg)),
+        ]
+        args = [ops.counts, walk_ops.bounds, walk_ops.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype),
+                lse.astype(jnp.float32), delta.astype(jnp.float32), k, v, ops.kc, ops.vc, ops.k_info, ops.c_info,
+                null_info]
+        if sg:
+            args.append(segs[0].astype(jnp.int32))
+        if accumulate:
+            args.append(dq_acc.astype(jnp.float32))
+        return plgpu.kernel(
+            named(kernel, "mosaic_dq"),
+            out_type=jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
+            scratch_types=scratch,
+            grid=(nqb // 2, H, B),
+            grid_names=("p", "h", "b"),
+            num_threads=3,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*args)
+
+    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)
 
 
 def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,

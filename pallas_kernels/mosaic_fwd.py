@@ -29,8 +29,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (check_walk, consumer_row, query_pair_ids, segment_ok, stream_barriers,
-                                          stream_operands, stream_producer, stream_smem, stream_walk, walk_stream)
+from pallas_kernels.mosaic_stream import (consumer_row, query_pair_ids, run_stream, segment_ok, stream_barriers,
+                                          stream_producer, stream_smem, stream_walk, walk_stream)
 
 
 def _online_softmax(carry, s, masked: bool, scale: float):
@@ -205,8 +205,8 @@ _STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
-               slots: int | None = None, kv_step: int = 128, segs=None, walk: str = "loops",
-               stream: str = "shared"):
+               slots: int | None = None, kv_step: int = 128, segs=None, walk: str = "switch",
+               stream: str = "auto"):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
     lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given. ``segs = (q_seg
     [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``.
@@ -215,41 +215,41 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     consumers walk the stream (:data:`pallas_kernels.mosaic_stream.WALKS`); ``stream``: what the CTA's
     two consumers share (:data:`pallas_kernels.mosaic_stream.STREAMS`: the union of their tiles, or
     ``"split"``, each its own tiles in one half of every 128-key step)."""
-    check_walk(walk)
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
-    ops, walk_ops, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step, slots,
-                                                             stream)
     merge = acc is not None
     sg = segs is not None
-    kernel = functools.partial(_kernel, merge=merge, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
-                               qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg, walk=walk,
-                               split=stream == "split")
-    tr = tile_transforms(q.dtype)
-    scratch = [
-        (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
-         *stream_smem(slots, kv_step, d, q.dtype, sg),
-         plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
-         plgpu.SMEM((2, bs), jnp.float32)),
-        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4 + 2 * sg),
-         *stream_barriers(slots, halves, sg),
-         plgpu.Barrier(num_arrivals=2)),
-    ]
-    args = [ops.counts, walk_ops.bounds, walk_ops.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc,
-            ops.k_info, ops.c_info, null_info]
-    if sg:
-        args.append(segs[0].astype(jnp.int32))
-    if merge:
-        args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
-    out, lse = plgpu.kernel(
-        named(kernel, "mosaic_fwd"),
-        out_type=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
-        scratch_types=scratch,
-        grid=(nqb // 2, H, B),
-        grid_names=("p", "h", "b"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(*args)
-    return out, lse
+
+    def launch(ops, walk_ops, null_info, halves, slots, kv_step, walk, split):
+        kernel = functools.partial(_kernel, merge=merge, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
+                                   qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg, walk=walk,
+                                   split=split)
+        tr = tile_transforms(q.dtype)
+        scratch = [
+            (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
+             *stream_smem(slots, kv_step, d, q.dtype, sg),
+             plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
+             plgpu.SMEM((2, bs), jnp.float32)),
+            (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4 + 2 * sg),
+             *stream_barriers(slots, halves, sg),
+             plgpu.Barrier(num_arrivals=2)),
+        ]
+        args = [ops.counts, walk_ops.bounds, walk_ops.block_idx, q_pos.astype(jnp.int32), q, k, v, ops.kc, ops.vc,
+                ops.k_info, ops.c_info, null_info]
+        if sg:
+            args.append(segs[0].astype(jnp.int32))
+        if merge:
+            args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
+        return tuple(plgpu.kernel(
+            named(kernel, "mosaic_fwd"),
+            out_type=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
+            scratch_types=scratch,
+            grid=(nqb // 2, H, B),
+            grid_names=("p", "h", "b"),
+            num_threads=3,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*args))
+
+    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)

@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import row_layout, col_layout, load_smem, tile_transforms
-from pallas_kernels.mosaic_index import POS_PAD, STREAM_SEGMENTS, pair_stream, prepare, split_stream
+from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, STREAM_SEGMENTS, pair_stream, prepare, split_stream
 
 def query_pair_ids(npairs: int):
     """``(b, h, pair, wg)`` of a query-side kernel's CTA (forward, dQ): pairs of query blocks are
@@ -78,8 +78,15 @@ WALKS = ("loops", "switch")
 #: what a CTA's two consumers share: ``"shared"``, the union of their rows' block tiles
 #: (:func:`pallas_kernels.mosaic_index.pair_stream`; a tile both rows list is loaded once and used by
 #: both); ``"split"``, each its own tiles in one half of every 128-key step
-#: (:func:`pallas_kernels.mosaic_index.split_stream`; both consumers busy on every step)
-STREAMS = ("shared", "split")
+#: (:func:`pallas_kernels.mosaic_index.split_stream`; both consumers busy on every step); ``"auto"``,
+#: one of the two per call, chosen on the device from the index (:func:`prefer_split`)
+STREAMS = ("shared", "split", "auto")
+
+#: ``"auto"`` takes the split stream when the shared stream carries more than this share of the
+#: tiles its two rows compute (:func:`stream_per_work`): 0.5 when the rows list the same tiles, 1.0
+#: when they share none. Run 13 (results/kernels/kernels.md, H200): band (0.51) and vert (0.54) are
+#: as fast or faster shared; spread and mixed (0.86) faster split.
+SPLIT_ABOVE = 0.7
 
 
 def check_walk(walk) -> None:
@@ -191,6 +198,55 @@ def stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref,
         load(t, v_ref, vc_ref, None, v_smem.at[slot], v_bar.at[slot])
 
 
+def stream_per_work(ops, shared, halves: int):
+    """Tiles the shared stream carries per tile its two rows compute, over the whole call (block
+    tiles; ``shared`` = :func:`~pallas_kernels.mosaic_index.pair_stream` ``(ops, halves)``): 0.5
+    when adjacent query blocks list the same tiles, 1.0 when they share none (a float32 scalar;
+    ``benchmarks/consumer_pairing.py``'s ``stream_per_work``)."""
+    if halves == 1:
+        carried = shared.bounds[..., -1].astype(jnp.float32).sum()
+    else:  # the real halves of the union's steps (a group's odd leftover pairs with a NULL half)
+        steps = jnp.arange(shared.block_idx.shape[-2], dtype=jnp.int32)
+        real = (shared.block_idx != NULL_BLOCK) & (steps[:, None] < shared.bounds[..., -1:, None])
+        carried = real.astype(jnp.float32).sum()
+    work = ops.counts[..., 1].astype(jnp.float32).sum()
+    return carried / jnp.maximum(work, 1.0)
+
+
+def prefer_split(ops, shared, halves: int):
+    """Whether ``stream="auto"`` takes the split stream (:data:`SPLIT_ABOVE`); a traced bool."""
+    return stream_per_work(ops, shared, halves) > SPLIT_ABOVE
+
+
+def run_stream(launch, index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None,
+               walk: str, stream: str):
+    """Build a query-side kernel's stream operands and call ``launch(ops, walk_ops, null_info, halves,
+    slots, kv_step, walk, split)`` (the kernel). ``stream="auto"``: the operands once, then a
+    ``lax.cond`` on :func:`prefer_split` between the split stream (128-key steps, segment loops) and
+    the shared one (``kv_step``, ``walk``): both kernels are compiled, one runs."""
+    check_walk(walk)
+    if stream != "auto":
+        ops, walk_ops, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step,
+                                                                 slots, stream)
+        return launch(ops, walk_ops, null_info, halves, slots, kv_step, walk, stream == "split")
+    ops, shared, null_info, halves, shared_slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step,
+                                                                  slots, "shared")
+    split_slots = check_slots(slots, 2 * bs, k.shape[-1])
+    return lax.cond(prefer_split(ops, shared, halves),
+                    lambda: launch(ops, split_stream(ops), null_info, 2, split_slots, 2 * bs, "loops", True),
+                    lambda: launch(ops, shared, null_info, halves, shared_slots, kv_step, walk, False))
+
+
+def check_slots(slots, kv_step: int, d: int) -> int:
+    """``slots`` of the stream's shared-memory ring, defaulting to what fits beside the resident
+    query tiles (4 at ``kv_step * head_dim <= 8192``, else 2)."""
+    if slots is None:
+        slots = 4 if kv_step * d <= 64 * 128 else 2
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
+        raise ValueError(f"slots must be an int >= 2, got {slots!r}")
+    return slots
+
+
 def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None,
                     stream: str = "shared"):
     """``(ops, stream, null_info, halves, slots)`` of a query-side kernel (forward, dQ) walking the
@@ -198,15 +254,12 @@ def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step
     what fits beside the resident query tiles (4 at ``kv_step * head_dim <= 8192``, else 2)."""
     if kv_step not in (bs, 2 * bs):
         raise ValueError(f"kv_step must be {bs} or {2 * bs}, got {kv_step!r}")
-    if stream not in STREAMS:
-        raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+    if stream not in STREAMS[:2]:
+        raise ValueError(f"stream must be one of {STREAMS[:2]} here ('auto': run_stream), got {stream!r}")
     if stream == "split" and kv_step != 2 * bs:
         raise ValueError(f"stream='split' needs kv_step={2 * bs} (one {bs}-key half per consumer), got {kv_step!r}")
     halves = kv_step // bs
-    if slots is None:
-        slots = 4 if kv_step * k.shape[-1] <= 64 * 128 else 2
-    if not isinstance(slots, int) or slots < 2:
-        raise ValueError(f"slots must be an int >= 2, got {slots!r}")
+    slots = check_slots(slots, kv_step, k.shape[-1])
     ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
     null_info = jnp.full((2 + (segs is not None), bs), POS_PAD, jnp.int32)
     walk_ops = split_stream(ops) if stream == "split" else pair_stream(ops, halves)

@@ -364,7 +364,7 @@ class TestMosaicGPU(_GPUSizes):
             segs = (jnp.asarray(q_pos)[None] // 700, jnp.asarray(k_pos)[None] // 700)
             index = apply_segments(index, *segs, BS)
         kw = dict(sm_scale=D ** -0.5, segs=segs)
-        got = {w: mosaic_fwd(q, k, v, q_pos, k_pos, index, walk=w, **kw) for w in ("loops", "switch")}
+        got = {w: mosaic_fwd(q, k, v, q_pos, k_pos, index, walk=w, stream="shared", **kw) for w in ("loops", "switch")}
         (out, lse), (out2, lse2) = got["loops"], got["switch"]
         assert _rel(out2, out) < 1e-6
         fin = np.isfinite(np.asarray(lse))
@@ -372,7 +372,8 @@ class TestMosaicGPU(_GPUSizes):
         np.testing.assert_allclose(np.asarray(lse2)[fin], np.asarray(lse)[fin], rtol=0, atol=1e-6)
         do = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
         delta = api.attention_delta(out, do)
-        dq = {w: mosaic_dq(q, k, v, q_pos, k_pos, index, do, lse, delta, walk=w, **kw) for w in ("loops", "switch")}
+        dq = {w: mosaic_dq(q, k, v, q_pos, k_pos, index, do, lse, delta, walk=w, stream="shared", **kw)
+              for w in ("loops", "switch")}
         assert _rel(dq["switch"], dq["loops"]) < 1e-6
         assert float(jnp.abs(dq["loops"]).max()) > 0
         # separate streams (each consumer its own tiles, every block step half each): the same
@@ -384,6 +385,18 @@ class TestMosaicGPU(_GPUSizes):
             np.testing.assert_allclose(np.asarray(lse3)[fin], np.asarray(lse)[fin], rtol=0, atol=1e-4)
             dq3 = mosaic_dq(q, k, v, q_pos, k_pos, index, do, lse, delta, walk=walk, stream="split", kv_step=128, **kw)
             assert _rel(dq3, dq["loops"]) < 5e-3
+        # stream="auto" (the defaults) runs the stream prefer_split picks, bit for bit
+        from pallas_kernels.mosaic_index import pair_stream, prepare
+        from pallas_kernels.mosaic_stream import prefer_split
+        ops = prepare(index, k, v, k_pos, BS, q_pos, segs)
+        for kv_step, f, a in ((128, mosaic_fwd, ()), (64, mosaic_dq, (do, lse, delta))):
+            split = bool(prefer_split(ops, pair_stream(ops, kv_step // BS), kv_step // BS))
+            pick = dict(stream="split", walk="loops", kv_step=128) if split else dict(stream="shared", kv_step=kv_step)
+            if f is mosaic_fwd and not split:
+                pick["walk"] = "switch"
+            for x, y in zip(jax.tree.leaves(f(q, k, v, q_pos, k_pos, index, *a, **kw)),
+                            jax.tree.leaves(f(q, k, v, q_pos, k_pos, index, *a, **pick, **kw))):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 class TestValidation:

@@ -342,6 +342,9 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
     text = f.trace(q, k, k, idx, acc, segs).lower(lowering_platforms=("cuda",)).as_text()
     # each pass is named (a profile tells them apart); an unnamed body would lower as "anonymous"
     assert "mosaic_gpu" in text and "mosaic_fwd" in text and "anonymous" not in text
+    # the default stream="auto": a conditional between the split and the shared stream's kernels
+    assert text.count("stablehlo.case") == 1 and text.count("custom_call @mosaic_gpu") == 2, \
+        "stream='auto' lowers both kernels under one conditional"
     lse = jnp.zeros((B, H, S))
     dq_acc = jnp.zeros(q.shape) if merge else None
     g = jax.jit(lambda q, k, v, idx, do, lse, delta, acc, segs: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta, acc,
@@ -357,9 +360,10 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
         assert "mosaic_gpu" in g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
         # the one-loop walk: the step bodies once each (a smaller program), the pass still named
         for walk in ("loops", "switch"):
-            f = jax.jit(lambda q, k, v, idx, walk=walk: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, walk=walk))
+            f = jax.jit(lambda q, k, v, idx, walk=walk: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, walk=walk,
+                                                                  stream="shared"))
             g = jax.jit(lambda q, k, v, idx, do, lse, delta, walk=walk: mosaic_dq(
-                q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, walk=walk))
+                q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, walk=walk, stream="shared"))
             sizes[walk] = [len(f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()),
                            len(g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text())]
         assert all(a < 0.6 * b for a, b in zip(sizes["switch"], sizes["loops"])), sizes
@@ -393,3 +397,24 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs))
         text = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and "mosaic_dkv_cols" in text and "anonymous" not in text
+
+
+@pytest.mark.parametrize("family, split", [("band", False), ("vert", False), ("spread", True), ("mixed", True)])
+def test_auto_stream_choice_per_family(family, split):
+    """``stream="auto"`` takes the split stream where adjacent query blocks share few tiles (spread
+    diagonals, mixed) and the shared stream where they list the same tiles (a band, verticals):
+    the choice run 13 measured faster, made from the index on the device (both step widths)."""
+    from pallas_kernels.mosaic_index import pair_stream, prepare
+    from pallas_kernels.mosaic_stream import SPLIT_ABOVE, prefer_split, stream_per_work
+    from pallas_kernels.testing import index_family
+
+    S, H = 131072, 2  # run 13's length (shorter rows hold too few tiles to tell the families apart)
+    idx = jax.tree.map(jnp.asarray, index_family(np.random.default_rng(1), family, 1, H, S, 0.05, block_size=BS,
+                                                 vert_cols=4096))
+    pos = jnp.arange(S, dtype=jnp.int32)
+    k = jnp.zeros((1, S, 1, 64), jnp.bfloat16)
+    ops = prepare(idx, k, k, pos, BS, pos)
+    for halves in (1, 2):
+        share = float(stream_per_work(ops, pair_stream(ops, halves), halves))
+        assert 0.5 <= share <= 1.0 and (share > SPLIT_ABOVE) == split, (family, halves, share)
+        assert bool(prefer_split(ops, pair_stream(ops, halves), halves)) == split
