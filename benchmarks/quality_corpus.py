@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 TRAIN_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
 EXTRA_SHARE = 0.25  # at most this share of a retrieval window goes to the extra key-value pairs
 KEY_LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -47,6 +49,27 @@ def task_parts(task: str, tok, seq_len: int, depth: float, rng, stream=None):
     raise RuntimeError(f"task {task!r} composed no example")
 
 
+def with_repeats(code, share: float, rng, lengths=None):
+    """``code`` (int32 [n]) with about ``share`` of it overwritten by copies of its own earlier spans
+    (each ``lengths[0]``-``lengths[1]`` tokens, default 32-256 capped at 1/32-1/8 of ``code``, copied
+    to a random later place): text a model can
+    only predict by copying from its context, as repeated code and quotes are in real corpora, so
+    copying is learned before the retrieval questions need it."""
+    out = np.array(code, np.int32, copy=True)
+    n = len(out)
+    lo, hi = lengths or (min(32, n // 32), min(256, n // 8))
+    if share <= 0 or lo < 1 or n < 4 * hi:
+        return out
+    done = 0
+    while done < share * n:
+        L = int(rng.integers(lo, hi + 1))
+        src = int(rng.integers(0, n - 2 * L))
+        dst = int(rng.integers(src + L, n - L + 1))
+        out[dst:dst + L] = out[src:src + L]
+        done += L
+    return out
+
+
 def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: float = EXTRA_SHARE):
     """``(tokens int32 [n], pairs)``: ``n`` tokens of ``stream`` (this window's code) with one
     ``task`` example (its question and answer at the end) and up to ``keys`` extra key-value pairs
@@ -61,7 +84,9 @@ def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: floa
     used_text = " ".join(needles) + question
     free = [w for w in tasks.WORDS if w not in used_text]
     free = [free[i] for i in rng.permutation(len(free))]
-    budget, used, pairs = int(share * n), 0, 0
+    task_cost = sum(len(tok.encode(f" {x} ")) for x in needles) + len(tok.encode(question + answer))
+    # the extra pairs take at most `share` of the window and never the task's own room
+    budget, used, pairs = min(int(share * n), n - 1 - task_cost), 0, 0
     for w in key_names(rng, free, keys):
         num = str(int(rng.integers(10 ** 5, 10 ** 6)))
         needle = f"The special magic number for {w} is: {num}."
@@ -77,14 +102,15 @@ def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: floa
 
 
 def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, keys: int = 0, task_weights=None,
-                 share: float = EXTRA_SHARE, fresh: bool = False) -> dict:
+                 share: float = EXTRA_SHARE, fresh: bool = False, copy_share: float = 0.0) -> dict:
     """The training and held-out token files of one seed: ``windows`` training windows of
     ``seq_len`` stdlib tokens, a fraction ``mix`` of them holding retrieval content
     (:func:`retrieval_window`, extra pairs capped at ``share`` of a window) built into their own
     code; plain held-out code. Without ``fresh`` there are at most as many windows as the code
     holds, so a run longer than one epoch sees the same retrieval examples again (answers it can
     memorise); with ``fresh`` the code windows repeat as often as ``windows`` needs, each
-    repetition with retrieval examples of its own.
+    repetition with retrieval examples of its own. ``copy_share`` > 0: every window's code first
+    gets that share of repeated spans (:func:`with_repeats`).
     Returns ``{"paths": (train, heldout), "windows", "code_windows", "retrieval_windows",
     "pairs_per_window", "sha", "seed"}``."""
     import hashlib
@@ -107,6 +133,9 @@ def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, k
     prob = prob / prob.sum()
     uniform = len(names) == len(TRAIN_TASKS) and np.allclose(prob, prob[0])
     chosen, pairs = np.nonzero(rng.random(n) < mix)[0], []
+    if copy_share > 0:  # drawn after the choice above, so copy_share=0 keeps earlier corpora
+        copy_rng = np.random.default_rng([seed, 20240518, 1])
+        blocks = np.stack([with_repeats(b, copy_share, copy_rng) for b in blocks])
     for w in chosen:
         # uniform weights draw as the first study did (its seed-0 corpus is reproduced with keys=0)
         task = names[int(rng.integers(len(names)))] if uniform else names[int(rng.choice(len(names), p=prob))]

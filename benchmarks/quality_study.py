@@ -110,6 +110,7 @@ SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["mode
                   "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
 MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
 STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "share": EXTRA_SHARE, "fresh": False,
+                                                      "copy_share": 0.0,
                                                       "tasks": {t: 1.0 for t in TRAIN_TASKS}},
                   "eval": {"haystack": "filler", "recall_p": 0.9}}
 
@@ -143,6 +144,10 @@ def load_study(path: str) -> dict:
         raise ValueError(f"study config {path!r}: retrieval.mix must lie in [0, 1] and keys be >= 0, got {r!r}")
     if isinstance(r["share"], bool) or not isinstance(r["share"], (int, float)) or not 0.0 < r["share"] <= 1.0:
         raise ValueError(f"study config {path!r}: retrieval.share must be a number in (0, 1], got {r['share']!r}")
+    if isinstance(r["copy_share"], bool) or not isinstance(r["copy_share"], (int, float)) \
+            or not 0.0 <= r["copy_share"] < 1.0:
+        raise ValueError(f"study config {path!r}: retrieval.copy_share must be a number in [0, 1), "
+                         f"got {r['copy_share']!r}")
     if not isinstance(r["fresh"], bool):
         raise ValueError(f"study config {path!r}: retrieval.fresh must be true or false, got {r['fresh']!r}")
     if out["eval"]["haystack"] not in ("filler", "heldout"):
@@ -274,7 +279,7 @@ def provenance_row(argv=None) -> dict:
 def retrieval_settings(args) -> dict:
     """The training mix's retrieval settings as a row records them."""
     return {"mix": args.retrieval_mix, "keys": args.retrieval_keys, "share": args.retrieval_share,
-            "fresh": args.fresh_retrieval, "tasks": args.retrieval_tasks}
+            "fresh": args.fresh_retrieval, "copy_share": args.copy_share, "tasks": args.retrieval_tasks}
 
 
 def base_row(name: str, seed, args) -> dict:
@@ -467,6 +472,9 @@ def main(argv=None) -> int:
     p.add_argument("--retrieval-keys", type=int, help="extra key-value pairs per retrieval window (study: retrieval.keys)")
     p.add_argument("--retrieval-share", type=float,
                    help="most of a retrieval window the extra pairs may take (study: retrieval.share)")
+    p.add_argument("--copy-share", type=float,
+                   help="share of every window's code overwritten by repeats of its own earlier spans "
+                        "(study: retrieval.copy_share; quality_corpus.with_repeats)")
     p.add_argument("--fresh-retrieval", action=argparse.BooleanOptionalAction, default=None,
                    help="new retrieval examples on every pass over the code (study: retrieval.fresh)")
     p.add_argument("--eval-haystack", choices=("filler", "heldout"), help="NIAH/RULER haystack (study: eval.haystack)")
@@ -514,6 +522,9 @@ def main(argv=None) -> int:
     args.retrieval_tasks = {t: float(w) for t, w in study["retrieval"]["tasks"].items()}
     args.retrieval_share = study["retrieval"]["share"] if args.retrieval_share is None else args.retrieval_share
     args.fresh_retrieval = study["retrieval"]["fresh"] if args.fresh_retrieval is None else args.fresh_retrieval
+    args.copy_share = study["retrieval"]["copy_share"] if args.copy_share is None else args.copy_share
+    if not 0.0 <= args.copy_share < 1.0:
+        raise SystemExit(f"quality_study: --copy-share must lie in [0, 1), got {args.copy_share}")
     args.eval_haystack = args.eval_haystack or study["eval"]["haystack"]
     args.recall_p = float(study["eval"]["recall_p"])
     if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0 or not 0.0 < args.retrieval_share <= 1.0:
@@ -550,7 +561,8 @@ def main(argv=None) -> int:
     for seed in seeds:
         t0 = time.time()
         corpus = build_corpus(os.path.join(args.work, f"seed{seed}"), base.data.seq_len, windows, args.retrieval_mix,
-                              seed, args.retrieval_keys, args.retrieval_tasks, args.retrieval_share, args.fresh_retrieval)
+                              seed, args.retrieval_keys, args.retrieval_tasks, args.retrieval_share, args.fresh_retrieval,
+                              args.copy_share)
         print(f"corpus of seed {seed}: {corpus['windows']} windows of {base.data.seq_len} tokens, "
               f"{corpus['retrieval_windows']} with retrieval ({corpus['pairs_per_window']:.1f} extra pairs each), "
               f"sha {corpus['sha']} ({time.time() - t0:.0f}s)", flush=True)

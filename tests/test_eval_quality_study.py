@@ -234,6 +234,10 @@ def test_retrieval_keys_beyond_the_word_list():
     assert names[:2] == ["apple", "river"] and len(set(names)) == 30
     _, capped = quality_corpus.retrieval_window(tok, 32768, "passkey", np.random.default_rng(1), code, 120, 0.25)
     assert 0 < capped < 120 and capped * 140 <= 0.25 * 32768
+    short = code[:512]
+    for task in quality_corpus.TRAIN_TASKS:  # a short window: the pairs yield the task its room
+        toks, _ = quality_corpus.retrieval_window(tok, 512, task, np.random.default_rng(2), short, 40, 0.6)
+        assert len(toks) == 512 and re.search(END[task], tok.decode(toks)), task
 
 
 def test_fresh_retrieval_repeats_the_code_with_new_examples(tmp_path, monkeypatch):
@@ -413,3 +417,25 @@ def test_quality_study_runs_in_slices_and_resumes(tmp_path):
     assert one.get("slices") is None
     assert [s for s, _ in row["heldout_curve"]] == [s for s, _ in one["heldout_curve"]] == [2, 4]
     np.testing.assert_allclose([v for _, v in row["heldout_curve"]], [v for _, v in one["heldout_curve"]], rtol=1e-6)
+
+
+def test_with_repeats_copies_earlier_spans(tmp_path, monkeypatch):
+    """``copy_share``: about that share of each window's code becomes copies of its own earlier spans
+    (every changed position equals a token earlier in the window at a fixed offset); 0 keeps the corpus."""
+    from mtraining_jax.train import data as data_lib
+
+    rng = np.random.default_rng(0)
+    code = np.arange(32768, dtype=np.int32)  # token = its position: a copy shows where it came from
+    out = quality_corpus.with_repeats(code, 0.25, np.random.default_rng(1))
+    changed = np.nonzero(out != code)[0]
+    assert 0.15 < len(changed) / len(code) < 0.3
+    assert np.all(out[changed] < changed)  # copied from earlier in the window
+    runs = np.diff(out[changed]) == 1  # in spans: consecutive copied tokens mostly consecutive sources
+    assert runs.mean() > 0.9
+    np.testing.assert_array_equal(quality_corpus.with_repeats(code, 0.0, rng), code)
+    stream = np.resize(rng.integers(0, 200, 4096), 4 * 2048).astype(np.int32)
+    monkeypatch.setattr(data_lib, "stdlib_streams", lambda t: (stream, stream[:4096]))
+    plain = quality_corpus.build_corpus(str(tmp_path / "a"), 2048, 4, 1.0, 0, 4)
+    again = quality_corpus.build_corpus(str(tmp_path / "b"), 2048, 4, 1.0, 0, 4, copy_share=0.0)
+    copied = quality_corpus.build_corpus(str(tmp_path / "c"), 2048, 4, 1.0, 0, 4, copy_share=0.3)
+    assert plain["sha"] == again["sha"] != copied["sha"]
