@@ -30,8 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, query_pair_ids, run_stream, segment_ok, stream_barriers,
-                                          stream_producer, stream_smem, stream_walk, walk_stream)
+from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
+                                          stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
 from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
 from pallas_kernels.three_pass import add_column_grads
 
@@ -188,16 +188,8 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
             args.append(segs[0].astype(jnp.int32))
         if accumulate:
             args.append(dq_acc.astype(jnp.float32))
-        return plgpu.kernel(
-            named(kernel, "mosaic_dq"),
-            out_type=jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
-            scratch_types=scratch,
-            grid=(nqb // 2, H, B),
-            grid_names=("p", "h", "b"),
-            num_threads=3,
-            thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
-        )(*args)
+        return query_kernel(kernel, "mosaic_dq", jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), scratch, args,
+                            nqb // 2, H, B)
 
     return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)
 

@@ -27,10 +27,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
+from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, col_layout, load_smem, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, query_pair_ids, run_stream, segment_ok, stream_barriers,
-                                          stream_producer, stream_smem, stream_walk, walk_stream)
+from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
+                                          stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
 
 
 def _online_softmax(carry, s, masked: bool, scale: float):
@@ -241,15 +241,7 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
             args.append(segs[0].astype(jnp.int32))
         if merge:
             args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
-        return tuple(plgpu.kernel(
-            named(kernel, "mosaic_fwd"),
-            out_type=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
-            scratch_types=scratch,
-            grid=(nqb // 2, H, B),
-            grid_names=("p", "h", "b"),
-            num_threads=3,
-            thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
-        )(*args))
+        out_type = [jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)]
+        return tuple(query_kernel(kernel, "mosaic_fwd", out_type, scratch, args, nqb // 2, H, B))
 
     return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_common import row_layout, col_layout, load_smem, tile_transforms
+from pallas_kernels.mosaic_common import col_layout, load_smem, named, row_layout, tile_transforms
 from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, STREAM_SEGMENTS, pair_stream, prepare, split_stream
 
 def query_pair_ids(npairs: int):
@@ -235,6 +235,14 @@ def run_stream(launch, index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_s
     return lax.cond(prefer_split(ops, shared, halves),
                     lambda: launch(ops, split_stream(ops), null_info, 2, split_slots, 2 * bs, "loops", True),
                     lambda: launch(ops, shared, null_info, halves, shared_slots, kv_step, walk, False))
+
+
+def query_kernel(kernel, name: str, out_type, scratch, args, npairs: int, heads: int, batch: int):
+    """Launch a query-side kernel (forward, dQ): one CTA per (query-block pair, head, batch), three
+    warpgroups (two consumers, one producer), named ``name`` in profiles."""
+    return plgpu.kernel(named(kernel, name), out_type=out_type, scratch_types=scratch, grid=(npairs, heads, batch),
+                        grid_names=("p", "h", "b"), num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
 def check_slots(slots, kv_step: int, d: int) -> int:
