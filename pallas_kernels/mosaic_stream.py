@@ -225,6 +225,8 @@ def run_stream(launch, index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_s
     ``lax.cond`` on :func:`prefer_split` between the split stream (128-key steps, segment loops) and
     the shared one (``kv_step``, ``walk``): both kernels are compiled, one runs."""
     check_walk(walk)
+    if stream not in STREAMS:
+        raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
     if stream != "auto":
         ops, walk_ops, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step,
                                                                  slots, stream)
