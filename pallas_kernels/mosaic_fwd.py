@@ -213,8 +213,11 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     ``kv_step``: keys per step (64 or 128: two 64-key tiles of the stream in one softmax step);
     ``slots``: depth of the CTA's shared K/V ring (default: as many as fit, 2-4); ``walk``: how the
     consumers walk the stream (:data:`pallas_kernels.mosaic_stream.WALKS`); ``stream``: what the CTA's
-    two consumers share (:data:`pallas_kernels.mosaic_stream.STREAMS`: the union of their tiles, or
-    ``"split"``, each its own tiles in one half of every 128-key step)."""
+    two consumers share (:data:`pallas_kernels.mosaic_stream.STREAMS`: the union of their tiles,
+    ``"split"``, each its own tiles in one half of every 128-key step, or ``"auto"``, one of the two
+    chosen per call from the index by :func:`pallas_kernels.mosaic_stream.run_stream`, whose split
+    branch always takes 128-key steps and segment loops; ``walk`` / ``kv_step`` apply to its shared
+    branch)."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
