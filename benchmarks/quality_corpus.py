@@ -52,9 +52,9 @@ def task_parts(task: str, tok, seq_len: int, depth: float, rng, stream=None):
 def with_repeats(code, share: float, rng, lengths=None):
     """``code`` (int32 [n]) with about ``share`` of it overwritten by copies of its own earlier spans
     (each ``lengths[0]``-``lengths[1]`` tokens, default 32-256 capped at 1/32-1/8 of ``code``, copied
-    to a random later place): text a model can
-    only predict by copying from its context, as repeated code and quotes are in real corpora, so
-    copying is learned before the retrieval questions need it."""
+    to a random later place): text a model can only predict by copying from its context, as
+    repeated code and quotes are in real corpora, so copying is learned before the retrieval
+    questions need it."""
     out = np.array(code, np.int32, copy=True)
     n = len(out)
     lo, hi = lengths or (min(32, n // 32), min(256, n // 8))
