@@ -13,13 +13,15 @@ EXTRA_SHARE = 0.25  # at most this share of a retrieval window goes to the extra
 KEY_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def key_names(rng, free, keys: int, length: int = 6) -> list:
+def key_names(rng, free, keys: int, length: int = 6, made_up: bool = True) -> list:
     """``keys`` distinct key names for the extra pairs: the evaluation's words in ``free`` first (in
     that order), then made-up lowercase names of ``length`` letters drawn from ``rng`` (the word list
-    has 20 entries, so without them a window held at most 20 pairs whatever ``keys`` asked for)."""
+    has 20 entries, so without them a window held at most 20 pairs whatever ``keys`` asked for).
+    ``made_up=False``: the words of ``free`` only, as the corpora before commit 266c0c2 (the s8 study)
+    were built; those corpora are reproduced token for token."""
     names = list(free[:keys])
     seen = set(names)
-    while len(names) < keys:
+    while made_up and len(names) < keys:
         w = "".join(KEY_LETTERS[i] for i in rng.integers(0, len(KEY_LETTERS), length))
         if w not in seen:
             names.append(w)
@@ -70,12 +72,13 @@ def with_repeats(code, share: float, rng, lengths=None):
     return out
 
 
-def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: float = EXTRA_SHARE):
+def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: float = EXTRA_SHARE,
+                     made_up_keys: bool = True):
     """``(tokens int32 [n], pairs)``: ``n`` tokens of ``stream`` (this window's code) with one
     ``task`` example (its question and answer at the end) and up to ``keys`` extra key-value pairs
     (needle at a random depth, its question and answer at a random later depth; keys distinct from
-    the task's words, :func:`key_names`), at most ``share`` of the window; ``pairs`` = the extra pairs
-    that fit."""
+    the task's words, :func:`key_names` with ``made_up=made_up_keys``), at most ``share`` of the window;
+    ``pairs`` = the extra pairs that fit."""
     from mtraining_jax.eval import tasks
 
     if keys <= 0:
@@ -87,7 +90,7 @@ def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: floa
     task_cost = sum(len(tok.encode(f" {x} ")) for x in needles) + len(tok.encode(question + answer))
     # the extra pairs take at most `share` of the window and never the task's own room
     budget, used, pairs = min(int(share * n), n - 1 - task_cost), 0, 0
-    for w in key_names(rng, free, keys):
+    for w in key_names(rng, free, keys, made_up=made_up_keys):
         num = str(int(rng.integers(10 ** 5, 10 ** 6)))
         needle = f"The special magic number for {w} is: {num}."
         qa = f"What is the special magic number for {w}? The special magic number for {w} is: {num}."
@@ -102,7 +105,8 @@ def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: floa
 
 
 def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, keys: int = 0, task_weights=None,
-                 share: float = EXTRA_SHARE, fresh: bool = False, copy_share: float = 0.0) -> dict:
+                 share: float = EXTRA_SHARE, fresh: bool = False, copy_share: float = 0.0,
+                 made_up_keys: bool = True) -> dict:
     """The training and held-out token files of one seed: ``windows`` training windows of
     ``seq_len`` stdlib tokens, a fraction ``mix`` of them holding retrieval content
     (:func:`retrieval_window`, extra pairs capped at ``share`` of a window) built into their own
@@ -110,7 +114,8 @@ def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, k
     holds, so a run longer than one epoch sees the same retrieval examples again (answers it can
     memorise); with ``fresh`` the code windows repeat as often as ``windows`` needs, each
     repetition with retrieval examples of its own. ``copy_share`` > 0: every window's code first
-    gets that share of repeated spans (:func:`with_repeats`).
+    gets that share of repeated spans (:func:`with_repeats`). ``made_up_keys=False``: extra keys from
+    the evaluation's word list only (:func:`key_names`; the s8 study's corpora).
     Returns ``{"paths": (train, heldout), "windows", "code_windows", "retrieval_windows",
     "pairs_per_window", "sha", "seed"}``."""
     import hashlib
@@ -139,7 +144,7 @@ def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, k
     for w in chosen:
         # uniform weights draw as the first study did (its seed-0 corpus is reproduced with keys=0)
         task = names[int(rng.integers(len(names)))] if uniform else names[int(rng.choice(len(names), p=prob))]
-        blocks[w], k = retrieval_window(tok, seq_len, task, rng, blocks[w], keys, share)
+        blocks[w], k = retrieval_window(tok, seq_len, task, rng, blocks[w], keys, share, made_up_keys)
         pairs.append(k)
     os.makedirs(work, exist_ok=True)
     paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")

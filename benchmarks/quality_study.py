@@ -110,7 +110,7 @@ SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["mode
                   "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
 MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
 STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "share": EXTRA_SHARE, "fresh": False,
-                                                      "copy_share": 0.0,
+                                                      "copy_share": 0.0, "made_up_keys": True,
                                                       "tasks": {t: 1.0 for t in TRAIN_TASKS}},
                   "eval": {"haystack": "filler", "recall_p": 0.9}}
 
@@ -148,8 +148,9 @@ def load_study(path: str) -> dict:
             or not 0.0 <= r["copy_share"] < 1.0:
         raise ValueError(f"study config {path!r}: retrieval.copy_share must be a number in [0, 1), "
                          f"got {r['copy_share']!r}")
-    if not isinstance(r["fresh"], bool):
-        raise ValueError(f"study config {path!r}: retrieval.fresh must be true or false, got {r['fresh']!r}")
+    for flag in ("fresh", "made_up_keys"):
+        if not isinstance(r[flag], bool):
+            raise ValueError(f"study config {path!r}: retrieval.{flag} must be true or false, got {r[flag]!r}")
     if out["eval"]["haystack"] not in ("filler", "heldout"):
         raise ValueError(f"study config {path!r}: eval.haystack must be filler or heldout")
     if out["token_budget"] is not None and int(out["token_budget"]) <= 0:
@@ -279,7 +280,8 @@ def provenance_row(argv=None) -> dict:
 def retrieval_settings(args) -> dict:
     """The training mix's retrieval settings as a row records them."""
     return {"mix": args.retrieval_mix, "keys": args.retrieval_keys, "share": args.retrieval_share,
-            "fresh": args.fresh_retrieval, "copy_share": args.copy_share, "tasks": args.retrieval_tasks}
+            "fresh": args.fresh_retrieval, "copy_share": args.copy_share, "made_up_keys": args.made_up_keys,
+            "tasks": args.retrieval_tasks}
 
 
 def base_row(name: str, seed, args) -> dict:
@@ -477,6 +479,9 @@ def main(argv=None) -> int:
                         "(study: retrieval.copy_share; quality_corpus.with_repeats)")
     p.add_argument("--fresh-retrieval", action=argparse.BooleanOptionalAction, default=None,
                    help="new retrieval examples on every pass over the code (study: retrieval.fresh)")
+    p.add_argument("--made-up-keys", action=argparse.BooleanOptionalAction, default=None,
+                   help="extra keys beyond the evaluation's 20 words (study: retrieval.made_up_keys; "
+                        "--no-made-up-keys rebuilds the s8 study's corpora token for token)")
     p.add_argument("--eval-haystack", choices=("filler", "heldout"), help="NIAH/RULER haystack (study: eval.haystack)")
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
@@ -523,6 +528,7 @@ def main(argv=None) -> int:
     args.retrieval_share = study["retrieval"]["share"] if args.retrieval_share is None else args.retrieval_share
     args.fresh_retrieval = study["retrieval"]["fresh"] if args.fresh_retrieval is None else args.fresh_retrieval
     args.copy_share = study["retrieval"]["copy_share"] if args.copy_share is None else args.copy_share
+    args.made_up_keys = study["retrieval"]["made_up_keys"] if args.made_up_keys is None else args.made_up_keys
     if not 0.0 <= args.copy_share < 1.0:
         raise SystemExit(f"quality_study: --copy-share must lie in [0, 1), got {args.copy_share}")
     args.eval_haystack = args.eval_haystack or study["eval"]["haystack"]
@@ -562,7 +568,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         corpus = build_corpus(os.path.join(args.work, f"seed{seed}"), base.data.seq_len, windows, args.retrieval_mix,
                               seed, args.retrieval_keys, args.retrieval_tasks, args.retrieval_share, args.fresh_retrieval,
-                              args.copy_share)
+                              args.copy_share, args.made_up_keys)
         print(f"corpus of seed {seed}: {corpus['windows']} windows of {base.data.seq_len} tokens, "
               f"{corpus['retrieval_windows']} with retrieval ({corpus['pairs_per_window']:.1f} extra pairs each), "
               f"sha {corpus['sha']} ({time.time() - t0:.0f}s)", flush=True)

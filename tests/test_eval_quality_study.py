@@ -240,6 +240,26 @@ def test_retrieval_keys_beyond_the_word_list():
         assert len(toks) == 512 and re.search(END[task], tok.decode(toks)), task
 
 
+def test_words_only_keys_rebuild_the_s8_corpora():
+    """``made_up_keys=False`` (``--no-made-up-keys``): the extra keys come from the evaluation's words
+    only and no made-up name is drawn, so the random stream (every later number, depth and task) is
+    the one the s8 study's corpora were built from; with made-up keys the same seed diverges."""
+    from mtraining_jax.eval import tasks
+    from mtraining_jax.train.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    code = np.resize(tok.encode("def f(x):\n    return x + 1\n"), 32768).astype(np.int32)
+    rng = np.random.default_rng(0)
+    assert quality_corpus.key_names(rng, ["apple", "river"], 30, made_up=False) == ["apple", "river"]
+    assert rng.bit_generator.state == np.random.default_rng(0).bit_generator.state  # nothing drawn
+    words, pairs = quality_corpus.retrieval_window(tok, 32768, "passkey", np.random.default_rng(3), code, 48,
+                                                   made_up_keys=False)
+    keys = set(re.findall(r"What is the special magic number for (\w+)\?", tok.decode(words)))
+    assert pairs == len(keys) and 15 <= pairs <= len(tasks.WORDS) and keys <= set(tasks.WORDS)
+    made_up, more = quality_corpus.retrieval_window(tok, 32768, "passkey", np.random.default_rng(3), code, 48)
+    assert more == 48 and not np.array_equal(words, made_up)
+
+
 def test_fresh_retrieval_repeats_the_code_with_new_examples(tmp_path, monkeypatch):
     """``fresh``: more windows than the code holds, each repetition of a code window with retrieval
     examples of its own; without it the corpus stops at the code's windows."""
