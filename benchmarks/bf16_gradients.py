@@ -66,7 +66,7 @@ def dot_product_attention_fn(group: int, implementation: str, mask=None, batch_h
 
 def _residual_variant(name):
     """(split_output, output_f32, LO_DTYPE) replacing api's for one variant of the saved residual."""
-    if name in ("int4", "int8"):
+    if name in ("int2", "int4", "int8"):
         return api.split_output, api.output_f32, getattr(jnp, name)
     if name == "f32":
         def split(out, dtype):

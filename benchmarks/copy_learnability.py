@@ -50,6 +50,48 @@ def build_repeat_corpus(work, S, windows, seed):
     return {"paths": paths, "windows": windows}
 
 
+def induction_windows(S, n, rng, share=0.5, lengths=(8, 32)):
+    """``(tokens int32 [n, S], mask bool [n, S])``: random lowercase strings in which spans of
+    ``lengths`` tokens are copied to random LATER places (about ``share`` of each window). Unlike
+    ``--repeat`` (one fixed offset, learnable by position alone), a copy can only be found by its
+    content: the induction mechanism retrieval needs. ``mask``: the copied tokens after a span's
+    first 3 (predictable from context), kept only where the copy still matches its source."""
+    toks = rng.integers(ord("a"), ord("z") + 1, size=(n, S)).astype(np.int32)
+    mask = np.zeros((n, S), bool)
+    for w in range(n):
+        spans, done = [], 0
+        while done < share * S:
+            L = int(rng.integers(lengths[0], lengths[1] + 1))
+            src = int(rng.integers(0, S - 2 * L))
+            dst = int(rng.integers(src + L, S - L + 1))
+            toks[w, dst:dst + L] = toks[w, src:src + L]
+            spans.append((src, dst, L))
+            done += L
+        for src, dst, L in spans:
+            if np.array_equal(toks[w, dst:dst + L], toks[w, src:src + L]):
+                mask[w, dst + 3:dst + L] = True
+    return toks, mask
+
+
+def build_induction_corpus(work, S, windows, seed):
+    toks, _ = induction_windows(S, windows, np.random.default_rng(seed))
+    held, _ = induction_windows(S, 64, np.random.default_rng(seed + 1))
+    os.makedirs(work, exist_ok=True)
+    paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
+    np.save(paths[0], toks.astype(np.uint16).reshape(-1))
+    np.save(paths[1], held.astype(np.uint16).reshape(-1))
+    return {"paths": paths, "windows": windows}
+
+
+def induction_score(predict, S, seed):
+    """Accuracy / nll on the copied tokens of held-out induction windows (and on the rest)."""
+    toks, mask = induction_windows(S + 1, 16, np.random.default_rng([seed, 4242]))
+    pred, nll = predict(toks[:, :-1], toks[:, 1:])
+    m = mask[:, 1:]
+    return {"copied_acc": float((pred == toks[:, 1:])[m].mean()), "copied_nll": float(nll[m].mean()),
+            "other_nll": float(nll[~m].mean())}
+
+
 def overrides(a, paths):
     return [f"run_dir={os.path.join(a.work, 'run')}", f"data.path={paths[0]}", f"data.eval_path={paths[1]}",
             f"model.hidden_size={a.hidden}", f"model.intermediate_size={4 * a.hidden}",
@@ -137,7 +179,7 @@ def evaluate(a):
     rows = [m for m in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in m]
     tr = {int(m["step"]): float(m["loss"]) for m in rows if m.get("split", "train") == "train"}
     ev = {int(m["step"]): float(m["loss"]) for m in rows if m.get("split") == "eval"}
-    if not a.repeat:
+    if not (a.repeat or a.induction):
         tw = json.loads(a.tasks)
         pairs = heldout_pairs(tok, S, a.eval_windows, a.seed + 1000, tw, a.keys, a.share, held)
         mk = [make_example("multikey", tok, S, float(d), 4242, c, s, stream=held).tokens
@@ -153,7 +195,9 @@ def evaluate(a):
             params = load_for_eval(os.path.join(ck, str(step))).params
         pr.set_params(jax.device_get(params))
         r = {"step": step, "train_loss": tr.get(step), "heldout_loss": ev.get(step)}
-        if a.repeat:
+        if a.induction:
+            r.update(induction_score(pr, S, a.seed))
+        elif a.repeat:
             r.update(repeat_score(pr, held, S))
         else:
             r["pairs_whole"], r["pairs_digit"], r["pairs_n"], r["pairs_digit_nll"] = score(pr, pairs)
@@ -186,11 +230,15 @@ def main():
     p.add_argument("--eval-windows", type=int, default=40)
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("--repeat", action="store_true", help="sanity: random string repeated twice")
+    p.add_argument("--induction", action="store_true",
+                   help="random strings with spans copied to random later places (content-based copying)")
     p.add_argument("--extra", nargs="*", default=[], help="more trainer overrides")
     a = p.parse_args()
     if not a.eval_only:
         t0 = time.time()
-        if a.repeat:
+        if a.induction:
+            info = build_induction_corpus(a.work, a.seq_len, a.steps * a.batch, a.seed)
+        elif a.repeat:
             info = build_repeat_corpus(a.work, a.seq_len, a.steps * a.batch, a.seed)
         else:
             from benchmarks.quality_corpus import build_corpus

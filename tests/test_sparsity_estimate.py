@@ -161,3 +161,53 @@ def test_positions_are_checked_up_front():
         recall(q, k, index, rows=[S - 1, S - 1])
     with pytest.raises(ValueError, match=r"query_positions\[0\] = -1"):
         synthetic_qk(SyntheticAttention(seq_len=256), query_positions=[-1, 3])
+
+
+def test_window_row_chunk_choice(monkeypatch):
+    from mtraining_jax.sparsity import estimate as est
+
+    assert est.window_row_chunk(1, 14, 131072, 64, 64, 64) == 8  # 1.3 GiB of logits at once -> 8 rows
+    assert est.window_row_chunk(1, 14, 4096, 64, 64, 64) == 64  # fits: one chunk
+    assert est.window_row_chunk(1, 14, 2**23, 64, 96, 64) == 1  # never below one row
+    monkeypatch.setattr(est, "ROW_CHUNK_BYTES", 1)
+    assert est.window_row_chunk(1, 4, 1024, 16, 96, 64) == 1
+    monkeypatch.setattr(est, "ROW_CHUNK_BYTES", 2**21)  # 42 rows of 48 KiB fit
+    assert est.window_row_chunk(1, 4, 1024, 16, 96, 64) == 32  # a power of two dividing gcd(96, 64)
+
+
+@pytest.mark.parametrize("last_q, segments", [(64, False), (96, True), (128, False)])
+def test_chunked_window_rows_change_no_bit(monkeypatch, last_q, segments):
+    """Scoring the observation window a few rows at a time (``ROW_CHUNK_BYTES`` small; a scan over
+    chunks) gives the index of scoring it at once, bit for bit: single device, packed documents,
+    a window spanning query blocks, and the sharded estimate on a 2x4 mesh."""
+    from mtraining_jax.sparsity import estimate as est
+
+    q, k = _inputs()
+    cfg = SparsityConfig(vertical_min=4, vertical_max=64, slash_max=8, vertical_p=(0.5, 0.7, 0.9, 0.95),
+                         last_q=last_q)
+    seg = jnp.asarray(np.repeat(np.arange(4), S // 4)[None].repeat(B, 0)) if segments else None
+    lay = Layout("zigzag", S, 8)
+    mesh = make_mesh((2, 4))
+    seq = Ps(None, CP_AXES)
+
+    def sharded(ql, kl, pos, sl):
+        return jax.tree.map(lambda x: x[None], estimate_index_shard(ql, kl, pos, cfg, CP_AXES, segment_ids=sl))
+
+    def run():
+        jax.clear_caches()
+        one = estimate_index(q, k, jnp.arange(S), cfg, segment_ids=seg)
+        f = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(seq, seq, Ps(CP_AXES), seq if segments else None),
+                                  out_specs=Ps(CP_AXES)))
+        many = f(lay.permute(q), lay.permute(k), jnp.asarray(lay.perm),
+                 lay.permute(seg[..., None])[..., 0] if segments else None)
+        return jax.tree.map(np.asarray, one), jax.tree.map(np.asarray, many)
+
+    whole = run()
+    assert est.window_row_chunk(B, HQ, S, D, last_q, cfg.block_size) == last_q
+    monkeypatch.setattr(est, "ROW_CHUNK_BYTES", 3 * B * HQ * S * 4 * 16)  # 16 rows of logits per chunk
+    assert est.window_row_chunk(B, HQ, S, D, last_q, cfg.block_size) == 16
+    chunked = run()
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(chunked[1], chunked[0]):  # and the sharded index equals the single-device one
+        np.testing.assert_array_equal(a, np.broadcast_to(b[None], a.shape))

@@ -174,33 +174,91 @@ def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, 
     return _digits(a, (F, G))  # a = (hi + lo 2^-G) 2^-F + (< 2^-(F+G))
 
 
+#: most bytes one chunk of window rows may hold in the estimate's float32 logits (the ``J`` partial
+#: dot products of :func:`_window_logits`, ``[B, Hq, rows, J, S_local]``): at 128K, 14 heads and
+#: ``last_q`` 64 the whole window would be 1.3 GiB of transients beside the training step's
+#: residuals; rows are exact and independent, so chunking them changes no bit (:func:`window_row_chunk`)
+ROW_CHUNK_BYTES = 256 * 2**20
+
+
+def window_row_chunk(batch: int, heads: int, keys: int, head_dim: int, last_q: int, block_size: int) -> int:
+    """Rows of the observation window the estimate scores at once: ``last_q`` when its logits fit
+    :data:`ROW_CHUNK_BYTES`, else the largest power of two dividing ``gcd(last_q, block_size)``
+    whose chunk fits (at least 1), so no chunk straddles a query block."""
+    _, J = _digit_plan(head_dim)
+    per_row = batch * heads * keys * J * 4
+    if last_q * per_row <= ROW_CHUNK_BYTES:
+        return last_q
+    g = math.gcd(last_q, block_size)
+    rc = g & -g  # the largest power of two dividing both
+    while rc > 1 and rc * per_row > ROW_CHUNK_BYTES:
+        rc //= 2
+    return rc
+
+
 def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg=None):
     """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``,
     in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`); ``seg [B, S_local]``
     restricts the window to same-document pairs (and with ``cfg.window = "per_document"`` makes
-    it the documents' own last queries, :func:`_document_scores`)."""
+    it the documents' own last queries, :func:`_document_scores`). The window's rows are scored
+    :func:`window_row_chunk` at a time (a ``lax.scan`` when more than one chunk): the digit sums are
+    integers, so the result does not depend on the chunking."""
     if seg is not None and cfg.window == "per_document":
         return _document_scores(q, k, k_pos, seq_len, cfg, reduce_sum, reduce_max, seg)
     bs, lq = cfg.block_size, cfg.last_q
     nb = seq_len // bs
     _, G = fixed_point_bits(cfg)
+    B, _, Hq, D = q.shape
     q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
+    last_seg = None if seg is None else _last_segments(seg, k_pos, seq_len, lq, reduce_sum)  # [B, Lq]
     k = _operand_digits(k)
-    qp = np.arange(seq_len - lq, seq_len)
-    causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
-    if seg is not None:  # [B, 1, Lq, Sk]: and the same document
-        causal = causal & (_last_segments(seg, k_pos, seq_len, lq, reduce_sum)[:, :, None] == seg[:, None, :])
-        causal = causal[:, None]
-    hi, lo = _row_digits(q_last, k, causal, cfg, reduce_sum, reduce_max)
-    vert = hi.sum(axis=2, dtype=jnp.int32) + (lo.sum(axis=2, dtype=jnp.int32) >> G)  # [B, Hq, Sk]
     kblk = k_pos // bs
-    slash = jnp.zeros((2,) + vert.shape[:2] + (nb + 1,), jnp.int32)
-    for g in range(int(qp[0]) // bs, int(qp[-1]) // bs + 1):  # the (static) query blocks of the window
-        rows = np.nonzero(qp // bs == g)[0]
-        colsum = jnp.stack([x[:, :, rows[0]: rows[-1] + 1].sum(axis=2, dtype=jnp.int32) for x in (hi, lo)])
-        d = jnp.int32(g) - kblk
+    rc = window_row_chunk(B, Hq, k_pos.shape[0], D, lq, bs)
+
+    def chunk(base, qc, sc):
+        """Column sums ``int32 [2, B, Hq, Sk]`` (hi, lo) of the ``rc`` window rows at global
+        positions ``base ..`` and the slash scores they add (``[2, B, Hq, nb + 1]``)."""
+        pos = base + jnp.arange(qc.shape[1], dtype=jnp.int32)
+        causal = k_pos[None, :] <= pos[:, None]  # [rc, Sk]
+        if sc is not None:  # [B, 1, rc, Sk]: and the same document
+            causal = (causal & (sc[:, :, None] == seg[:, None, :]))[:, None]
+        hi, lo = _row_digits(qc, k, causal, cfg, reduce_sum, reduce_max)
+        return jnp.stack([hi.sum(axis=2, dtype=jnp.int32), lo.sum(axis=2, dtype=jnp.int32)])
+
+    def add_slash(slash, colsum, g):
+        d = g - kblk
         d = jnp.where(d >= 0, d, nb)  # non-causal keys carry zero mass; park them in a spill slot
-        slash = slash.at[:, :, :, d].add(colsum)
+        return slash.at[:, :, :, d].add(colsum)
+
+    zero = (k_pos[0] * 0).astype(jnp.int32)  # varies over the mesh axes like the body's results
+    slash = jnp.zeros((2, B, Hq, nb + 1), jnp.int32) + zero
+    first = seq_len - lq
+    if rc == lq:
+        qp = np.arange(first, seq_len)
+        causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
+        if seg is not None:
+            causal = (causal & (last_seg[:, :, None] == seg[:, None, :]))[:, None]
+        hi, lo = _row_digits(q_last, k, causal, cfg, reduce_sum, reduce_max)
+        cols = jnp.stack([hi.sum(axis=2, dtype=jnp.int32), lo.sum(axis=2, dtype=jnp.int32)])
+        for g in range(first // bs, (seq_len - 1) // bs + 1):  # the (static) query blocks of the window
+            rows = np.nonzero(qp // bs == g)[0]
+            colsum = jnp.stack([x[:, :, rows[0]: rows[-1] + 1].sum(axis=2, dtype=jnp.int32) for x in (hi, lo)])
+            slash = add_slash(slash, colsum, jnp.int32(g))
+    else:
+        n = lq // rc
+        per_chunk = lambda x: jnp.moveaxis(x.reshape((B, n, rc) + x.shape[2:]), 1, 0)  # noqa: E731
+
+        def body(carry, xs):
+            cols, slash = carry
+            c, qc, sc = xs
+            base = jnp.int32(first) + c * rc
+            colsum = chunk(base, qc, sc)
+            return (cols + colsum, add_slash(slash, colsum, base // bs)), None
+
+        init = (jnp.zeros((2, B, Hq, k_pos.shape[0]), jnp.int32) + zero, slash)
+        xs = (jnp.arange(n, dtype=jnp.int32), per_chunk(q_last), None if seg is None else per_chunk(last_seg))
+        (cols, slash), _ = jax.lax.scan(body, init, xs)
+    vert = cols[0] + (cols[1] >> G)  # [B, Hq, Sk]
     slash = reduce_sum(slash[..., :nb])
     return vert, slash[0] + (slash[1] >> G)
 
