@@ -56,9 +56,15 @@ def _ulp(hi):
 
 
 def _ulp_of(hi32, dtype):
+    """``f32``: ``2^(e - (nmant + 1))`` (at least ``2^-126``) with ``2^(e-1) <= max(|hi32|, smallest
+    normal of dtype) < 2^e``, from the float32 exponent bits: elementwise integer operations that fuse
+    into their consumer (``jnp.frexp`` / ``jnp.ldexp`` gave XLA:GPU four materialised
+    ``[B, S, Hq, D]`` broadcasts, 1.75 GiB per sparse layer at 128K, in the training step's backward)."""
     fi = jnp.finfo(dtype)
-    _, e = jnp.frexp(jnp.maximum(jnp.abs(hi32), jnp.float32(fi.smallest_normal)))
-    return jnp.ldexp(jnp.float32(1.0), jnp.maximum(e - (fi.nmant + 1), -126))
+    y = jnp.maximum(jnp.abs(hi32), jnp.float32(fi.smallest_normal))  # a normal float32
+    e = (jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) - 126  # frexp's exponent (sign bit 0)
+    u = jnp.maximum(e - (fi.nmant + 1), -126)
+    return jax.lax.bitcast_convert_type((u + 127) << 23, jnp.float32)
 
 
 def _as_stored(hi):
@@ -181,12 +187,15 @@ def _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs=None):
 
 def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = None, *, sm_scale=None,
                                block_size: int = DEFAULT_BLOCK, impl: str = "auto", acc=None, q_seg=None,
-                               k_seg=None):
+                               k_seg=None, stream: str = "auto"):
     """Forward for one (query chunk, K/V chunk) pair; see module docstring.
 
     ``acc``: ``None`` or ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` of the same queries over
     keys disjoint from this chunk's (earlier ring steps); the result is then the merged
-    ``(out, lse)`` over both key sets."""
+    ``(out, lse)`` over both key sets. ``stream``: what the Mosaic kernel's CTAs stream
+    (:data:`pallas_kernels.registry.STREAMS`; ``"auto"`` compiles both streams' kernels and runs one,
+    a fixed choice compiles one); the other backends ignore it, and the result is the same."""
+    registry.validate_stream(stream)
     _check(q, k, v, q_pos, k_pos, index, block_size)
     segs = _check_segs(q, k, q_seg, k_seg)
     if acc is not None:
@@ -195,16 +204,18 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
     return backend.fwd(q, k, v, q_pos, k_pos, idx, acc, sm_scale=_scale(q, sm_scale), block_size=block_size,
-                       segs=segs)
+                       segs=segs, stream=stream)
 
 
 def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale=None,
                                block_size: int = DEFAULT_BLOCK, impl: str = "auto", dq_acc=None, dkv_acc=None,
-                               q_seg=None, k_seg=None):
+                               q_seg=None, k_seg=None, stream: str = "auto"):
     """Backward for one pair given the final ``lse`` and ``delta``; returns f32 ``(dq, dk, dv)``.
 
     ``dq_acc`` (``f32 [B, Sq, Hq, D]``) and ``dkv_acc = (dk, dv)`` (``f32 [B, Sk, Hkv, D]`` each),
-    if given, are added to the result (ring steps accumulating over chunks)."""
+    if given, are added to the result (ring steps accumulating over chunks). ``stream``: the Mosaic
+    dQ kernel's, as in :func:`block_sparse_attention_fwd`."""
+    registry.validate_stream(stream)
     _check(q, k, v, q_pos, k_pos, index, block_size)
     segs = _check_segs(q, k, q_seg, k_seg)
     if dq_acc is not None:
@@ -215,7 +226,7 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
     return backend.bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
-                       sm_scale=_scale(q, sm_scale), block_size=block_size, segs=segs)
+                       sm_scale=_scale(q, sm_scale), block_size=block_size, segs=segs, stream=stream)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))

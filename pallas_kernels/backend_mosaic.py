@@ -16,6 +16,8 @@ checks their tile walks and their lowering for CUDA.
 
 from __future__ import annotations
 
+import functools
+
 NAME = "mosaic"
 NEEDS_INDEX = True
 HEAD_DIMS = (64, 128)
@@ -37,13 +39,21 @@ def supports(problem) -> None:
         raise NotImplementedError(f"query length {problem.sq} is not a multiple of 128")
 
 
-def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None):
+def _stream_options(stream: str) -> dict:
+    """The forward / dQ kernel options of a ``stream`` choice: ``"split"`` as ``"auto"`` runs it
+    (128-key steps, one loop per segment: what kernels.md run 13 measured fastest on it)."""
+    return {"stream": "split", "kv_step": 128, "walk": "loops"} if stream == "split" else {"stream": stream}
+
+
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto"):
     from pallas_kernels.mosaic_fwd import mosaic_fwd  # imports Mosaic GPU only when used
 
-    return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size, segs=segs)
+    return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size, segs=segs,
+                      **_stream_options(stream))
 
 
-def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None):
+def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
+        stream="auto"):
     from pallas_kernels import triton_backward
     from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dkv_cols, mosaic_dq
     from pallas_kernels.three_pass import three_pass_bwd
@@ -53,5 +63,5 @@ def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_sca
         dkv = (mosaic_dkv_blocks, mosaic_dkv_cols)
     else:  # the Triton dK/dV passes (their own tuning defaults)
         dkv = (triton_backward.dkv_block_pass, triton_backward.dkv_col_pass)
-    return three_pass_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, dq_kernel=mosaic_dq,
+    return three_pass_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, dq_kernel=functools.partial(mosaic_dq, **_stream_options(stream)),
                           dkv_kernels=dkv, kernel_options=opts, segs=segs)

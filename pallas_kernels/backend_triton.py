@@ -22,11 +22,13 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None):
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto"):  # noqa: ARG001
+    # ``stream`` is the Mosaic kernels' choice (registry.STREAMS); this backend has one schedule
     return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size,
                                      interpret=_interpret(), segs=segs)
 
 
-def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None):
+def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
+        stream="auto"):  # noqa: ARG001  (the Mosaic kernels' choice)
     return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
                                       sm_scale=sm_scale, block_size=block_size, interpret=_interpret(), segs=segs)

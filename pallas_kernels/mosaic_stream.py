@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import registry
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import col_layout, load_smem, named, row_layout, tile_transforms
 from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, STREAM_SEGMENTS, pair_stream, prepare, split_stream
@@ -80,7 +81,7 @@ WALKS = ("loops", "switch")
 #: both); ``"split"``, each its own tiles in one half of every 128-key step
 #: (:func:`pallas_kernels.mosaic_index.split_stream`; both consumers busy on every step); ``"auto"``,
 #: one of the two per call, chosen on the device from the index (:func:`prefer_split`)
-STREAMS = ("shared", "split", "auto")
+STREAMS = registry.STREAMS
 
 #: ``"auto"`` takes the split stream when the shared stream carries more than this share of the
 #: tiles its two rows compute (:func:`stream_per_work`): 0.5 when the rows list the same tiles, 1.0

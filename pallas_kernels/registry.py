@@ -10,7 +10,8 @@ Backends (one module each, in order of preference on a GPU that has them):
 Each backend module defines ``supports(problem)``, which raises :class:`NotImplementedError` naming
 the reason when it cannot run a :class:`Problem`, and ``fwd`` / ``bwd`` with the signatures of
 :func:`pallas_kernels.api.block_sparse_attention_fwd` / ``_bwd`` (index already built; packed
-documents: keyword ``segs = (q_seg [B, Sq], k_seg [B, Sk])`` or ``None``).
+documents: keyword ``segs = (q_seg [B, Sq], k_seg [B, Sk])`` or ``None``; keyword ``stream``, one of
+:data:`STREAMS`, which only the Mosaic backend uses).
 ``impl="auto"`` tries ``mosaic`` (compute capability 9.x), then ``triton`` (GPU), then ``xla``,
 falling through on ``NotImplementedError``; a named backend is used or its reason raised.
 ``"pallas"`` is accepted as the earlier name of ``triton``.
@@ -27,6 +28,17 @@ BACKENDS = ("mosaic", "triton", "xla")
 ALIASES = {"pallas": "triton"}
 IMPLS = ("auto",) + BACKENDS + tuple(ALIASES)
 DIRECTIONS = ("fwd", "bwd")
+#: what the Mosaic forward / dQ kernels' CTAs stream (:mod:`pallas_kernels.mosaic_stream`): the
+#: union of two query blocks' tiles, each block its own, or one of the two per call from the index.
+#: The other backends have one schedule and ignore it; every choice gives the same result.
+STREAMS = ("shared", "split", "auto")
+
+
+def validate_stream(stream) -> str:
+    """``stream`` when it is one of :data:`STREAMS`; else ``ValueError`` naming it."""
+    if not isinstance(stream, str) or stream not in STREAMS:
+        raise ValueError(f"unknown kernel stream {stream!r}; expected one of {STREAMS}")
+    return stream
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,6 +103,26 @@ def test_split_output_restores_the_float32_output(dtype, seed, log2_scale):
     assert api.split_output(out, jnp.float32)[1] is None
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_ulp_from_exponent_bits_equals_frexp(dtype):
+    """``_ulp_of`` reads the exponent from the float32 bits (so XLA fuses it into the delta's
+    reduction); it equals the ``frexp`` / ``ldexp`` definition on every finite stored value: random
+    magnitudes over float32's range, zeros, powers of two, the dtype's subnormals and extremes."""
+    dt = jnp.dtype(dtype)
+    fi = jnp.finfo(dt)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(50_000) * 10.0 ** rng.integers(-40, 38, 50_000)
+    edges = [0.0, -0.0, 1.0, -2.0, 0.5, 2.0**-126, 2.0**-149, float(fi.smallest_normal), float(fi.smallest_subnormal),
+             float(fi.max), -float(fi.max), np.nextafter(np.float32(4.0), 0)]
+    hi = jnp.asarray(np.concatenate([x, edges]).astype(np.float32)).astype(dt).astype(jnp.float32)
+    hi = hi[jnp.isfinite(hi)]
+    _, e = jnp.frexp(jnp.maximum(jnp.abs(hi), jnp.float32(fi.smallest_normal)))
+    want = jnp.ldexp(jnp.float32(1.0), jnp.maximum(e - (fi.nmant + 1), -126))
+    np.testing.assert_array_equal(np.asarray(api._ulp_of(hi, dt)), np.asarray(want))
+    hlo = jax.jit(lambda h: api._ulp_of(h, dt)).lower(hi).as_text()
+    assert "frexp" not in hlo and "ldexp" not in hlo
+
+
 def test_single_device_op_saves_an_int4_rounding_error():
     """The op's backward residuals: the bf16 output, its int4 rounding-error codes (packed: a quarter
     of a bf16 copy's bytes), no float32 copy."""

@@ -323,6 +323,30 @@ def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permute
     np.testing.assert_allclose(np.asarray(dk), dk_ref, atol=2e-4)
 
 
+def test_backend_takes_the_stream_to_the_kernels():
+    """``stream`` (``RingOptions.kernel_stream``) reaches the Mosaic forward and dQ through the
+    backend: ``"auto"`` lowers both streams' kernels under one conditional, a fixed stream one kernel
+    (the dK/dV passes, two kernels, have no stream)."""
+    from pallas_kernels import backend_mosaic
+
+    rng = np.random.default_rng(3)
+    B, S, H, Hkv, D = 1, 256, 4, 2, 128
+    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
+    k = jnp.zeros((B, S, Hkv, D), jnp.bfloat16)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    idx = random_step_index(rng, B, H, S, S, pos, pos, max_blocks=3, max_cols=70)
+    lse = jnp.zeros((B, H, S))
+    counts = {}
+    for stream in ("auto", "shared", "split"):
+        f = jax.jit(lambda q, k, idx, s=stream: backend_mosaic.fwd(q, k, k, pos, pos, idx, None, sm_scale=0.1,
+                                                                   block_size=64, stream=s))
+        g = jax.jit(lambda q, k, idx, s=stream: backend_mosaic.bwd(q, k, k, pos, pos, idx, q, lse, lse, None, None,
+                                                                   sm_scale=0.1, block_size=64, stream=s))
+        texts = [h.trace(q, k, idx).lower(lowering_platforms=("cuda",)).as_text() for h in (f, g)]
+        counts[stream] = [(t.count("custom_call @mosaic_gpu"), t.count("stablehlo.case")) for t in texts]
+    assert counts == {"auto": [(2, 1), (4, 1)], "shared": [(1, 0), (3, 0)], "split": [(1, 0), (3, 0)]}
+
+
 @pytest.mark.parametrize("merge, documents", [(False, False), (True, False), (False, True), (True, True)])
 def test_mosaic_kernels_lower_for_cuda(merge, documents):
     """Forward (with / without the ring merge) and dQ pass (with / without ``dq_acc``), and with

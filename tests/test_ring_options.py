@@ -41,7 +41,8 @@ def test_ring_options_validate_naming_field_and_value():
                       (dict(exchange_capacity="half"), "exchange_capacity must be a token count"),
                       (dict(fuse_forward="no"), "fuse_forward must be a bool, got 'no'"),
                       (dict(fuse_backward=1), "fuse_backward must be a bool, got 1"),
-                      (dict(impl="cuda"), "impl: unknown impl 'cuda'")]:
+                      (dict(impl="cuda"), "impl: unknown impl 'cuda'"),
+                      (dict(kernel_stream="fast"), "kernel_stream: unknown kernel stream 'fast'")]:
         with pytest.raises(ValueError, match=match):
             RingOptions(**kw)
         with pytest.raises(ValueError, match="ring." + match):  # a config section names the dotted key
@@ -258,7 +259,7 @@ OPTIONS = {
     "backward_ring=query": ["model.ring.backward_ring=query"],
     "kv_exchange=sparse": ["model.ring.kv_exchange=sparse"],
     "no_fused_calls": ["model.ring.fuse_forward=false", "model.ring.fuse_backward=false"],
-    "impl=xla": ["model.ring.impl=xla"],
+    "impl=xla": ["model.ring.impl=xla", "model.ring.kernel_stream=shared"],  # (the stream: Mosaic's; ignored here)
 }
 
 
@@ -308,3 +309,4 @@ def test_each_ring_option_trains_exactly(tokens, default_losses, name, monkeypat
         assert not any(c.fuse_forward or c.fuse_backward for c in calls)
     else:
         assert sparse.impl == dense.impl == "xla" and {c.impl for c in calls} == {"xla"}
+        assert sparse.kernel_stream == dense.kernel_stream == "shared" and {c.kernel_stream for c in calls} == {"shared"}

@@ -90,7 +90,7 @@ def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None)
                             list(chunk_work(index_g, sk, len(steps), cfg.block_size)))
                 out, lse = block_sparse_attention_fwd(
                     q, kvs[0], kvs[1], q_pos, group_positions(kpos_all, rank, steps, cfg), index_g,
-                    sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
+                    sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, stream=cfg.kernel_stream,
                     acc=None if out is None else (out, lse), **seg_kw)
             kv = kv_next
         kv = kv_outer
@@ -245,7 +245,7 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, options
         block_size=block_size, batch=q.shape[0], kv_heads=k.shape[2], head_dim=q.shape[3],
         itemsize=jnp.dtype(q.dtype).itemsize, backward_side=side, num_nodes=num_nodes, ring_order=opts.ring_order)
     cfg = RingConfig(num_nodes, num_local, opts.ring_order, sm_scale, opts.impl, block_size, opts.fuse_forward,
-                     opts.fuse_backward, side, exchange, capacity, guard)
+                     opts.fuse_backward, side, exchange, capacity, guard, opts.kernel_stream)
     if tuple(q_pos.shape) != (sl,) or tuple(k_pos.shape) != (sl,):
         raise ValueError(f"q_pos {tuple(q_pos.shape)} and k_pos {tuple(k_pos.shape)} must both be [Sl] = [{sl}]")
     _check_axis_sizes(cfg)

@@ -60,7 +60,7 @@ def backward_kv(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index
         seg_kw = group_segments(segs, rank, steps, cfg)
         return block_sparse_attention_bwd(
             q, kvs[0], kvs[1], q_pos, group_positions(kpos_all, rank, steps, cfg), group_index(step_index, steps),
-            do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl,
+            do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, stream=cfg.kernel_stream,
             dq_acc=dq, dkv_acc=dkv_acc, **seg_kw)
 
     def moved(x, axis, size, dest_step):
@@ -156,7 +156,8 @@ def backward_query(cfg: RingConfig, q, kv_own, qpos_all, kpos_all, step_index, o
             "q_seg": lax.dynamic_index_in_dim(segs[1], t, axis=0, keepdims=False), "k_seg": segs[0]}
         return block_sparse_attention_bwd(
             qq, k, v, lax.dynamic_index_in_dim(qpos_all, t, axis=0, keepdims=False), k_pos, index, dd, ll, de,
-            sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, dq_acc=dq_acc, dkv_acc=dkv_acc,
+            sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, stream=cfg.kernel_stream,
+            dq_acc=dq_acc, dkv_acc=dkv_acc,
             **seg_kw)
 
     def unpack(buf):

@@ -98,7 +98,7 @@ def forward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, se
     own = _Step(cfg, step_index, kpos_all, segs, rank, 0, sl)
     kpos, index, seg_kw = own.kernel_args(False)
     out, lse = block_sparse_attention_fwd(q, kv_own[0], kv_own[1], q_pos, kpos, index, sm_scale=cfg.sm_scale,
-                                          block_size=bs, impl=cfg.impl, **seg_kw)
+                                          block_size=bs, impl=cfg.impl, stream=cfg.kernel_stream, **seg_kw)
     work, kept = [chunk_work(index, sl, 1, bs)[0]], []
     cap_shape = kv_own.shape[:2] + (cfg.exchange_capacity,) + kv_own.shape[3:]
     for s in range(1, P):
@@ -108,7 +108,8 @@ def forward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, se
             kv = _send(kv_own[:, :, st.send_tokens()] if compact else kv_own, cfg, s)
             kpos, index, seg_kw = st.kernel_args(compact)
             o, l = block_sparse_attention_fwd(q, kv[0], kv[1], q_pos, kpos, index, sm_scale=cfg.sm_scale,
-                                              block_size=bs, impl=cfg.impl, acc=(out, lse), **seg_kw)
+                                              block_size=bs, impl=cfg.impl, stream=cfg.kernel_stream,
+                                              acc=(out, lse), **seg_kw)
             return o, l, chunk_work(index, kv.shape[2], 1, bs)[0], kv if compact else jnp.zeros(cap_shape, kv.dtype)
 
         out, lse, w, kv_s = _branches(ok, s, lambda o, l: run(True, o, l), lambda o, l: run(False, o, l), out, lse)
@@ -127,7 +128,8 @@ def backward_exchange(cfg: RingConfig, q, kv_own, kept, q_pos, kpos_all, step_in
 
     def bwd(kv, kpos, index, seg_kw, dq):
         return block_sparse_attention_bwd(q, kv[0], kv[1], q_pos, kpos, index, do, lse, delta, sm_scale=cfg.sm_scale,
-                                          block_size=bs, impl=cfg.impl, dq_acc=dq, **seg_kw)
+                                          block_size=bs, impl=cfg.impl, stream=cfg.kernel_stream,
+                                          dq_acc=dq, **seg_kw)
 
     own = _Step(cfg, step_index, kpos_all, segs, rank, 0, sl)
     dq, dk, dv = bwd(kv_own, *own.kernel_args(False), None)
