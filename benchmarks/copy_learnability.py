@@ -50,13 +50,16 @@ def build_repeat_corpus(work, S, windows, seed):
     return {"paths": paths, "windows": windows}
 
 
-def induction_windows(S, n, rng, share=0.5, lengths=(8, 32)):
+def induction_windows(S, n, rng, share=0.5, lengths=(8, 32), alphabet=26):
     """``(tokens int32 [n, S], mask bool [n, S])``: random lowercase strings in which spans of
     ``lengths`` tokens are copied to random LATER places (about ``share`` of each window). Unlike
     ``--repeat`` (one fixed offset, learnable by position alone), a copy can only be found by its
     content: the induction mechanism retrieval needs. ``mask``: the copied tokens after a span's
-    first 3 (predictable from context), kept only where the copy still matches its source."""
-    toks = rng.integers(ord("a"), ord("z") + 1, size=(n, S)).astype(np.int32)
+    first 3 (predictable from context), kept only where the copy still matches its source.
+    ``alphabet``: 26 (lowercase letters: a token recurs ~S/26 times, so only a match on several
+    tokens finds the source) or 256 (every byte: one token mostly finds it, the classic induction task)."""
+    lo = ord("a") if alphabet == 26 else 0
+    toks = rng.integers(lo, lo + alphabet, size=(n, S)).astype(np.int32)
     mask = np.zeros((n, S), bool)
     for w in range(n):
         spans, done = [], 0
@@ -73,9 +76,9 @@ def induction_windows(S, n, rng, share=0.5, lengths=(8, 32)):
     return toks, mask
 
 
-def build_induction_corpus(work, S, windows, seed):
-    toks, _ = induction_windows(S, windows, np.random.default_rng(seed))
-    held, _ = induction_windows(S, 64, np.random.default_rng(seed + 1))
+def build_induction_corpus(work, S, windows, seed, alphabet=26):
+    toks, _ = induction_windows(S, windows, np.random.default_rng(seed), alphabet=alphabet)
+    held, _ = induction_windows(S, 64, np.random.default_rng(seed + 1), alphabet=alphabet)
     os.makedirs(work, exist_ok=True)
     paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
     np.save(paths[0], toks.astype(np.uint16).reshape(-1))
@@ -83,9 +86,9 @@ def build_induction_corpus(work, S, windows, seed):
     return {"paths": paths, "windows": windows}
 
 
-def induction_score(predict, S, seed):
+def induction_score(predict, S, seed, alphabet=26):
     """Accuracy / nll on the copied tokens of held-out induction windows (and on the rest)."""
-    toks, mask = induction_windows(S + 1, 16, np.random.default_rng([seed, 4242]))
+    toks, mask = induction_windows(S + 1, 16, np.random.default_rng([seed, 4242]), alphabet=alphabet)
     pred, nll = predict(toks[:, :-1], toks[:, 1:])
     m = mask[:, 1:]
     return {"copied_acc": float((pred == toks[:, 1:])[m].mean()), "copied_nll": float(nll[m].mean()),
@@ -196,7 +199,7 @@ def evaluate(a):
         pr.set_params(jax.device_get(params))
         r = {"step": step, "train_loss": tr.get(step), "heldout_loss": ev.get(step)}
         if a.induction:
-            r.update(induction_score(pr, S, a.seed))
+            r.update(induction_score(pr, S, a.seed, a.alphabet))
         elif a.repeat:
             r.update(repeat_score(pr, held, S))
         else:
@@ -232,12 +235,13 @@ def main():
     p.add_argument("--repeat", action="store_true", help="sanity: random string repeated twice")
     p.add_argument("--induction", action="store_true",
                    help="random strings with spans copied to random later places (content-based copying)")
+    p.add_argument("--alphabet", type=int, choices=(26, 256), default=26, help="--induction: letters or bytes")
     p.add_argument("--extra", nargs="*", default=[], help="more trainer overrides")
     a = p.parse_args()
     if not a.eval_only:
         t0 = time.time()
         if a.induction:
-            info = build_induction_corpus(a.work, a.seq_len, a.steps * a.batch, a.seed)
+            info = build_induction_corpus(a.work, a.seq_len, a.steps * a.batch, a.seed, a.alphabet)
         elif a.repeat:
             info = build_repeat_corpus(a.work, a.seq_len, a.steps * a.batch, a.seed)
         else:
