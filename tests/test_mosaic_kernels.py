@@ -323,18 +323,22 @@ def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permute
     np.testing.assert_allclose(np.asarray(dk), dk_ref, atol=2e-4)
 
 
+def _lowering_inputs(seed):
+    """``(B, S, H, q, k, pos, idx)``: zero bf16 q / k (1 x 256, 4 / 2 heads, d128) and a random
+    StepIndex, for lowering the kernels for CUDA on any host."""
+    B, S, H, Hkv, D = 1, 256, 4, 2, 128
+    pos = jnp.arange(S, dtype=jnp.int32)
+    idx = random_step_index(np.random.default_rng(seed), B, H, S, S, pos, pos, max_blocks=3, max_cols=70)
+    return B, S, H, jnp.zeros((B, S, H, D), jnp.bfloat16), jnp.zeros((B, S, Hkv, D), jnp.bfloat16), pos, idx
+
+
 def test_backend_takes_the_stream_to_the_kernels():
     """``stream`` (``RingOptions.kernel_stream``) reaches the Mosaic forward and dQ through the
     backend: ``"auto"`` lowers both streams' kernels under one conditional, a fixed stream one kernel
     (the dK/dV passes, two kernels, have no stream)."""
     from pallas_kernels import backend_mosaic
 
-    rng = np.random.default_rng(3)
-    B, S, H, Hkv, D = 1, 256, 4, 2, 128
-    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
-    k = jnp.zeros((B, S, Hkv, D), jnp.bfloat16)
-    pos = jnp.arange(S, dtype=jnp.int32)
-    idx = random_step_index(rng, B, H, S, S, pos, pos, max_blocks=3, max_cols=70)
+    B, S, H, q, k, pos, idx = _lowering_inputs(3)
     lse = jnp.zeros((B, H, S))
     counts = {}
     for stream in ("auto", "shared", "split"):
@@ -354,12 +358,8 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
     from pallas_kernels.mosaic_bwd import mosaic_dq
     from pallas_kernels.mosaic_fwd import mosaic_fwd
 
-    rng = np.random.default_rng(2)
-    B, S, H, Hkv, D = 1, 256, 4, 2, 128
-    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
-    k = jnp.zeros((B, S, Hkv, D), jnp.bfloat16)
-    pos = jnp.arange(S, dtype=jnp.int32)
-    idx = random_step_index(rng, B, H, S, S, pos, pos, max_blocks=3, max_cols=70)
+    B, S, H, q, k, pos, idx = _lowering_inputs(2)
+    D = q.shape[-1]
     segs = (pos[None] // 100, pos[None] // 100) if documents else None
     acc = (jnp.zeros((B, S, H, D)), jnp.zeros((B, H, S))) if merge else None
     f = jax.jit(lambda q, k, v, idx, acc, segs: mosaic_fwd(q, k, v, pos, pos, idx, acc, sm_scale=0.1, segs=segs))
