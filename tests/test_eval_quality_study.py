@@ -286,6 +286,10 @@ def test_study_protocol(tmp_path):
     bad.write_text("token_budget: 100\nretrieval: {mixx: 1}\n")
     with pytest.raises(ValueError, match="retrieval"):
         quality_study.load_study(str(bad))
+    bad.write_text("retrieval: {made_up_keys: 'no'}\n")
+    with pytest.raises(ValueError, match="retrieval.made_up_keys must be true or false, got 'no'"):
+        quality_study.load_study(str(bad))
+    assert study["retrieval"]["made_up_keys"] is True
 
     args = SimpleNamespace(steps=None, tokens=None, smoke=False)
     base = SimpleNamespace(steps=160, data=SimpleNamespace(seq_len=32768, batch_size=1), optim=SimpleNamespace(grad_accum=1))
