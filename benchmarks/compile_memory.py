@@ -1,17 +1,16 @@
 """Where a training step's compile time and peak memory go (issue 34: compile <= 20 s, peak <= 1.05x
 the all-cuDNN trainer, Qwen2.5-0.5B shape at 128K).
 
-Each variant runs in its own process (a variant patches the Mosaic kernels' stream / walk choice, and
-no compiled program may be reused across variants). A process builds the training step as
+Each variant runs in its own process (no compiled program may be reused across variants). A process builds the training step as
 ``mtraining-train --plan`` does (:func:`mtraining_jax.train.plan.memory_plan`: abstract inputs,
 nothing allocated), times ``lower`` and ``compile`` separately, counts the Mosaic GPU kernels in the
 lowered program and reads XLA's memory analysis (``peak = argument + output - alias + temp``, the
 number ``--plan`` prints and the trainer's peak matches to 0.02 %).
 
 Variants: ``cudnn`` (every layer cuDNN); ``mt`` (MTraining as configured: the Mosaic forward / dQ
-with ``stream="auto"``, both streams' kernels compiled); ``mt-shared`` (every forward / dQ call on
-the shared stream: one kernel each); ``-dqswitch`` (the dQ's shared stream walked with one loop,
-``walk="switch"``). ``--dump DIR`` also writes XLA's dumps there and lists the largest values of the
+with ``stream="auto"``, both streams' kernels compiled); ``mt-shared`` (``model.ring.kernel_stream=shared``:
+every forward / dQ call on the shared stream, one kernel each); ``-dqswitch`` (the dQ's shared stream
+walked with one loop, ``walk="switch"``: no config option, the kernel call is patched). ``--dump DIR`` also writes XLA's dumps there and lists the largest values of the
 step's temporary allocation (what the peak holds; offsets show which cannot be live together).
 
     python -m benchmarks.compile_memory --variants mt,mt-shared,cudnn --json results.jsonl
@@ -34,20 +33,18 @@ VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch")
 GIB = 2 ** 30
 
 
-def _patch_streams(variant: str) -> None:
-    """Force the Mosaic forward / dQ stream and walk the variant names (module docstring)."""
-    from pallas_kernels import mosaic_bwd, mosaic_fwd, mosaic_stream
+def _patch_dq_walk() -> None:
+    """The Mosaic dQ kernel walks its shared stream with one loop (``walk="switch"``)."""
+    from pallas_kernels import mosaic_bwd, mosaic_stream
 
     run_stream = mosaic_stream.run_stream
 
     def patched(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream):
-        if "shared" in variant:
-            stream = "shared"
-        if "dqswitch" in variant and "mosaic_dq" in launch.__qualname__:
+        if "mosaic_dq" in launch.__qualname__:
             walk = "switch"
         return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)
 
-    mosaic_fwd.run_stream = mosaic_bwd.run_stream = patched
+    mosaic_bwd.run_stream = patched
 
 
 def measure(variant: str, config: str, seq_len: int) -> dict:
@@ -63,9 +60,10 @@ def measure(variant: str, config: str, seq_len: int) -> dict:
     from mtraining_jax.train.step import batch_shardings
     from mtraining_jax.train.tokenizer import load_tokenizer
 
-    if variant != "cudnn":
-        _patch_streams(variant)
-    cfg, overrides = bench_config(config, [], seq_len, "cudnn" if variant == "cudnn" else "mtraining", 1)
+    if "dqswitch" in variant:
+        _patch_dq_walk()
+    sets = ["model.ring.kernel_stream=shared"] if "shared" in variant else []
+    cfg, overrides = bench_config(config, sets, seq_len, "cudnn" if variant == "cudnn" else "mtraining", 1)
     t0 = time.perf_counter()
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
