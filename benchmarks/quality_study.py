@@ -110,8 +110,7 @@ SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["mode
                   "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
 MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
 STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "share": EXTRA_SHARE, "fresh": False,
-                                                      "copy_share": 0.0, "made_up_keys": True,
-                                                      "tasks": {t: 1.0 for t in TRAIN_TASKS}},
+                                                      "copy_share": 0.0, "made_up_keys": True, "tasks": {t: 1.0 for t in TRAIN_TASKS}},
                   "eval": {"haystack": "filler", "recall_p": 0.9}}
 
 
@@ -474,14 +473,12 @@ def main(argv=None) -> int:
     p.add_argument("--retrieval-keys", type=int, help="extra key-value pairs per retrieval window (study: retrieval.keys)")
     p.add_argument("--retrieval-share", type=float,
                    help="most of a retrieval window the extra pairs may take (study: retrieval.share)")
-    p.add_argument("--copy-share", type=float,
-                   help="share of every window's code overwritten by repeats of its own earlier spans "
-                        "(study: retrieval.copy_share; quality_corpus.with_repeats)")
+    p.add_argument("--copy-share", type=float, help="share of every window's code overwritten by repeats of its "
+                   "own earlier spans (study: retrieval.copy_share; quality_corpus.with_repeats)")
     p.add_argument("--fresh-retrieval", action=argparse.BooleanOptionalAction, default=None,
                    help="new retrieval examples on every pass over the code (study: retrieval.fresh)")
-    p.add_argument("--made-up-keys", action=argparse.BooleanOptionalAction, default=None,
-                   help="extra keys beyond the evaluation's 20 words (study: retrieval.made_up_keys; "
-                        "--no-made-up-keys rebuilds the s8 study's corpora token for token)")
+    p.add_argument("--made-up-keys", action=argparse.BooleanOptionalAction, default=None, help="keys beyond the "
+                   "eval's 20 words (study: retrieval.made_up_keys; --no-made-up-keys: the s8 study's corpora)")
     p.add_argument("--eval-haystack", choices=("filler", "heldout"), help="NIAH/RULER haystack (study: eval.haystack)")
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
@@ -522,13 +519,11 @@ def main(argv=None) -> int:
         print(write_seed_report(rows, args.out))
         return 0
     study = load_study(args.study)
-    args.retrieval_mix = study["retrieval"]["mix"] if args.retrieval_mix is None else args.retrieval_mix
-    args.retrieval_keys = study["retrieval"]["keys"] if args.retrieval_keys is None else args.retrieval_keys
+    for flag, key in (("retrieval_mix", "mix"), ("retrieval_keys", "keys"), ("retrieval_share", "share"),
+                      ("fresh_retrieval", "fresh"), ("copy_share", "copy_share"), ("made_up_keys", "made_up_keys")):
+        if getattr(args, flag) is None:  # the flag unset: the study's value
+            setattr(args, flag, study["retrieval"][key])
     args.retrieval_tasks = {t: float(w) for t, w in study["retrieval"]["tasks"].items()}
-    args.retrieval_share = study["retrieval"]["share"] if args.retrieval_share is None else args.retrieval_share
-    args.fresh_retrieval = study["retrieval"]["fresh"] if args.fresh_retrieval is None else args.fresh_retrieval
-    args.copy_share = study["retrieval"]["copy_share"] if args.copy_share is None else args.copy_share
-    args.made_up_keys = study["retrieval"]["made_up_keys"] if args.made_up_keys is None else args.made_up_keys
     if not 0.0 <= args.copy_share < 1.0:
         raise SystemExit(f"quality_study: --copy-share must lie in [0, 1), got {args.copy_share}")
     args.eval_haystack = args.eval_haystack or study["eval"]["haystack"]
