@@ -215,15 +215,16 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     kblk = k_pos // bs
     rc = window_row_chunk(B, Hq, k_pos.shape[0], D, lq, bs)
 
-    def chunk(base, qc, sc):
-        """Column sums ``int32 [2, B, Hq, Sk]`` (hi, lo) of the ``rc`` window rows at global
-        positions ``base ..`` and the slash scores they add (``[2, B, Hq, nb + 1]``)."""
-        pos = base + jnp.arange(qc.shape[1], dtype=jnp.int32)
-        causal = k_pos[None, :] <= pos[:, None]  # [rc, Sk]
-        if sc is not None:  # [B, 1, rc, Sk]: and the same document
+    def digits(pos, qc, sc):
+        """``(hi, lo) int32 [B, Hq, rows, Sk]`` of the window rows ``qc`` at global positions ``pos``
+        (``sc``: their document ids, or ``None``)."""
+        causal = k_pos[None, :] <= pos[:, None]  # [rows, Sk]
+        if sc is not None:  # [B, 1, rows, Sk]: and the same document
             causal = (causal & (sc[:, :, None] == seg[:, None, :]))[:, None]
-        hi, lo = _row_digits(qc, k, causal, cfg, reduce_sum, reduce_max)
-        return jnp.stack([hi.sum(axis=2, dtype=jnp.int32), lo.sum(axis=2, dtype=jnp.int32)])
+        return _row_digits(qc, k, causal, cfg, reduce_sum, reduce_max)
+
+    def colsums(hi, lo, rows=slice(None)):
+        return jnp.stack([x[:, :, rows].sum(axis=2, dtype=jnp.int32) for x in (hi, lo)])  # [2, B, Hq, Sk]
 
     def add_slash(slash, colsum, g):
         d = g - kblk
@@ -233,18 +234,14 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     zero = (k_pos[0] * 0).astype(jnp.int32)  # varies over the mesh axes like the body's results
     slash = jnp.zeros((2, B, Hq, nb + 1), jnp.int32) + zero
     first = seq_len - lq
-    if rc == lq:
+    if rc == lq:  # the whole window at once; its rows may span query blocks
         qp = np.arange(first, seq_len)
-        causal = k_pos[None, :] <= jnp.asarray(qp)[:, None]  # [Lq, Sk]
-        if seg is not None:
-            causal = (causal & (last_seg[:, :, None] == seg[:, None, :]))[:, None]
-        hi, lo = _row_digits(q_last, k, causal, cfg, reduce_sum, reduce_max)
-        cols = jnp.stack([hi.sum(axis=2, dtype=jnp.int32), lo.sum(axis=2, dtype=jnp.int32)])
+        hi, lo = digits(jnp.asarray(qp, jnp.int32), q_last, last_seg)
+        cols = colsums(hi, lo)
         for g in range(first // bs, (seq_len - 1) // bs + 1):  # the (static) query blocks of the window
             rows = np.nonzero(qp // bs == g)[0]
-            colsum = jnp.stack([x[:, :, rows[0]: rows[-1] + 1].sum(axis=2, dtype=jnp.int32) for x in (hi, lo)])
-            slash = add_slash(slash, colsum, jnp.int32(g))
-    else:
+            slash = add_slash(slash, colsums(hi, lo, slice(rows[0], rows[-1] + 1)), jnp.int32(g))
+    else:  # rc rows at a time, each chunk inside one query block
         n = lq // rc
         per_chunk = lambda x: jnp.moveaxis(x.reshape((B, n, rc) + x.shape[2:]), 1, 0)  # noqa: E731
 
@@ -252,7 +249,7 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
             cols, slash = carry
             c, qc, sc = xs
             base = jnp.int32(first) + c * rc
-            colsum = chunk(base, qc, sc)
+            colsum = colsums(*digits(base + jnp.arange(rc, dtype=jnp.int32), qc, sc))
             return (cols + colsum, add_slash(slash, colsum, base // bs)), None
 
         init = (jnp.zeros((2, B, Hq, k_pos.shape[0]), jnp.int32) + zero, slash)
