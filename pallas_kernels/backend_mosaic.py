@@ -63,5 +63,6 @@ def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_sca
         dkv = (mosaic_dkv_blocks, mosaic_dkv_cols)
     else:  # the Triton dK/dV passes (their own tuning defaults)
         dkv = (triton_backward.dkv_block_pass, triton_backward.dkv_col_pass)
-    return three_pass_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, dq_kernel=functools.partial(mosaic_dq, **_stream_options(stream)),
+    dq = functools.partial(mosaic_dq, **_stream_options(stream))
+    return three_pass_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, dq_kernel=dq,
                           dkv_kernels=dkv, kernel_options=opts, segs=segs)

@@ -19,6 +19,20 @@ def test_unknown_impl_named(bad):
         registry.validate_impl(bad)
 
 
+@pytest.mark.parametrize("bad", ["fast", "", None, 1, "Shared"])
+def test_unknown_kernel_stream_named_up_front(bad):
+    """The Mosaic kernels' stream is checked where every caller enters (the api), also when the
+    backend that runs ignores it (the XLA twin here)."""
+    with pytest.raises(ValueError, match="unknown kernel stream"):
+        registry.validate_stream(bad)
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    pos = jnp.arange(128)
+    with pytest.raises(ValueError, match=f"unknown kernel stream {bad!r}"):
+        api.block_sparse_attention_fwd(q, q, q, pos, pos, impl="xla", stream=bad)
+    out, lse = api.block_sparse_attention_fwd(q, q, q, pos, pos, impl="xla", stream="shared")
+    assert out.shape == (1, 128, 2, 64) and lse.shape == (1, 2, 128)
+
+
 def test_alias_and_names():
     assert registry.validate_impl("pallas") == "triton"
     assert set(registry.BACKENDS) == {"mosaic", "triton", "xla"}
