@@ -300,6 +300,21 @@ class TestMosaicGPU(TestTritonGPU):
     RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype="bfloat16"))]
     STEP_DTYPE = "bfloat16"
 
+    @pytest.mark.parametrize("stream", ["shared", "split"])
+    def test_step_index_random_sparse_every_kernel_stream(self, stream):
+        """``kernel_stream`` fixed (``model.ring.kernel_stream``): the ring passes it to the Mosaic
+        forward and dQ kernels (one kernel each instead of ``auto``'s two) and the result is still
+        dense attention under the index's union mask."""
+        mesh_shape, order, layout_name = self.STEP_CASES[0]
+        make = functools.partial(_random_step_index, max_cols=5, empty_rows=True)
+        lay, (q, k, v, cot), mask, out, grads = _run_step_index(mesh_shape, order, layout_name, make, 4, self.impl,
+                                                                dtype=self.STEP_DTYPE, stream=stream,
+                                                                **self.STEP_SHAPES)
+        assert 0 < mask.mean() < 1
+        ref_out, ref_grads = _reference(q, k, v, cot, mask)
+        _check_against_reference(out, grads, lay, ref_out, ref_grads, jnp.dtype(self.STEP_DTYPE),
+                                 self.tol[self.STEP_DTYPE], f"random StepIndex stream={stream} impl={self.impl}")
+
 
 def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
     """Inputs sharded over (data, node, local) inside jit; output keeps that sharding."""
@@ -380,10 +395,11 @@ def _laid_mask(index, sl, bs, src):
 
 
 @functools.lru_cache(maxsize=None)
-def _sparse_ring_vg(mesh_shape, order, bs, impl, exchange=None):
+def _sparse_ring_vg(mesh_shape, order, bs, impl, exchange=None, stream="auto"):
     """``exchange``: ``None`` (each rank gets its own ``[P_step]`` index) or keyword items of
     ``ring_attention_shard`` (``kv_exchange``, ...): every rank gets the whole ``[P_rank, P_step]``
-    index as a ``StackedStepIndex`` (the exchange converts the receiver's index)."""
+    index as a ``StackedStepIndex`` (the exchange converts the receiver's index). ``stream``:
+    ``RingOptions.kernel_stream``."""
     mesh = _mesh(mesh_shape)
     nodes, local = mesh_shape
     spec = PartitionSpec(None, CP_AXES, None, None)
@@ -396,7 +412,7 @@ def _sparse_ring_vg(mesh_shape, order, bs, impl, exchange=None):
             idx = StackedStepIndex(idx, jax.lax.axis_index(CP_AXES))
             kw = dict(exchange)
         return ring_attention_shard(q, k, v, pos, pos, num_nodes=nodes, num_local=local, ring_order=order,
-                                    step_index=idx, block_size=bs, impl=impl, **kw)
+                                    step_index=idx, block_size=bs, impl=impl, kernel_stream=stream, **kw)
 
     ring = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec, pspec if exchange is None else
                                                      PartitionSpec()), out_specs=spec, check_vma=False)
@@ -409,7 +425,7 @@ def _sparse_ring_vg(mesh_shape, order, bs, impl, exchange=None):
 
 
 def _run_step_index(mesh_shape, order, layout_name, make_index, seed, impl, *, B, S, Hq, Hkv, D, bs,
-                    dtype=jnp.float32, exchange=None):
+                    dtype=jnp.float32, exchange=None, stream="auto"):
     nodes, local = mesh_shape
     P = nodes * local
     sl = S // P
@@ -419,7 +435,7 @@ def _run_step_index(mesh_shape, order, layout_name, make_index, seed, impl, *, B
     index = make_index(np.random.default_rng(seed), P, B, Hq, sl, bs, lay.positions, kpos)
     mask_nat = _laid_mask(index, sl, bs, src)[:, :, lay.inverse][:, :, :, lay.inverse]
     q, k, v, cot = _inputs(seed, B, S, Hq, Hkv, D, jnp.float32)
-    fn = _sparse_ring_vg(mesh_shape, order, bs, impl, exchange)
+    fn = _sparse_ring_vg(mesh_shape, order, bs, impl, exchange, stream)
     args = [jnp.asarray(lay.permute(x), dtype) for x in (q, k, v)]
     (_, out), grads = fn(*args, jnp.asarray(lay.perm), index, jnp.asarray(lay.permute(cot), jnp.float32))
     return lay, (q, k, v, cot), mask_nat, out, grads
