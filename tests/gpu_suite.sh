@@ -6,9 +6,10 @@
 # each process allocates outside XLA's pool (CUDA graphs, cuBLAS handles, Mosaic modules; shares
 # summing to 0.98 ran out there on 2026-11-28). XLA's autotuner is off (its profiling buffers for the
 # float32 references at 16K ran out of memory at a 0.18 share); it picks configurations, not results.
-# Usage: bash tests/gpu_suite.sh [LOG_DIR] (GPU_SUITE_GROUPS=0,1 runs only those groups); exits
-# non-zero if any group fails, and prints each group's summary. Serially, `python -m pytest -m gpu`
-# runs the same tests.
+# Usage: bash tests/gpu_suite.sh [LOG_DIR] (GPU_SUITE_GROUPS=0,1 runs only those groups;
+# GPU_SUITE_GPUS=0,1,2,3 spreads the groups over those GPUs, group i on the (i mod n)-th, each
+# group's share then of its own GPU); exits non-zero if any group fails, and prints each group's
+# summary. Serially, `python -m pytest -m gpu` runs the same tests.
 set -u
 cd "$(dirname "$0")/.."
 log_dir=${1:-$(mktemp -d)}
@@ -31,8 +32,13 @@ for i in "${!groups[@]}"; do
   g=${groups[$i]#* }
   files=${g%% -k *}
   args=($files)
+  gpu_env=()
+  if [[ -n "${GPU_SUITE_GPUS:-}" ]]; then
+    IFS=, read -r -a gpus <<<"$GPU_SUITE_GPUS"
+    gpu_env=(CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]})
+  fi
   [[ "$g" == *" -k "* ]] && args+=(-k "${g#* -k }")
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$frac python -m pytest -m gpu -q -p no:cacheprovider --durations=5 "${args[@]}" >"$log_dir/group$i.log" 2>&1 &
+  env "${gpu_env[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$frac python -m pytest -m gpu -q -p no:cacheprovider --durations=5 "${args[@]}" >"$log_dir/group$i.log" 2>&1 &
   pids+=($!)
 done
 status=0
