@@ -76,9 +76,9 @@ def induction_windows(S, n, rng, share=0.5, lengths=(8, 32), alphabet=26):
     return toks, mask
 
 
-def build_induction_corpus(work, S, windows, seed, alphabet=26):
+def build_induction_corpus(work, S, windows, seed, alphabet=26, held_windows=64):
     toks, _ = induction_windows(S, windows, np.random.default_rng(seed), alphabet=alphabet)
-    held, _ = induction_windows(S, 64, np.random.default_rng(seed + 1), alphabet=alphabet)
+    held, _ = induction_windows(S, held_windows, np.random.default_rng(seed + 1), alphabet=alphabet)
     os.makedirs(work, exist_ok=True)
     paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
     np.save(paths[0], toks.astype(np.uint16).reshape(-1))
@@ -219,6 +219,7 @@ def main():
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--ckpt-every", type=int, default=300)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--windows", type=int, help="training windows built (default steps x batch: no window repeats)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
@@ -241,7 +242,8 @@ def main():
     if not a.eval_only:
         t0 = time.time()
         if a.induction:
-            info = build_induction_corpus(a.work, a.seq_len, a.steps * a.batch, a.seed, a.alphabet)
+            info = build_induction_corpus(a.work, a.seq_len, a.windows or a.steps * a.batch, a.seed, a.alphabet,
+                                          held_windows=max(64, 2 * a.batch + 2))
         elif a.repeat:
             info = build_repeat_corpus(a.work, a.seq_len, a.steps * a.batch, a.seed)
         else:

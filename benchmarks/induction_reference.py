@@ -6,6 +6,7 @@ where the library's model does not, the library is at fault; if both stay at cha
 training dynamics (the induction plateau).
 
     python benchmarks/induction_reference.py [ALPHABET=256] [STEPS=1000] [LR=1e-3] [rope|learned]
+    IND_S=128 IND_B=32 python benchmarks/induction_reference.py 256 2000     # shorter windows, larger batch
 
 Prints, every 100 steps, the training loss and the held-out nll on the copied tokens and on the rest
 (chance: ln ALPHABET)."""
@@ -20,7 +21,8 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.copy_learnability import induction_windows  # noqa: E402
-S, B, Dm, H, L, V = 512, 8, 128, 2, 2, 256
+S, B = int(os.environ.get("IND_S", 512)), int(os.environ.get("IND_B", 8))  # window, batch
+Dm, H, L, V = 128, 2, 2, 256
 
 
 def init(key):
