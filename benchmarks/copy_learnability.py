@@ -192,8 +192,9 @@ def evaluate(a):
     from mtraining_jax.train.loop import build_mesh
 
     pr = ModelPredictor(first.config, first.params, mesh=build_mesh(first.train_config.mesh))
-    init = split_model(Qwen2ForCausalLM, first.config, a.seed)[1]()
-    for step, params in [(0, init)] + [(s, None) for s in steps]:
+    # step 0: the random initialisation, unless the run started from other weights (model.init_from)
+    init = [] if first.train_config.model.init_from else [(0, split_model(Qwen2ForCausalLM, first.config, a.seed)[1]())]
+    for step, params in init + [(s, None) for s in steps]:
         if params is None:
             params = load_for_eval(os.path.join(ck, str(step))).params
         pr.set_params(jax.device_get(params))
