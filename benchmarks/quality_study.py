@@ -32,7 +32,10 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   backends): NIAH grid and RULER-style tasks on a ``eval.haystack`` haystack (held-out code by
   default, the training haystack's kind), held-out loss at 32K over 8 windows, loss by position,
   index recall per layer and head at p = 0.9 / 0.5 on the trained model's q/k (and on the untrained
-  initialisation for contrast).
+  initialisation for contrast);
+* **trainer overrides of every arm**: the study's ``train`` list, then ``--set KEY=VALUE`` (repeatable;
+  e.g. ``optim.lr=3e-4``, ``model.init_from=ckpt:DIR`` for arms that start from a pretrained
+  checkpoint); what the study sets per arm and seed (run dir, data, seeds, steps) is refused.
 
 One JSONL row per (arm, seed) in ``--out/quality.jsonl``, appended as soon as it is known: ``arm``
 (dense / mtraining / msa), ``seed``, ``steps``, ``tokens``, ``heldout_loss`` (the evaluator's
@@ -91,7 +94,9 @@ import sys
 import time
 import traceback
 
-from benchmarks.quality_corpus import EXTRA_SHARE, TRAIN_TASKS, build_corpus  # the training corpus
+from benchmarks.quality_corpus import build_corpus  # the training corpus
+from benchmarks.quality_protocol import (load_study, resolve_seeds, resolve_steps, seed_overrides,  # the protocol
+                                         train_overrides)
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import launch_per_seed  # --gpu-per-seed: one process per seed
 from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets  # --cross-eval, --recall-budgets
@@ -109,94 +114,9 @@ SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layer
 SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["model.dense_backend=ring"],
                   "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
 MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
-STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "share": EXTRA_SHARE, "fresh": False,
-                                                      "copy_share": 0.0, "made_up_keys": True, "tasks": {t: 1.0 for t in TRAIN_TASKS}},
-                  "eval": {"haystack": "filler", "recall_p": 0.9}}
 
 
 # ----------------------------------------------------------------------------------- protocol
-
-
-def load_study(path: str) -> dict:
-    """The study protocol (``configs/quality/study.yaml``) over :data:`STUDY_DEFAULTS`; unknown
-    keys and bad values are a ``ValueError`` naming the file."""
-    from mtraining_jax.train.config import read_yaml
-
-    raw = read_yaml(path, "study config") if path else {}
-    out = json.loads(json.dumps(STUDY_DEFAULTS))
-    for k, v in raw.items():
-        if k not in out:
-            raise ValueError(f"study config {path!r}: unknown key {k!r} (expected {sorted(out)})")
-        if isinstance(out[k], dict):
-            if not isinstance(v, dict) or set(v) - set(out[k]):
-                raise ValueError(f"study config {path!r}: {k} must be a mapping of {sorted(out[k])}, got {v!r}")
-            out[k].update(v)
-        else:
-            out[k] = v
-    r = out["retrieval"]
-    if isinstance(r["tasks"], (list, tuple)):
-        r["tasks"] = {t: 1.0 for t in r["tasks"]}
-    bad = [t for t in r["tasks"] if t not in TRAIN_TASKS]
-    if bad or not r["tasks"] or any(float(w) < 0 for w in r["tasks"].values()) or sum(r["tasks"].values()) <= 0:
-        raise ValueError(f"study config {path!r}: retrieval.tasks must weight some of {TRAIN_TASKS}, got {r['tasks']!r}")
-    if not 0.0 <= float(r["mix"]) <= 1.0 or int(r["keys"]) < 0:
-        raise ValueError(f"study config {path!r}: retrieval.mix must lie in [0, 1] and keys be >= 0, got {r!r}")
-    if isinstance(r["share"], bool) or not isinstance(r["share"], (int, float)) or not 0.0 < r["share"] <= 1.0:
-        raise ValueError(f"study config {path!r}: retrieval.share must be a number in (0, 1], got {r['share']!r}")
-    if isinstance(r["copy_share"], bool) or not isinstance(r["copy_share"], (int, float)) \
-            or not 0.0 <= r["copy_share"] < 1.0:
-        raise ValueError(f"study config {path!r}: retrieval.copy_share must be a number in [0, 1), "
-                         f"got {r['copy_share']!r}")
-    for flag in ("fresh", "made_up_keys"):
-        if not isinstance(r[flag], bool):
-            raise ValueError(f"study config {path!r}: retrieval.{flag} must be true or false, got {r[flag]!r}")
-    if out["eval"]["haystack"] not in ("filler", "heldout"):
-        raise ValueError(f"study config {path!r}: eval.haystack must be filler or heldout")
-    if out["token_budget"] is not None and int(out["token_budget"]) <= 0:
-        raise ValueError(f"study config {path!r}: token_budget must be positive")
-    return out
-
-
-def resolve_seeds(args, default: int = 0) -> list:
-    """``--seeds`` / ``--num-seeds`` / ``--seed`` (one at most) as a list of distinct seeds."""
-    given = [x for x in (args.seeds, args.num_seeds, args.seed) if x is not None]
-    if len(given) > 1:
-        raise SystemExit("quality_study: give one of --seeds, --num-seeds, --seed")
-    if args.seeds is not None:
-        seeds = [int(s) for s in args.seeds]
-    elif args.num_seeds is not None:
-        if args.num_seeds < 1:
-            raise SystemExit("quality_study: --num-seeds must be >= 1")
-        seeds = list(range(args.num_seeds))
-    elif args.seed is not None:
-        seeds = [int(args.seed)]
-    else:
-        seeds = [int(default)]
-    if len(set(seeds)) != len(seeds):
-        raise SystemExit(f"quality_study: --seeds repeats a seed: {seeds}")
-    return seeds
-
-
-def resolve_steps(args, base, study: dict) -> int:
-    """The steps of every arm: ``--steps``, else ``--tokens``, else (not ``--smoke``) the study's
-    ``token_budget``, else the config's; a budget must be a whole number of steps."""
-    per_step = base.data.seq_len * base.data.batch_size * base.optim.grad_accum
-    if args.steps and args.tokens:
-        raise SystemExit("quality_study: give --steps or --tokens, not both")
-    if args.steps:
-        return int(args.steps)
-    budget = args.tokens or (None if args.smoke else study["token_budget"])
-    if budget is None:
-        return int(base.steps)
-    if budget % per_step:
-        raise SystemExit(f"quality_study: the token budget {budget} is not a whole number of steps of "
-                         f"{per_step} tokens (seq_len x batch x accum)")
-    return int(budget // per_step)
-
-
-def seed_overrides(seed: int) -> list:
-    """The training-config overrides of one seed: initialisation AND data order."""
-    return [f"seed={int(seed)}", f"data.seed={int(seed)}"]
 
 
 def eval_spec(smoke: bool, seq_len: int, recall_ps=(0.9, 0.5), haystack: str = "filler"):
@@ -286,9 +206,8 @@ def retrieval_settings(args) -> dict:
 def base_row(name: str, seed, args) -> dict:
     """A row with every :data:`REQUIRED` field (``None`` until measured) and the study settings."""
     row = dict.fromkeys(REQUIRED)
-    row.update(arm=name, variant=name, seed=seed, retrieval_mix=args.retrieval_mix,
-               retrieval=retrieval_settings(args),
-               eval_haystack=args.eval_haystack)
+    row.update(arm=name, variant=name, seed=seed, retrieval_mix=args.retrieval_mix, retrieval=retrieval_settings(args),
+               eval_haystack=args.eval_haystack, train_overrides=getattr(args, "train_overrides", []))
     return row
 
 
@@ -330,6 +249,7 @@ def run_variant(name: str, args, corpus, seed=None) -> dict | None:
         over.append(f"steps={args.steps}")
     if seed is not None:
         over += seed_overrides(seed)
+    over += getattr(args, "train_overrides", [])  # the study's `train` list, then --set
     run_dir = os.path.join(work, name)
     sliced = bool(getattr(args, "run_steps", None) or getattr(args, "resume", False))
     ckdir = os.path.join(run_dir, "checkpoints")  # the configs' checkpoint folder (checkpoint.dir unset)
@@ -480,6 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--made-up-keys", action=argparse.BooleanOptionalAction, default=None, help="keys beyond the "
                    "eval's 20 words (study: retrieval.made_up_keys; --no-made-up-keys: the s8 study's corpora)")
     p.add_argument("--eval-haystack", choices=("filler", "heldout"), help="NIAH/RULER haystack (study: eval.haystack)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override of every arm "
+                   "after the study's `train` list, e.g. optim.lr=3e-4 or model.init_from=ckpt:DIR (repeatable)")
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child
@@ -527,6 +449,10 @@ def main(argv=None) -> int:
     if not 0.0 <= args.copy_share < 1.0:
         raise SystemExit(f"quality_study: --copy-share must lie in [0, 1), got {args.copy_share}")
     args.eval_haystack = args.eval_haystack or study["eval"]["haystack"]
+    try:
+        args.train_overrides = study["train"] + train_overrides(args.set)
+    except ValueError as e:
+        raise SystemExit(f"quality_study: {e}")
     args.recall_p = float(study["eval"]["recall_p"])
     if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0 or not 0.0 < args.retrieval_share <= 1.0:
         raise SystemExit(f"quality_study: --retrieval-mix must lie in [0, 1] (got {args.retrieval_mix}), --retrieval-keys "
@@ -551,12 +477,12 @@ def main(argv=None) -> int:
     names = GROUPS.get(args.variant, (args.variant,))
     protocol = {"token_budget": args.steps * per_step, "steps": args.steps, "tokens_per_step": per_step,
                 "arms": list(names), "seeds": seeds, "retrieval": retrieval_settings(args),
-                "eval_haystack": args.eval_haystack}
+                "eval_haystack": args.eval_haystack, "train_overrides": args.train_overrides}
     print(f"protocol: token budget {args.steps * per_step:,} tokens per arm and seed = {args.steps} steps x "
           f"{per_step} tokens; arms {', '.join(names)}; seeds {seeds} (each: init, data order, corpus); "
           f"retrieval mix {args.retrieval_mix:g}, up to {args.retrieval_keys} extra pairs per window in at most "
           f"{args.retrieval_share:g} of it, {'fresh' if args.fresh_retrieval else 'the same'} examples each epoch; "
-          f"eval haystack {args.eval_haystack}", flush=True)
+          f"eval haystack {args.eval_haystack}; trainer overrides {args.train_overrides or 'none'}", flush=True)
     windows = max(2 * args.steps * base.data.batch_size * base.optim.grad_accum, 16) + 8
     recs, failed, sliced = [], 0, 0
     for seed in seeds:

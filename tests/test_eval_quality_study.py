@@ -463,3 +463,31 @@ def test_with_repeats_copies_earlier_spans(tmp_path, monkeypatch):
     again = quality_corpus.build_corpus(str(tmp_path / "b"), 2048, 4, 1.0, 0, 4, copy_share=0.0)
     copied = quality_corpus.build_corpus(str(tmp_path / "c"), 2048, 4, 1.0, 0, 4, copy_share=0.3)
     assert plain["sha"] == again["sha"] != copied["sha"]
+
+
+def test_trainer_overrides_reach_every_arm_and_the_rows(tmp_path, monkeypatch):
+    """The study's ``train`` list, then ``--set``, reach every arm's training config and every row;
+    what the study sets per arm and seed, and anything not ``KEY=VALUE``, is refused up front."""
+    from mtraining_jax.train import loop
+
+    seen = []
+
+    def fake_run(cfg, overwrite=True):  # the config is what matters: stop before training
+        seen.append(cfg)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loop, "run", fake_run)
+    study = tmp_path / "study.yaml"
+    study.write_text("train: [optim.min_lr_ratio=0.5]\n")
+    common = ["--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"), "--smoke", "--study", str(study)]
+    assert quality_study.main(common + ["--variant", "both", "--set", "optim.lr=3e-4"]) == 1  # both arms stopped
+    assert [(c.optim.lr, c.optim.min_lr_ratio) for c in seen] == [(3e-4, 0.5), (3e-4, 0.5)]
+    rows = [json.loads(line) for line in open(tmp_path / "o" / "quality.jsonl")]
+    assert [r["arm"] for r in rows] == ["dense", "mtraining"]
+    assert all(r["train_overrides"] == ["optim.min_lr_ratio=0.5", "optim.lr=3e-4"] for r in rows)
+    for bad, msg in (("seed=3", "'seed' is set by the study"), ("optim.lr", "expected KEY=VALUE")):
+        with pytest.raises(SystemExit, match=msg):
+            quality_study.main(common + ["--set", bad])
+    study.write_text("train: optim.lr=1e-4\n")
+    with pytest.raises(ValueError, match="train: a list of KEY=VALUE"):
+        quality_study.load_study(str(study))
