@@ -50,3 +50,38 @@ def test_msa_train_config_validation():
         MSATrainConfig(warmup_steps=-1)
     with pytest.raises(ValueError, match="kl_coef"):
         MSATrainConfig(kl_coef=-0.5)
+
+
+def test_init_from_a_dense_checkpoint_into_msa(tmp_path, capsys):
+    """``init_from=ckpt:`` of a dense run into an MSA model (continued pretraining, MSA paper §4): every
+    weight the dense model has is the checkpoint's, the index branch (which it has none of) starts
+    fresh at the initializer's scale, and the MSA model trains from there."""
+    import jax
+
+    from mtraining_jax.model.checkpoint import load_model_checkpoint
+    from mtraining_jax.model.hf_io import model_params
+    from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
+    from mtraining_jax.train.state import build_model_config, load_init_params, split_model
+
+    dense = tmp_path / "dense"
+    assert cli.main(["--config", CONFIG, *FAST, "model.attention_backend=ring", f"run_dir={dense}", "steps=1",
+                     "checkpoint.every=1"]) == 0, capsys.readouterr().err
+    over = [*FAST, f"run_dir={tmp_path / 'msa'}", "steps=1", f"model.init_from=ckpt:{dense}"]
+    cfg = load_config(CONFIG, over)
+    _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    assert model_cfg.has_msa
+    abstract = jax.eval_shape(split_model(Qwen2ForCausalLM, model_cfg, 0)[1])
+    params = load_init_params(cfg.model, model_cfg, abstract, lambda a, sharding: a)
+    theirs = model_params(load_model_checkpoint(dense)[1])
+    attn = params["layers"]["self_attn"]
+    for name in ("index_q", "index_k"):
+        k = np.asarray(attn[name]["kernel"])
+        assert k.shape == abstract["layers"]["self_attn"][name]["kernel"].shape
+        assert abs(k.std() - model_cfg.initializer_range) < 0.2 * model_cfg.initializer_range
+    ours = {**params, "layers": {**params["layers"], "self_attn": {k: v for k, v in attn.items()
+                                                                     if k not in ("index_q", "index_k")}}}
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert cli.main(["--config", CONFIG, *over]) == 0, capsys.readouterr().err  # and it trains
+    assert "initialised from ckpt:" in capsys.readouterr().out

@@ -251,7 +251,46 @@ def load_init_params(section: ModelSection, model_cfg, abstract_params, to_globa
             check_shapes(jax.tree.map(lambda a: (a.shape, a.dtype), host), abstract_params, where)
             return jax.tree.map(lambda a, t: to_global(a.astype(t.dtype), t.sharding), host, abstract_params)
         ref = find_model_checkpoint(where)
-        check_same_architecture(ModelConfig.from_yaml(ref.config_file), model_cfg, str(ref.config_file))
+        theirs = ModelConfig.from_yaml(ref.config_file)
+        check_same_architecture(theirs, model_cfg, str(ref.config_file))
+        if model_cfg.has_msa and not theirs.has_msa:  # continued pretraining of a dense model (MSA paper §4)
+            return _dense_into_msa(ref, model_cfg, abstract_params, to_global)
         return read_params(ref, abstract_params)
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"model.init_from={section.init_from!r}: {e}") from None
+
+
+MSA_INDEX_PARAMS = ("index_q", "index_k")  # the MSA index branch's modules (``model/msa`` layers)
+
+
+def _dense_into_msa(ref, model_cfg, abstract_params, to_global):
+    """A dense checkpoint's weights in an MSA model: every parameter the checkpoint has, read and
+    checked as usual; the index branch (:data:`MSA_INDEX_PARAMS`), which a dense model has none of,
+    initialised fresh (normal, ``initializer_range``, seeded; the same rule as an HF checkpoint
+    without ``msa_index.safetensors``), for the indexer warm-up to train."""
+    from mtraining_jax.model.checkpoint import read_params
+
+    def split(tree):  # (tree without the index branch, {path: leaf} of the index branch)
+        rest, index = {}, {}
+        for k, v in tree.items():
+            if k in MSA_INDEX_PARAMS:
+                index[k] = v
+            elif isinstance(v, dict):
+                r, i = split(v)
+                rest[k] = r
+                if i:
+                    index[k] = i
+            else:
+                rest[k] = v
+        return rest, index
+
+    dense_target, index_target = split(abstract_params)
+    params = read_params(ref, dense_target)
+    rng = np.random.default_rng(0)
+    fresh = jax.tree.map(lambda t: to_global(rng.normal(0.0, model_cfg.initializer_range, t.shape).astype(t.dtype),
+                                             t.sharding), index_target)
+
+    def merge(a, b):
+        return {k: merge(a[k], b[k]) if k in a and k in b else (a[k] if k in a else b[k]) for k in {**a, **b}}
+
+    return merge(params, fresh)
