@@ -34,8 +34,9 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   index recall per layer and head at p = 0.9 / 0.5 on the trained model's q/k (and on the untrained
   initialisation for contrast);
 * **trainer overrides of every arm**: the study's ``train`` list, then ``--set KEY=VALUE`` (repeatable;
-  e.g. ``optim.lr=3e-4``, ``model.init_from=ckpt:DIR`` for arms that start from a pretrained
-  checkpoint); what the study sets per arm and seed (run dir, data, seeds, steps) is refused.
+  e.g. ``optim.lr=3e-4``, ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a
+  pretrained checkpoint, ``{seed}`` replaced by each seed); what the study sets per arm and seed (run
+  dir, data, seeds, steps) is refused.
 
 One JSONL row per (arm, seed) in ``--out/quality.jsonl``, appended as soon as it is known: ``arm``
 (dense / mtraining / msa), ``seed``, ``steps``, ``tokens``, ``heldout_loss`` (the evaluator's
@@ -249,7 +250,7 @@ def run_variant(name: str, args, corpus, seed=None) -> dict | None:
         over.append(f"steps={args.steps}")
     if seed is not None:
         over += seed_overrides(seed)
-    over += getattr(args, "train_overrides", [])  # the study's `train` list, then --set
+    over += [o.replace("{seed}", str(seed)) for o in getattr(args, "train_overrides", [])]  # study `train`, --set
     run_dir = os.path.join(work, name)
     sliced = bool(getattr(args, "run_steps", None) or getattr(args, "resume", False))
     ckdir = os.path.join(run_dir, "checkpoints")  # the configs' checkpoint folder (checkpoint.dir unset)
@@ -401,7 +402,8 @@ def main(argv=None) -> int:
                    "eval's 20 words (study: retrieval.made_up_keys; --no-made-up-keys: the s8 study's corpora)")
     p.add_argument("--eval-haystack", choices=("filler", "heldout"), help="NIAH/RULER haystack (study: eval.haystack)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override of every arm "
-                   "after the study's `train` list, e.g. optim.lr=3e-4 or model.init_from=ckpt:DIR (repeatable)")
+                   "after the study's `train` list, e.g. optim.lr=3e-4 or model.init_from=ckpt:DIR/seed{seed} ({seed}: "
+                   "each seed; repeatable)")
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child

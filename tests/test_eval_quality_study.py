@@ -480,11 +480,14 @@ def test_trainer_overrides_reach_every_arm_and_the_rows(tmp_path, monkeypatch):
     study = tmp_path / "study.yaml"
     study.write_text("train: [optim.min_lr_ratio=0.5]\n")
     common = ["--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"), "--smoke", "--study", str(study)]
-    assert quality_study.main(common + ["--variant", "both", "--set", "optim.lr=3e-4"]) == 1  # both arms stopped
+    assert quality_study.main(common + ["--variant", "both", "--seeds", "3", "--set", "optim.lr=3e-4",
+                                        "--set", "logging.every={seed}"]) == 1  # both arms stopped
     assert [(c.optim.lr, c.optim.min_lr_ratio) for c in seen] == [(3e-4, 0.5), (3e-4, 0.5)]
+    assert {c.logging.every for c in seen} == {3}  # {seed}: each seed
     rows = [json.loads(line) for line in open(tmp_path / "o" / "quality.jsonl")]
     assert [r["arm"] for r in rows] == ["dense", "mtraining"]
-    assert all(r["train_overrides"] == ["optim.min_lr_ratio=0.5", "optim.lr=3e-4"] for r in rows)
+    assert all(r["train_overrides"] == ["optim.min_lr_ratio=0.5", "optim.lr=3e-4", "logging.every={seed}"]
+               for r in rows)
     for bad, msg in (("seed=3", "'seed' is set by the study"), ("optim.lr", "expected KEY=VALUE")):
         with pytest.raises(SystemExit, match=msg):
             quality_study.main(common + ["--set", bad])
