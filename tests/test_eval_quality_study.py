@@ -414,6 +414,13 @@ def test_committed_four_seed_run_reports_what_the_results_say(tmp_path):
     assert "-8.28 % of dense's at 26,214,400 tokens, 95 % interval [-15.24 %, -1.32 %] over 4 seeds" in md
     assert "Notes:" not in md  # every seed paired on the same corpus, one row per (arm, seed)
     assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs", "no-such-run"]) == 1
+    # the MSA arm (run s10, seeds 0-2 on s8's corpora) against s8's dense seeds
+    assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs",
+                               "s8-800-steps-4-seeds,s10-msa-800-steps-3-seeds"]) == 0
+    md = open(tmp_path / "seeds.md").read()
+    assert "| held-out loss @ 32768, evaluator (nats/byte) | msa − dense | 3 | -0.08128 | [-0.2625, +0.09993] |" in md
+    assert "-5.58 % of dense's at 26,214,400 tokens, 95 % interval [-17.47 %, +6.30 %] over 3 seeds" in md
+    assert "equal-time values compare different devices" in md  # s8 on H100s, s10 on H200s
 
 
 def test_quality_study_runs_in_slices_and_resumes(tmp_path):
