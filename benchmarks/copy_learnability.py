@@ -58,6 +58,9 @@ def induction_windows(S, n, rng, share=0.5, lengths=(8, 32), alphabet=26):
     first 3 (predictable from context), kept only where the copy still matches its source.
     ``alphabet``: 26 (lowercase letters: a token recurs ~S/26 times, so only a match on several
     tokens finds the source) or 256 (every byte: one token mostly finds it, the classic induction task)."""
+    if S < 4 * lengths[1]:
+        raise ValueError(f"induction windows of S={S} tokens are too short for copied spans of up to "
+                         f"{lengths[1]} tokens: use a window of at least {4 * lengths[1]}")
     lo = ord("a") if alphabet == 26 else 0
     toks = rng.integers(lo, lo + alphabet, size=(n, S)).astype(np.int32)
     mask = np.zeros((n, S), bool)

@@ -45,3 +45,10 @@ def test_build_induction_corpus_sizes(tmp_path):
     train, held = (np.load(p) for p in info["paths"])
     assert train.dtype == held.dtype == np.uint16
     assert train.size == 5 * 128 and held.size == 9 * 128 and info["windows"] == 5
+
+
+def test_induction_windows_too_short_is_refused_up_front():
+    with pytest.raises(ValueError, match="S=64 .*at least 128"):
+        induction_windows(64, 2, np.random.default_rng(0), alphabet=256)
+    toks, mask = induction_windows(128, 2, np.random.default_rng(0), alphabet=256)
+    assert toks.shape == (2, 128) and mask.any()
