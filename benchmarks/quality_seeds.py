@@ -158,6 +158,11 @@ def seed_values(rows) -> tuple:
             ok = T is not None and r.get("train_time")
             v["heldout_equal_time"] = _value_at_time(heldout_curve_of(r), r["train_time"], T) if ok else None
             v["train_loss_equal_time"] = _train_loss_at_time(r, T) if ok else None
+        overrides = {json.dumps(last[(a, seed)].get("train_overrides") or []) for a in arms}
+        if len(overrides) > 1:  # e.g. a dense baseline at another learning rate (--baseline-run)
+            notes.append(f"seed {seed}: the arms differ in trainer overrides ("
+                         + "; ".join(f"{a}: {last[(a, seed)].get('train_overrides') or 'none'}" for a in arms)
+                         + "): the differences compare these settings too")
         for k in ("tokens", "corpus_sha", "device"):
             got = {vals[(a, seed)][k] for a in arms}
             if len(got) > 1:

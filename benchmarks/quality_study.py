@@ -407,6 +407,9 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child
+    p.add_argument("--baseline-run", metavar="RUN",
+                   help="with --report-only: the dense rows of this `run` tag only (e.g. a dense baseline trained "
+                        "with other settings, compared with the sparse arms of --runs; the report notes it)")
     p.add_argument("--runs", help="with --report-only: comma-separated `run` tags, only the rows of these runs "
                    "(e.g. s8-800-steps-4-seeds of results/quality/quality.jsonl)")
     p.add_argument("--msa-warmup-fraction", type=float, default=MSA_WARMUP_FRACTION,
@@ -436,6 +439,8 @@ def main(argv=None) -> int:
         if args.runs:
             keep = set(args.runs.split(","))
             rows = [r for r in rows if r.get("run") in keep]
+        if args.baseline_run:
+            rows = [r for r in rows if r.get("arm") != "dense" or r.get("run") == args.baseline_run]
         if not rows:
             print("no rows of the multi-seed study (rows with 'arm'"
                   + (f", run in {args.runs!r}" if args.runs else "") + ") found", file=sys.stderr)

@@ -52,3 +52,26 @@ def test_induction_windows_too_short_is_refused_up_front():
         induction_windows(64, 2, np.random.default_rng(0), alphabet=256)
     toks, mask = induction_windows(128, 2, np.random.default_rng(0), alphabet=256)
     assert toks.shape == (2, 128) and mask.any()
+
+
+def test_plot_of_the_committed_gpu_probes(tmp_path):
+    """The committed ``gpu-*`` rows: slices -a/-b/-c chain into one curve of 3 x 2500 steps x 4096 x 8
+    tokens; the seeds of s11 keep their own curves; tokens per step come from each row's command."""
+    import json
+    import os
+
+    from benchmarks import copy_learnability_plot as cp
+
+    assert cp.tokens_per_step("x --seq-len 256 --batch 256") == 65536 and cp.tokens_per_step("x") == 512 * 8
+    rows = [json.loads(line) for line in open(cp.ROWS)]
+    nll = cp.curves(rows, "copied_nll")
+    four_k = nll["76m-induction-4k-lr1e-3"]
+    assert four_k[-1][0] == pytest.approx(3 * 2500 * 4096 * 8 / 1e6) and four_k[-1][1] > 5.5
+    assert [x for x, _ in four_k] == sorted(x for x, _ in four_k)
+    assert nll["2layer-induction-256-lr1e-3"][-1][1] < 1.0
+    held = cp.curves(rows, "heldout_loss")
+    seeds = [held[f"76m-induction-256-lr3e-4-seed{s}"] for s in range(4)]
+    assert all(c[-1][0] == pytest.approx(4000 * 65536 / 1e6) and c[-1][1] < 4.7 for c in seeds)
+    assert not any(f"76m-induction-256-lr3e-4-seed{s}" in nll for s in range(4))  # not scored: no copied nll
+    out = cp.plot(rows, str(tmp_path / "p.png"))
+    assert os.path.getsize(out) > 10_000

@@ -421,6 +421,13 @@ def test_committed_four_seed_run_reports_what_the_results_say(tmp_path):
     assert "| held-out loss @ 32768, evaluator (nats/byte) | msa − dense | 3 | -0.08128 | [-0.2625, +0.09993] |" in md
     assert "-5.58 % of dense's at 26,214,400 tokens, 95 % interval [-17.47 %, +6.30 %] over 3 seeds" in md
     assert "equal-time values compare different devices" in md  # s8 on H100s, s10 on H200s
+    # run s11: the dense arm again at lr 3e-4 (s8's corpora), the baseline of s8's MTraining seeds
+    assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs",
+                               "s8-800-steps-4-seeds,s11-dense-lr3e-4-4-seeds",
+                               "--baseline-run", "s11-dense-lr3e-4-4-seeds"]) == 0
+    md = open(tmp_path / "seeds.md").read()
+    assert "-3.56 % of dense's at 26,214,400 tokens, 95 % interval [-10.89 %, +3.78 %] over 4 seeds" in md
+    assert "the arms differ in trainer overrides (mtraining: none; dense: ['optim.lr=3e-4'])" in md
 
 
 def test_quality_study_runs_in_slices_and_resumes(tmp_path):
