@@ -33,6 +33,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
+from benchmarks.quality_corpus import build_induction_corpus, induction_windows  # noqa: E402,F401
+
 DIGITS = set(range(ord("0"), ord("9") + 1))
 
 
@@ -47,45 +49,6 @@ def build_repeat_corpus(work, S, windows, seed):
     np.save(paths[0], blocks.reshape(-1))
     first = np.random.default_rng(seed + 1).integers(ord("a"), ord("z") + 1, size=(64, h))
     np.save(paths[1], np.concatenate([first, first], 1).astype(np.uint16).reshape(-1))
-    return {"paths": paths, "windows": windows}
-
-
-def induction_windows(S, n, rng, share=0.5, lengths=(8, 32), alphabet=26):
-    """``(tokens int32 [n, S], mask bool [n, S])``: random lowercase strings in which spans of
-    ``lengths`` tokens are copied to random LATER places (about ``share`` of each window). Unlike
-    ``--repeat`` (one fixed offset, learnable by position alone), a copy can only be found by its
-    content: the induction mechanism retrieval needs. ``mask``: the copied tokens after a span's
-    first 3 (predictable from context), kept only where the copy still matches its source.
-    ``alphabet``: 26 (lowercase letters: a token recurs ~S/26 times, so only a match on several
-    tokens finds the source) or 256 (every byte: one token mostly finds it, the classic induction task)."""
-    if S < 4 * lengths[1]:
-        raise ValueError(f"induction windows of S={S} tokens are too short for copied spans of up to "
-                         f"{lengths[1]} tokens: use a window of at least {4 * lengths[1]}")
-    lo = ord("a") if alphabet == 26 else 0
-    toks = rng.integers(lo, lo + alphabet, size=(n, S)).astype(np.int32)
-    mask = np.zeros((n, S), bool)
-    for w in range(n):
-        spans, done = [], 0
-        while done < share * S:
-            L = int(rng.integers(lengths[0], lengths[1] + 1))
-            src = int(rng.integers(0, S - 2 * L))
-            dst = int(rng.integers(src + L, S - L + 1))
-            toks[w, dst:dst + L] = toks[w, src:src + L]
-            spans.append((src, dst, L))
-            done += L
-        for src, dst, L in spans:
-            if np.array_equal(toks[w, dst:dst + L], toks[w, src:src + L]):
-                mask[w, dst + 3:dst + L] = True
-    return toks, mask
-
-
-def build_induction_corpus(work, S, windows, seed, alphabet=26, held_windows=64):
-    toks, _ = induction_windows(S, windows, np.random.default_rng(seed), alphabet=alphabet)
-    held, _ = induction_windows(S, held_windows, np.random.default_rng(seed + 1), alphabet=alphabet)
-    os.makedirs(work, exist_ok=True)
-    paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
-    np.save(paths[0], toks.astype(np.uint16).reshape(-1))
-    np.save(paths[1], held.astype(np.uint16).reshape(-1))
     return {"paths": paths, "windows": windows}
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 
 from benchmarks.quality_corpus import EXTRA_SHARE, TRAIN_TASKS
+from benchmarks.quality_pretrain import PRETRAIN_DEFAULTS, check_pretrain
 
 STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "share": EXTRA_SHARE, "fresh": False,
                                                       "copy_share": 0.0, "made_up_keys": True, "tasks": {t: 1.0 for t in TRAIN_TASKS}},
                   "eval": {"haystack": "filler", "recall_p": 0.9},
-                  "train": []}  # trainer overrides of every arm (``KEY=VALUE``), before ``--set``
+                  "train": [],  # trainer overrides of every arm (``KEY=VALUE``), before ``--set``
+                  "pretrain": PRETRAIN_DEFAULTS}  # copy pretraining per seed (benchmarks/quality_pretrain.py)
 
 
 def load_study(path: str) -> dict:
@@ -52,6 +54,7 @@ def load_study(path: str) -> dict:
     if out["token_budget"] is not None and int(out["token_budget"]) <= 0:
         raise ValueError(f"study config {path!r}: token_budget must be positive")
     out["train"] = train_overrides(out["train"], f"study config {path!r}: train")
+    out["pretrain"] = check_pretrain(out["pretrain"], f"study config {path!r}")
     return out
 
 

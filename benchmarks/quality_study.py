@@ -10,6 +10,7 @@ differences (arm - dense, per seed) with a 95 % t-interval over the seeds.
     python benchmarks/quality_study.py --out $OUT/q --report-only a.jsonl b.jsonl   # ... from rows of other calls
     python benchmarks/quality_study.py --out $OUT/q --seeds 0 1 --variant all       # sequentially, one process
     python benchmarks/quality_study.py --out /tmp/q --smoke                 # CPU toy sizes (CI)
+    python benchmarks/quality_study.py --out $OUT/q --variant both --seeds 0 --pretrain-steps 4000 --set optim.lr=3e-4
 
 Protocol (``configs/quality/study.yaml``; printed first and recorded in every row):
 
@@ -37,6 +38,10 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   e.g. ``optim.lr=3e-4``, ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a
   pretrained checkpoint, ``{seed}`` replaced by each seed); what the study sets per arm and seed (run
   dir, data, seeds, steps) is refused.
+* **copy pretraining** (``pretrain``, ``--pretrain-steps N``; 0 by default): each seed first trains the
+  dense arm's model on short windows of random bytes with spans copied to later places
+  (:mod:`benchmarks.quality_pretrain`), and every arm of that seed starts from those weights (rows:
+  ``pretrain``). A finished pretraining is reused by later calls and a stopped one resumed.
 
 One JSONL row per (arm, seed) in ``--out/quality.jsonl``, appended as soon as it is known: ``arm``
 (dense / mtraining / msa), ``seed``, ``steps``, ``tokens``, ``heldout_loss`` (the evaluator's
@@ -96,6 +101,7 @@ import time
 import traceback
 
 from benchmarks.quality_corpus import build_corpus  # the training corpus
+from benchmarks.quality_pretrain import check_pretrain, pretrain  # copy pretraining before the arms
 from benchmarks.quality_protocol import (load_study, resolve_seeds, resolve_steps, seed_overrides,  # the protocol
                                          train_overrides)
 from benchmarks.quality_report import write_report  # the single-call report
@@ -224,10 +230,12 @@ def _slices(run_dir: str, start: int | None = None) -> list:
     return starts
 
 
-def run_variant(name: str, args, corpus, seed=None) -> dict | None:
+def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = None) -> dict | None:
     """Train and evaluate one arm of one seed; every section's failure is recorded, not raised.
-    ``corpus``: :func:`build_corpus` (or the old ``(train, heldout)`` paths). ``None`` when this
-    call trained a slice that ends before the schedule does (``--run-steps``: module docstring)."""
+    ``corpus``: :func:`build_corpus` (or the old ``(train, heldout)`` paths). ``pretrained``: the
+    seed's copy pretraining (:func:`benchmarks.quality_pretrain.pretrain`): the arm starts from its
+    weights. ``None`` when this call trained a slice that ends before the schedule does
+    (``--run-steps``: module docstring)."""
     import numpy as np
 
     from mtraining_jax.eval.api import evaluate_params
@@ -251,6 +259,8 @@ def run_variant(name: str, args, corpus, seed=None) -> dict | None:
     if seed is not None:
         over += seed_overrides(seed)
     over += [o.replace("{seed}", str(seed)) for o in getattr(args, "train_overrides", [])]  # study `train`, --set
+    if pretrained:
+        over.append(f"model.init_from=ckpt:{pretrained['checkpoints']}")
     run_dir = os.path.join(work, name)
     sliced = bool(getattr(args, "run_steps", None) or getattr(args, "resume", False))
     ckdir = os.path.join(run_dir, "checkpoints")  # the configs' checkpoint folder (checkpoint.dir unset)
@@ -269,6 +279,7 @@ def run_variant(name: str, args, corpus, seed=None) -> dict | None:
             over.append(f"msa.kl_coef={args.msa_kl_coef}")
     cfg = load_config(os.path.join(QUALITY, f"{name}.yaml"), over)
     rec = base_row(name, cfg.seed, args)
+    rec["pretrain"] = pretrained
     per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.optim.grad_accum
     rec.update(steps=cfg.steps, tokens=cfg.steps * per_step, tokens_per_step=per_step, seq_len=cfg.data.seq_len,
                data_seed=cfg.data.seed, corpus_sha=info.get("sha"),
@@ -407,6 +418,9 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child
+    p.add_argument("--pretrain-steps", type=int, metavar="N",
+                   help="copy pretraining steps per seed before the arms (study: pretrain.steps; 0: none; "
+                        "benchmarks/quality_pretrain.py)")
     p.add_argument("--baseline-run", metavar="RUN",
                    help="with --report-only: the dense rows of this `run` tag only (e.g. a dense baseline trained "
                         "with other settings, compared with the sparse arms of --runs; the report notes it)")
@@ -461,6 +475,16 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"quality_study: {e}")
     args.recall_p = float(study["eval"]["recall_p"])
+    args.pretrain = dict(study["pretrain"])
+    if args.pretrain_steps is not None:
+        try:
+            args.pretrain = check_pretrain(dict(args.pretrain, steps=args.pretrain_steps), "--pretrain-steps")
+        except ValueError as e:
+            raise SystemExit(f"quality_study: {e}")
+    if args.pretrain["steps"] and any(o.startswith("model.init_from=") for o in args.train_overrides):
+        raise SystemExit("quality_study: copy pretraining (pretrain.steps / --pretrain-steps "
+                         f"{args.pretrain['steps']}) gives the arms their initial weights; drop model.init_from "
+                         "from the trainer overrides or set the pretraining steps to 0")
     if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0 or not 0.0 < args.retrieval_share <= 1.0:
         raise SystemExit(f"quality_study: --retrieval-mix must lie in [0, 1] (got {args.retrieval_mix}), --retrieval-keys "
                          f"be >= 0 (got {args.retrieval_keys}) and --retrieval-share in (0, 1] (got {args.retrieval_share})")
@@ -484,7 +508,8 @@ def main(argv=None) -> int:
     names = GROUPS.get(args.variant, (args.variant,))
     protocol = {"token_budget": args.steps * per_step, "steps": args.steps, "tokens_per_step": per_step,
                 "arms": list(names), "seeds": seeds, "retrieval": retrieval_settings(args),
-                "eval_haystack": args.eval_haystack, "train_overrides": args.train_overrides}
+                "eval_haystack": args.eval_haystack, "train_overrides": args.train_overrides,
+                "pretrain": args.pretrain if args.pretrain["steps"] else None}
     print(f"protocol: token budget {args.steps * per_step:,} tokens per arm and seed = {args.steps} steps x "
           f"{per_step} tokens; arms {', '.join(names)}; seeds {seeds} (each: init, data order, corpus); "
           f"retrieval mix {args.retrieval_mix:g}, up to {args.retrieval_keys} extra pairs per window in at most "
@@ -500,9 +525,25 @@ def main(argv=None) -> int:
         print(f"corpus of seed {seed}: {corpus['windows']} windows of {base.data.seq_len} tokens, "
               f"{corpus['retrieval_windows']} with retrieval ({corpus['pairs_per_window']:.1f} extra pairs each), "
               f"sha {corpus['sha']} ({time.time() - t0:.0f}s)", flush=True)
+        try:  # the seed's copy pretraining (none unless pretrain.steps > 0), shared by its arms
+            arm = (SMOKE + SMOKE_BACKENDS["dense"]) if args.smoke else []
+            pre = pretrain(args.pretrain, os.path.join(args.work, f"seed{seed}"), seed,
+                           arm + [o.replace("{seed}", str(seed)) for o in args.train_overrides])
+        except Exception as e:
+            traceback.print_exc()
+            for name in names:
+                rec = base_row(name, seed, args)
+                rec.update(error=f"copy pretraining: {type(e).__name__}: {e}", **provenance_row(argv))
+                with open(os.path.join(args.out, "quality.jsonl"), "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                failed += 1
+            continue
+        if pre and pre.get("stopped"):  # like a slice (--run-steps): the arms wait for the next call
+            sliced += len(names)
+            continue
         for name in names:
             try:
-                rec = run_variant(name, args, corpus, seed)
+                rec = run_variant(name, args, corpus, seed, pre)
             except Exception as e:
                 traceback.print_exc()
                 rec = base_row(name, seed, args)

@@ -508,3 +508,45 @@ def test_trainer_overrides_reach_every_arm_and_the_rows(tmp_path, monkeypatch):
     study.write_text("train: optim.lr=1e-4\n")
     with pytest.raises(ValueError, match="train: a list of KEY=VALUE"):
         quality_study.load_study(str(study))
+
+
+@pytest.mark.slow(seconds=30)
+def test_copy_pretraining_gives_every_arm_its_weights(tmp_path):
+    """``pretrain`` (study.yaml / --pretrain-steps): each seed is copy-pretrained once, its arms start from
+    those weights (their first loss differs from a random start), a second call reuses the finished
+    pretraining (the same losses), other settings train it anew, and model.init_from beside it is refused."""
+    from benchmarks.quality_pretrain import check_pretrain
+
+    study = tmp_path / "study.yaml"
+    study.write_text("retrieval: {mix: 1.0, keys: 4}\neval: {haystack: heldout}\n"
+                     "pretrain: {steps: 3, seq_len: 128, batch: 4, windows: 32, warmup_steps: 1}\n")
+    work = str(tmp_path / "work")
+
+    def arm(out, *extra):
+        assert quality_study.main(["--out", str(tmp_path / out), "--work", work, "--smoke", "--variant", "dense",
+                                   "--study", str(study), "--recall-ps", "0.9", "--no-untrained-recall", *extra]) == 0
+        (row,) = [json.loads(line) for line in open(tmp_path / out / "quality.jsonl")]
+        return row
+
+    first = arm("a")
+    pre = first["pretrain"]
+    ck = os.path.join(work, "seed0", "pretrain", "run", "checkpoints")
+    assert pre["steps"] == 3 and pre["checkpoints"] == ck and not pre["reused"] and pre["lr"] == 3e-4
+    assert [s for s, _ in pre["heldout_curve"]] == [1, 2, 3] and sorted(os.listdir(ck)) == ["3", "model.yaml"]
+    again = arm("b")
+    assert again["pretrain"]["reused"] and again["pretrain"]["heldout_curve"] == pre["heldout_curve"]
+    np.testing.assert_allclose([v for _, v in again["train_loss"]], [v for _, v in first["train_loss"]], rtol=1e-6)
+    scratch = arm("c", "--pretrain-steps", "0")
+    assert scratch["pretrain"] is None
+    assert abs(scratch["train_loss"][0][1] - first["train_loss"][0][1]) > 1e-4  # random init vs pretrained
+    longer = arm("d", "--pretrain-steps", "4")  # other settings: trained anew, the old run deleted
+    assert not longer["pretrain"]["reused"] and sorted(os.listdir(ck)) == ["4", "model.yaml"]
+    with pytest.raises(SystemExit, match="drop model.init_from"):
+        quality_study.main(["--out", str(tmp_path / "e"), "--work", work, "--smoke", "--study", str(study),
+                            "--set", "model.init_from=ckpt:/x"])
+    with pytest.raises(SystemExit, match="pretrain.steps must be a non-negative integer, got -1"):
+        quality_study.main(["--out", str(tmp_path / "e"), "--smoke", "--pretrain-steps", "-1"])
+    for bad, msg in (({"lr": "3e-4"}, "pretrain.lr must be a positive number, got '3e-4'"),
+                     ({"seq_len": 64}, "pretrain.seq_len must be >= 128"), ({"batchsize": 4}, "must be a mapping of")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            check_pretrain(bad, "study")
