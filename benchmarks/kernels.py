@@ -14,7 +14,10 @@ row's, fwd+bwd where timed) and ``commit``, ``date``, ``device``, ``jax``, ``com
 
 The index-family table of issue 34 (128K, 2 / 5 / 10 % density, all families, cuDNN and Triton in the
 same run): ``python -m benchmarks.kernels --seqs 131072 --sparsities 0.98,0.95,0.9 --families
-band,slash,spread,vert,mixed --mha-max 0 --dense-max 0 --json out.json``.
+band,slash,spread,vert,mixed --mha-max 0 --dense-max 0 --json out.json``. Family (e), the indices a trained
+model estimates on its own q/k (``benchmarks.model_index``; rows ``<impl>_model_L<layer>``, ``family``
+``model``, ``model_density`` per model head): add ``--model-ckpt RUN/checkpoints --model-tokens
+train_tokens.npy [--model-layers 1,6,11]``.
 
 TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per head; sparse counts
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
@@ -39,6 +42,7 @@ import numpy as np
 
 from benchmarks._driver import provenance
 from benchmarks._timing import timeit
+from benchmarks.model_index import model_step_indices
 from pallas_kernels import api
 from pallas_kernels import registry as api_registry
 from pallas_kernels.index_format import full_step_index, row_columns
@@ -65,7 +69,9 @@ def _fwd_bwd(f):
 
 
 def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("triton", "auto"),
-        families=("slash", "vert"), vert_cols=4096):
+        families=("slash", "vert"), vert_cols=4096, model=None):
+    """The comparison table; ``model``: keywords of :func:`benchmarks.model_index.model_step_indices`
+    (``ckpt``, ``tokens_path``, ``layers`` ...): also the indices a trained model estimates (family ``model``)."""
     rows = []
     rng = np.random.default_rng(seed)
     for S in seqs:
@@ -110,6 +116,12 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
                 for impl in impls:
                     add(f"{impl}_{name}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
                         q, k, v, pos, pos, idx, impl=impl), family=fam)
+        for layer, idx, den in (model_step_indices(seq_len=S, heads=H, block_size=BS, **model) if model else []):
+            pairs = sum(_pairs(idx, S))
+            for impl in impls:
+                add(f"{impl}_model_L{layer}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
+                    q, k, v, pos, pos, idx, impl=impl), family="model")
+                rows[-1]["model_density"] = [round(float(x), 4) for x in den]  # per model head, of the causal pairs
         base = next(r for r in rows if r["seq"] == S and r["name"] == "cudnn")
         for r in rows:
             if r["seq"] == S:
@@ -514,7 +526,16 @@ def main():
                     "comma-separated (pallas_kernels.mosaic_stream.STREAMS: shared,split)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
+    ap.add_argument("--model-ckpt", help="also the indices this trained model estimates on --model-tokens "
+                    "(family 'model'; benchmarks/model_index.py), e.g. a quality-study run's checkpoints")
+    ap.add_argument("--model-tokens", help="with --model-ckpt: a flat .npy token file (e.g. train_tokens.npy)")
+    ap.add_argument("--model-layers", default="", help="with --model-ckpt: comma-separated layers (default: "
+                    "the model's mtraining layers, else all)")
     a = ap.parse_args()
+    if bool(a.model_ckpt) != bool(a.model_tokens):
+        ap.error("--model-ckpt and --model-tokens go together")
+    model = dict(ckpt=a.model_ckpt, tokens_path=a.model_tokens,
+                 layers=[int(x) for x in a.model_layers.split(",") if x] or None) if a.model_ckpt else None
     bad = sorted(set(a.pass_names.split(",")) - set(PASSES))
     if bad:
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
@@ -559,7 +580,7 @@ def main():
     seqs = [int(s) for s in a.seqs.split(",")]
     sps = [float(s) for s in a.sparsities.split(",") if s]
     rows = run(seqs, sps, a.mha_max, a.dense_max, a.reps, impls=tuple(a.impls.split(",")),
-               families=tuple(a.families.split(",")), vert_cols=a.vert_cols)
+               families=tuple(a.families.split(",")), vert_cols=a.vert_cols, model=model)
     meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 resolved={i: [api_registry.resolve(i, d, jnp.zeros((1, 128, H, D), jnp.bfloat16), BS, 128)
                               for d in ("fwd", "bwd")] for i in a.impls.split(",")},

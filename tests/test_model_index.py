@@ -1,0 +1,79 @@
+"""The kernel benchmark's ``model`` index family (issue 34, family (e)): indices a model estimates on
+its own q/k, turned into the kernels' StepIndex with the heads repeated to the benchmark's count. The
+StepIndex must allow exactly the vertical-slash index's pairs (per repeated head) and the kernels
+(XLA twin here) must give the masked reference's answer with it."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks.model_index import cycle_heads, model_step_indices, read_tokens
+from mtraining_jax.eval.checkpoints import load_for_eval
+from mtraining_jax.eval.recall import layer_qk
+from mtraining_jax.model.checkpoint import save_model_checkpoint
+from mtraining_jax.model.config import ModelConfig
+from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
+from mtraining_jax.sparsity.estimate import estimate_index
+from mtraining_jax.sparsity.masks import index_to_mask
+from pallas_kernels import api
+from pallas_kernels.index_format import step_index_to_mask
+
+S, HEADS = 1024, 5
+BUDGET = {"vertical_max": 128, "slash_max": 3, "last_q": 64}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mi")
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                      num_kv_heads=1, max_position_embeddings=512, attention_backend="reference")
+    save_model_checkpoint(Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), d / "ck")
+    toks = np.random.default_rng(0).integers(0, 256, 3 * S).astype(np.uint16)
+    np.save(d / "tokens.npy", toks)
+    return str(d / "ck"), str(d / "tokens.npy"), toks
+
+
+def test_model_indices_are_the_estimates_of_the_models_own_qk(model):
+    ck, path, toks = model
+    got = model_step_indices(ck, path, S, HEADS, offset=S, sparsity=BUDGET)  # read past the 512 trained positions
+    assert [layer for layer, _, _ in got] == [0, 1]  # no mtraining layers: all
+    loaded = load_for_eval(ck)
+    import dataclasses
+    cfg = dataclasses.replace(loaded.config, max_position_embeddings=S)
+    qs, ks, _ = layer_qk(cfg, loaded.params, toks[None, S:2 * S].astype(np.int32))
+    pos = jnp.arange(S, dtype=jnp.int32)
+    sp = dataclasses.replace(cfg.mtraining_config().sparsity, **BUDGET)
+    for layer, step, den in got:
+        vs = estimate_index(qs[layer].astype(jnp.float32), ks[layer].astype(jnp.float32), pos, sp)
+        want = np.asarray(index_to_mask(vs, S, 64))[0]  # [Hq, S, S] of the model's 2 heads
+        causal = np.tril(np.ones((S, S), bool))
+        mask = np.asarray(step_index_to_mask(step, S, S, 64))[0] & causal  # [HEADS, S, S]; diagonal tiles: causal
+        assert mask.shape[0] == HEADS
+        for h in range(HEADS):
+            np.testing.assert_array_equal(mask[h], want[h % 2])
+        np.testing.assert_allclose(den, want.sum((1, 2)) / causal.sum(), rtol=1e-6)
+        assert 0.05 < den.min() and den.max() < 0.9  # sparse: the budgets bind at this length
+        # the kernels' XLA twin with this index = attention masked by the index
+        kq, kk, kv = jax.random.split(jax.random.PRNGKey(layer), 3)
+        q = jax.random.normal(kq, (1, S, HEADS, 32), jnp.float32)
+        k = jax.random.normal(kk, (1, S, 1, 32), jnp.float32)
+        v = jax.random.normal(kv, (1, S, 1, 32), jnp.float32)
+        out = api.block_sparse_attention(q, k, v, pos, pos, step, impl="xla")
+        s = jnp.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) / np.sqrt(32)
+        s = jnp.where(jnp.asarray(mask)[None], s, -jnp.inf)
+        ref = jnp.einsum("bhqk,bkd->bqhd", jax.nn.softmax(s, -1), v[:, :, 0])
+        chex.assert_trees_all_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_model_index_inputs_are_checked(model):
+    ck, path, _ = model
+    with pytest.raises(ValueError, match=r"holds 3072 tokens: no window of 2048 at offset 2048"):
+        read_tokens(path, 2048, 2048)
+    with pytest.raises(ValueError, match=r"layers \[5\] are not layers of the 2-layer model"):
+        model_step_indices(ck, path, S, HEADS, layers=[5])
+    idx = cycle_heads(jax.tree.map(lambda a: a[:, :1], model_step_indices(ck, path, S, 2, layers=[0],
+                                                                           sparsity=BUDGET)[0][1]), 3)
+    assert idx.block_count.shape[1] == 3
