@@ -17,7 +17,8 @@ same run): ``python -m benchmarks.kernels --seqs 131072 --sparsities 0.98,0.95,0
 band,slash,spread,vert,mixed --mha-max 0 --dense-max 0 --json out.json``. Family (e), the indices a trained
 model estimates on its own q/k (``benchmarks.model_index``; rows ``<impl>_model_L<layer>``, ``family``
 ``model``, ``model_density`` per model head): add ``--model-ckpt RUN/checkpoints --model-tokens
-train_tokens.npy [--model-layers 1,6,11]``.
+train_tokens.npy [--model-layers 1,6,11] [--model-budgets ';last_q=1024,vertical_min=1024']``
+(budgets: what a recall target costs the kernels).
 
 TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per head; sparse counts
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
@@ -42,7 +43,7 @@ import numpy as np
 
 from benchmarks._driver import provenance
 from benchmarks._timing import timeit
-from benchmarks.model_index import model_step_indices
+from benchmarks.model_index import add_model_args, model_options, model_step_indices
 from pallas_kernels import api
 from pallas_kernels import registry as api_registry
 from pallas_kernels.index_format import full_step_index, row_columns
@@ -116,12 +117,12 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
                 for impl in impls:
                     add(f"{impl}_{name}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
                         q, k, v, pos, pos, idx, impl=impl), family=fam)
-        for layer, idx, den in (model_step_indices(seq_len=S, heads=H, block_size=BS, **model) if model else []):
-            pairs = sum(_pairs(idx, S))
+        for layer, bud, idx, den in (model_step_indices(seq_len=S, heads=H, block_size=BS, **model) if model else []):
+            pairs, tag = sum(_pairs(idx, S)), "".join(f"_{k}{v}" for k, v in bud.items())
             for impl in impls:
-                add(f"{impl}_model_L{layer}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
+                add(f"{impl}_model_L{layer}{tag}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
                     q, k, v, pos, pos, idx, impl=impl), family="model")
-                rows[-1]["model_density"] = [round(float(x), 4) for x in den]  # per model head, of the causal pairs
+                rows[-1].update(model_budget=bud, model_density=[round(float(x), 4) for x in den])  # per model head
         base = next(r for r in rows if r["seq"] == S and r["name"] == "cudnn")
         for r in rows:
             if r["seq"] == S:
@@ -526,16 +527,9 @@ def main():
                     "comma-separated (pallas_kernels.mosaic_stream.STREAMS: shared,split)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
-    ap.add_argument("--model-ckpt", help="also the indices this trained model estimates on --model-tokens "
-                    "(family 'model'; benchmarks/model_index.py), e.g. a quality-study run's checkpoints")
-    ap.add_argument("--model-tokens", help="with --model-ckpt: a flat .npy token file (e.g. train_tokens.npy)")
-    ap.add_argument("--model-layers", default="", help="with --model-ckpt: comma-separated layers (default: "
-                    "the model's mtraining layers, else all)")
+    add_model_args(ap)
     a = ap.parse_args()
-    if bool(a.model_ckpt) != bool(a.model_tokens):
-        ap.error("--model-ckpt and --model-tokens go together")
-    model = dict(ckpt=a.model_ckpt, tokens_path=a.model_tokens,
-                 layers=[int(x) for x in a.model_layers.split(",") if x] or None) if a.model_ckpt else None
+    model = model_options(a, ap)
     bad = sorted(set(a.pass_names.split(",")) - set(PASSES))
     if bad:
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")

@@ -43,11 +43,13 @@ def cycle_heads(index, heads: int):
 
 
 def model_step_indices(ckpt: str, tokens_path: str, seq_len: int, heads: int, *, layers=None, offset: int = 0,
-                       backend: str | None = None, block_size: int = 64, sparsity: dict | None = None) -> list:
-    """``[(layer, StepIndex [1, heads, ...], density of the causal pairs per model head)]`` (module
-    docstring). ``layers``: layer numbers (default: the model's ``mtraining`` layers, else all);
-    ``backend``: the attention backend of every layer while reading q/k (default: the model's own);
-    ``sparsity``: :class:`~mtraining_jax.sparsity.config.SparsityConfig` fields replacing the model's."""
+                       backend: str | None = None, block_size: int = 64, budgets=({},)) -> list:
+    """``[(layer, budget, StepIndex [1, heads, ...], density of the causal pairs per model head)]`` for
+    every layer and budget (module docstring). ``layers``: layer numbers (default: the model's
+    ``mtraining`` layers, else all); ``backend``: the attention backend of every layer while reading
+    q/k (default: the model's own); ``budgets``: dicts of
+    :class:`~mtraining_jax.sparsity.config.SparsityConfig` fields replacing the model's (``{}``: its
+    own), e.g. the larger budgets that reach a recall target, to time what they cost the kernels."""
     from mtraining_jax.eval.checkpoints import load_for_eval
     from mtraining_jax.eval.recall import layer_qk
     from mtraining_jax.sparsity.convert import convert_step
@@ -58,8 +60,14 @@ def model_step_indices(ckpt: str, tokens_path: str, seq_len: int, heads: int, *,
     cfg = loaded.config
     if seq_len > cfg.max_position_embeddings:  # RoPE is computed, not learned: read past the training length
         cfg = dataclasses.replace(cfg, max_position_embeddings=int(seq_len))
-    sp = cfg.mtraining_config().sparsity
-    sp = dataclasses.replace(sp, block_size=block_size, **(sparsity or {}))
+    from mtraining_jax.sparsity.config import SparsityConfig
+
+    known = {f.name for f in dataclasses.fields(SparsityConfig)}
+    bad = [k for b in budgets for k in b if k not in known]
+    if bad:
+        raise ValueError(f"budget fields {bad} are not SparsityConfig fields ({sorted(known)})")
+    own = dataclasses.replace(cfg.mtraining_config().sparsity, block_size=block_size)
+    configs = [dataclasses.replace(own, **b) for b in budgets]
     n = cfg.num_layers
     if layers is None:
         layers = [i for i, b in enumerate(cfg.layer_backends) if b == "mtraining"] or list(range(n))
@@ -71,7 +79,35 @@ def model_step_indices(ckpt: str, tokens_path: str, seq_len: int, heads: int, *,
     pos = jnp.arange(seq_len, dtype=jnp.int32)
     out = []
     for layer in layers:
-        vs = estimate_index(qs[layer].astype(jnp.float32), ks[layer].astype(jnp.float32), pos, sp)
-        step = convert_step(vs, pos, pos, seq_len=seq_len, block_size=block_size)
-        out.append((int(layer), cycle_heads(step, heads), np.asarray(density(vs, seq_len, block_size))[0]))
+        for budget, sp in zip(budgets, configs):
+            vs = estimate_index(qs[layer].astype(jnp.float32), ks[layer].astype(jnp.float32), pos, sp)
+            step = convert_step(vs, pos, pos, seq_len=seq_len, block_size=block_size)
+            out.append((int(layer), dict(budget), cycle_heads(step, heads),
+                        np.asarray(density(vs, seq_len, block_size))[0]))
     return out
+
+
+def add_model_args(ap) -> None:
+    """The ``--model-*`` flags of ``benchmarks/kernels.py`` (read back by :func:`model_options`)."""
+    from benchmarks.quality_probes import parse_budgets
+
+    ap.add_argument("--model-ckpt", help="also the indices this trained model estimates on --model-tokens "
+                    "(family 'model'; benchmarks/model_index.py), e.g. a quality-study run's checkpoints")
+    ap.add_argument("--model-tokens", help="with --model-ckpt: a flat .npy token file (e.g. train_tokens.npy)")
+    ap.add_argument("--model-layers", default="", help="with --model-ckpt: comma-separated layers (default: "
+                    "the model's mtraining layers, else all)")
+    ap.add_argument("--model-budgets", type=parse_budgets, default=[{}], help="with --model-ckpt: ';'-separated "
+                    "SparsityConfig budgets (an empty one: the model's own), e.g. ';last_q=1024,vertical_min=1024'")
+
+
+def model_options(a, ap) -> dict | None:
+    """The keywords of :func:`model_step_indices` the ``--model-*`` flags ask for (``None``: no model family)."""
+    if bool(a.model_ckpt) != bool(a.model_tokens):
+        ap.error("--model-ckpt and --model-tokens go together")
+    if not a.model_ckpt:
+        return None
+    try:
+        layers = [int(x) for x in a.model_layers.split(",") if x] or None
+    except ValueError:
+        ap.error(f"--model-layers: comma-separated layer numbers, got {a.model_layers!r}")
+    return dict(ckpt=a.model_ckpt, tokens_path=a.model_tokens, layers=layers, budgets=a.model_budgets)

@@ -38,15 +38,16 @@ def model(tmp_path_factory):
 
 def test_model_indices_are_the_estimates_of_the_models_own_qk(model):
     ck, path, toks = model
-    got = model_step_indices(ck, path, S, HEADS, offset=S, sparsity=BUDGET)  # read past the 512 trained positions
-    assert [layer for layer, _, _ in got] == [0, 1]  # no mtraining layers: all
+    got = model_step_indices(ck, path, S, HEADS, offset=S, budgets=[BUDGET, dict(BUDGET, slash_max=6)])
+    assert [(layer, b["slash_max"]) for layer, b, _, _ in got] == [(0, 3), (0, 6), (1, 3), (1, 6)]  # all layers
+    assert (got[1][3] > got[0][3]).all() and (got[3][3] > got[2][3]).all()  # more diagonals: denser
     loaded = load_for_eval(ck)
     import dataclasses
     cfg = dataclasses.replace(loaded.config, max_position_embeddings=S)
     qs, ks, _ = layer_qk(cfg, loaded.params, toks[None, S:2 * S].astype(np.int32))
     pos = jnp.arange(S, dtype=jnp.int32)
-    sp = dataclasses.replace(cfg.mtraining_config().sparsity, **BUDGET)
-    for layer, step, den in got:
+    for layer, budget, step, den in got:
+        sp = dataclasses.replace(cfg.mtraining_config().sparsity, **budget)
         vs = estimate_index(qs[layer].astype(jnp.float32), ks[layer].astype(jnp.float32), pos, sp)
         want = np.asarray(index_to_mask(vs, S, 64))[0]  # [Hq, S, S] of the model's 2 heads
         causal = np.tril(np.ones((S, S), bool))
@@ -74,6 +75,25 @@ def test_model_index_inputs_are_checked(model):
         read_tokens(path, 2048, 2048)
     with pytest.raises(ValueError, match=r"layers \[5\] are not layers of the 2-layer model"):
         model_step_indices(ck, path, S, HEADS, layers=[5])
+    with pytest.raises(ValueError, match=r"budget fields \['slashes'\] are not SparsityConfig fields"):
+        model_step_indices(ck, path, S, HEADS, budgets=[{"slashes": 3}])
     idx = cycle_heads(jax.tree.map(lambda a: a[:, :1], model_step_indices(ck, path, S, 2, layers=[0],
-                                                                           sparsity=BUDGET)[0][1]), 3)
+                                                                           budgets=[BUDGET])[0][2]), 3)
     assert idx.block_count.shape[1] == 3
+
+
+def test_model_flags_of_the_kernel_benchmark():
+    import argparse
+
+    from benchmarks.model_index import add_model_args, model_options
+
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    assert model_options(ap.parse_args([]), ap) is None
+    got = model_options(ap.parse_args(["--model-ckpt", "c", "--model-tokens", "t.npy", "--model-layers", "1,6",
+                                       "--model-budgets", ";last_q=1024,vertical_min=1024"]), ap)
+    assert got == dict(ckpt="c", tokens_path="t.npy", layers=[1, 6],
+                       budgets=[{}, {"last_q": 1024, "vertical_min": 1024}])
+    for bad in (["--model-ckpt", "c"], ["--model-ckpt", "c", "--model-tokens", "t", "--model-layers", "x"]):
+        with pytest.raises(SystemExit):
+            model_options(ap.parse_args(bad), ap)
