@@ -52,6 +52,7 @@ def model_step_indices(ckpt: str, tokens_path: str, seq_len: int, heads: int, *,
     own), e.g. the larger budgets that reach a recall target, to time what they cost the kernels."""
     from mtraining_jax.eval.checkpoints import load_for_eval
     from mtraining_jax.eval.recall import layer_qk
+    from mtraining_jax.mesh import make_mesh
     from mtraining_jax.sparsity.convert import convert_step
     from mtraining_jax.sparsity.estimate import estimate_index
     from mtraining_jax.sparsity.metrics import density
@@ -75,7 +76,8 @@ def model_step_indices(ckpt: str, tokens_path: str, seq_len: int, heads: int, *,
     if bad:
         raise ValueError(f"layers {bad} are not layers of the {n}-layer model at {ckpt!r}")
     tokens = read_tokens(tokens_path, seq_len, offset)
-    qs, ks, _ = layer_qk(cfg, loaded.params, tokens[None], mesh=None)
+    mesh = make_mesh((1, 1), jax.devices()[:1])  # one device (sparse / ring layers need a mesh)
+    qs, ks, _ = layer_qk(cfg, loaded.params, tokens[None], mesh=mesh)
     pos = jnp.arange(seq_len, dtype=jnp.int32)
     out = []
     for layer in layers:

@@ -97,3 +97,15 @@ def test_model_flags_of_the_kernel_benchmark():
     for bad in (["--model-ckpt", "c"], ["--model-ckpt", "c", "--model-tokens", "t", "--model-layers", "x"]):
         with pytest.raises(SystemExit):
             model_options(ap.parse_args(bad), ap)
+
+
+def test_an_mtraining_model_gives_its_sparse_layers(tmp_path, model):
+    """A model with MTraining layers (they need a mesh: one device) gives those layers by default."""
+    _, path, _ = model
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                      num_kv_heads=1, max_position_embeddings=512, attention_backend="mtraining", dense_layers=[0],
+                      dense_backend="reference")
+    save_model_checkpoint(Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "mt")
+    ((layer, budget, step, den),) = model_step_indices(str(tmp_path / "mt"), path, S, HEADS, budgets=[BUDGET])
+    assert layer == 1 and budget == BUDGET and step.block_count.shape == (1, HEADS, S // 64)
+    assert den.shape == (2,) and (0 < den).all() and (den < 1).all()
