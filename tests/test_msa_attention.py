@@ -217,3 +217,54 @@ def test_kl_teacher_in_half_precision_equals_float32_of_the_same_values():
     got, want = float(f(qb, kb)), float(f(qb.astype(jnp.float32), kb.astype(jnp.float32)))
     assert want > 0
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_warmup_kl_groups_equal_the_full_support_kl(chunks):
+    """The warm-up KL in query-block groups (each against the key blocks it can see) equals
+    :func:`msa_kl_sum` with ``K = nb`` for every block: value and index-branch gradients, any number
+    of groups (uneven ones too), local blocks out of order (a zigzag rank)."""
+    from mtraining_jax.attention.msa_kl import msa_kl_sum, warmup_kl_sum
+    from mtraining_jax.sparsity.msa_select import full_selection
+
+    q, k, v, qi, ki = _inputs(5)
+    lay = Layout("zigzag", S, 2, stripe=BS)  # rank 1 of 2: blocks 2, 3, 4, 5 of 8 (the middle)
+    table = lay.positions[:, ::BS] // BS
+    rows = jnp.asarray(lay.positions[1])
+    ql, qil, kil = (jnp.take(x, rows, axis=1) for x in (q, qi, ki))
+    kbar = index_keys(ki, BS)
+
+    def full(qil, kbar, kil):
+        sup = full_selection(B, HKV, rows, S, BS)
+        return msa_kl_sum(ql, k, rows, qil, kbar, kil, sup, block_size=BS)
+
+    def grouped(qil, kbar, kil):
+        return warmup_kl_sum(ql, k, rows, qil, kbar, kil, table, rank=jnp.int32(1), block_size=BS, chunks=chunks)
+
+    want, gw = jax.jit(jax.value_and_grad(full, (0, 1, 2)))(qil, kbar, kil)
+    got, gg = jax.jit(jax.value_and_grad(grouped, (0, 1, 2)))(qil, kbar, kil)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    assert float(want) > 0
+    chex.assert_trees_all_close(gg, gw, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout,shape", [("zigzag", (1, 4)), ("block_striped", (2, 2))])
+def test_msa_warmup_under_shard_map_matches_the_float64_reference(layout, shape):
+    """Warm-up across ranks (each rank's grouped full-support KL): the KL and its index-branch
+    gradients equal the one-device float64 dense reference."""
+    q, k, v, qi, ki = _inputs(6)
+    P = shape[0] * shape[1]
+    mesh = make_mesh(shape, jax.devices()[:P])
+    lay = Layout(layout, S, P, stripe=BS)
+    cfg = MSAConfig(top_k=TOPK, ring=RingOptions(ring_order="hierarchical", impl="xla"), layout=layout)
+
+    def kl(qi, ki):
+        laid = [lay.permute(x) for x in (q, k, v, qi, ki)]
+        return msa_attention(*laid, mesh, cfg, positions=jnp.asarray(lay.perm), warmup=True)[1].kl
+
+    val, g = jax.jit(jax.value_and_grad(kl, (0, 1)))(qi, ki)
+    c = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731
+    r_val, r_g = jax.jit(jax.value_and_grad(_ref_kl, (2, 3)))(c(q), c(k), c(qi), c(ki), _row_blocks(qi, ki, full=True))
+    np.testing.assert_allclose(float(val), float(r_val), rtol=1e-4)
+    for got, want in zip(g, r_g):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-6)

@@ -11,7 +11,8 @@ Inside one ``shard_map`` over the ``(node, local)`` mesh (``mesh=None``: one dev
    (:mod:`~mtraining_jax.attention.msa_kl`) and the selection-recall metric.
 
 Warm-up (paper §3.2 "Indexer Warmup"): ``warmup=True`` runs the dense causal ring and the KL over
-every causal block; a traced bool selects with ``lax.cond``.
+every causal block (:func:`~mtraining_jax.attention.msa_kl.warmup_kl_sum`: query blocks in groups, each
+against the key blocks it can see); a traced bool selects with ``lax.cond``.
 
 ``q_idx [B, S, Hkv, d_idx]`` and ``k_idx [B, S, d_idx]`` come from ``stop_gradient(x)`` (paper Eq.
 msa-detach), so the KL trains only the index projections; ``q, k, v`` get the attention gradient.
@@ -30,13 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from mtraining_jax.attention.msa_kl import msa_kl_sum, selection_recall_rows, selection_recall_sum
+from mtraining_jax.attention.msa_kl import msa_kl_sum, selection_recall_rows, selection_recall_sum, warmup_kl_sum
 from mtraining_jax.attention.mtraining import SPARSE_LAYOUTS
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, check_cp_mesh
 from mtraining_jax.ring.attention import ring_attention_shard
 from mtraining_jax.ring.config import RingOptions
-from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, full_selection, index_keys, layout_block_order,
+from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, index_keys, layout_block_order,
                                                select_blocks, selection_work, validate_pooling)
 from pallas_kernels.api import SUPPORTED_HEAD_DIMS
 from pallas_kernels.inputs import check_qkv
@@ -186,18 +187,20 @@ def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfi
         if dense:
             out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
                                        options=cfg.ring.for_dense(), sm_scale=cfg.sm_scale, block_size=bs)
-            support = full_selection(q_l.shape[0], Hkv, pos_l, S, bs)
             work = jnp.float32(dense_slots) / P
         else:
             src = _OwnQueries(MSARankStepIndex(sel, rank, layout, num_nodes, num_local, cfg.ring.ring_order, bs,
                                                num_heads=Hq))
             out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
                                        options=cfg.ring, step_index=src, sm_scale=cfg.sm_scale, block_size=bs)
-            support = sel
             work = selection_work(sel, Hq, bs)
         k_all = jax.lax.all_gather(jax.lax.stop_gradient(k_l), CP_AXES, axis=1, tiled=True)[:, inv_tokens]
-        kl = msa_kl_sum(q_l, k_all, pos_l, qi_l, kbar, ki_l, support, block_size=bs, sm_scale=cfg.sm_scale,
-                        pooling=cfg.pooling)
+        if dense:  # the full causal support, in query-block groups that skip the later (masked) blocks
+            kl = warmup_kl_sum(q_l, k_all, pos_l, qi_l, kbar, ki_l, pos_table[:, ::bs] // bs, rank=rank,
+                               block_size=bs, sm_scale=cfg.sm_scale, pooling=cfg.pooling)
+        else:
+            kl = msa_kl_sum(q_l, k_all, pos_l, qi_l, kbar, ki_l, sel, block_size=bs, sm_scale=cfg.sm_scale,
+                            pooling=cfg.pooling)
         rows = selection_recall_rows(q_l.shape[0], Hkv, q_l.shape[1], block_size=bs, num_blocks=cfg.recall_blocks)
 
         def recall():

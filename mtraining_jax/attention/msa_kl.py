@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtraining_jax.sparsity.msa_select import MSASelection, map_batch, selection_block_map
 
@@ -152,6 +153,40 @@ def msa_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, support: MSASelection,
     return jax.lax.map(one, xs, batch_size=map_batch(nqb, per_block)).sum()
 
 
+WARMUP_CHUNKS = 4  # query-block groups of the warm-up KL: ~(C+1)/(2C) of the full-support work
+
+
+def warmup_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, q_blocks, *, rank=None, block_size: int = 64,
+                  sm_scale: float | None = None, pooling: str = "mean", chunks: int = WARMUP_CHUNKS):
+    """:func:`msa_kl_sum` over the warm-up's full causal support
+    (:func:`~mtraining_jax.sparsity.msa_select.full_selection`), in ``chunks`` groups of local query
+    blocks ordered by global block id, each against only the ``K_c`` key blocks its latest block can
+    see: about ``(chunks + 1) / (2 chunks)`` of the ``[rows, nb * bs]`` score work that ``K = nb`` for
+    every block costs (half the work is later, masked blocks). The same sum (up to float order).
+
+    ``q_blocks``: static ``int [ranks, nqb]`` global block id of each rank's local query blocks
+    (``layout.positions[:, ::bs] // bs``); ``rank``: this rank (traced under ``shard_map``; ``None``:
+    row 0, one device). Other arguments as :func:`msa_kl_sum`."""
+    from mtraining_jax.sparsity.msa_select import full_selection
+
+    table = np.asarray(q_blocks, np.int64)
+    bs, S = block_size, k_all.shape[1]
+    order = np.argsort(table, axis=1, kind="stable")  # each rank's local blocks, earliest first
+    srt = np.take_along_axis(table, order, axis=1)
+    r = 0 if rank is None else rank
+    total = jnp.zeros((), jnp.float32)
+    for part in np.array_split(np.arange(table.shape[1]), min(chunks, table.shape[1])):
+        K = int(srt[:, part[-1]].max()) + 1  # every rank's chunk lies before block K
+        blocks = jnp.asarray(order[:, part], jnp.int32)[r]  # [m] local block numbers of this chunk
+        rows = (blocks[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :]).reshape(-1)
+        pick = lambda x: jnp.take(x, rows, axis=1)  # noqa: E731
+        pos = jnp.take(jnp.asarray(q_pos, jnp.int32), rows)
+        sup = full_selection(q.shape[0], k_all.shape[2], pos, S, bs, max_blocks=K)
+        total = total + msa_kl_sum(pick(q), k_all, pos, pick(q_idx), kbar, pick(k_idx_local), sup, block_size=bs,
+                                   sm_scale=sm_scale, pooling=pooling)
+    return total
+
+
 def selection_recall_sum(q, k_all, q_pos, sel: MSASelection, *, block_size: int = 64, sm_scale=None,
                          num_blocks: int = 1):
     """``(recall_sum, rows)``: the FULL causal main-branch attention mass (group-averaged) that
@@ -184,4 +219,4 @@ def selection_recall_rows(batch: int, groups: int, local_len: int, *, block_size
     return batch * groups * min(num_blocks, local_len // block_size) * block_size
 
 
-__all__ = ["msa_kl_sum", "selection_recall_rows", "selection_recall_sum"]
+__all__ = ["msa_kl_sum", "selection_recall_rows", "selection_recall_sum", "warmup_kl_sum"]

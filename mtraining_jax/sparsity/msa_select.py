@@ -191,12 +191,15 @@ def row_topk_union(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16)
     return sel, jnp.moveaxis(union, 0, 2)
 
 
-def full_selection(batch: int, groups: int, q_pos, seq_len: int, block_size: int = 64) -> MSASelection:
-    """Every causal block of every local query block (``K = nb``): the warm-up's full support."""
+def full_selection(batch: int, groups: int, q_pos, seq_len: int, block_size: int = 64,
+                   max_blocks: int | None = None) -> MSASelection:
+    """Every causal block of every local query block (``K = nb``): the warm-up's full support.
+    ``max_blocks``: ``K`` slots only (blocks ``0 .. K-1``), for query blocks that all lie before
+    global block ``K`` (the caller guarantees it: a later block would lose its causal blocks >= K)."""
     check_positions(q_pos, seq_len, name="q_pos", permutation=False, shape=(np.shape(q_pos)[0],))
     nb = seq_len // block_size
     qbs = block_ids(q_pos, block_size)
-    ar = jnp.arange(nb, dtype=jnp.int32)
+    ar = jnp.arange(nb if max_blocks is None else max_blocks, dtype=jnp.int32)
     ids = jnp.where(ar[None, :] <= qbs[:, None], ar[None, :], nb)
     ids = jnp.broadcast_to(ids, (batch, groups) + ids.shape)
     cnt = jnp.broadcast_to(qbs + 1, (batch, groups, qbs.shape[0])).astype(jnp.int32)
