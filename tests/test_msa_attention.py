@@ -136,7 +136,7 @@ def test_msa_warmup_is_dense_attention_and_full_support_kl():
     chex.assert_trees_all_close(o_f, _msa(q, k, v, qi, ki)[0], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("full,pooling", [(False, "mean"), (True, "mean"), (False, "max")])
+@pytest.mark.parametrize("full,pooling", [(False, "mean"), (True, "mean"), (False, "max"), (True, "max")])
 def test_msa_kl_value_and_gradients_match_float64_reference(full, pooling):
     q, k, v, qi, ki = _inputs(2)
     blk = _row_blocks(qi, ki, full=full, pooling=pooling)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtraining_jax.sparsity.msa_select import MSASelection, map_batch, selection_block_map
+from mtraining_jax.sparsity.msa_select import MSASelection, full_selection, map_batch, selection_block_map
 
 
 def _blocks(x, nqb, bs):
@@ -167,8 +167,6 @@ def warmup_kl_sum(q, k_all, q_pos, q_idx, kbar, k_idx_local, q_blocks, *, rank=N
     ``q_blocks``: static ``int [ranks, nqb]`` global block id of each rank's local query blocks
     (``layout.positions[:, ::bs] // bs``); ``rank``: this rank (traced under ``shard_map``; ``None``:
     row 0, one device). Other arguments as :func:`msa_kl_sum`."""
-    from mtraining_jax.sparsity.msa_select import full_selection
-
     table = np.asarray(q_blocks, np.int64)
     bs, S = block_size, k_all.shape[1]
     order = np.argsort(table, axis=1, kind="stable")  # each rank's local blocks, earliest first
