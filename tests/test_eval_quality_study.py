@@ -428,6 +428,14 @@ def test_committed_four_seed_run_reports_what_the_results_say(tmp_path):
     md = open(tmp_path / "seeds.md").read()
     assert "-3.56 % of dense's at 26,214,400 tokens, 95 % interval [-10.89 %, +3.78 %] over 4 seeds" in md
     assert "the arms differ in trainer overrides (mtraining: none; dense: ['optim.lr=3e-4'])" in md
+    # run s13: MTraining at lr 3e-4 (seeds 0-2), like for like with s11's dense arm (same corpora, lr, device type)
+    assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs",
+                               "s11-dense-lr3e-4-4-seeds,s13-mtraining-lr3e-4-3-seeds"]) == 0
+    md = open(tmp_path / "seeds.md").read()
+    assert ("| held-out loss @ 32768, evaluator (nats/byte) | mtraining − dense | 3 | -0.1598 | [-0.2766, -0.043] |"
+            in md)
+    assert "-11.58 % of dense's at 26,214,400 tokens, 95 % interval [-18.90 %, -4.27 %] over 3 seeds" in md
+    assert "differ in trainer overrides" not in md and "different devices" not in md
 
 
 def test_quality_study_runs_in_slices_and_resumes(tmp_path):
