@@ -35,6 +35,7 @@ def cross_eval(model_cfg, params, tok, spec, mesh, held, backend: str, retrieval
     from mtraining_jax.eval.api import evaluate_params
 
     cfg = dataclasses.replace(model_cfg, attention_backends=(backend,) * model_cfg.num_layers)
+    params = _params_of(cfg, params)  # an MSA model's index branch has no use (and no place) in the dense read
     spec = dataclasses.replace(spec, recall_ps=(), ppl_len=spec.perplexity_len,
                                **({} if retrieval else {"lengths": ()}))
     res = evaluate_params(cfg, params, tok, spec, mesh=mesh, heldout=held, label=f"as {backend}", progress=False)
@@ -42,6 +43,27 @@ def cross_eval(model_cfg, params, tok, spec, mesh, held, backend: str, retrieval
     print(f"  read with {backend} attention in every layer: held-out loss "
           f"{res['perplexity']['mean_loss']:.4f}", flush=True)
     return out
+
+
+def _params_of(cfg, params) -> dict:
+    """``params`` restricted to the parameters a model of ``cfg`` has (the tree of its abstract init)."""
+    from flax import nnx
+
+    from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
+    from mtraining_jax.train.state import split_model
+
+    tmpl = split_model(Qwen2ForCausalLM, cfg, 0)[0].param_template
+    tmpl = nnx.to_pure_dict(tmpl) if hasattr(nnx, "to_pure_dict") else tmpl.to_pure_dict()
+
+    def keep(p, t):
+        if not isinstance(t, dict):
+            return p
+        missing = [k for k in t if k not in p]
+        if missing:
+            raise ValueError(f"cross_eval: the trained parameters lack {missing} of a {cfg.layer_backends} model")
+        return {k: keep(p[k], t[k]) for k in t}
+
+    return keep(params, tmpl)
 
 
 def budget_sweep(model_cfg, params, window, mesh, budgets, rows: int, p: float = 0.9) -> list:

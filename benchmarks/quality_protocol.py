@@ -9,9 +9,12 @@ import json
 from benchmarks.quality_corpus import EXTRA_SHARE, TRAIN_TASKS
 from benchmarks.quality_pretrain import PRETRAIN_DEFAULTS, check_pretrain
 
+# backends that read a trained model with full causal attention in every layer (eval.cross_eval / --cross-eval)
+DENSE_READ_BACKENDS = ("cudnn", "reference", "ring")
+
 STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "share": EXTRA_SHARE, "fresh": False,
                                                       "copy_share": 0.0, "made_up_keys": True, "tasks": {t: 1.0 for t in TRAIN_TASKS}},
-                  "eval": {"haystack": "filler", "recall_p": 0.9},
+                  "eval": {"haystack": "filler", "recall_p": 0.9, "cross_eval": None, "cross_eval_loss_only": True},
                   "train": [],  # trainer overrides of every arm (``KEY=VALUE``), before ``--set``
                   "pretrain": PRETRAIN_DEFAULTS}  # copy pretraining per seed (benchmarks/quality_pretrain.py)
 
@@ -51,6 +54,13 @@ def load_study(path: str) -> dict:
             raise ValueError(f"study config {path!r}: retrieval.{flag} must be true or false, got {r[flag]!r}")
     if out["eval"]["haystack"] not in ("filler", "heldout"):
         raise ValueError(f"study config {path!r}: eval.haystack must be filler or heldout")
+    ce = out["eval"]["cross_eval"]
+    if ce is not None and ce not in DENSE_READ_BACKENDS:
+        raise ValueError(f"study config {path!r}: eval.cross_eval must be null or one of {DENSE_READ_BACKENDS}, "
+                         f"got {ce!r}")
+    if not isinstance(out["eval"]["cross_eval_loss_only"], bool):
+        raise ValueError(f"study config {path!r}: eval.cross_eval_loss_only must be true or false, "
+                         f"got {out['eval']['cross_eval_loss_only']!r}")
     if out["token_budget"] is not None and int(out["token_budget"]) <= 0:
         raise ValueError(f"study config {path!r}: token_budget must be positive")
     out["train"] = train_overrides(out["train"], f"study config {path!r}: train")

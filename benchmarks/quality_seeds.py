@@ -120,11 +120,22 @@ def _train_loss_at_time(r, T, share: float = 0.05):
 
 PAIRED = (("heldout_loss", "held-out loss @ {S}, evaluator (nats/byte)"),
           ("trainer_heldout_final", "held-out loss, trainer's eval, final"),
+          ("heldout_dense_read", "held-out loss @ {S}, the arm's parameters read with dense attention in every layer"),
           ("heldout_equal_time", "held-out loss, trainer's eval, at equal training time"),
           ("train_loss_equal_time", "train loss (last 5 % of steps) at equal training time"),
           ("niah_accuracy", "NIAH passkey accuracy (whole answer)"),
           ("niah_token_accuracy", "NIAH answer-token accuracy"),
           ("recall", "index recall p = 0.9 (mean over heads)"))
+
+
+def dense_read_loss(r):
+    """The evaluator's held-out loss of a row's parameters read with dense attention in every layer: the
+    cross-evaluation's (``eval.cross_eval``) for a sparse arm, the row's own for the dense arm, else None."""
+    ce = r.get("cross_eval") or {}
+    try:
+        return float(ce["eval"]["perplexity"]["mean_loss"])
+    except (KeyError, TypeError):
+        return r.get("heldout_loss") if r.get("arm") == "dense" else None
 
 
 def seed_values(rows) -> tuple:
@@ -145,6 +156,7 @@ def seed_values(rows) -> tuple:
         vals[(arm, seed)] = {"heldout_loss": r.get("heldout_loss"), "niah_accuracy": r.get("niah_accuracy"),
                              "niah_token_accuracy": r.get("niah_token_accuracy"), "recall": r.get("recall"),
                              "trainer_heldout_final": curve[-1][1] if curve else None,
+                             "heldout_dense_read": dense_read_loss(r),
                              "tokens": r.get("tokens"), "tokens_per_s": r.get("tokens_per_s"),
                              "train_compute_seconds": r.get("train_compute_seconds"),
                              "corpus_sha": r.get("corpus_sha"), "device": r.get("device")}

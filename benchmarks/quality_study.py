@@ -33,7 +33,8 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   backends): NIAH grid and RULER-style tasks on a ``eval.haystack`` haystack (held-out code by
   default, the training haystack's kind), held-out loss at 32K over 8 windows, loss by position,
   index recall per layer and head at p = 0.9 / 0.5 on the trained model's q/k (and on the untrained
-  initialisation for contrast);
+  initialisation for contrast); each sparse arm's held-out loss again with dense attention in every
+  layer (``eval.cross_eval``, ``--cross-eval``; the index comes from later tokens);
 * **trainer overrides of every arm**: the study's ``train`` list, then ``--set KEY=VALUE`` (repeatable;
   e.g. ``optim.lr=3e-4``, ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a
   pretrained checkpoint, ``{seed}`` replaced by each seed); what the study sets per arm and seed (run
@@ -102,8 +103,8 @@ import traceback
 
 from benchmarks.quality_corpus import build_corpus  # the training corpus
 from benchmarks.quality_pretrain import check_pretrain, pretrain  # copy pretraining before the arms
-from benchmarks.quality_protocol import (load_study, resolve_seeds, resolve_steps, seed_overrides,  # the protocol
-                                         train_overrides)
+from benchmarks.quality_protocol import (DENSE_READ_BACKENDS, load_study, resolve_seeds, resolve_steps,  # the protocol
+                                         seed_overrides, train_overrides)
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import launch_per_seed  # --gpu-per-seed: one process per seed
 from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets  # --cross-eval, --recall-budgets
@@ -438,10 +439,11 @@ def main(argv=None) -> int:
                    "then stop with a checkpoint (no evaluation, no row); continue with --resume (module docstring)")
     p.add_argument("--resume", action="store_true",
                    help="continue each arm's run dir from its checkpoint (an arm without one starts from step 0)")
-    p.add_argument("--cross-eval", metavar="BACKEND",
-                   help="also evaluate each trained model with this attention backend in every layer "
-                        "(e.g. cudnn: the sparse-trained model read with dense attention)")
-    p.add_argument("--cross-eval-loss-only", action="store_true", help="--cross-eval: held-out loss only")
+    p.add_argument("--cross-eval", metavar="BACKEND", choices=DENSE_READ_BACKENDS + ("none",),
+                   help="also evaluate each sparse-trained model with this dense attention backend in every layer "
+                        "(default: the study's eval.cross_eval, cudnn; none: skip; --smoke reads with ring)")
+    p.add_argument("--cross-eval-loss-only", action=argparse.BooleanOptionalAction, default=None,
+                   help="--cross-eval: held-out loss only (default: the study's eval.cross_eval_loss_only)")
     p.add_argument("--recall-budgets", type=parse_budgets, default=[],
                    help="index budgets of a recall sweep at p = 0.9 on the trained model, ';'-separated, each "
                         "','-separated SparsityConfig fields, e.g. ';vertical_max=16384,slash_max=256;last_q=256' "
@@ -475,6 +477,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"quality_study: {e}")
     args.recall_p = float(study["eval"]["recall_p"])
+    if args.cross_eval is None:
+        args.cross_eval = study["eval"]["cross_eval"]
+    args.cross_eval = None if args.cross_eval == "none" else args.cross_eval
+    if args.smoke and args.cross_eval == "cudnn":  # no cuDNN on CPU: the smoke arms' dense backend
+        args.cross_eval = "ring"
+    if args.cross_eval_loss_only is None:
+        args.cross_eval_loss_only = study["eval"]["cross_eval_loss_only"]
     args.pretrain = dict(study["pretrain"])
     if args.pretrain_steps is not None:
         try:

@@ -37,6 +37,9 @@ def test_quality_study_msa_smoke(tmp_path):
     assert all(v > 0 for _, v in m["kl"]) and all(v > 0 for _, v in m["kl_grad_norm"])
     assert 0 < m["recall_sparse_mean"] <= 1
     assert rec["eval"]["model"]["backends"] == ["ring", "msa"] and np.isfinite(rec["eval"]["perplexity"]["mean_loss"])
+    # the study's default cross-read (eval.cross_eval: cudnn; ring at --smoke sizes): dense attention in every layer
+    assert rec["cross_eval"]["backend"] == "ring" and rec["cross_eval"]["eval"]["model"]["backends"] == ["ring", "ring"]
+    assert np.isfinite(rec["cross_eval"]["eval"]["perplexity"]["mean_loss"])
     md = open(os.path.join(out, "quality.md")).read()
     assert "| msa | 1 | 0.5 |" in md
     assert quality_study.msa_warmup_steps(500, 0.1) == 50 and quality_study.msa_warmup_steps(500, 0.0) == 0
@@ -121,6 +124,30 @@ def test_relative_difference_is_per_seed_and_judges_the_target():
     assert abs(iv["lo"] - ref["lo"]) < 1e-9 and abs(iv["hi"] - ref["hi"]) < 1e-9
     (line,) = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
     assert line.endswith("inside +-2 %: yes.") == (-2 <= ref["lo"] and ref["hi"] <= 2)
+
+
+def test_dense_read_is_paired_with_the_dense_arm():
+    """``heldout_dense_read``: a sparse arm's cross-evaluation (its parameters read with dense attention
+    in every layer) minus the dense arm's own held-out loss; no cross-evaluation, no value."""
+    def row(arm, seed, loss, read=None):
+        r = {"arm": arm, "seed": seed, "heldout_loss": loss, "steps": 2, "tokens": 1024, "corpus_sha": str(seed),
+             "train_loss": [[1, 3.0], [2, 2.0]], "heldout_curve": [[2, loss]], "train_time": [[1, 1.0], [2, 2.0]]}
+        if read is not None:
+            r["cross_eval"] = {"backend": "cudnn", "eval": {"perplexity": {"mean_loss": read}}}
+        return r
+
+    rows = [row("dense", 0, 1.5), row("dense", 1, 1.4), row("dense", 2, 1.6),
+            row("mtraining", 0, 1.3, read=1.35), row("mtraining", 1, 1.2, read=1.28), row("mtraining", 2, 1.45),
+            row("msa", 0, 1.4)]
+    vals, _ = quality_seeds.seed_values(rows)
+    assert vals[("dense", 1)]["heldout_dense_read"] == 1.4 and vals[("mtraining", 2)]["heldout_dense_read"] is None
+    iv = quality_seeds.paired_differences(vals, "mtraining", "heldout_dense_read")
+    assert iv["seeds"] == [0, 1] and np.allclose(iv["diffs"], [-0.15, -0.12])
+    assert quality_seeds.paired_differences(vals, "msa", "heldout_dense_read")["n"] == 0
+    md = quality_seeds.seed_report_md(rows)
+    line = [x for x in md.splitlines() if "read with dense attention in every layer | mtraining − dense" in x]
+    assert len(line) == 1 and "| 2 | -0.135 |" in line[0] and "s0: -0.15, s1: -0.12" in line[0]
+    assert not [x for x in md.splitlines() if "read with dense attention in every layer | msa" in x]
 
 
 def test_loss_at_equal_training_time():
@@ -290,6 +317,16 @@ def test_study_protocol(tmp_path):
     with pytest.raises(ValueError, match="retrieval.made_up_keys must be true or false, got 'no'"):
         quality_study.load_study(str(bad))
     assert study["retrieval"]["made_up_keys"] is True
+    # every sparse arm is also read with dense attention (its index comes from later tokens), loss only
+    assert study["eval"]["cross_eval"] == "cudnn" and study["eval"]["cross_eval_loss_only"] is True
+    bad.write_text("eval: {cross_eval: mtraining}\n")
+    with pytest.raises(ValueError, match="eval.cross_eval must be null or one of .*got 'mtraining'"):
+        quality_study.load_study(str(bad))
+    bad.write_text("eval: {cross_eval: null, cross_eval_loss_only: 1}\n")
+    with pytest.raises(ValueError, match="eval.cross_eval_loss_only must be true or false, got 1"):
+        quality_study.load_study(str(bad))
+    with pytest.raises(SystemExit):  # argparse names the choices
+        quality_study.main(["--out", str(tmp_path), "--cross-eval", "msa"])
 
     args = SimpleNamespace(steps=None, tokens=None, smoke=False)
     base = SimpleNamespace(steps=160, data=SimpleNamespace(seq_len=32768, batch_size=1), optim=SimpleNamespace(grad_accum=1))
@@ -394,6 +431,14 @@ def test_quality_study_seeds_smoke(tmp_path):
     assert cross["backend"] == "reference" and cross["eval"]["model"]["backends"] == ["reference", "reference"]
     own_loss, dense_loss = held["mean_loss"], cross["eval"]["perplexity"]["mean_loss"]
     assert np.isfinite(dense_loss) and abs(dense_loss - own_loss) < 0.5 and dense_loss != own_loss
+    # ... paired in the comparison: each seed's sparse-trained parameters read densely minus the dense arm
+    seeds_md = open(os.path.join(out, "seeds.md")).read()
+    per = [by[("mtraining", s)]["cross_eval"]["eval"]["perplexity"]["mean_loss"] - by[("dense", s)]["heldout_loss"]
+           for s in (0, 1)]
+    line = [x for x in seeds_md.splitlines() if "read with dense attention in every layer | mtraining − dense" in x]
+    assert len(line) == 1 and "| 2 |" in line[0], line
+    got = [float(x.split(": ")[1]) for x in line[0].split(" | ")[5].split(", ")]  # "s0: d0, s1: d1"
+    np.testing.assert_allclose(got, per, atol=1e-6)
     files = sorted(os.listdir(out))
     assert files == ["loss_curves.png", "loss_vs_tokens.png", "quality.jsonl", "quality.md", "quality_niah.png",
                      "quality_position_loss.png", "quality_recall.png", "seeds.md"]
