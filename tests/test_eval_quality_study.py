@@ -309,22 +309,18 @@ def test_study_protocol(tmp_path):
     study = quality_study.load_study(quality_study.STUDY)
     assert study["token_budget"] % 32768 == 0 and study["retrieval"]["keys"] > 0
     assert set(study["retrieval"]["tasks"]) <= set(quality_corpus.TRAIN_TASKS)
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("token_budget: 100\nretrieval: {mixx: 1}\n")
-    with pytest.raises(ValueError, match="retrieval"):
-        quality_study.load_study(str(bad))
-    bad.write_text("retrieval: {made_up_keys: 'no'}\n")
-    with pytest.raises(ValueError, match="retrieval.made_up_keys must be true or false, got 'no'"):
-        quality_study.load_study(str(bad))
     assert study["retrieval"]["made_up_keys"] is True
     # every sparse arm is also read with dense attention (its index comes from later tokens), loss only
     assert study["eval"]["cross_eval"] == "cudnn" and study["eval"]["cross_eval_loss_only"] is True
-    bad.write_text("eval: {cross_eval: mtraining}\n")
-    with pytest.raises(ValueError, match="eval.cross_eval must be null or one of .*got 'mtraining'"):
-        quality_study.load_study(str(bad))
-    bad.write_text("eval: {cross_eval: null, cross_eval_loss_only: 1}\n")
-    with pytest.raises(ValueError, match="eval.cross_eval_loss_only must be true or false, got 1"):
-        quality_study.load_study(str(bad))
+    bad = tmp_path / "bad.yaml"
+    for text, msg in (("token_budget: 100\nretrieval: {mixx: 1}\n", "retrieval"),
+                      ("retrieval: {made_up_keys: 'no'}\n", "retrieval.made_up_keys must be true or false, got 'no'"),
+                      ("eval: {cross_eval: mtraining}\n", "eval.cross_eval must be null or one of .*got 'mtraining'"),
+                      ("eval: {cross_eval: null, cross_eval_loss_only: 1}\n",
+                       "eval.cross_eval_loss_only must be true or false, got 1")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            quality_study.load_study(str(bad))
     with pytest.raises(SystemExit):  # argparse names the choices
         quality_study.main(["--out", str(tmp_path), "--cross-eval", "msa"])
 
