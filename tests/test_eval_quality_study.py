@@ -1,6 +1,6 @@
 """benchmarks/quality_study.py: the multi-seed protocol (seeds set initialisation, data order and
-corpus; token budget; retrieval in the training mix), the statistics over seeds (t quantiles, paired
-differences, equal-time losses), the one-process-per-seed launcher, and --smoke runs at toy size on
+corpus; token budget; retrieval in the training mix), the report of committed runs (the statistics
+themselves: test_quality_seeds.py), the one-process-per-seed launcher, and --smoke runs at toy size on
 CPU that train and evaluate the arms and write their result files (the GPU study is the same code at
 configs/quality sizes)."""
 
@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 from benchmarks import quality_corpus, quality_launch, quality_study
-from benchmarks import quality_seeds
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")  # the arms and seeds share compiled steps
 
@@ -46,140 +45,6 @@ def test_quality_study_msa_smoke(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- multi-seed study
-
-
-def test_t_quantile_known_values():
-    # two-sided 95 % critical values of Student's t (any statistics table)
-    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262, 10: 2.228,
-             20: 2.086, 30: 2.042}
-    for df, want in table.items():
-        assert abs(quality_seeds.t_quantile(0.975, df) - want) < 5e-4, df
-    assert abs(quality_seeds.t_quantile(0.95, 4) - 2.132) < 5e-4 and abs(quality_seeds.t_quantile(0.995, 2) - 9.925) < 5e-4
-    assert abs(quality_seeds.t_quantile(0.975, 2000) - 1.9612) < 5e-4  # -> the normal quantile 1.960
-    for bad in ((0.5, 2), (1.0, 2), (0.975, 0), (0.975, 2.5)):
-        with pytest.raises(ValueError):
-            quality_seeds.t_quantile(*bad)
-    try:
-        from scipy import stats
-    except ImportError:
-        return
-    for df in (1, 2, 3, 4, 7, 15):
-        for q in (0.6, 0.9, 0.975, 0.999):
-            assert abs(quality_seeds.t_quantile(q, df) - stats.t.ppf(q, df)) < 1e-8
-
-
-def test_paired_interval_on_synthetic_numbers():
-    iv = quality_seeds.paired_interval([1.0, 2.0, 3.0])
-    assert iv["n"] == 3 and iv["mean"] == 2.0 and abs(iv["sd"] - 1.0) < 1e-12
-    half = 4.3027 / np.sqrt(3)  # t_{0.975, 2} * sd / sqrt(n)
-    assert abs(iv["lo"] - (2 - half)) < 1e-3 and abs(iv["hi"] - (2 + half)) < 1e-3
-    assert quality_seeds.verdict(iv).startswith("no difference established")
-    iv = quality_seeds.paired_interval([-0.10, -0.12, -0.11, -0.13])
-    sd = np.std([-0.10, -0.12, -0.11, -0.13], ddof=1)
-    assert abs(iv["hi"] - (-0.115 + 3.1824 * sd / 2)) < 1e-4 and iv["hi"] < 0
-    assert quality_seeds.verdict(iv).startswith("lower than dense")
-    one = quality_seeds.paired_interval([-0.137])
-    assert one["lo"] is None and one["mean"] == -0.137 and quality_seeds.verdict(one).startswith("one seed")
-
-    # pairing is per seed: a seed-level offset common to both arms cancels
-    def row(arm, seed, loss, sha="x"):
-        return {"arm": arm, "seed": seed, "heldout_loss": loss, "steps": 2, "tokens": 1024, "tokens_per_step": 512,
-                "corpus_sha": sha, "train_loss": [[1, 3.0], [2, 2.0]], "heldout_curve": [[2, loss]],
-                "train_time": [[1, 1.0], [2, 2.0]]}
-
-    offsets = [0.0, 0.5, -0.4]
-    rows = [row("dense", s, 2.0 + o) for s, o in enumerate(offsets)]
-    rows += [row("mtraining", s, 2.0 + o - 0.1 + 0.01 * s) for s, o in enumerate(offsets)]
-    vals, notes = quality_seeds.seed_values(rows)
-    iv = quality_seeds.paired_differences(vals, "mtraining", "heldout_loss")
-    assert iv["seeds"] == [0, 1, 2] and np.allclose(iv["diffs"], [-0.1, -0.09, -0.08])
-    assert iv["hi"] < 0 and not notes
-    # an arm trained on other data for a seed is left out of the pairing (and said so)
-    rows.append(row("mtraining", 2, 1.0, sha="other"))
-    vals, notes = quality_seeds.seed_values(rows)
-    assert quality_seeds.paired_differences(vals, "mtraining", "heldout_loss")["seeds"] == [0, 1]
-    assert any("corpus_sha" in n for n in notes) and any("several rows" in n for n in notes)
-
-
-def test_relative_difference_is_per_seed_and_judges_the_target():
-    def row(arm, seed, loss):
-        return {"arm": arm, "seed": seed, "heldout_loss": loss, "steps": 2, "tokens": 1024, "tokens_per_step": 512,
-                "corpus_sha": "x", "train_loss": [[1, 3.0], [2, 2.0]], "heldout_curve": [[2, loss]],
-                "train_time": [[1, 1.0], [2, 2.0]]}
-
-    dense = [2.0, 1.0, 4.0]
-    # the same 10 % gap at every seed, whatever the seed's own loss level: exactly -10 %, no spread
-    vals, _ = quality_seeds.seed_values([row("dense", s, d) for s, d in enumerate(dense)]
-                                        + [row("mtraining", s, 0.9 * d) for s, d in enumerate(dense)])
-    iv = quality_seeds.relative_difference(vals, "mtraining")
-    assert iv["seeds"] == [0, 1, 2] and np.allclose(iv["diffs"], [-10.0] * 3) and abs(iv["mean"] + 10.0) < 1e-9
-    (line,) = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
-    assert "-10.00 % of dense's" in line and line.endswith("inside +-2 %: no.")
-    # within 1 % and the interval inside 2 %: yes; the interval is that of the per-seed percentages
-    vals, _ = quality_seeds.seed_values([row("dense", s, d) for s, d in enumerate(dense)]
-                                        + [row("mtraining", s, d * (1 + r)) for s, (d, r) in
-                                           enumerate(zip(dense, [0.002, -0.004, 0.005]))])
-    iv = quality_seeds.relative_difference(vals, "mtraining")
-    ref = quality_seeds.paired_interval([0.2, -0.4, 0.5])
-    assert abs(iv["lo"] - ref["lo"]) < 1e-9 and abs(iv["hi"] - ref["hi"]) < 1e-9
-    (line,) = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
-    assert line.endswith("inside +-2 %: yes.") == (-2 <= ref["lo"] and ref["hi"] <= 2)
-
-
-def test_dense_read_is_paired_with_the_dense_arm():
-    """``heldout_dense_read``: a sparse arm's cross-evaluation (its parameters read with dense attention
-    in every layer) minus the dense arm's own held-out loss; no cross-evaluation, no value."""
-    def row(arm, seed, loss, read=None):
-        r = {"arm": arm, "seed": seed, "heldout_loss": loss, "steps": 2, "tokens": 1024, "corpus_sha": str(seed),
-             "train_loss": [[1, 3.0], [2, 2.0]], "heldout_curve": [[2, loss]], "train_time": [[1, 1.0], [2, 2.0]]}
-        if read is not None:
-            r["cross_eval"] = {"backend": "cudnn", "eval": {"perplexity": {"mean_loss": read}}}
-        return r
-
-    rows = [row("dense", 0, 1.5), row("dense", 1, 1.4), row("dense", 2, 1.6),
-            row("mtraining", 0, 1.3, read=1.35), row("mtraining", 1, 1.2, read=1.28), row("mtraining", 2, 1.45),
-            row("msa", 0, 1.4)]
-    vals, _ = quality_seeds.seed_values(rows)
-    assert vals[("dense", 1)]["heldout_dense_read"] == 1.4 and vals[("mtraining", 2)]["heldout_dense_read"] is None
-    iv = quality_seeds.paired_differences(vals, "mtraining", "heldout_dense_read")
-    assert iv["seeds"] == [0, 1] and np.allclose(iv["diffs"], [-0.15, -0.12])
-    assert quality_seeds.paired_differences(vals, "msa", "heldout_dense_read")["n"] == 0
-    md = quality_seeds.seed_report_md(rows)
-    line = [x for x in md.splitlines() if "read with dense attention in every layer | mtraining − dense" in x]
-    assert len(line) == 1 and "| 2 | -0.135 |" in line[0] and "s0: -0.15, s1: -0.12" in line[0]
-    assert not [x for x in md.splitlines() if "read with dense attention in every layer | msa" in x]
-
-
-def test_loss_at_equal_training_time():
-    """Each seed's arms are read at its fastest arm's training time: the slower arm's held-out curve
-    is interpolated in time, the faster arm's is its final value."""
-    def row(arm, sec_per_step, curve):
-        return {"arm": arm, "seed": 0, "steps": 4, "tokens": 4096, "tokens_per_step": 1024, "corpus_sha": "x",
-                "heldout_loss": curve[-1][1], "train_loss": [[s, 5.0 - s] for s in range(1, 5)],
-                "heldout_curve": curve, "train_time": [[s, sec_per_step * s] for s in range(1, 5)]}
-
-    rows = [row("dense", 2.0, [[2, 3.0], [4, 2.0]]), row("mtraining", 1.0, [[2, 2.9], [4, 1.9]])]
-    vals, _ = quality_seeds.seed_values(rows)
-    d, m = vals[("dense", 0)], vals[("mtraining", 0)]
-    assert d["equal_time"] == m["equal_time"] == 4.0
-    assert m["heldout_equal_time"] == 1.9 and d["heldout_equal_time"] == 3.0  # dense at step 2 by 4 s
-    assert d["train_loss_equal_time"] == 3.0 and m["train_loss_equal_time"] == 1.0  # last 5 % = 1 step
-    iv = quality_seeds.paired_differences(vals, "mtraining", "heldout_equal_time")
-    assert np.isclose(iv["mean"], -1.1) and iv["lo"] is None
-    md = quality_seeds.seed_report_md(rows)
-    assert "| held-out loss, trainer's eval, at equal training time | mtraining − dense | 1 | -1.1 | — |" in md
-    assert "seed 0: 4.0" in md
-
-
-def test_seed_plot_bands(tmp_path):
-    """loss_vs_tokens.png from 2 arms x 3 seeds of 40 steps: mean line, min-max band, zoom on the end."""
-    rows = [{"arm": arm, "seed": s, "steps": 40, "tokens": 40 * 1024, "tokens_per_step": 1024, "corpus_sha": str(s),
-             "heldout_loss": 2.0, "train_loss": [[k, 4.0 - 0.05 * k + 0.01 * s - 0.1 * (arm == "msa")] for k in range(1, 41)],
-             "heldout_curve": [[k, 3.9 - 0.05 * k] for k in (10, 20, 30, 40)],
-             "train_time": [[k, (1.0 if arm == "dense" else 0.6) * k] for k in range(1, 41)]}
-            for arm in ("dense", "msa") for s in range(3)]
-    md = quality_study.write_seed_report(rows, str(tmp_path))
-    assert "| msa − dense | 3 |" in md and os.path.getsize(tmp_path / "loss_vs_tokens.png") > 20_000
 
 
 def test_seed_sets_initialisation_data_order_and_corpus(tmp_path):
