@@ -22,7 +22,8 @@ from mtraining_jax.model.hf_io import MSA_INDEX_FILE, load_hf_checkpoint, model_
 from mtraining_jax.model.qwen2 import Qwen2ForCausalLM
 
 MSA = dict(attention_backend="msa", dense_layers=[0], dense_backend="reference", layout="contiguous",
-           msa={"index_dim": 16, "top_k": 2, "block_size": 64, "recall_blocks": 1, "pooling": "max"})
+           msa={"index_dim": 16, "top_k": 2, "block_size": 64, "recall_blocks": 1, "pooling": "max",
+                "selection": "block_mean"})
 
 
 @pytest.fixture(scope="module")

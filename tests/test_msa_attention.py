@@ -190,6 +190,29 @@ def test_msa_shard_map_layouts_match_one_device(layout, shape, pooling):
     chex.assert_trees_all_close(tuple(lay.unpermute(x) for x in g[3:]), gi, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("selection,layout,shape", [("causal", "contiguous", None), ("causal", "zigzag", (1, 4)),
+                                                    ("block_mean", "contiguous", None)])
+def test_msa_output_before_t_ignores_every_input_from_t_on(selection, layout, shape):
+    """Causality of the whole MSA layer: q, k, v and the index queries / keys replaced from position
+    ``t`` (inside a query block) on leave every output row before ``t`` bit-identical with the
+    default ``selection="causal"``, on one device and under shard_map. ``"block_mean"`` ranks
+    candidates with later rows of the block: there the same change moves earlier rows' outputs."""
+    q, k, v, qi, ki = _inputs(5)
+    late = [jnp.where((jnp.arange(S) >= 200).reshape((1, S) + (1,) * (x.ndim - 2)), y, x)
+            for x, y in zip((q, k, v, qi, ki), _inputs(6))]
+    cfg = MSAConfig(top_k=TOPK, ring=RingOptions(impl="xla"), layout=layout, selection=selection)
+    mesh = None if shape is None else make_mesh(shape, jax.devices()[:shape[0] * shape[1]])
+    lay = cfg.make_layout(S, 1 if shape is None else shape[0] * shape[1])
+    run = jax.jit(lambda *a: lay.unpermute(msa_attention(*(lay.permute(x) for x in a), mesh, cfg,
+                                                         positions=jnp.asarray(lay.perm))[0]))
+    a, b = np.asarray(run(q, k, v, qi, ki)), np.asarray(run(*late))
+    assert np.abs(a[:, 200:] - b[:, 200:]).max() > 1e-2  # the change reaches the later rows
+    if selection == "causal":
+        np.testing.assert_array_equal(a[:, :200], b[:, :200])
+    else:
+        assert np.abs(a[:, :200] - b[:, :200]).max() > 1e-3
+
+
 def test_msa_config_and_input_errors():
     with pytest.raises(ValueError, match="top_k"):
         MSAConfig(top_k=0)
@@ -197,6 +220,8 @@ def test_msa_config_and_input_errors():
         MSAConfig(block_size=128)
     with pytest.raises(ValueError, match="layout"):
         MSAConfig(layout="token_striped")
+    with pytest.raises(ValueError, match="selection must be one of .*'first'"):
+        MSAConfig(selection="first")
     q, k, v, qi, ki = _inputs(0)
     with pytest.raises(ValueError, match="q_idx"):
         msa_attention(q, k, v, qi[:, :, :1], ki, None, CFG)

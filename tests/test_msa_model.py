@@ -28,6 +28,8 @@ def test_config_validation_and_param_count():
     cfg = _cfg()
     assert cfg.layer_backends == ("reference", "msa") and cfg.has_msa and cfg.msa_index_dim == 16
     assert cfg.msa_config().top_k == 2 and cfg.msa_config().block_size == 64
+    assert cfg.msa_config().selection == "causal" and _cfg(msa={"selection": "block_mean"}).msa_config().selection \
+        == "block_mean"
     m = Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
     n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(model_params(m)))
     assert n == cfg.num_params()
@@ -37,7 +39,8 @@ def test_config_validation_and_param_count():
                                                           rngs=nnx.Rngs(0)))["layers"]["self_attn"]
     assert ModelConfig(**{**_cfg().to_dict(), "msa": None}).msa_index_dim == 64  # paper-free default
     for bad, match in (({"index_dim": 0}, "index_dim"), ({"top_k": 0}, "top_k"), ({"block_size": 128}, "block_size"),
-                       ({"topk": 3}, "unknown msa keys"), ({"pooling": "sum"}, "pooling")):
+                       ({"topk": 3}, "unknown msa keys"), ({"pooling": "sum"}, "pooling"),
+                       ({"selection": "rows"}, "selection must be one of")):
         with pytest.raises(ValueError, match=match):
             _cfg(msa=bad)
     with pytest.raises(ValueError, match="layout"):
@@ -65,6 +68,25 @@ def test_warmup_equals_dense_model_and_remat_agrees():
     m.config = cfg.replace(remat="save_attn")
     h_r, st_r = nnx.jit(lambda m: m(tok, pos, return_stats=True))(m)
     np.testing.assert_allclose(np.asarray(h_r), np.asarray(h_s), atol=1e-6)
+
+
+@pytest.mark.parametrize("selection", ["causal", "block_mean"])
+def test_sparse_msa_model_is_causal_with_the_default_selection(selection):
+    """Tokens from position 150 on changed (a 64-row query block holds rows 128-191): the logits
+    before 150 are bit-identical with ``selection="causal"``; with ``"block_mean"`` the block's
+    earlier rows see the change through the selection (both layers sparse, top-2 of 4 blocks)."""
+    m = Qwen2ForCausalLM(_cfg(dense_layers=(), msa={"index_dim": 16, "top_k": 2, "selection": selection}),
+                         rngs=nnx.Rngs(0))
+    pos = jnp.arange(S)
+    t1 = _tokens()
+    t2 = t1.at[:, 150:].set(jax.random.randint(jax.random.PRNGKey(7), (1, S - 150), 0, 64))
+    run = nnx.jit(lambda m, t: m.logits(t, pos))
+    a, b = np.asarray(run(m, t1)), np.asarray(run(m, t2))
+    assert np.abs(a[:, 150:] - b[:, 150:]).max() > 1e-3
+    if selection == "causal":
+        np.testing.assert_array_equal(a[:, :150], b[:, :150])
+    else:
+        assert np.abs(a[:, 128:150] - b[:, 128:150]).max() > 1e-6
 
 
 def test_kl_gradient_reaches_only_the_index_branch():

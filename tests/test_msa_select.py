@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from mtraining_jax.layouts import Layout
 from mtraining_jax.ring.schedule import source_table
-from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, block_summaries, full_selection, index_keys,
+from mtraining_jax.sparsity.msa_select import (SELECTIONS, MSARankStepIndex, block_summaries, full_selection, index_keys,
                                                row_topk_union, select_blocks, selection_block_map,
                                                selection_step_index)
 from pallas_kernels.index_format import step_index_to_mask
@@ -19,8 +19,10 @@ from pallas_kernels.index_format import step_index_to_mask
 BS = 16  # small blocks keep the CPU tests fast; the math is block-size agnostic
 
 
-def np_select(q_idx, k_idx, bs, top_k, pooling="mean"):
-    """float64 reference of scheme (b): ``bool [B, G, nQB, nb]``."""
+def np_select(q_idx, k_idx, bs, top_k, pooling="mean", selection="causal"):
+    """float64 reference of scheme (b): ``bool [B, G, nQB, nb]``; ``selection="causal"`` ranks with
+    each query block's first row, ``"block_mean"`` with the mean of its rows' softmaxes."""
+    rows = 1 if selection == "causal" else bs
     q = np.asarray(q_idx, np.float64)
     k = np.asarray(k_idx, np.float64)
     B, S, G, d = q.shape
@@ -33,10 +35,11 @@ def np_select(q_idx, k_idx, bs, top_k, pooling="mean"):
                 out[b, g, qb, qb] = True
                 if qb == 0:
                     continue
+                qr = q[b, qb * bs:qb * bs + rows, g]
                 if pooling == "mean":
-                    s = q[b, qb * bs:(qb + 1) * bs, g] @ kbar[b, :qb].T / np.sqrt(d)  # [bs, qb]
+                    s = qr @ kbar[b, :qb].T / np.sqrt(d)  # [rows, qb]
                 else:
-                    s = (q[b, qb * bs:(qb + 1) * bs, g] @ k[b, :qb * bs].T / np.sqrt(d)).reshape(bs, qb, bs).max(-1)
+                    s = (qr @ k[b, :qb * bs].T / np.sqrt(d)).reshape(rows, qb, bs).max(-1)
                 p = np.exp(s - s.max(1, keepdims=True))
                 p /= p.sum(1, keepdims=True)
                 agg = p.mean(0)
@@ -51,20 +54,59 @@ def _inputs(seed, B=2, S=256, G=2, d=8):
 
 
 @settings(max_examples=5, deadline=None)
-@given(seed=st.integers(0, 2**16), top_k=st.integers(1, 6), pooling=st.sampled_from(["mean", "max"]))
-def test_select_blocks_matches_float64_reference(seed, top_k, pooling):
+@given(seed=st.integers(0, 2**16), top_k=st.integers(1, 6), pooling=st.sampled_from(["mean", "max"]),
+       selection=st.sampled_from(SELECTIONS))
+def test_select_blocks_matches_float64_reference(seed, top_k, pooling, selection):
     q_idx, k_idx = _inputs(seed)
     S = q_idx.shape[1]
     sel = select_blocks(q_idx, index_keys(k_idx, BS, pooling), jnp.arange(S), block_size=BS, top_k=top_k,
-                        pooling=pooling)
+                        pooling=pooling, selection=selection)
     got = np.asarray(selection_block_map(sel, S // BS))
-    want = np_select(q_idx, k_idx, BS, top_k, pooling)
+    want = np_select(q_idx, k_idx, BS, top_k, pooling, selection)
     np.testing.assert_array_equal(got, want)
     ids, cnt = np.asarray(sel.block_idx), np.asarray(sel.block_count)
     nqb = S // BS
     np.testing.assert_array_equal(cnt, np.minimum(top_k, np.arange(nqb) + 1)[None, None].repeat(2, 0).repeat(2, 1))
     for row, c in zip(ids.reshape(-1, ids.shape[-1]), cnt.reshape(-1)):
         assert np.all(np.diff(row[:c]) > 0)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**16), t=st.integers(1, 255), pooling=st.sampled_from(["mean", "max"]))
+def test_causal_selection_reads_no_later_token(seed, t, pooling):
+    """Index queries and keys from position ``t`` on replaced: with ``selection="causal"`` the
+    blocks selected for every query block holding a row ``< t`` are unchanged (no output before
+    ``t`` can depend on a token at or after ``t``). ``"block_mean"`` reads later rows of the block:
+    the same change moves its selection (the look-ahead this option documents)."""
+    q_idx, k_idx = _inputs(seed)
+    S = q_idx.shape[1]
+    q2, k2 = _inputs(seed + 1)
+    late = (jnp.arange(S) >= t)[None, :, None]
+    q2, k2 = jnp.where(late[..., None], q2, q_idx), jnp.where(late, k2, k_idx)
+    first = -(-t // BS)  # query blocks 0 .. first-1 hold a row < t
+
+    def blocks(qi, ki, selection):
+        sel = select_blocks(qi, index_keys(ki, BS, pooling), jnp.arange(S), block_size=BS, top_k=4,
+                            pooling=pooling, selection=selection)
+        return np.asarray(selection_block_map(sel, S // BS))[:, :, :first]
+
+    np.testing.assert_array_equal(blocks(q2, k2, "causal"), blocks(q_idx, k_idx, "causal"))
+
+
+def test_block_mean_selection_looks_ahead():
+    """The positive control of :func:`test_causal_selection_reads_no_later_token`: changing only the
+    LAST row of every query block changes ``"block_mean"``'s selection of some block."""
+    q_idx, k_idx = _inputs(11)
+    S = q_idx.shape[1]
+    last = (jnp.arange(S) % BS == BS - 1)[None, :, None, None]
+    q2 = jnp.where(last, 8.0 * _inputs(12)[0], q_idx)
+    sel = {}
+    for selection in SELECTIONS:
+        a, b = (np.asarray(selection_block_map(select_blocks(qi, block_summaries(k_idx, BS), jnp.arange(S),
+                                                             block_size=BS, top_k=3, selection=selection), S // BS))
+                for qi in (q_idx, q2))
+        sel[selection] = (a != b).any()
+    assert sel == {"causal": False, "block_mean": True}
 
 
 def test_selection_step_index_single_device_mask():
@@ -138,3 +180,5 @@ def test_select_blocks_rejects_bad_top_k_and_pooling():
         select_blocks(q_idx, block_summaries(k_idx, BS), jnp.arange(q_idx.shape[1]), block_size=BS, top_k=0)
     with pytest.raises(ValueError, match="pooling"):
         index_keys(k_idx, BS, "sum")
+    with pytest.raises(ValueError, match="selection must be one of .*'rows'"):
+        select_blocks(q_idx, block_summaries(k_idx, BS), jnp.arange(q_idx.shape[1]), block_size=BS, selection="rows")

@@ -3,7 +3,8 @@
 Inside one ``shard_map`` over the ``(node, local)`` mesh (``mesh=None``: one device), every rank
 
 1. all-gathers the index keys (block means, or every token's for ``pooling="max"``);
-2. selects, per local query block and KV group, the top-``k`` blocks with the local block forced
+2. selects, per local query block and KV group, the top-``k`` blocks with the local block forced,
+   ranked by the block's first row by default so that no output reads a later token
    (:mod:`~mtraining_jax.sparsity.msa_select`, where the choices are explained);
 3. runs the sparse ring (:func:`~mtraining_jax.ring.attention.ring_attention_shard`), its per-step
    index converted on demand (:class:`~mtraining_jax.sparsity.msa_select.MSARankStepIndex`);
@@ -38,7 +39,8 @@ from mtraining_jax.mesh import CP_AXES, check_cp_mesh
 from mtraining_jax.ring.attention import ring_attention_shard
 from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.sparsity.msa_select import (MSARankStepIndex, index_keys, layout_block_order,
-                                               select_blocks, selection_work, validate_pooling)
+                                               select_blocks, selection_work, validate_pooling,
+                                               validate_selection)
 from pallas_kernels.api import SUPPORTED_HEAD_DIMS
 from pallas_kernels.inputs import check_qkv
 
@@ -60,6 +62,9 @@ class MSAConfig:
         recall metric (each costs one query block x ``S`` keys).
       pooling: block scores from mean-pooled index keys (``"mean"``) or max-pooled token scores
         (``"max"``, the paper's); :mod:`~mtraining_jax.sparsity.msa_select`.
+      selection: which rows of a query block rank its candidate blocks: ``"causal"`` (its first row;
+        no output reads a later token) or ``"block_mean"`` (all 64 rows: a look-ahead of up to 63
+        tokens, kept to reproduce earlier runs); :mod:`~mtraining_jax.sparsity.msa_select`.
     """
 
     top_k: int = 16
@@ -69,9 +74,11 @@ class MSAConfig:
     sm_scale: float | None = None
     recall_blocks: int = 1
     pooling: str = "mean"
+    selection: str = "causal"
 
     def __post_init__(self):
         validate_pooling(self.pooling)
+        validate_selection(self.selection)
         for name in ("top_k", "recall_blocks"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
@@ -183,7 +190,8 @@ def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfi
         pos_l = jnp.asarray(pos_table, jnp.int32)[rank]
         inv = inv_blocks if cfg.pooling == "mean" else inv_tokens
         kbar = jax.lax.all_gather(index_keys(ki_l, bs, cfg.pooling), CP_AXES, axis=1, tiled=True)[:, inv]
-        sel = select_blocks(qi_l, kbar, pos_l, block_size=bs, top_k=cfg.top_k, pooling=cfg.pooling)
+        sel = select_blocks(qi_l, kbar, pos_l, block_size=bs, top_k=cfg.top_k, pooling=cfg.pooling,
+                            selection=cfg.selection)
         if dense:
             out = ring_attention_shard(q_l, k_l, v_l, pos_l, pos_l, num_nodes=num_nodes, num_local=num_local,
                                        options=cfg.ring.for_dense(), sm_scale=cfg.sm_scale, block_size=bs)

@@ -19,7 +19,9 @@ when ``ring`` sets the same option to another value.
 ``msa`` (``msa`` layers, :mod:`mtraining_jax.attention.msa`): ``None`` or a mapping with the keys of
 :data:`MSA_DEFAULTS` — ``index_dim`` (``d_idx``), ``top_k`` (blocks per query block and KV group,
 the local block included), ``block_size`` (64, the kernels' tile), ``recall_blocks`` (rows sampled
-for the recall metric), ``pooling`` (``mean`` or ``max``). When any layer is ``msa``, EVERY layer
+for the recall metric), ``pooling`` (``mean`` or ``max``), ``selection`` (``causal``: a query block's
+first row ranks its candidate blocks; ``block_mean``: all its rows, a look-ahead kept for earlier
+runs; :mod:`mtraining_jax.sparsity.msa_select`). When any layer is ``msa``, EVERY layer
 carries the index branch (``index_q [hidden, Hkv * d_idx]``, ``index_k [hidden, d_idx]``; the layers
 are one stacked module); non-``msa`` layers do not use it.
 """
@@ -47,7 +49,8 @@ _YARN_KEYS = {
 
 #: older top-level names of ring options: ``{ModelConfig field: RingOptions field}``
 RING_ALIASES: dict[str, str] = {"ring_order": "ring_order", "attention_impl": "impl"}
-MSA_DEFAULTS: dict[str, Any] = {"index_dim": 64, "top_k": 16, "block_size": 64, "recall_blocks": 1, "pooling": "mean"}
+MSA_DEFAULTS: dict[str, Any] = {"index_dim": 64, "top_k": 16, "block_size": 64, "recall_blocks": 1, "pooling": "mean",
+                                "selection": "causal"}
 
 
 def _dense_counterpart(backend: str) -> str:
@@ -285,7 +288,7 @@ class ModelConfig:
 
         m = {**MSA_DEFAULTS, **(self.msa or {})}
         return MSAConfig(top_k=m["top_k"], block_size=m["block_size"], recall_blocks=m["recall_blocks"],
-                         pooling=m["pooling"], layout=self.layout, ring=self.ring)
+                         pooling=m["pooling"], selection=m["selection"], layout=self.layout, ring=self.ring)
 
     def attention_spec(self, backend: str) -> dict[str, Any]:
         """The keywords of :func:`mtraining_jax.attention.dispatch.attention` for a layer of ``backend``

@@ -10,6 +10,13 @@ Per batch element and query head:
    block diagonal ``d`` = sum of ``A_hat[q, k]`` over ``q // bs - k // bs = d``;
 4. budgets by top-p coverage with per-head caps (:mod:`.budgets`); diagonal 0 is always kept.
 
+The window lies at the END of the sequence, so in training every earlier row's attention support
+is chosen from later queries (the paper's design): the loss of row ``i`` depends on tokens after
+``i`` through which lines are kept, though never through attended values. The quality study
+measures whether a trained model exploits that by reading its parameters with dense attention
+(``eval.cross_eval``; ``results/quality/quality.md``). MSA's selection has a causal default instead
+(:mod:`.msa_select`).
+
 Bit-identical across layouts, meshes and programs (forward, backward, remat, evaluation; any
 kernel impl, fusion or dot algorithm): the inputs are rounded to their storage dtype
 (:func:`pallas_kernels.rounding.storage_round`), the logits are exact integer sums

@@ -12,11 +12,18 @@ Choices (the paper's differ):
   (every token's index key all-gathered; scoring ``[rows, S]``).
 * Block size 64 (paper: 128): one selected block is one kernel tile.
 * Per query block, not per query row: the kernels' ``StepIndex`` holds one block list per 64-row
-  query block and head, so the candidates are ranked by the mean over the block's rows of each
-  row's index softmax over the causal candidate blocks, and the top ``k - 1`` plus the local block
-  are kept: work is exactly ``k * 64^2`` per query block and the kernels are unchanged.
+  query block and head; the top ``k - 1`` candidates plus the local block are kept, so work is
+  exactly ``k * 64^2`` per query block and the kernels are unchanged. Which rows rank the
+  candidates (``selection``, :data:`SELECTIONS`):
+
+  - ``"causal"`` (default): the block's FIRST row's index softmax over the candidate blocks. Every
+    row of the block lies at or after that row, so no row's output depends on a later token.
+  - ``"block_mean"``: the mean over the block's 64 rows of each row's index softmax. Row ``i``'s
+    selection then reads the index queries of up to 63 LATER rows of its block, a look-ahead the
+    language-model loss can exploit and autoregressive decoding cannot reproduce; kept to
+    reproduce the earlier study rows (``results/quality/quality.md`` says which).
 * Candidates of query block ``QB``: the blocks ``< QB`` and the forced local block; no score reads a
-  key after the block's queries. The selection is computed under ``stop_gradient``.
+  key after the block's first query. The selection is computed under ``stop_gradient``.
 
 Shapes: :class:`MSASelection` holds GLOBAL block ids per (batch, KV group, local query block);
 ``q_pos [Sq]`` are the global positions of the block-aligned local queries.
@@ -65,12 +72,19 @@ def map_batch(n: int, bytes_per_item: int) -> int | None:
 
 
 POOLINGS: tuple[str, ...] = ("mean", "max")
+SELECTIONS: tuple[str, ...] = ("causal", "block_mean")  # which rows of a query block rank its candidates
 
 
 def validate_pooling(pooling) -> str:
     if pooling not in POOLINGS:
         raise ValueError(f"msa pooling must be one of {POOLINGS}, got {pooling!r}")
     return pooling
+
+
+def validate_selection(selection) -> str:
+    if selection not in SELECTIONS:
+        raise ValueError(f"msa selection must be one of {SELECTIONS}, got {selection!r}")
+    return selection
 
 
 def index_keys(k_idx, block_size: int = 64, pooling: str = "mean"):
@@ -134,7 +148,8 @@ def _topk_with_local(score, qb, k: int):
     return compact_sorted(vals > -jnp.inf, ids, k, pad=nb)
 
 
-def select_blocks(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16, pooling: str = "mean") -> MSASelection:
+def select_blocks(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16, pooling: str = "mean",
+                  selection: str = "causal") -> MSASelection:
     """Scheme (b) selection of the local queries (see module docstring), under ``stop_gradient``.
 
     Args:
@@ -143,10 +158,13 @@ def select_blocks(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16, 
         ``pooling``: block summaries ``float32 [B, nb, d]`` (``"mean"``) or keys ``[B, S, d]`` (``"max"``).
       q_pos: ``int [Sq]`` global positions of the local rows.
       top_k: blocks per query block and group, the local block included (``>= 1``).
+      selection: ``"causal"`` (the block's first row ranks) or ``"block_mean"`` (all its rows; a
+        look-ahead), :data:`SELECTIONS`.
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     validate_pooling(pooling)
+    rows = 1 if validate_selection(selection) == "causal" else block_size
     q_idx, kbar = jax.lax.stop_gradient(q_idx), jax.lax.stop_gradient(kbar)
     B, Sq, G, d = q_idx.shape
     seq_len = kbar.shape[1] * (block_size if pooling == "mean" else 1)
@@ -158,11 +176,11 @@ def select_blocks(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16, 
 
     def one(xs):
         qi, qb, qp = xs
-        z = index_block_logits(qi, kbar, pooling, qp, block_size)
+        z = index_block_logits(qi[:, :rows], kbar, pooling, qp[:rows], block_size)
         agg = _candidate_probs(z, qb).mean(axis=2)  # [B, G, nb]
         return _topk_with_local(agg, qb, top_k)
 
-    ids, cnt = jax.lax.map(one, (qblk, qbs, qpb), batch_size=map_batch(nqb, 8 * B * G * block_size * kbar.shape[1]))
+    ids, cnt = jax.lax.map(one, (qblk, qbs, qpb), batch_size=map_batch(nqb, 8 * B * G * rows * kbar.shape[1]))
     return MSASelection(jnp.moveaxis(ids, 0, 2), jnp.moveaxis(cnt, 0, 2))
 
 
