@@ -342,6 +342,17 @@ def test_committed_four_seed_run_reports_what_the_results_say(tmp_path):
             in md)
     assert "-11.58 % of dense's at 26,214,400 tokens, 95 % interval [-18.90 %, -4.27 %] over 3 seeds" in md
     assert "differ in trainer overrides" not in md and "different devices" not in md
+    # run s14: MTraining seed 3 (four seeds with s13) and MSA seed 0 at lr 3e-4, both also read densely
+    assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs",
+                               "s11-dense-lr3e-4-4-seeds,s13-mtraining-lr3e-4-3-seeds,"
+                               "s14-lr3e-4-mtraining-seed3-msa-seed0"]) == 0
+    md = open(tmp_path / "seeds.md").read()
+    assert ("| held-out loss @ 32768, evaluator (nats/byte) | mtraining − dense | 4 | -0.1601 | [-0.2212, -0.09902] |"
+            in md)
+    assert "-11.88 % of dense's at 26,214,400 tokens, 95 % interval [-15.82 %, -7.94 %] over 4 seeds" in md
+    assert "read with dense attention in every layer | mtraining − dense | 1 | -0.1569 |" in md
+    assert "read with dense attention in every layer | msa − dense | 1 | -0.006566 |" in md
+    assert "msa: held-out loss @ 32768 -9.57 % of dense's at 26,214,400 tokens (one seed: no interval)" in md
 
 
 def test_quality_study_runs_in_slices_and_resumes(tmp_path):
