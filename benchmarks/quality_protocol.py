@@ -131,3 +131,15 @@ def train_overrides(items, what: str = "--set") -> list:
                              f"got {item!r}")
         out.append(item.strip())
     return out
+
+
+def merge_overrides(*lists) -> list:
+    """The trainer overrides ``KEY=VALUE`` of several lists in order, one per key: a later value of a
+    key replaces the earlier one in its place (the study's ``train`` list, then ``--set``), so a row
+    records what the arms ran with, whichever way it was asked for."""
+    out: dict[str, str] = {}
+    for items in lists:
+        for item in items:
+            key = item.partition("=")[0].strip()
+            out[key] = item
+    return list(out.values())

@@ -10,7 +10,7 @@ differences (arm - dense, per seed) with a 95 % t-interval over the seeds.
     python benchmarks/quality_study.py --out $OUT/q --report-only a.jsonl b.jsonl   # ... from rows of other calls
     python benchmarks/quality_study.py --out $OUT/q --seeds 0 1 --variant all       # sequentially, one process
     python benchmarks/quality_study.py --out /tmp/q --smoke                 # CPU toy sizes (CI)
-    python benchmarks/quality_study.py --out $OUT/q --variant both --seeds 0 --pretrain-steps 4000 --set optim.lr=3e-4
+    python benchmarks/quality_study.py --out $OUT/q --variant both --seeds 0 --pretrain-steps 4000
 
 Protocol (``configs/quality/study.yaml``; printed first and recorded in every row):
 
@@ -35,8 +35,8 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   index recall per layer and head at p = 0.9 / 0.5 on the trained model's q/k (and on the untrained
   initialisation for contrast); each sparse arm's held-out loss again with dense attention in every
   layer (``eval.cross_eval``, ``--cross-eval``; the index comes from later tokens);
-* **trainer overrides of every arm**: the study's ``train`` list, then ``--set KEY=VALUE`` (repeatable;
-  e.g. ``optim.lr=3e-4``, ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a
+* **trainer overrides of every arm**: the study's ``train`` list (``optim.lr=3e-4``), then ``--set
+  KEY=VALUE`` (repeatable; a key given again replaces the earlier value; e.g. ``optim.lr=1e-3``, ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a
   pretrained checkpoint, ``{seed}`` replaced by each seed); what the study sets per arm and seed (run
   dir, data, seeds, steps) is refused.
 * **copy pretraining** (``pretrain``, ``--pretrain-steps N``; 0 by default): each seed first trains the
@@ -104,7 +104,7 @@ import traceback
 from benchmarks.quality_corpus import build_corpus  # the training corpus
 from benchmarks.quality_pretrain import check_pretrain, pretrain  # copy pretraining before the arms
 from benchmarks.quality_protocol import (DENSE_READ_BACKENDS, load_study, resolve_seeds, resolve_steps,  # the protocol
-                                         seed_overrides, train_overrides)
+                                         merge_overrides, seed_overrides, train_overrides)
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import launch_per_seed  # --gpu-per-seed: one process per seed
 from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets  # --cross-eval, --recall-budgets
@@ -473,7 +473,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"quality_study: --copy-share must lie in [0, 1), got {args.copy_share}")
     args.eval_haystack = args.eval_haystack or study["eval"]["haystack"]
     try:
-        args.train_overrides = study["train"] + train_overrides(args.set)
+        args.train_overrides = merge_overrides(study["train"], train_overrides(args.set))
     except ValueError as e:
         raise SystemExit(f"quality_study: {e}")
     args.recall_p = float(study["eval"]["recall_p"])
