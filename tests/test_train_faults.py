@@ -162,7 +162,8 @@ def test_sigterm_saves_a_second_launch_is_refused_and_resume_continues(tmp_path,
     _wait_for(lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0, proc)
     # an identical second launch: one line, exit 2, nothing of the first run touched
     rc, _, err = _main(capsys, tokens, f"run_dir={rd}", "steps=100000", "checkpoint.every=100000")
-    lock = json.load(open(os.path.join(rd, LOCK_NAME)))
+    with open(os.path.join(rd, LOCK_NAME)) as f:
+        lock = json.load(f)
     assert lock["pid"] == proc.pid and lock["host"] == HOST
     assert rc == 2 and err == (f"mtraining-train: error: run_dir {rd!r} is in use by another mtraining-train (pid "
                                f"{proc.pid} on host {HOST}, since {lock['since']}); wait for it to finish or choose "
