@@ -138,6 +138,27 @@ def dense_read_loss(r):
         return r.get("heldout_loss") if r.get("arm") == "dense" else None
 
 
+def dense_read_by_position(rows) -> list:
+    """Per sparse row with a cross-evaluation by position: ``(arm, seed, edges, gaps)``, ``gaps[i]`` = the
+    parameters' held-out loss read with dense attention minus their own read, in position bucket ``i``
+    (``edges`` its token boundaries). A gap that grows with position says the model is read out of the
+    distribution it was trained in (it attends to its pattern's keys only); a gap at every position,
+    the first bucket included, says it gains through its pattern. The last row of each (arm, seed)."""
+    last = {}
+    for r in rows:
+        if not r.get("error") and r.get("arm") != "dense":
+            last[(r["arm"], r["seed"])] = r
+    out = []
+    for (arm, seed), r in sorted(last.items(), key=lambda kv: (VARIANTS.index(kv[0][0]), kv[0][1])):
+        try:
+            own, read = r["eval"]["perplexity"], r["cross_eval"]["eval"]["perplexity"]
+            gaps = [float(b) - float(a) for a, b in zip(own["loss"], read["loss"], strict=True)]
+        except (KeyError, TypeError, ValueError):
+            continue
+        out.append((arm, seed, list(own.get("bucket_edges") or []), gaps))
+    return out
+
+
 def seed_values(rows) -> tuple:
     """``(values {(arm, seed): {metric: value}}, notes)``: the last row of each (arm, seed), its
     metrics, and the equal-time values at each seed's fastest arm's training time."""
@@ -282,6 +303,15 @@ def seed_report_md(rows, protocol: dict | None = None) -> str:
     lines += ["", "Equal training time: each seed's arms are read at its fastest arm's training time (seconds, "
               "compile excluded): " + ", ".join(f"seed {s}: {fmt(t, '.1f')}" for s, t in sorted(times.items()))
               + ". A slower arm's value there comes from its fixed-budget run (learning rate not yet decayed)."]
+    by_pos = dense_read_by_position(rows)
+    if by_pos:
+        lines += ["", "Dense read minus own read by position (the same parameters; rises with position: read out of "
+                  "distribution; the same at every position, the first bucket included: a gain through the pattern):",
+                  "", "| arm | seed | first bucket | middle | last bucket | every bucket |", "|---|---|---|---|---|---|"]
+        for arm, seed, edges, g in by_pos:
+            span = (lambda i: f" ({edges[i]}-{edges[i + 1]})" if len(edges) == len(g) + 1 else "")  # noqa: E731
+            lines.append(f"| {arm} | {seed} | {g[0]:+.3f}{span(0)} | {g[len(g) // 2]:+.3f} | {g[-1]:+.3f}{span(len(g) - 1)} "
+                         f"| {', '.join(f'{x:+.3f}' for x in g)} |")
     if notes:
         lines += ["", "Notes:"] + [f"* {n}" for n in notes]
     return "\n".join(lines) + "\n"

@@ -357,6 +357,9 @@ def test_committed_four_seed_run_reports_what_the_results_say(tmp_path):
     assert "read with dense attention in every layer | mtraining − dense | 1 | -0.1569 |" in md
     assert "read with dense attention in every layer | msa − dense | 1 | -0.006566 |" in md
     assert "msa: held-out loss @ 32768 -9.57 % of dense's at 26,214,400 tokens (one seed: no interval)" in md
+    # the dense read's gap by position: flat for MTraining, rising for MSA (read out of distribution)
+    assert "| mtraining | 3 | -0.000 (0-2048) | +0.006 | +0.007 (30720-32768) |" in md
+    assert "| msa | 0 | +0.006 (0-2048) | +0.125 | +0.297 (30720-32768) |" in md
 
 
 def test_quality_study_runs_in_slices_and_resumes(tmp_path):

@@ -112,6 +112,27 @@ def test_dense_read_is_paired_with_the_dense_arm():
     assert not [x for x in md.splitlines() if "read with dense attention in every layer | msa" in x]
 
 
+def test_dense_read_by_position_separates_out_of_distribution_from_a_pattern_gain():
+    """The dense read's gap per position bucket, per sparse row: a rising gap and a flat one come out as
+    given; rows without a bucketed cross-evaluation (the dense arm, a sparse row without it) are left out."""
+    def row(arm, seed, own, read=None):
+        r = {"arm": arm, "seed": seed, "heldout_loss": float(np.mean(own)), "steps": 2, "tokens": 1024,
+             "corpus_sha": "c", "eval": {"perplexity": {"loss": own, "bucket_edges": [0, 10, 20, 30]}}}
+        if read is not None:
+            r["cross_eval"] = {"eval": {"perplexity": {"loss": read, "mean_loss": float(np.mean(read))}}}
+        return r
+
+    rows = [row("dense", 0, [1.0, 1.0, 1.0]), row("msa", 0, [1.0, 1.0, 1.0], [1.0, 1.1, 1.3]),
+            row("mtraining", 0, [1.0, 0.9, 0.8], [1.2, 1.1, 1.0]), row("mtraining", 1, [1.0, 1.0, 1.0])]
+    got = quality_seeds.dense_read_by_position(rows)
+    assert [(a, s, e) for a, s, e, _ in got] == [("mtraining", 0, [0, 10, 20, 30]), ("msa", 0, [0, 10, 20, 30])]
+    assert np.allclose(got[0][3], [0.2, 0.2, 0.2]) and np.allclose(got[1][3], [0.0, 0.1, 0.3])
+    md = quality_seeds.seed_report_md(rows)
+    assert "| msa | 0 | +0.000 (0-10) | +0.100 | +0.300 (20-30) | +0.000, +0.100, +0.300 |" in md
+    assert "| mtraining | 0 | +0.200 (0-10) | +0.200 | +0.200 (20-30) |" in md
+    assert "Dense read minus own read" not in quality_seeds.seed_report_md(rows[:1] + rows[3:])
+
+
 def test_loss_at_equal_training_time():
     """Each seed's arms are read at its fastest arm's training time: the slower arm's held-out curve
     is interpolated in time, the faster arm's is its final value."""
