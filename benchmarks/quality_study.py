@@ -36,9 +36,10 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   initialisation for contrast); each sparse arm's held-out loss again with dense attention in every
   layer (``eval.cross_eval``, ``--cross-eval``; the index comes from later tokens);
 * **trainer overrides of every arm**: the study's ``train`` list (``optim.lr=3e-4``), then ``--set
-  KEY=VALUE`` (repeatable; a key given again replaces the earlier value; e.g. ``optim.lr=1e-3``, ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a
-  pretrained checkpoint, ``{seed}`` replaced by each seed); what the study sets per arm and seed (run
-  dir, data, seeds, steps) is refused.
+  KEY=VALUE`` (repeatable; a key given again replaces the earlier value; e.g. ``optim.lr=1e-3``,
+  ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a pretrained checkpoint,
+  ``{seed}`` replaced by each seed); what the study sets per arm and seed (run dir, data, seeds,
+  steps) is refused.
 * **copy pretraining** (``pretrain``, ``--pretrain-steps N``; 0 by default): each seed first trains the
   dense arm's model on short windows of random bytes with spans copied to later places
   (:mod:`benchmarks.quality_pretrain`), and every arm of that seed starts from those weights (rows:
