@@ -67,15 +67,15 @@ def paired_interval(diffs, confidence: float = 0.95) -> dict:
     return out
 
 
-def verdict(iv: dict) -> str:
+def verdict(iv: dict, base: str = "dense") -> str:
     if iv["n"] == 0:
         return "no paired seeds"
     if iv["lo"] is None:
         return "one seed: no interval, no difference established"
     if iv["lo"] > 0:
-        return "higher than dense (interval excludes 0)"
+        return f"higher than {base} (interval excludes 0)"
     if iv["hi"] < 0:
-        return "lower than dense (interval excludes 0)"
+        return f"lower than {base} (interval excludes 0)"
     return "no difference established (interval includes 0)"
 
 
@@ -93,6 +93,24 @@ def read_rows(paths) -> list:
                     if "arm" in r:
                         rows.append(r)
     return rows
+
+
+def select_runs(rows, spec: str) -> list:
+    """The rows of the runs named in ``spec``: comma-separated ``RUN`` (every arm of that ``run`` tag) or
+    ``RUN:ARM[+ARM]`` (only those arms, e.g. a run that also holds an arm trained with a setting since
+    replaced). Raises ``ValueError`` naming an unknown arm or a run no row carries."""
+    keep = {}
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        run, _, arms = item.partition(":")
+        names = set(arms.split("+")) if arms else set(VARIANTS)
+        bad = sorted(names - set(VARIANTS))
+        if bad:
+            raise ValueError(f"--runs {item!r}: unknown arm(s) {bad}; arms are {list(VARIANTS)}")
+        keep.setdefault(run, set()).update(names)
+    missing = sorted(set(keep) - {r.get("run") for r in rows})
+    if missing:
+        raise ValueError(f"--runs: no row carries run tag(s) {missing}")
+    return [r for r in rows if r.get("arm") in keep.get(r.get("run"), ())]
 
 
 def _value_at_time(curve, times, T):
@@ -250,6 +268,29 @@ def relative_lines(vals, arms, S, tokens) -> list:
     return out
 
 
+def sparse_pair_lines(vals, arms, S) -> list:
+    """Markdown rows pairing the sparse arms with each other (``b − a`` for ``a`` before ``b`` in
+    :data:`VARIANTS`): held-out loss, absolute and relative to ``a``, over the seeds both have; [] when
+    fewer than two sparse arms share a seed."""
+    sparse = [a for a in arms if a != "dense"]
+    out = []
+    for i, a in enumerate(sparse):
+        for b in sparse[i + 1:]:
+            iv = paired_differences(vals, b, "heldout_loss", base=a)
+            if not iv["n"]:
+                continue
+            rel = relative_difference(vals, b, base=a)
+            for what, x, f in (("", iv, "+.4g"), (f" relative to {a} (%)", rel, "+.2f")):
+                ci = f"[{x['lo']:{f}}, {x['hi']:{f}}]" if x["lo"] is not None else "—"
+                per = ", ".join(f"s{s}: {d:{f}}" for s, d in zip(x["seeds"], x["diffs"]))
+                out.append(f"| held-out loss @ {S}, evaluator{what} | {b} − {a} | {x['n']} | {x['mean']:{f}} | {ci} "
+                           f"| {per} | {verdict(x, a)} |")
+    if out:
+        out = ["", "The sparse arms paired with each other (per seed, same data and order), 95 % t-interval:", "",
+               "| metric | pair | n | mean | 95 % interval | per seed | verdict |", "|---|---|---|---|---|---|---|"] + out
+    return out
+
+
 def seed_report_md(rows, protocol: dict | None = None) -> str:
     """Markdown of the multi-seed comparison of ``rows``."""
     vals, notes = seed_values(rows)
@@ -295,6 +336,7 @@ def seed_report_md(rows, protocol: dict | None = None) -> str:
             per = ", ".join(f"s{s}: {d:+.4g}" for s, d in zip(iv["seeds"], iv["diffs"]))
             lines.append(f"| {what.format(S=S)} | {a} − dense | {iv['n']} | {iv['mean']:+.4g} | {ci} | {per} "
                          f"| {verdict(iv)} |")
+    lines += sparse_pair_lines(vals, arms, S)
     rel = relative_lines(vals, arms, S, ", ".join(f"{b:,}" for b in budget) or "—")
     if rel:
         lines += ["", "Held-out loss (evaluator) relative to dense, per seed (arm − dense) / dense, mean and 95 % "

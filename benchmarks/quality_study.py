@@ -109,7 +109,7 @@ from benchmarks.quality_protocol import (DENSE_READ_BACKENDS, load_study, resolv
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import launch_per_seed  # --gpu-per-seed: one process per seed
 from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets  # --cross-eval, --recall-budgets
-from benchmarks.quality_seeds import VARIANTS, read_rows, write_seed_report  # the statistics over seeds
+from benchmarks.quality_seeds import VARIANTS, read_rows, select_runs, write_seed_report  # the statistics over seeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(ROOT, "configs", "quality")
@@ -427,7 +427,8 @@ def main(argv=None) -> int:
                    help="with --report-only: the dense rows of this `run` tag only (e.g. a dense baseline trained "
                         "with other settings, compared with the sparse arms of --runs; the report notes it)")
     p.add_argument("--runs", help="with --report-only: comma-separated `run` tags, only the rows of these runs "
-                   "(e.g. s8-800-steps-4-seeds of results/quality/quality.jsonl)")
+                   "(e.g. s8-800-steps-4-seeds of results/quality/quality.jsonl); RUN:ARM[+ARM] keeps only those "
+                   "arms of a run")
     p.add_argument("--msa-warmup-fraction", type=float, default=MSA_WARMUP_FRACTION,
                    help="msa variant: indexer warm-up (dense attention + full-support KL) as a fraction of the steps")
     p.add_argument("--msa-kl-coef", type=float, help="msa variant: KL coefficient (default: configs/quality/msa.yaml)")
@@ -454,8 +455,11 @@ def main(argv=None) -> int:
     if args.report_only is not None:
         rows = read_rows(args.report_only or [os.path.join(args.out, "quality.jsonl")])
         if args.runs:
-            keep = set(args.runs.split(","))
-            rows = [r for r in rows if r.get("run") in keep]
+            try:
+                rows = select_runs(rows, args.runs)
+            except ValueError as e:
+                print(f"quality_study: {e}", file=sys.stderr)
+                return 1
         if args.baseline_run:
             rows = [r for r in rows if r.get("arm") != "dense" or r.get("run") == args.baseline_run]
         if not rows:

@@ -360,6 +360,22 @@ def test_committed_four_seed_run_reports_what_the_results_say(tmp_path):
     # the dense read's gap by position: flat for MTraining, rising for MSA (read out of distribution)
     assert "| mtraining | 3 | -0.000 (0-2048) | +0.006 | +0.007 (30720-32768) |" in md
     assert "| msa | 0 | +0.006 (0-2048) | +0.125 | +0.297 (30720-32768) |" in md
+    # run s15: MSA with the causal selection, seeds 0-2 at lr 3e-4; s14's block_mean MSA row left out by RUN:ARM
+    assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs",
+                               "s11-dense-lr3e-4-4-seeds,s13-mtraining-lr3e-4-3-seeds,"
+                               "s14-lr3e-4-mtraining-seed3-msa-seed0:mtraining,s15-msa-causal-lr3e-4-3-seeds"]) == 0
+    md = open(tmp_path / "seeds.md").read()
+    assert "Notes:" not in md  # one row per (arm, seed): s14's MSA seed 0 is not read
+    assert "| msa | 0, 1, 2 | 1.2746 ± 0.0066 |" in md
+    assert ("| held-out loss @ 32768, evaluator (nats/byte) | msa − dense | 3 | -0.09612 | [-0.2133, +0.02107] |"
+            in md)
+    assert "-6.93 % of dense's at 26,214,400 tokens, 95 % interval [-14.75 %, +0.89 %] over 3 seeds" in md
+    assert "| held-out loss @ 32768, evaluator | msa − mtraining | 3 | +0.06367 | [+0.04142, +0.08592] |" in md
+    assert "| msa − mtraining | 3 | +5.26 | [+3.30, +7.22] |" in md and "higher than mtraining (interval excludes 0)" in md
+    assert "held-out loss, trainer's eval, at equal training time | msa − dense | 3 | +0.7526 |" in md
+    assert "| msa | 1 | -0.000 (0-2048) | +0.052 | +0.138 (30720-32768) |" in md  # causal: still rising
+    for bad in ("s15-msa-causal-lr3e-4-3-seeds:sparse", "s15-msa-causal-lr3e-4-3-seed"):
+        assert quality_study.main(["--out", str(tmp_path), "--report-only", rows, "--runs", bad]) == 1
 
 
 def test_quality_study_runs_in_slices_and_resumes(tmp_path):

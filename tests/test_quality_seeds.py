@@ -163,3 +163,28 @@ def test_seed_plot_bands(tmp_path):
             for arm in ("dense", "msa") for s in range(3)]
     md = quality_study.write_seed_report(rows, str(tmp_path))
     assert "| msa − dense | 3 |" in md and os.path.getsize(tmp_path / "loss_vs_tokens.png") > 20_000
+
+
+def test_select_runs_keeps_named_runs_and_arms():
+    rows = [{"run": "a", "arm": "dense", "seed": 0}, {"run": "a", "arm": "msa", "seed": 0},
+            {"run": "b", "arm": "msa", "seed": 0}, {"run": "b", "arm": "mtraining", "seed": 0}, {"arm": "dense"}]
+    assert quality_seeds.select_runs(rows, "a") == rows[:2]
+    assert quality_seeds.select_runs(rows, "a:dense,b") == [rows[0]] + rows[2:4]
+    assert quality_seeds.select_runs(rows, "a:dense+msa, b:mtraining") == rows[:2] + [rows[3]]
+    with pytest.raises(ValueError, match="unknown arm.*'sparse'"):
+        quality_seeds.select_runs(rows, "a:sparse")
+    with pytest.raises(ValueError, match=r"run tag\(s\) \['c'\]"):
+        quality_seeds.select_runs(rows, "a,c")
+
+
+def test_sparse_arms_are_paired_with_each_other():
+    def row(arm, seed, loss):
+        return {"arm": arm, "seed": seed, "heldout_loss": loss, "corpus_sha": f"c{seed}", "tokens": 10, "steps": 1}
+    rows = [row("dense", s, 2.0) for s in range(3)] + [row("mtraining", s, 1.0 + 0.1 * s) for s in range(3)]
+    rows += [row("msa", s, 1.2 + 0.1 * s + 0.01 * s * s) for s in range(3)]
+    md = quality_seeds.seed_report_md(rows)
+    assert "The sparse arms paired with each other" in md
+    # msa - mtraining per seed: 0.2, 0.21, 0.24 -> mean 0.2167; relative: 20 %, 19.09 %, 20 %
+    assert "| msa − mtraining | 3 | +0.2167 |" in md and "s0: +0.2, s1: +0.21, s2: +0.24 | higher than mtraining" in md
+    assert "| msa − mtraining | 3 | +19.70 |" in md and "s0: +20.00, s1: +19.09, s2: +20.00" in md
+    assert "paired with each other" not in quality_seeds.seed_report_md([r for r in rows if r["arm"] != "msa"])
