@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
 PRETRAIN_DEFAULTS = {"steps": 0, "seq_len": 256, "batch": 256, "lr": 3.0e-4, "warmup_steps": 50,
                      "windows": 300000, "alphabet": 256}
@@ -88,7 +89,7 @@ def pretrain(spec: dict, seed_dir: str, seed: int, arm_overrides=(), config: str
     key = {"spec": spec, "seed": int(seed), "model_overrides": [o for o in arm_overrides
                                                                  if not o.startswith("model.init_from=")]}
     key_path = os.path.join(work, "pretrain.json")
-    old = json.load(open(key_path)) if os.path.exists(key_path) else None
+    old = json.loads(Path(key_path).read_text()) if os.path.exists(key_path) else None
     if old is not None and old != json.loads(json.dumps(key)):  # other settings: start again, never reuse
         print(f"[pretrain seed {seed}] {work} holds a pretraining with other settings ({old}); training anew",
               flush=True)

@@ -101,6 +101,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from benchmarks.quality_corpus import build_corpus  # the training corpus
 from benchmarks.quality_pretrain import check_pretrain, pretrain  # copy pretraining before the arms
@@ -224,7 +225,7 @@ def _slices(run_dir: str, start: int | None = None) -> list:
     """The first steps of the run's slices (``quality_invocations.json``), with ``start`` appended
     (and written) when given."""
     path = os.path.join(run_dir, "quality_invocations.json")
-    starts = json.load(open(path)) if os.path.exists(path) else []
+    starts = json.loads(Path(path).read_text()) if os.path.exists(path) else []
     if start is not None:
         starts = [s for s in starts if s < start] + [start]
         with open(path, "w") as f:

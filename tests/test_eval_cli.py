@@ -3,6 +3,7 @@ sparse attention on a 1x2 mesh) and a converter-format checkpoint; clear one-lin
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ def test_eval_run_dir_end_to_end(trained, tmp_path, capsys):
     out = str(tmp_path / "ev")
     rc = cli.main([run_dir, "--out", out, "--lengths", "512", "--ppl-windows", "1", "--recall-p", "0.9", *FAST])
     assert rc == 0, capsys.readouterr().err
-    res = json.load(open(os.path.join(out, "results.json")))
+    res = json.loads(Path(out, "results.json").read_text())
     assert res["model"]["backends"] == ["ring", "mtraining"]
     # an untrained model does not know the needles: every answer is wrong
     assert np.array_equal(res["niah"]["accuracy"], [[0.0], [0.0]]) and res["ruler"]["tasks"]["multikey"]["accuracy"] == [0.0]
@@ -62,7 +63,7 @@ def test_eval_converter_checkpoint_and_errors(trained, tmp_path, capsys):
     out = str(tmp_path / "ev")
     base = ["--out", out, "--ppl-windows", "0", "--recall-p", "", *FAST]
     assert cli.main([str(ck), "--lengths", "512", "--mesh", "1x1", *base]) == 0
-    assert json.load(open(os.path.join(out, "results.json")))["niah"]["lengths"] == [512]
+    assert json.loads(Path(out, "results.json").read_text())["niah"]["lengths"] == [512]
     capsys.readouterr()
 
     def err(*argv):

@@ -107,7 +107,7 @@ def test_continue_from_hf_then_back_to_hf_with_equal_logits(tmp_path, hf_dir, to
     out = tmp_path / "hf_out"
     assert convert_main(["ours-to-hf", str(rd), str(out), "--dtype", "float32"]) == 0
     assert "training step 2" in capsys.readouterr().out
-    assert json.load(open(out / "config.json"))["rope_scaling"]["factor"] == 4.0
+    assert json.loads((out / "config.json").read_text())["rope_scaling"]["factor"] == 4.0
     exported = transformers.Qwen2ForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     _, ours = load_model_checkpoint(rd)
     x = np.random.default_rng(1).integers(0, VOCAB, (2, SEQ))
