@@ -1,7 +1,8 @@
 """Statistics of the multi-seed quality study (``benchmarks/quality_study.py``): the rows of a run read
-per (arm, seed), paired differences arm - dense per seed with a two-sided Student-t interval over the
-seeds (no scipy), the loss at equal training time, the markdown comparison (``seeds.md``) and its plot
-(``loss_vs_tokens.png``). Pure functions of the JSONL rows; nothing here trains or evaluates."""
+per (arm, seed) (``select_runs``: of chosen runs and arms), paired differences arm - dense and between
+the sparse arms per seed with a two-sided Student-t interval over the seeds (no scipy), the loss at
+equal training time, the markdown comparison (``seeds.md``) and its plot (``loss_vs_tokens.png``).
+Pure functions of the JSONL rows; nothing here trains or evaluates."""
 
 from __future__ import annotations
 
