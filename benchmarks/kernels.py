@@ -18,7 +18,8 @@ band,slash,spread,vert,mixed --mha-max 0 --dense-max 0 --json out.json``. Family
 model estimates on its own q/k (``benchmarks.model_index``; rows ``<impl>_model_L<layer>``, ``family``
 ``model``, ``model_density`` per model head): add ``--model-ckpt RUN/checkpoints --model-tokens
 train_tokens.npy [--model-layers 1,6,11] [--model-budgets ';last_q=1024,vertical_min=1024']``
-(budgets: what a recall target costs the kernels).
+(budgets: what a recall target costs the kernels), or ``--model-index FILE`` (saved by ``python -m
+benchmarks.model_index``: no checkpoint needed).
 
 TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per head; sparse counts
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
@@ -43,7 +44,7 @@ import numpy as np
 
 from benchmarks._driver import provenance
 from benchmarks._timing import timeit
-from benchmarks.model_index import add_model_args, model_options, model_step_indices
+from benchmarks.model_index import add_model_args, model_entries, model_options
 from pallas_kernels import api
 from pallas_kernels import registry as api_registry
 from pallas_kernels.index_format import full_step_index, row_columns
@@ -71,8 +72,8 @@ def _fwd_bwd(f):
 
 def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("triton", "auto"),
         families=("slash", "vert"), vert_cols=4096, model=None):
-    """The comparison table; ``model``: keywords of :func:`benchmarks.model_index.model_step_indices`
-    (``ckpt``, ``tokens_path``, ``layers`` ...): also the indices a trained model estimates (family ``model``)."""
+    """The comparison table; ``model``: :func:`benchmarks.model_index.model_options` (a checkpoint's or a
+    saved file's indices): also the indices a trained model estimates (family ``model``)."""
     rows = []
     rng = np.random.default_rng(seed)
     for S in seqs:
@@ -117,7 +118,7 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
                 for impl in impls:
                     add(f"{impl}_{name}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
                         q, k, v, pos, pos, idx, impl=impl), family=fam)
-        for layer, bud, idx, den in (model_step_indices(seq_len=S, heads=H, block_size=BS, **model) if model else []):
+        for layer, bud, idx, den in (model_entries(S, H, BS, model) if model else []):
             pairs, tag = sum(_pairs(idx, S)), "".join(f"_{k}{v}" for k, v in bud.items())
             for impl in impls:
                 add(f"{impl}_model_L{layer}{tag}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks.model_index import cycle_heads, model_step_indices, read_tokens
+from benchmarks.model_index import (cycle_heads, load_indices, main, model_entries, model_step_indices,
+                                   model_vs_indices, read_tokens, save_indices)
 from mtraining_jax.eval.checkpoints import load_for_eval
 from mtraining_jax.eval.recall import layer_qk
 from mtraining_jax.model.checkpoint import save_model_checkpoint
@@ -94,7 +95,10 @@ def test_model_flags_of_the_kernel_benchmark():
                                        "--model-budgets", ";last_q=1024,vertical_min=1024"]), ap)
     assert got == dict(ckpt="c", tokens_path="t.npy", layers=[1, 6],
                        budgets=[{}, {"last_q": 1024, "vertical_min": 1024}])
-    for bad in (["--model-ckpt", "c"], ["--model-ckpt", "c", "--model-tokens", "t", "--model-layers", "x"]):
+    assert model_options(ap.parse_args(["--model-index", "m.npz", "--model-layers", "6"]), ap) == dict(
+        index="m.npz", layers=[6])
+    for bad in (["--model-ckpt", "c"], ["--model-ckpt", "c", "--model-tokens", "t", "--model-layers", "x"],
+                ["--model-index", "m.npz", "--model-ckpt", "c", "--model-tokens", "t"]):
         with pytest.raises(SystemExit):
             model_options(ap.parse_args(bad), ap)
 
@@ -109,3 +113,37 @@ def test_an_mtraining_model_gives_its_sparse_layers(tmp_path, model):
     ((layer, budget, step, den),) = model_step_indices(str(tmp_path / "mt"), path, S, HEADS, budgets=[BUDGET])
     assert layer == 1 and budget == BUDGET and step.block_count.shape == (1, HEADS, S // 64)
     assert den.shape == (2,) and (0 < den).all() and (den < 1).all()
+
+
+def test_saved_indices_time_the_same_index_as_the_checkpoint(tmp_path, model, capsys):
+    """An index saved by ``python -m benchmarks.model_index`` gives the kernel benchmark the same StepIndex
+    and density as the checkpoint it came from; a file of another length, block size or kind is refused."""
+    ck, path, _ = model
+    budgets = [BUDGET, dict(BUDGET, slash_max=6)]
+    out = tmp_path / "idx.npz"
+    assert main(["--ckpt", ck, "--tokens", path, "--seq-len", str(S), "--offset", str(S), "--layers", "0,1",
+                 "--budgets", "vertical_max=128,slash_max=3,last_q=64;vertical_max=128,slash_max=6,last_q=64",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("density mean") == 4 and str(out) in printed
+    entries, meta = load_indices(str(out))
+    assert (meta["seq_len"], meta["block_size"], meta["offset"]) == (S, 64, S) and meta["commit"]
+    assert [(e[0], e[1]) for e in entries] == [(0, budgets[0]), (0, budgets[1]), (1, budgets[0]), (1, budgets[1])]
+    want = model_vs_indices(ck, path, S, offset=S, budgets=budgets)
+    for (_, _, a), (_, _, b) in zip(entries, want):
+        chex.assert_trees_all_equal(a, b)
+    from_file = model_entries(S, HEADS, 64, dict(index=str(out), layers=[1]))
+    from_ckpt = model_entries(S, HEADS, 64, dict(ckpt=ck, tokens_path=path, offset=S, layers=[1], budgets=budgets))
+    assert [(e[0], e[1]) for e in from_file] == [(1, budgets[0]), (1, budgets[1])]
+    for (_, _, a, da), (_, _, b, db) in zip(from_file, from_ckpt):
+        chex.assert_trees_all_equal(a, b)
+        np.testing.assert_array_equal(da, db)
+    with pytest.raises(ValueError, match=r"holds indices of S=1024, block 64; the benchmark times S=2048, block 64"):
+        model_entries(2 * S, HEADS, 64, dict(index=str(out)))
+    np.save(tmp_path / "x.npy", np.zeros(3))
+    with pytest.raises(ValueError, match=r"is not a model index file"):
+        load_indices(str(tmp_path / "x.npy"))
+    with pytest.raises(ValueError, match=r"meta\['block_size'\] must be an int"):
+        save_indices(str(tmp_path / "y.npz"), entries, dict(seq_len=S))
+    assert main(["--ckpt", ck, "--tokens", path, "--seq-len", str(S), "--layers", "7", "--out", str(out)]) == 1
+    assert "layers [7] are not layers of the 2-layer model" in capsys.readouterr().err
