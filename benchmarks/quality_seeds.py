@@ -189,6 +189,9 @@ def seed_values(rows) -> tuple:
         key = (r["arm"], r["seed"])
         if key in last:
             notes.append(f"{r['arm']} seed {r['seed']}: several rows, the last one is used")
+        if r.get("eval_error"):  # trained; the evaluator's columns are empty, the trainer's curves are not
+            notes.append(f"{r['arm']} seed {r['seed']}: not evaluated ({r['eval_error']}); only the trainer's "
+                         "columns and curves")
         last[key] = r
     vals = {}
     for (arm, seed), r in last.items():

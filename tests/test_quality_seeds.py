@@ -188,3 +188,22 @@ def test_sparse_arms_are_paired_with_each_other():
     assert "| msa − mtraining | 3 | +0.2167 |" in md and "s0: +0.2, s1: +0.21, s2: +0.24 | higher than mtraining" in md
     assert "| msa − mtraining | 3 | +19.70 |" in md and "s0: +20.00, s1: +19.09, s2: +20.00" in md
     assert "paired with each other" not in quality_seeds.seed_report_md([r for r in rows if r["arm"] != "msa"])
+
+
+def test_a_trained_arm_without_its_evaluation_is_reported_as_such():
+    """Run s16 (committed): the MTraining row has the trainer's curves and no evaluation (eval_error). The
+    report keeps its trainer columns, leaves the evaluator's empty and says why; the one-seed gap is the
+    trainer's final held-out difference the results state (+0.0028)."""
+    rows = quality_seeds.select_runs(quality_seeds.read_rows([os.path.join(os.path.dirname(__file__), "..",
+                                                                          "results", "quality", "quality.jsonl")]),
+                                     "s16-copy-pretrained-seed0")
+    assert sorted(r["arm"] for r in rows) == ["dense", "mtraining"]
+    vals, notes = quality_seeds.seed_values(rows)
+    assert vals[("mtraining", 0)]["heldout_loss"] is None and vals[("dense", 0)]["heldout_loss"] == pytest.approx(1.1369, abs=1e-4)
+    assert vals[("mtraining", 0)]["trainer_heldout_final"] - vals[("dense", 0)]["trainer_heldout_final"] == pytest.approx(
+        0.002845, abs=1e-6)
+    assert notes == ["mtraining seed 0: not evaluated (the device time ran out during the evaluation "
+                     "(the trainer's held-out curve is complete)); only the trainer's columns and curves"]
+    md = quality_seeds.seed_report_md(rows)
+    assert "| mtraining | 0 | — | 1.0610 |" in md and "one seed: no interval, no difference established" in md
+    assert "mtraining seed 0: not evaluated" in md
