@@ -152,6 +152,9 @@ def model_entries(seq_len: int, heads: int, block_size: int, model: dict) -> lis
             raise ValueError(f"{model['index']!r} holds indices of S={meta['seq_len']}, block {meta['block_size']}; "
                              f"the benchmark times S={seq_len}, block {block_size}")
         layers = model.get("layers")
+        missing = sorted(set(layers or []) - {e[0] for e in entries})
+        if missing:
+            raise ValueError(f"{model['index']!r} holds layers {sorted({e[0] for e in entries})}, not {missing}")
         return step_entries([e for e in entries if layers is None or e[0] in layers], seq_len, heads, block_size)
     kw = {k: v for k, v in model.items() if k != "index"}
     return model_step_indices(seq_len=seq_len, heads=heads, block_size=block_size, **kw)
@@ -179,6 +182,8 @@ def model_options(a, ap) -> dict | None:
     index = getattr(a, "model_index", None)
     if index and a.model_ckpt:
         ap.error("--model-index replaces --model-ckpt / --model-tokens: give one or the other")
+    if index and a.model_budgets != [{}]:
+        ap.error("--model-budgets applies to --model-ckpt; a --model-index file holds the budgets it was saved with")
     if not (a.model_ckpt or index):
         return None
     try:

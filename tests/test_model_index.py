@@ -98,7 +98,8 @@ def test_model_flags_of_the_kernel_benchmark():
     assert model_options(ap.parse_args(["--model-index", "m.npz", "--model-layers", "6"]), ap) == dict(
         index="m.npz", layers=[6])
     for bad in (["--model-ckpt", "c"], ["--model-ckpt", "c", "--model-tokens", "t", "--model-layers", "x"],
-                ["--model-index", "m.npz", "--model-ckpt", "c", "--model-tokens", "t"]):
+                ["--model-index", "m.npz", "--model-ckpt", "c", "--model-tokens", "t"],
+                ["--model-index", "m.npz", "--model-budgets", "last_q=64"]):
         with pytest.raises(SystemExit):
             model_options(ap.parse_args(bad), ap)
 
@@ -140,6 +141,8 @@ def test_saved_indices_time_the_same_index_as_the_checkpoint(tmp_path, model, ca
         np.testing.assert_array_equal(da, db)
     with pytest.raises(ValueError, match=r"holds indices of S=1024, block 64; the benchmark times S=2048, block 64"):
         model_entries(2 * S, HEADS, 64, dict(index=str(out)))
+    with pytest.raises(ValueError, match=r"holds layers \[0, 1\], not \[4\]"):
+        model_entries(S, HEADS, 64, dict(index=str(out), layers=[1, 4]))
     np.save(tmp_path / "x.npy", np.zeros(3))
     with pytest.raises(ValueError, match=r"is not a model index file"):
         load_indices(str(tmp_path / "x.npy"))
