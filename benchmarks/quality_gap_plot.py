@@ -5,9 +5,9 @@ differ in protocol (e.g. from scratch vs after copy pretraining), which a seed r
 (``quality_study.py --report-only``) cannot put side by side because it pairs by (arm, seed).
 
     python benchmarks/quality_gap_plot.py \\
-      --pair "from scratch=s11-dense-lr3e-4-4-seeds+s13-mtraining-lr3e-4-3-seeds:mtraining-dense" \\
+      --pair "from scratch=s11-dense-lr3e-4-4-seeds+s13-mtraining-lr3e-4-3-seeds+s14-lr3e-4-mtraining-seed3-msa-seed0:mtraining-dense" \\
       --pair "copy-pretrained=s16-copy-pretrained-seed0:mtraining-dense" \\
-      --seeds 0 --out results/quality/quality_s16_gap.png
+      --out results/quality/quality_s16_gap.png
 
 Left: both arms' held-out curves per pair and seed. Right: arm − base per step (the steps both have).
 """
@@ -68,11 +68,12 @@ def plot(pairs, path: str) -> str:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (label, arm, base, g) in enumerate(pairs):
-        for s, (c, b, d) in g.items():
-            col = f"C{i}"
-            ax.plot(*zip(*c), "-", color=col, lw=1.2, label=f"{label}: {arm} (seed {s})")
-            ax.plot(*zip(*b), "--", color=col, lw=1.0, label=f"{label}: {base} (seed {s})")
-            bx.plot(*zip(*d), "o-", color=col, ms=2, lw=1.0, label=f"{label}, seed {s}")
+        seeds = ("seeds " if len(g) > 1 else "seed ") + ", ".join(map(str, g))
+        for j, (s, (c, b, d)) in enumerate(g.items()):  # one colour per pair; the legend names its seeds once
+            col, first = f"C{i}", j == 0
+            ax.plot(*zip(*c), "-", color=col, lw=1.2, alpha=0.8, label=f"{label}: {arm} ({seeds})" if first else None)
+            ax.plot(*zip(*b), "--", color=col, lw=1.0, alpha=0.8, label=f"{label}: {base}" if first else None)
+            bx.plot(*zip(*d), "o-", color=col, ms=2, lw=1.0, alpha=0.8, label=f"{label}, {seeds}" if first else None)
     bx.axhline(0, color="grey", lw=0.8)
     ax.set_ylabel("held-out loss, trainer's eval (nats/byte)")
     bx.set_ylabel(f"{pairs[0][1]} − {pairs[0][2]}" if len({(p[1], p[2]) for p in pairs}) == 1 else "arm − base")

@@ -40,7 +40,10 @@ def test_bad_pair_specs_are_refused_naming_them(spec, msg):
 def test_committed_rows_give_the_gaps_the_results_state(tmp_path, capsys):
     """results/quality/quality.md (eighth session): seed 0 at step 800, trainer's held-out eval."""
     rows = read_rows([ROWS])
-    scratch = gaps(rows, ["s11-dense-lr3e-4-4-seeds", "s13-mtraining-lr3e-4-3-seeds"], "mtraining", "dense", {0})
+    scratch = gaps(rows, ["s11-dense-lr3e-4-4-seeds", "s13-mtraining-lr3e-4-3-seeds",
+                          "s14-lr3e-4-mtraining-seed3-msa-seed0"], "mtraining", "dense")
+    assert list(scratch) == [0, 1, 2, 3]  # s14's MSA row is not an arm of this pair
+    assert [round(scratch[s][2][-1][1], 4) for s in (1, 2, 3)] == [-0.1443, -0.1092, -0.1672]
     copy = gaps(rows, ["s16-copy-pretrained-seed0"], "mtraining", "dense")
     assert list(copy) == [0] and copy[0][2][-1][0] == 800
     assert copy[0][2][-1][1] == pytest.approx(0.0028, abs=5e-5)
