@@ -15,6 +15,11 @@ Per pairing of the CTA's two (head, query block) rows:
 (column tiles are per row in every pairing).
 
     python -m benchmarks.consumer_pairing --seq 131072 --densities 0.02,0.05 --json pairing.jsonl
+
+``--model-index FILE`` (saved by ``python -m benchmarks.model_index``): the same for the indices a
+trained model estimated (family ``model_L<layer>[_budget]``, heads repeated to ``--heads`` as
+``benchmarks/kernels.py`` times them; ``density``: the file's mean over the model's heads), e.g. to
+see which stream ``stream="auto"`` would take on a real model's index.
 """
 
 from __future__ import annotations
@@ -63,6 +68,22 @@ def measure(seq: int, densities, families=INDEX_FAMILIES, heads: int = 16, seed:
     return rows
 
 
+def measure_model(path: str, heads: int = 16, layers=None):
+    """The rows of :func:`measure` for every ``(layer, budget)`` index of the saved file ``path``."""
+    from benchmarks.model_index import load_indices, model_entries
+
+    meta = load_indices(path)[1]
+    rows = []
+    for layer, bud, idx, den in model_entries(meta["seq_len"], heads, meta["block_size"],
+                                              dict(index=path, layers=layers)):
+        fam = f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items())
+        sets = row_sets(idx)
+        for pairing in PAIRINGS:
+            rows.append({"table": "consumer_pairing", "family": fam, "S": meta["seq_len"], "density": float(den.mean()),
+                         "heads": heads, "pairing": pairing, "model_index": path, **pairing_stats(sets, pairing)})
+    return rows
+
+
 def table(rows) -> str:
     out = ["| family | density | stream / work: blocks / heads | paired work: blocks / heads / separate |",
            "|---|---|---|---|"]
@@ -82,10 +103,20 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--densities", default="0.02,0.05")
     p.add_argument("--families", default=",".join(INDEX_FAMILIES))
+    p.add_argument("--model-index", help="instead of the synthetic families: a saved model index file "
+                   "(python -m benchmarks.model_index --out)")
+    p.add_argument("--heads", type=int, default=16, help="query heads (a model index's heads are repeated to this)")
     p.add_argument("--json", help="append the rows (JSONL) to this file")
     a = p.parse_args(argv)
     prov = provenance(argv)
-    rows = measure(a.seq, [float(x) for x in a.densities.split(",")], a.families.split(","))
+    if a.model_index:
+        try:
+            rows = measure_model(a.model_index, a.heads)
+        except ValueError as e:
+            print(f"consumer_pairing: {e}", file=sys.stderr)
+            return 1
+    else:
+        rows = measure(a.seq, [float(x) for x in a.densities.split(",")], a.families.split(","), heads=a.heads)
     print(table(rows))
     append_rows(a.json, rows, prov)
     return 0

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from benchmarks.consumer_pairing import measure, pairing_stats, table
+from benchmarks.consumer_pairing import main, measure, measure_model, pairing_stats, table
 
 
 def test_pairing_stats_on_known_rows():
@@ -23,3 +23,36 @@ def test_a_band_shares_almost_everything_and_spread_diagonals_do_not():
     assert by["spread", "blocks"]["paired_work"] < 0.5
     assert by["spread", "separate"]["paired_work"] > 0.9
     assert "| spread | 10% |" in table(rows)
+
+
+def test_a_saved_model_index_is_measured_like_a_family(tmp_path, capsys):
+    """--model-index: the pairing of a saved index (here a hand-made band: slashes 0-3 of every head, no
+    verticals) equals the synthetic analysis of the same StepIndex; a file that is not one is refused."""
+    import jax.numpy as jnp
+
+    from benchmarks.model_index import save_indices
+    from mtraining_jax.sparsity.index import VerticalSlashIndex
+
+    S, H = 2048, 2
+    vs = VerticalSlashIndex(v_idx=jnp.full((1, H, 4), S, jnp.int32), v_count=jnp.zeros((1, H), jnp.int32),
+                            s_idx=jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (1, H, 4)),
+                            s_count=jnp.full((1, H), 4, jnp.int32))
+    path = str(tmp_path / "band.npz")
+    save_indices(path, [(3, {}, vs), (3, {"slash_max": 4}, vs)], dict(seq_len=S, block_size=64))
+    rows = measure_model(path, heads=4)
+    assert [(r["family"], r["pairing"]) for r in rows[:3]] == [("model_L3", p) for p in ("blocks", "heads", "separate")]
+    assert rows[3]["family"] == "model_L3_slash_max4"
+    by = {r["pairing"]: r for r in rows[:3]}
+    # a band of 4 diagonals: query block i lists blocks i-3..i; rows 2p, 2p+1 share 3 of their tiles
+    nqb = S // 64
+    work = sum(min(i + 1, 4) for i in range(nqb))
+    union = sum(len(set(range(max(0, 2 * p - 3), 2 * p + 1)) | set(range(max(0, 2 * p - 2), 2 * p + 2)))
+                for p in range(nqb // 2))
+    assert np.isclose(by["blocks"]["stream_per_work"], union / work)
+    assert np.isclose(by["heads"]["stream_per_work"], 0.5)  # repeated heads list the same tiles
+    pairs = nqb * 64 * 65 // 2 + sum((nqb - d) * 64 * 64 for d in (1, 2, 3))  # diagonal 0 is causal inside
+    assert np.isclose(rows[0]["density"], pairs / (S * (S + 1) / 2))
+    assert main(["--model-index", path, "--heads", "4"]) == 0 and "| model_L3 |" in capsys.readouterr().out
+    np.save(tmp_path / "x.npy", np.zeros(2))
+    assert main(["--model-index", str(tmp_path / "x.npy")]) == 1
+    assert "is not a model index file" in capsys.readouterr().err
