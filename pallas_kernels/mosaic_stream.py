@@ -40,23 +40,31 @@ def stream_walk(bnd_ref, cnt_ref, b, h, pair, bs: int, halves: int = 1):
     n_union, total, rows)`` with ``bounds`` the 9 segment starts of the union's block tiles,
     ``n_union`` their number of steps, ``total`` the stream length in steps (block steps, then the
     column steps of the longer column prefix) and ``rows[w] = (query block, col_count,
-    n_col_steps, n_free_col_steps)``; a step is ``halves`` tiles of 64 keys."""
+    n_col_steps, n_free_col_steps, n_free_blocks, n_blocks)``; a step is ``halves`` tiles of 64 keys."""
     bounds = [bnd_ref[b, h, pair, s] for s in range(len(STREAM_SEGMENTS) + 1)]
     rows = []
     for w in range(2):
         i = 2 * pair + w
         ncol = cnt_ref[b, h, i, 2]
         span = jnp.int32(bs * halves)
-        rows.append((i, ncol, lax.div(ncol + span - 1, span), lax.div(cnt_ref[b, h, i, 3], jnp.int32(halves))))
+        rows.append((i, ncol, lax.div(ncol + span - 1, span), lax.div(cnt_ref[b, h, i, 3], jnp.int32(halves)),
+                     cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1]))
     n_union = bounds[-1]
     return bounds, n_union, n_union + jnp.maximum(rows[0][2], rows[1][2]), rows
 
 
-def stream_segments(w, bounds, n_union, row):
+def stream_segments(w, bounds, n_union, row, split: bool = False):
     """Consumer ``w``'s walk of the stream as ``(lo, hi, kind, col)`` loops in stream order; ``kind``
     0 free, 1 masked, 2 skipped (not in its row's walk); ``col``: a column tile (threshold
     ``1 - col_count``, else ``col_count``). A segment whose class differs between the consumers is
-    two loops, one of them empty for each consumer."""
+    two loops, one of them empty for each consumer. ``split``
+    (:func:`~pallas_kernels.mosaic_index.split_stream`): block step ``t``'s own half is the row's
+    ``t``-th tile, so the consumer's block steps are three loops from its own counts (free, masked,
+    past its list) instead of one or two per segment: the same classes in 5 loops instead of 16."""
+    if split:
+        _, _, nct, ncf, n_free, n_blk = row
+        return [(0, n_free, 0, False), (n_free, n_blk, 1, False), (n_blk, n_union, 2, False),
+                (n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
     loops = []
     for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
         lo, hi = bounds[s], bounds[s + 1]
@@ -65,13 +73,13 @@ def stream_segments(w, bounds, n_union, row):
             continue
         for kind, owner in ((c0, 0), (c1, 1)):
             loops.append((lo, jnp.where(w == owner, hi, lo), kind, False))
-    _, _, nct, ncf = row
+    nct, ncf = row[2], row[3]
     loops += [(n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
     return loops
 
 
 #: how a consumer walks the stream: ``"loops"``, one loop per segment of :func:`stream_segments` (each
-#: its own copy of the step body: up to 17 in the forward); ``"switch"``, one loop whose body picks the
+#: its own copy of the step body: 17 on the shared stream, 6 on the split one); ``"switch"``, one loop whose body picks the
 #: free / masked / skip step per tile (:func:`step_kind`): one copy of each body, a smaller program
 WALKS = ("loops", "switch")
 
@@ -103,7 +111,7 @@ def step_kind(t, w, bounds, n_union, row):
     for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
         c = c0 if c0 == c1 else jnp.where(w == 0, c0, c1)
         kind = jnp.where((t >= bounds[s]) & (t < bounds[s + 1]), c, kind)
-    _, _, nct, ncf = row
+    nct, ncf = row[2], row[3]
     u = t - n_union
     col = t >= n_union
     return jnp.where(col, jnp.where(u < ncf, 0, jnp.where(u < nct, 1, 2)), kind).astype(jnp.int32), col
@@ -131,7 +139,7 @@ def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "
             return lax.switch(kind, bodies, carry)
 
         return lax.fori_loop(0, total, step, carry)
-    for lo, hi, kind, col in stream_segments(w, bounds, n_union, row):
+    for lo, hi, kind, col in stream_segments(w, bounds, n_union, row, split):
         if kind == 2:
             body = skip
         else:
@@ -143,7 +151,8 @@ def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "
 
 
 def consumer_row(w, rows_w):
-    """Consumer ``w``'s ``(query block, col_count, n_col_steps, n_free_col_steps)``."""
+    """Consumer ``w``'s row of :func:`stream_walk` (``(query block, col_count, n_col_steps,
+    n_free_col_steps, n_free_blocks, n_blocks)``)."""
     return tuple(jnp.where(w == 0, a, c) for a, c in zip(rows_w[0], rows_w[1]))
 
 

@@ -105,7 +105,8 @@ def test_stream_walk_equals_masked_reference(halves, stream, B, S, Sk, H, Hkv, p
         for w in range(2):
             row = _consumer_row(w, rows_w)
             i, ncol = int(row[0]), int(row[1])
-            loops = [(int(lo), int(hi), kind, col) for lo, hi, kind, col in _stream_segments(w, bounds, n_union, row)]
+            loops = [(int(lo), int(hi), kind, col)
+                     for lo, hi, kind, col in _stream_segments(w, bounds, n_union, row, stream == "split")]
             loops.append((n_union + int(row[2]), total, 2, True))
             seen = sorted(t for lo, hi, _, _ in loops for t in range(lo, hi))
             assert seen == list(range(total))  # every step once, in some loop
@@ -395,10 +396,16 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
         for walk in ("loops", "switch"):
             f = jax.jit(lambda q, k, v, idx, walk=walk: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, walk=walk,
                                                                   stream="split"))
-            assert "mosaic_fwd" in f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()
+            tf = f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()
             g = jax.jit(lambda q, k, v, idx, do, lse, delta, walk=walk: mosaic_dq(
                 q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, walk=walk, stream="split", kv_step=128))
-            assert "mosaic_dq" in g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+            tg = g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_fwd" in tf and "mosaic_dq" in tg
+            if walk == "loops":  # its own counts' three block loops, not the shared stream's segment loops
+                g = jax.jit(lambda q, k, v, idx, do, lse, delta: mosaic_dq(
+                    q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, stream="shared", walk="loops", kv_step=128))
+                shared_dq = len(g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text())
+                assert len(tf) < 0.5 * sizes["loops"][0] and len(tg) < 0.5 * shared_dq, (len(tf), len(tg), sizes, shared_dq)
         with pytest.raises(ValueError, match="stream='split' needs kv_step=128"):
             mosaic_dq(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="split")
         with pytest.raises(ValueError, match="stream must be one of"):
