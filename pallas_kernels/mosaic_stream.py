@@ -53,33 +53,78 @@ def stream_walk(bnd_ref, cnt_ref, b, h, pair, bs: int, halves: int = 1):
     return bounds, n_union, n_union + jnp.maximum(rows[0][2], rows[1][2]), rows
 
 
+def _runs(kinds) -> list:
+    """``[(kind, first, last)]``: the runs of equal ``kinds`` (a consumer's class per segment)."""
+    runs = []
+    for s, c in enumerate(kinds):
+        if runs and runs[-1][0] == c:
+            runs[-1] = (c, runs[-1][1], s)
+        else:
+            runs.append((c, s, s))
+    return runs
+
+
+def _shared_plan() -> tuple:
+    """The shared stream's block loops for both consumers (static): ``((kind, run of consumer 0 or
+    None, run of consumer 1 or None), ...)``, a shortest common supersequence of the two consumers'
+    runs of equal class over :data:`STREAM_SEGMENTS` (consecutive segments of one class are one
+    loop): 7 loops where one per segment and consumer took 14."""
+    a, b = (_runs([seg[w] for seg in STREAM_SEGMENTS]) for w in (0, 1))
+    n, m = len(a), len(b)
+    L = [[0] * (m + 1) for _ in range(n + 1)]  # L[i][j]: shortest supersequence of a[i:], b[j:]
+    for i in range(n, -1, -1):
+        for j in range(m, -1, -1):
+            if i == n or j == m:
+                L[i][j] = (n - i) + (m - j)
+            elif a[i][0] == b[j][0]:
+                L[i][j] = 1 + L[i + 1][j + 1]
+            else:
+                L[i][j] = 1 + min(L[i + 1][j], L[i][j + 1])
+    plan, i, j = [], 0, 0
+    while i < n or j < m:
+        if i < n and j < m and a[i][0] == b[j][0]:
+            plan.append((a[i][0], a[i], b[j]))
+            i, j = i + 1, j + 1
+        elif j == m or (i < n and L[i + 1][j] <= L[i][j + 1]):
+            plan.append((a[i][0], a[i], None))
+            i += 1
+        else:
+            plan.append((b[j][0], None, b[j]))
+            j += 1
+    return tuple(plan)
+
+
+SHARED_PLAN = _shared_plan()
+
+
 def stream_segments(w, bounds, n_union, row, split: bool = False):
     """Consumer ``w``'s walk of the stream as ``(lo, hi, kind, col)`` loops in stream order; ``kind``
     0 free, 1 masked, 2 skipped (not in its row's walk); ``col``: a column tile (threshold
-    ``1 - col_count``, else ``col_count``). A segment whose class differs between the consumers is
-    two loops, one of them empty for each consumer. ``split``
+    ``1 - col_count``, else ``col_count``). The shared stream's block steps: the loops of
+    :data:`SHARED_PLAN`, each a run of segments of one class for a consumer (empty for a consumer
+    whose walk has no run there). ``split``
     (:func:`~pallas_kernels.mosaic_index.split_stream`): block step ``t``'s own half is the row's
     ``t``-th tile, so the consumer's block steps are three loops from its own counts (free, masked,
-    past its list) instead of one or two per segment: the same classes in 5 loops instead of 16."""
+    past its list): 5 loops with the column ones (shared stream: 9)."""
     if split:
         _, _, nct, ncf, n_free, n_blk = row
         return [(0, n_free, 0, False), (n_free, n_blk, 1, False), (n_blk, n_union, 2, False),
                 (n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
     loops = []
-    for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
-        lo, hi = bounds[s], bounds[s + 1]
-        if c0 == c1:
-            loops.append((lo, hi, c0, False))
-            continue
-        for kind, owner in ((c0, 0), (c1, 1)):
-            loops.append((lo, jnp.where(w == owner, hi, lo), kind, False))
+    for kind, r0, r1 in SHARED_PLAN:
+        lo0, hi0 = (bounds[r0[1]], bounds[r0[2] + 1]) if r0 else (0, 0)
+        lo1, hi1 = (bounds[r1[1]], bounds[r1[2] + 1]) if r1 else (0, 0)
+        if r0 == r1:  # the same segments for both consumers
+            loops.append((lo0, hi0, kind, False))
+        else:
+            loops.append((jnp.where(w == 0, lo0, lo1), jnp.where(w == 0, hi0, hi1), kind, False))
     nct, ncf = row[2], row[3]
     loops += [(n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
     return loops
 
 
 #: how a consumer walks the stream: ``"loops"``, one loop per segment of :func:`stream_segments` (each
-#: its own copy of the step body: 17 on the shared stream, 6 on the split one); ``"switch"``, one loop whose body picks the
+#: its own copy of the step body: 10 on the shared stream, 6 on the split one); ``"switch"``, one loop whose body picks the
 #: free / masked / skip step per tile (:func:`step_kind`): one copy of each body, a smaller program
 WALKS = ("loops", "switch")
 

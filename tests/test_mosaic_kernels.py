@@ -63,6 +63,23 @@ def test_prepared_tile_walk_equals_masked_reference(B, S, Sk, H, Hkv, permuted, 
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=2e-5)
 
 
+def test_shared_plan_walks_every_segment_once_per_consumer_in_order():
+    """``SHARED_PLAN``: for each consumer, its loops (the plan's entries it has) are its runs of equal
+    class over ``STREAM_SEGMENTS``, in stream order, covering every segment once with its class; the
+    plan is as short as the longer consumer's run list allows (7: consumer 1 alternates)."""
+    from pallas_kernels.mosaic_index import STREAM_SEGMENTS
+    from pallas_kernels.mosaic_stream import SHARED_PLAN
+
+    assert len(SHARED_PLAN) == 7
+    for w in (0, 1):
+        runs = [p[1 + w] for p in SHARED_PLAN if p[1 + w] is not None]
+        assert all(p[0] == p[1 + w][0] for p in SHARED_PLAN if p[1 + w] is not None)
+        segs = [s for _, first, last in runs for s in range(first, last + 1)]
+        assert segs == list(range(len(STREAM_SEGMENTS)))
+        assert all(STREAM_SEGMENTS[s][w] == kind for kind, first, last in runs for s in range(first, last + 1))
+        assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))  # maximal runs
+
+
 @pytest.mark.parametrize("halves, stream", [(1, "shared"), (2, "shared"), (2, "split")])
 @pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb, mc, documents", [
     (1, 256, 256, 2, 2, False, 3, 70, False),    # ragged column tail, odd groups (NULL halves)
@@ -392,6 +409,8 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             sizes[walk] = [len(f.trace(q, k, k, idx).lower(lowering_platforms=("cuda",)).as_text()),
                            len(g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text())]
         assert all(a < 0.6 * b for a, b in zip(sizes["switch"], sizes["loops"])), sizes
+        # the segment loops merged per consumer (mosaic_stream.SHARED_PLAN: 7 block loops, not 14)
+        assert all(b < 2.6 * a for a, b in zip(sizes["switch"], sizes["loops"])), sizes
         # separate streams (each consumer its own half of every block step), with either walk
         for walk in ("loops", "switch"):
             f = jax.jit(lambda q, k, v, idx, walk=walk: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, walk=walk,
@@ -405,7 +424,7 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
                 g = jax.jit(lambda q, k, v, idx, do, lse, delta: mosaic_dq(
                     q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, stream="shared", walk="loops", kv_step=128))
                 shared_dq = len(g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text())
-                assert len(tf) < 0.5 * sizes["loops"][0] and len(tg) < 0.5 * shared_dq, (len(tf), len(tg), sizes, shared_dq)
+                assert len(tf) < 0.6 * sizes["loops"][0] and len(tg) < 0.6 * shared_dq, (len(tf), len(tg), sizes, shared_dq)
         with pytest.raises(ValueError, match="stream='split' needs kv_step=128"):
             mosaic_dq(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="split")
         with pytest.raises(ValueError, match="stream must be one of"):
