@@ -468,3 +468,16 @@ def test_auto_stream_choice_per_family(family, split):
         share = float(stream_per_work(ops, pair_stream(ops, halves), halves))
         assert 0.5 <= share <= 1.0 and (share > SPLIT_ABOVE) == split, (family, halves, share)
         assert bool(prefer_split(ops, pair_stream(ops, halves), halves)) == split
+
+
+def test_kernel_lowering_benchmark_reports_every_case():
+    """benchmarks/kernel_lowering.py: one row per case with both kernels' lowered sizes; the defaults
+    (stream "auto") hold both streams' kernels, so they are larger than any one stream's."""
+    from benchmarks.kernel_lowering import CASES, sizes
+
+    rows = sizes()
+    assert [r["case"] for r in rows] == [c[0] for c in CASES]
+    by = {r["case"]: r for r in rows}
+    for key in ("fwd_chars", "dq_chars"):
+        assert by["defaults"][key] > max(by[c][key] for c in ("split, loops", "shared, switch"))
+        assert by["shared, switch"][key] < by["shared, loops"][key]
