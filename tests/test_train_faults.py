@@ -270,3 +270,59 @@ def test_eval_out_must_be_a_folder(tmp_path, capsys):
     assert main([str(tmp_path), "--out", str(f / "sub")]) == 2
     assert capsys.readouterr().err == f"mtraining-eval: error: --out {str(f / 'sub')!r} cannot be created: {str(f)!r} is a file, not a directory\n"
     assert "130  interrupted (Ctrl-C)" in build_parser().format_help()
+
+
+def test_abandoned_orbax_reads_are_not_reported(monkeypatch):
+    """A failed Orbax restore abandons its other per-array reads; finalized later by the garbage
+    collector, each would print "Exception ignored in: <coroutine ... _read_array_index_and_device_put>"
+    with a TensorStore traceback in the middle of the resumed run. ``quiet_abandoned_reads`` (called by
+    ``restore_newest`` after a skipped checkpoint) drops those reports from then on; every other
+    unraisable exception still reaches the hook that was installed."""
+    import gc
+    import sys
+
+    from mtraining_jax.train.checkpoint import quiet_abandoned_reads
+
+    class _Suspend:
+        def __await__(self):
+            yield
+
+    async def _read_array_index_and_device_put():  # the shape of Orbax's: an error raised on close
+        try:
+            await _Suspend()
+        except BaseException as e:
+            raise Exception("Encountered error while reading array index") from e
+
+    async def other_reader():
+        try:
+            await _Suspend()
+        except BaseException as e:
+            raise Exception("someone else's error") from e
+
+    def abandon(coro_fn):
+        c = coro_fn()
+        c.send(None)  # suspended at the await, as a failed restore leaves them
+        box = [c]
+        box.append(box)  # only the cyclic collector frees it
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(repr(u.object)))  # restored after the test
+    mine = lambda: [x for x in seen if "<locals>" in x]  # noqa: E731  (not other tests' leftovers)
+    abandon(_read_array_index_and_device_put)
+    gc.collect()
+    assert len(mine()) == 1 and "_read_array_index_and_device_put" in mine()[0]  # the report, before
+    quiet_abandoned_reads()
+    quiet_abandoned_reads()  # installed once
+    assert sys.unraisablehook.previous is not None and not hasattr(sys.unraisablehook.previous, "previous")
+    abandon(_read_array_index_and_device_put)
+    abandon(other_reader)
+    gc.collect()
+    assert len(mine()) == 2 and "other_reader" in mine()[1], mine()
+    import types
+
+    report = dict(exc_traceback=None, err_msg=None, object=None)
+    sys.unraisablehook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=RuntimeError("Event loop is closed"),
+                                             **report))
+    sys.unraisablehook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=RuntimeError("<locals> other"),
+                                             **dict(report, object="<locals> other")))
+    assert len(mine()) == 3 and mine()[2] == "'<locals> other'"  # a late callback's report dropped, others not

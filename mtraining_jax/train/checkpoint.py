@@ -39,6 +39,42 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 240 else text[:237] + "..."
 
 
+#: Orbax's per-array read coroutine: a failed restore abandons the ones still running or suspended
+_ORBAX_READ = "_read_array_index_and_device_put"
+
+
+class _DropAbandonedReads:
+    """``sys.unraisablehook`` that drops the reports of abandoned Orbax reads and passes on the rest."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable):
+        read = _ORBAX_READ in repr(getattr(unraisable, "object", None))
+        late = (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed")
+        if not (read or late):  # late: an abandoned read's callback scheduled on the restore's closed loop
+            self.previous(unraisable)
+
+
+def quiet_abandoned_reads() -> None:
+    """After a failed restore: no ``Exception ignored in: <coroutine ... _read_array_index_and_device_put>``
+    (nor ``RuntimeError: Event loop is closed``) reports with tracebacks from then on.
+
+    Orbax reads the arrays of a checkpoint concurrently; when one read fails, the others are
+    abandoned, and each is reported with a traceback whenever the garbage collector finalizes it
+    (at random points of the run that follows, or at exit), for a failure
+    :meth:`Checkpointer.restore_newest` already named in one line; their callbacks that complete after
+    the restore's event loop closed are reported as well. This wraps the installed
+    ``sys.unraisablehook`` (once) so that those reports are dropped and every other unraisable
+    exception reaches it as before, then collects the reads that are already unreachable."""
+    import gc
+    import sys
+
+    if not isinstance(sys.unraisablehook, _DropAbandonedReads):
+        sys.unraisablehook = _DropAbandonedReads(sys.unraisablehook)
+    gc.collect()
+
+
 class Checkpointer:
     """Save/restore training checkpoints (see module docstring)."""
 
@@ -108,11 +144,16 @@ class Checkpointer:
         skipped = []
         for step in reversed(steps):
             try:
-                return step, self.restore(step, target), skipped
+                got = self.restore(step, target)
             except ParamShapeError:
                 raise
             except Exception as e:  # noqa: BLE001  (TensorStore, JSON and OS errors alike)
                 skipped.append((step, _reason(e)))
+                continue
+            if skipped:  # outside the handlers: their exceptions no longer hold the failed reads
+                quiet_abandoned_reads()
+            return step, got, skipped
+        quiet_abandoned_reads()
         raise NoRestorableCheckpoint(
             f"no checkpoint in {self.directory} restores (" + "; ".join(f"step {s}: {r}" for s, r in skipped)
             + "); start again with --overwrite, or restore the folder from a backup")
