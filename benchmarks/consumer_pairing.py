@@ -68,14 +68,13 @@ def measure(seq: int, densities, families=INDEX_FAMILIES, heads: int = 16, seed:
     return rows
 
 
-def measure_model(path: str, heads: int = 16, layers=None):
+def measure_model(path: str, heads: int = 16):
     """The rows of :func:`measure` for every ``(layer, budget)`` index of the saved file ``path``."""
-    from benchmarks.model_index import load_indices, model_entries
+    from benchmarks.model_index import load_indices, step_entries
 
-    meta = load_indices(path)[1]
+    entries, meta = load_indices(path)
     rows = []
-    for layer, bud, idx, den in model_entries(meta["seq_len"], heads, meta["block_size"],
-                                              dict(index=path, layers=layers)):
+    for layer, bud, idx, den in step_entries(entries, meta["seq_len"], heads, meta["block_size"]):
         fam = f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items())
         sets = row_sets(idx)
         for pairing in PAIRINGS:

@@ -58,7 +58,8 @@ class _DropAbandonedReads:
 
 def quiet_abandoned_reads() -> None:
     """After a failed restore: no ``Exception ignored in: <coroutine ... _read_array_index_and_device_put>``
-    (nor ``RuntimeError: Event loop is closed``) reports with tracebacks from then on.
+    reports with tracebacks from then on (nor ``RuntimeError: Event loop is closed`` ones that reach
+    ``sys.unraisablehook``; those Orbax's reading threads print themselves still appear, at random).
 
     Orbax reads the arrays of a checkpoint concurrently; when one read fails, the others are
     abandoned, and each is reported with a traceback whenever the garbage collector finalizes it
