@@ -473,7 +473,7 @@ def plot_families(rows, path):
     ax2.bar(range(len(both)), [last[c + ("triton",)]["fb_ms"] / last[c + ("mosaic",)]["fb_ms"] for c in both],
             color="tab:orange")
     ax2.axhline(1.2, color="k", ls="--", lw=1, label="target 1.2x")
-    ax2.set_xticks(range(len(both)), [f"{f}\n{d:.0%}" for f, d in both], fontsize=8)
+    ax2.set_xticks(range(len(both)), [f"{f} {d:.0%}" for f, d in both], fontsize=8, rotation=60, ha="right")
     ax2.set_ylabel("Mosaic speed-up over Triton (fwd+bwd)")
     ax2.legend(fontsize=8)
     S = rows[0].get("S") or rows[0].get("seq")

@@ -29,3 +29,12 @@ def test_temp_values_lists_the_temp_allocation_largest_first(tmp_path):
 def test_unknown_variant_is_refused_up_front():
     with pytest.raises(SystemExit, match="unknown variants \\['mt-fast'\\]"):
         compile_memory.main(["--variants", "mt,mt-fast"])
+
+
+def test_mosaic_calls_counts_kernel_launches_not_mentions():
+    # the serialized kernel modules and their helpers mention mosaic_gpu too: only launches count
+    text = ('%1:2 = stablehlo.custom_call @mosaic_gpu_v2(%0, %a) {module = "mosaic_gpu_init_tma_desc"}\n'
+            '%2 = stablehlo.custom_call @cudnn$fmha(%1)\n'
+            '%3:2 = stablehlo.custom_call @mosaic_gpu_v2(%1#0) {module = "mosaic_gpu.smem mosaic_gpu_smem_alloc"}\n')
+    assert compile_memory.mosaic_calls(text) == 2
+    assert compile_memory.mosaic_calls("no kernels here: mosaic_gpu") == 0
