@@ -10,6 +10,7 @@ tests run ``python -m mtraining_jax.apps.train`` as a user would.
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from mtraining_jax.train import cli
+from mtraining_jax.train.checkpoint import FILE_LIST
 from mtraining_jax.train.rundir import HOST, LOCK_NAME, RunDirLocked, RunLock
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")
@@ -78,7 +80,10 @@ def test_resume_skips_a_damaged_checkpoint_and_names_schedule_changes(tmp_path, 
     lines = out.splitlines()
     skipped = [line for line in lines if line.startswith("skipped checkpoint")]
     assert len(skipped) == 1 and skipped[0].startswith("skipped checkpoint 8: damaged (")
-    assert skipped[0].endswith("); moved to 8.damaged") and "OUT_OF_RANGE" in skipped[0]
+    # named from the step's file list, before Orbax reads (and abandons) anything
+    assert skipped[0].endswith("); moved to 8.damaged") and " when saved)" in skipped[0]
+    assert re.match(r"skipped checkpoint 8: damaged \(state/ocdbt\.process_0/d/\w+ has (\d+) bytes, (\d+) when saved\)",
+                    skipped[0])
     assert f"resumed from step 6 in {rd}/checkpoints" in lines
     assert "note: steps changed since the checkpoint was written: 100000 -> 10" in lines
     assert "note: optim.lr changed since the checkpoint was written: 0.003 -> 0.001" in lines
@@ -99,11 +104,65 @@ def test_resume_skips_a_damaged_checkpoint_and_names_schedule_changes(tmp_path, 
     for name in _ckpt_names(rd):
         if name.isdigit():
             os.remove(os.path.join(rd, "checkpoints", name, "state", "_METADATA"))
+    os.remove(os.path.join(rd, "checkpoints", "6", FILE_LIST))  # as an older version saved it: Orbax's error
     rc, _, err = _main(capsys, tokens, f"run_dir={rd}", "steps=12", "checkpoint.every=2", "--resume")
     assert rc == 2 and len(err.splitlines()) == 1, err
-    assert err.startswith(f"mtraining-train: error: no checkpoint in {rd}/checkpoints restores (step 10: its "
-                          "_METADATA file is missing; step 8: its _METADATA file is missing; step 6: ")
+    assert err.startswith(f"mtraining-train: error: no checkpoint in {rd}/checkpoints restores (step 10: "
+                          "state/_METADATA is missing; step 8: state/_METADATA is missing; step 6: its _METADATA file is missing; "
+                          "step 4: ")
     assert err.rstrip().endswith("start again with --overwrite, or restore the folder from a backup")
+
+
+def test_a_checkpoint_is_checked_against_its_file_list_before_orbax_reads(tmp_path, monkeypatch):
+    """Each saved step lists its files and sizes once final; a restore names a truncated, missing or
+    unlisted-damage file from that list before Orbax reads anything; a step without the list (an older
+    version's) goes through Orbax as before (its TensorStore error, one line)."""
+    import jax.numpy as jnp
+
+    from mtraining_jax.model.checkpoint import DamagedCheckpointError
+    from mtraining_jax.train.checkpoint import Checkpointer, _step_files
+
+    state = {"params": {"w": jnp.arange(4096.0).reshape(64, 64)}, "step": jnp.asarray(3)}
+    ck = Checkpointer(str(tmp_path / "ck"), keep=2, async_save=True)
+    for step in (1, 2, 3):
+        ck.save(step, state, {"epoch": step})
+    ck.wait()
+    assert sorted(os.listdir(ck.directory)) == ["2", "3"]  # rotated: the lists go with their steps
+    for step in ("2", "3"):
+        where = os.path.join(ck.directory, step)
+        with open(os.path.join(where, FILE_LIST)) as f:
+            listed = json.load(f)
+        assert listed == _step_files(where) and any(k.startswith("state/ocdbt.process_0/d/") for k in listed)
+    got, data, _ = ck.restore(3, state)
+    assert data == {"epoch": 3} and np.array_equal(got["params"]["w"], state["params"]["w"])
+
+    where = os.path.join(ck.directory, "3")
+    listed = json.load(open(os.path.join(where, FILE_LIST)))
+    blob = next(k for k in sorted(listed) if k.startswith("state/ocdbt.process_0/d/"))
+    os.truncate(os.path.join(where, blob), listed[blob] // 3)
+    reads = []
+    monkeypatch.setattr(ck._mgr, "restore", lambda *a, **k: reads.append(a))
+    with pytest.raises(DamagedCheckpointError, match=re.escape(f"{where} is damaged: {blob} has "
+                                                               f"{listed[blob] // 3} bytes, {listed[blob]} when saved")):
+        ck.restore(3, state)
+    meta = os.path.join(where, "meta", "metadata")
+    os.rename(meta, meta + ".away")
+    with pytest.raises(DamagedCheckpointError, match="is damaged: meta/metadata is missing"):
+        ck.restore(3, state)
+    os.rename(meta + ".away", meta)
+    with open(os.path.join(where, FILE_LIST), "w") as f:
+        f.write("[1, 2")
+    with pytest.raises(DamagedCheckpointError, match=f"its file list {FILE_LIST} is unreadable"):
+        ck.restore(3, state)
+    assert reads == []  # Orbax was never asked
+    monkeypatch.undo()
+    # the step without its list: Orbax's own error, named in one line by restore_newest
+    os.remove(os.path.join(where, FILE_LIST))
+    _truncate_data(where)
+    step, (got, data, _), skipped = ck.restore_newest(state)
+    assert step == 2 and data == {"epoch": 2} and [s for s, _ in skipped] == [3]
+    assert "OUT_OF_RANGE" in skipped[0][1] and "\n" not in skipped[0][1]  # the truncated blob, read by Orbax
+    ck.close()
 
 
 # ------------------------------------------------------------------------------ signals and the lock

@@ -7,19 +7,72 @@ finalised by a rename, so a run killed mid-save leaves the previous one the late
 checks the stored shapes first (``ValueError`` naming each parameter and both shapes).
 :meth:`restore_newest` (``--resume``) restores the newest step that reads back, naming each newer
 step it skipped and moving it aside to ``<step>.damaged`` (:meth:`set_aside`); a model mismatch
-stops at once. The run's ``model.yaml`` beside the step folders lets
+stops at once. Each step this class saves gets a list of its files and their sizes once Orbax has
+finalised it (:data:`FILE_LIST`); a restore compares the folder with it first, so a truncated or
+missing file is named before any array is read (Orbax's concurrent reads, abandoned when one of them
+fails, would otherwise report themselves with tracebacks for the rest of the run). A step without the
+list (saved by an older version) is restored as before. The run's ``model.yaml`` beside the step folders lets
 :mod:`mtraining_jax.model.checkpoint` read them.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 
 import jax
 import orbax.checkpoint as ocp
 
 from mtraining_jax.model.checkpoint import (STATE_NAME, DamagedCheckpointError, ParamShapeError, check_shapes,
                                            stored_shapes)
+
+
+#: a finalised step's files (paths relative to the step folder) and sizes in bytes, written beside its items
+FILE_LIST = "mtraining_files.json"
+
+
+def _step_files(step_dir: str) -> dict:
+    files = {}
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, step_dir)
+            if rel != FILE_LIST and not rel.startswith(FILE_LIST + "."):
+                files[rel] = os.path.getsize(path)
+    return files
+
+
+def write_file_list(step_dir: str) -> None:
+    """Record the files of the finalised step folder ``step_dir`` and their sizes (:data:`FILE_LIST`;
+    written to a temporary name and renamed, so a reader sees all of it or none)."""
+    tmp = os.path.join(step_dir, f"{FILE_LIST}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(_step_files(step_dir), f, sort_keys=True)
+    os.replace(tmp, os.path.join(step_dir, FILE_LIST))
+
+
+def check_file_list(step_dir: str) -> None:
+    """:class:`DamagedCheckpointError` naming the first file of ``step_dir`` that is missing or whose size
+    differs from its :data:`FILE_LIST` entry (no data read); nothing to check without the list."""
+    path = os.path.join(step_dir, FILE_LIST)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        saved = {str(k): int(v) for k, v in saved.items()}
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise DamagedCheckpointError(f"checkpoint {step_dir} is damaged: its file list {FILE_LIST} is unreadable "
+                                     f"({type(e).__name__})") from None
+    for rel, size in sorted(saved.items()):
+        full = os.path.join(step_dir, rel)
+        if not os.path.isfile(full):
+            raise DamagedCheckpointError(f"checkpoint {step_dir} is damaged: {rel} is missing")
+        got = os.path.getsize(full)
+        if got != size:
+            raise DamagedCheckpointError(f"checkpoint {step_dir} is damaged: {rel} has {got} bytes, "
+                                         f"{size} when saved")
 
 
 class NoRestorableCheckpoint(ValueError):
@@ -81,10 +134,14 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
+        self._unlisted: set[int] = set()  # steps saved here whose file list is not written yet
+        self._lock = threading.Lock()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
             create=True,
+            # Orbax takes the callback with asynchronous saves only (a synchronous one is listed by `save`)
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._list_finalised) if async_save else None,
         )
         self._mgr = ocp.CheckpointManager(
             self.directory, options=options, item_names=(STATE_NAME, "data", "meta")
@@ -92,7 +149,9 @@ class Checkpointer:
 
     def save(self, step: int, state, data_state: dict, meta: dict | None = None) -> bool:
         """Start saving ``state`` (array pytree) + ``data_state`` (JSON dict) as ``step``."""
-        return self._mgr.save(
+        with self._lock:
+            self._unlisted.add(int(step))
+        saved = self._mgr.save(
             int(step),
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
@@ -101,6 +160,19 @@ class Checkpointer:
             ),
             force=True,
         )
+        self._list_finalised()  # a synchronous save is final here; an asynchronous one lists itself later
+        return saved
+
+    def _list_finalised(self) -> None:
+        """Write the file list of each step saved here whose folder is final (one process writes)."""
+        if jax.process_index() != 0:
+            return
+        with self._lock:
+            for step in sorted(self._unlisted):
+                where = os.path.join(self.directory, str(step))
+                if os.path.isdir(where):  # finalised: Orbax renames the temporary folder last
+                    write_file_list(where)
+                    self._unlisted.discard(step)
 
     def latest_step(self) -> int | None:
         """Newest finalised step (unfinished temporary folders are ignored)."""
@@ -118,8 +190,9 @@ class Checkpointer:
         abstract = None if target is None else jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), target
         )
+        where = os.path.join(self.directory, str(int(step)))
+        check_file_list(where)
         if abstract is not None:
-            where = os.path.join(self.directory, str(int(step)))
             stored = stored_shapes(os.path.join(where, STATE_NAME))
             if isinstance(stored, dict) and isinstance(abstract, dict) and "params" in stored and "params" in abstract:
                 check_shapes(stored["params"], abstract["params"], where, prefix="params/")  # named first
@@ -176,9 +249,10 @@ class Checkpointer:
         return dict(out["meta"] or {})
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are finalised."""
+        """Block until pending asynchronous saves are finalised (and their file lists written)."""
         self._mgr.wait_until_finished()
+        self._list_finalised()
 
     def close(self) -> None:
-        self._mgr.wait_until_finished()
+        self.wait()
         self._mgr.close()
