@@ -295,7 +295,9 @@ def test_quality_study_seeds_smoke(tmp_path):
     cross = rec["cross_eval"]
     assert cross["backend"] == "reference" and cross["eval"]["model"]["backends"] == ["reference", "reference"]
     own_loss, dense_loss = held["mean_loss"], cross["eval"]["perplexity"]["mean_loss"]
-    assert np.isfinite(dense_loss) and abs(dense_loss - own_loss) < 0.5 and dense_loss != own_loss
+    # at this size the model's own index keeps every block (density 1, above), so the sparse and the dense
+    # read are the same function: equal up to rounding (bit-equal is possible, so no inequality is asserted)
+    assert own["mean_density"] > 0.999 and np.isfinite(dense_loss) and abs(dense_loss - own_loss) < 1e-6 * own_loss
     # ... paired in the comparison: each seed's sparse-trained parameters read densely minus the dense arm
     seeds_md = open(os.path.join(out, "seeds.md")).read()
     per = [by[("mtraining", s)]["cross_eval"]["eval"]["perplexity"]["mean_loss"] - by[("dense", s)]["heldout_loss"]
