@@ -249,12 +249,14 @@ def _pairs(idx, S):
 PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
 
 
-def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES):
+def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
+           model=None):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
     and stream (:data:`pallas_kernels.mosaic_stream.WALKS`, ``STREAMS``; impl e.g. ``mosaic[switch]``,
-    ``mosaic[split]``; the split dQ takes 128-key steps); ``names``: the passes to time (:data:`PASSES`)
+    ``mosaic[split]``; the split dQ takes 128-key steps); ``names``: the passes to time (:data:`PASSES`);
+    ``model`` (as :func:`run`'s): also a trained model's indices (index ``model_L<layer>[_budget]``)
     (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
     block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
     active blocks from the block pass to the column pass, a small share of either)."""
@@ -267,9 +269,11 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     pos = jnp.arange(S, dtype=jnp.int32)
     kw = dict(sm_scale=D**-0.5, block_size=BS)
     rows = []
-    cases = [(fam, sp) for fam in families for sp in (sparsities if fam != "full" else [0.0])]
-    for fam, sp in cases:
-        idx, name = _family_index(rng, fam, S, sp, vert_cols)
+    cases = [_family_index(rng, fam, S, sp, vert_cols)
+             for fam in families for sp in (sparsities if fam != "full" else [0.0])]
+    cases += [(idx, f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items()))
+              for layer, bud, idx, _ in (model_entries(S, H, BS, model) if model else [])]
+    for idx, name in cases:
         idx = jax.tree.map(jnp.asarray, idx)
         bp, cp = _pairs(idx, S)
         out, lse = api.block_sparse_attention_fwd(q, k, v, pos, pos, idx, impl="auto")
@@ -521,7 +525,7 @@ def main():
                     help="time one dense ring step (a visible and a causal chunk pair) of our kernel against cuDNN, "
                          "e.g. 131072,14,2,64 (the 0.5B model's chunk on 4 GPUs at 512K); rows go to --json")
     ap.add_argument("--passes", default="", help="comma-separated sequence lengths: time each kernel pass "
-                    "alone per backend (families from --families, plus 'full')")
+                    "alone per backend (families from --families, plus 'full'; a --model-index file's indices too)")
     ap.add_argument("--walks", default="loops", help="with --passes: the Mosaic forward / dQ consumer walks to "
                     "time, comma-separated (pallas_kernels.mosaic_stream.WALKS: loops,switch)")
     ap.add_argument("--streams", default="shared", help="with --passes: the Mosaic forward / dQ streams to time, "
@@ -554,9 +558,10 @@ def main():
         sweeps += col_split_sweep(S, mc, a.reps)
     pass_rows = []
     for S in [int(x) for x in a.passes.split(",") if x]:
-        pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x], tuple(a.families.split(",")),
-                            a.vert_cols, a.reps, walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")),
-                            names=tuple(a.pass_names.split(",")))
+        pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x],
+                            tuple(f for f in a.families.split(",") if f), a.vert_cols, a.reps,
+                            walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")),
+                            names=tuple(a.pass_names.split(",")), model=model)
     if pass_rows:
         print(passes_table(pass_rows))
         sweeps += pass_rows

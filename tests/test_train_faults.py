@@ -108,8 +108,8 @@ def test_resume_skips_a_damaged_checkpoint_and_names_schedule_changes(tmp_path, 
     rc, _, err = _main(capsys, tokens, f"run_dir={rd}", "steps=12", "checkpoint.every=2", "--resume")
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"mtraining-train: error: no checkpoint in {rd}/checkpoints restores (step 10: "
-                          "state/_METADATA is missing; step 8: state/_METADATA is missing; step 6: its _METADATA file is missing; "
-                          "step 4: ")
+                          "state/_METADATA is missing; step 8: state/_METADATA is missing; "
+                          "step 6: its _METADATA file is missing; step 4: ")
     assert err.rstrip().endswith("start again with --overwrite, or restore the folder from a backup")
 
 
