@@ -44,6 +44,7 @@ import numpy as np
 
 from benchmarks._driver import provenance
 from benchmarks._timing import timeit
+from benchmarks.kernels_report import load_rows, passes_table, plot, plot_families, plot_passes, table
 from benchmarks.model_index import add_model_args, model_entries, model_options
 from pallas_kernels import api
 from pallas_kernels import registry as api_registry
@@ -313,45 +314,6 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     return rows
 
 
-def passes_table(rows):
-    out = ["| seq | index | pass | impl | ms (min-max) | TFLOP/s | compile s |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['seq']} | {r['index']} | {r['pass_']} | {r['impl']} | {r['ms']:.2f} "
-                   f"({r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}) | {r['tflops']:.0f} | "
-                   f"{r.get('compile_s', float('nan')):.1f} |")
-    return "\n".join(out)
-
-
-def plot_passes(rows, path):
-    """Bar chart of :func:`passes` rows: ms per pass, Triton vs Mosaic, one panel per index."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    indices = list(dict.fromkeys((r["seq"], r["index"]) for r in rows))
-    order = list(dict.fromkeys(r["pass_"] for r in rows))
-    fig, axes = plt.subplots(1, len(indices), figsize=(5.5 * len(indices), 4), squeeze=False)
-    for ax, (seq, name) in zip(axes[0], indices):
-        for j, impl in enumerate(("triton", "mosaic")):
-            got = {r["pass_"]: r for r in rows if (r["seq"], r["index"]) == (seq, name) and r["impl"] == impl}
-            xs = [i + (j - 0.5) * 0.4 for i, p in enumerate(order) if p in got]
-            ms = [got[p]["ms"] for p in order if p in got]
-            err = [[got[p]["ms"] - got[p]["spread_ms"][0] for p in order if p in got],
-                   [got[p]["spread_ms"][1] - got[p]["ms"] for p in order if p in got]]
-            bars = ax.bar(xs, ms, 0.4, yerr=err, capsize=2, label=impl, color="C0" if impl == "triton" else "C1")
-            for b, p in zip(bars, [p for p in order if p in got]):
-                ax.annotate(f"{got[p]['tflops']:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                            ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(order)), order)
-        ax.set_ylabel("ms (label: active TFLOP/s)")
-        ax.set_title(f"{seq // 1024}K tokens, index {name}")
-        ax.legend(fontsize=8)
-    fig.suptitle("kernel passes alone, min-max bars")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
     """The column dK/dV pass alone over its row ranges per column chunk (``col_splits``) on a 95 %
     vertical-slash index with ``max_cols`` columns per head (``S = 131072, max_cols = 1024`` is one
@@ -402,103 +364,6 @@ def mha_sweep(S, reps, seed=2):
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
-
-
-def table(rows):
-    cud = {r["seq"]: r for r in rows if r["name"] == "cudnn"}
-    out = ["| seq | impl | sparsity | fwd ms | fwd TFLOP/s | fwd x cuDNN | fwd+bwd ms | fwd+bwd TFLOP/s "
-           "| fwd+bwd x cuDNN |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        c = cud[r["seq"]]
-        fb = "-" if r["fb_ms"] is None else f"{r['fb_ms']:.2f}"
-        fbt = "-" if r["fb_ms"] is None else f"{r['fb_tflops']:.0f}"
-        fbx = "-" if r["fb_ms"] is None else f"{c['fb_ms'] / r['fb_ms']:.2f}"
-        out.append(f"| {r['seq']} | {r['name']} | {r['sparsity']:.3f} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
-                   f"{c['fwd_ms'] / r['fwd_ms']:.2f} | {fb} | {fbt} | {fbx} |")
-    return "\n".join(out)
-
-
-def plot(rows, path):
-    """Bar chart of active TFLOP/s per impl and index (forward, forward+backward), cuDNN dense as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    seqs = sorted({r["seq"] for r in rows})
-    fig, axes = plt.subplots(len(seqs), 2, figsize=(12, 3.6 * len(seqs)), squeeze=False)
-    for ax_row, S in zip(axes, seqs):
-        rs = [r for r in rows if r["seq"] == S and r["name"] != "cudnn"]
-        cud = next(r for r in rows if r["seq"] == S and r["name"] == "cudnn")
-        for ax, key, title in [(ax_row[0], "fwd_tflops", "forward"), (ax_row[1], "fb_tflops", "forward+backward")]:
-            names = [r["name"] for r in rs]
-            vals = [r[key] or 0 for r in rs]
-            colors = ["tab:orange" if n.startswith("auto") else "tab:blue" if n.startswith("triton") else "tab:gray"
-                      for n in names]
-            ax.bar(range(len(rs)), vals, color=colors)
-            ax.axhline(cud[key], color="k", ls="--", lw=1, label=f"cuDNN dense {cud[key]:.0f}")
-            ax.set_xticks(range(len(rs)), names, rotation=45, ha="right", fontsize=8)
-            ax.set_ylabel("active TFLOP/s")
-            ax.set_title(f"{S // 1024}K tokens, {title}")
-            ax.legend(fontsize=8)
-    fig.suptitle("block-sparse attention kernels (orange: auto = the registry's choice on Hopper)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-
-
-def plot_families(rows, path):
-    """Forward+backward active TFLOP/s (left) and Mosaic / Triton speed-up (right) per index family
-    and density (rows with ``family``; cuDNN dense as a line). Several runs: the last row of each
-    (family, density, impl) is drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cud = [r for r in rows if r["family"] == "dense"]
-    last = {}
-    for r in rows:
-        if r["family"] != "dense":
-            last[(r["family"], round(r["density"], 2), "triton" if r["name"].startswith("triton") else "mosaic")] = r
-    cases = sorted({k[:2] for k in last}, key=lambda k: (k[0], k[1]))
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [2, 1]})
-    x = range(len(cases))
-    for off, impl, color in [(-0.2, "triton", "tab:blue"), (0.2, "mosaic", "tab:orange")]:
-        ax.bar([i + off for i in x], [last[c + (impl,)]["fb_tflops"] if c + (impl,) in last else 0 for c in cases],
-               width=0.4, color=color, label=impl)
-    if cud:
-        ax.axhline(cud[-1]["fb_tflops"], color="k", ls="--", lw=1, label=f"cuDNN dense {cud[-1]['fb_tflops']:.0f}")
-    labels = [f"{f}\n{d:.0%}" for f, d in cases]
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_ylabel("fwd+bwd active TFLOP/s")
-    ax.legend(fontsize=8)
-    both = [c for c in cases if c + ("triton",) in last and c + ("mosaic",) in last]
-    ax2.bar(range(len(both)), [last[c + ("triton",)]["fb_ms"] / last[c + ("mosaic",)]["fb_ms"] for c in both],
-            color="tab:orange")
-    ax2.axhline(1.2, color="k", ls="--", lw=1, label="target 1.2x")
-    ax2.set_xticks(range(len(both)), [f"{f} {d:.0%}" for f, d in both], fontsize=8, rotation=60, ha="right")
-    ax2.set_ylabel("Mosaic speed-up over Triton (fwd+bwd)")
-    ax2.legend(fontsize=8)
-    S = rows[0].get("S") or rows[0].get("seq")
-    fig.suptitle(f"block-sparse kernels by index family, {S // 1024}K tokens "
-                 f"({rows[-1].get('device', '')}, commit {rows[-1].get('commit', '?')[:7]})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-
-
-def load_rows(paths, runs=()) -> list[dict]:
-    """Result rows of ``--json`` files (``{"meta", "rows"}`` or a list of ``--passes`` rows) and of
-    JSONL files (one row per line, ``run`` naming its campaign); ``runs``: keep only those runs."""
-    rows = []
-    for path in paths:
-        with open(path) as f:
-            if path.endswith(".jsonl"):
-                rows += [json.loads(line) for line in f if line.strip()]
-            else:
-                d = json.load(f)
-                rows += d if isinstance(d, list) else d["rows"]
-    return [r for r in rows if not runs or r.get("run") in runs]
 
 
 def main():
