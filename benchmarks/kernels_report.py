@@ -6,6 +6,22 @@ from __future__ import annotations
 
 import json
 
+
+def _pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, title: str, path: str, dpi: int) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+
 def passes_table(rows):
     out = ["| seq | index | pass | impl | ms (min-max) | TFLOP/s | compile s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -17,10 +33,7 @@ def passes_table(rows):
 
 def plot_passes(rows, path):
     """Bar chart of :func:`passes` rows: ms per pass, Triton vs Mosaic, one panel per index."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     indices = list(dict.fromkeys((r["seq"], r["index"]) for r in rows))
     order = list(dict.fromkeys(r["pass_"] for r in rows))
@@ -40,9 +53,7 @@ def plot_passes(rows, path):
         ax.set_ylabel("ms (label: active TFLOP/s)")
         ax.set_title(f"{seq // 1024}K tokens, index {name}")
         ax.legend(fontsize=8)
-    fig.suptitle("kernel passes alone, min-max bars")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, "kernel passes alone, min-max bars", path, dpi=110)
 
 
 def table(rows):
@@ -62,10 +73,7 @@ def table(rows):
 
 def plot(rows, path):
     """Bar chart of active TFLOP/s per impl and index (forward, forward+backward), cuDNN dense as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     seqs = sorted({r["seq"] for r in rows})
     fig, axes = plt.subplots(len(seqs), 2, figsize=(12, 3.6 * len(seqs)), squeeze=False)
@@ -83,19 +91,14 @@ def plot(rows, path):
             ax.set_ylabel("active TFLOP/s")
             ax.set_title(f"{S // 1024}K tokens, {title}")
             ax.legend(fontsize=8)
-    fig.suptitle("block-sparse attention kernels (orange: auto = the registry's choice on Hopper)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    _save(fig, "block-sparse attention kernels (orange: auto = the registry's choice on Hopper)", path, dpi=80)
 
 
 def plot_families(rows, path):
     """Forward+backward active TFLOP/s (left) and Mosaic / Triton speed-up (right) per index family
     and density (rows with ``family``; cuDNN dense as a line). Several runs: the last row of each
     (family, density, impl) is drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     cud = [r for r in rows if r["family"] == "dense"]
     last = {}
@@ -122,10 +125,8 @@ def plot_families(rows, path):
     ax2.set_ylabel("Mosaic speed-up over Triton (fwd+bwd)")
     ax2.legend(fontsize=8)
     S = rows[0].get("S") or rows[0].get("seq")
-    fig.suptitle(f"block-sparse kernels by index family, {S // 1024}K tokens "
-                 f"({rows[-1].get('device', '')}, commit {rows[-1].get('commit', '?')[:7]})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    _save(fig, f"block-sparse kernels by index family, {S // 1024}K tokens "
+                 f"({rows[-1].get('device', '')}, commit {rows[-1].get('commit', '?')[:7]})", path, dpi=80)
 
 
 def load_rows(paths, runs=()) -> list[dict]:
