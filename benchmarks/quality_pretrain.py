@@ -119,7 +119,7 @@ def pretrain(spec: dict, seed_dir: str, seed: int, arm_overrides=(), config: str
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl")) if os.path.exists(
         os.path.join(run_dir, "metrics.jsonl")) else []
     curve = [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split") == "eval" and "loss" in m]
-    out = dict(spec, checkpoints=ck, seconds=time.time() - t0, heldout_curve=curve,
+    out = dict(spec, seed=int(seed), checkpoints=ck, seconds=time.time() - t0, heldout_curve=curve,
                heldout_loss=curve[-1][1] if curve else None, reused=reused)
     print(f"[pretrain seed {seed}] {'reused' if reused else 'trained'}: held-out loss "
           f"{out['heldout_loss'] if out['heldout_loss'] is not None else float('nan'):.4f} "

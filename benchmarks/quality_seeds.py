@@ -189,9 +189,9 @@ def seed_values(rows) -> tuple:
         key = (r["arm"], r["seed"])
         if key in last:
             notes.append(f"{r['arm']} seed {r['seed']}: several rows, the last one is used")
-        if r.get("eval_error"):  # trained; the evaluator's columns are empty, the trainer's curves are not
-            notes.append(f"{r['arm']} seed {r['seed']}: not evaluated ({r['eval_error']}); only the trainer's "
-                         "columns and curves")
+        why = r.get("eval_error") or r.get("eval_skipped")
+        if why:  # trained; the evaluator's columns are empty, the trainer's curves are not
+            notes.append(f"{r['arm']} seed {r['seed']}: not evaluated ({why}); only the trainer's columns and curves")
         last[key] = r
     vals = {}
     for (arm, seed), r in last.items():
@@ -258,17 +258,18 @@ def relative_lines(vals, arms, S, tokens) -> list:
     for a in arms:
         if a == "dense":
             continue
-        iv = relative_difference(vals, a)
-        if not iv["n"]:
-            continue
-        if iv["lo"] is None:
-            out.append(f"* {a}: held-out loss @ {S} {iv['mean']:+.2f} % of dense's at {tokens} tokens "
-                       f"(one seed: no interval).")
-            continue
-        within = abs(iv["mean"]) <= 1.0 and -2.0 <= iv["lo"] and iv["hi"] <= 2.0
-        out.append(f"* {a}: held-out loss @ {S} {iv['mean']:+.2f} % of dense's at {tokens} tokens, 95 % interval "
-                   f"[{iv['lo']:+.2f} %, {iv['hi']:+.2f} %] over {iv['n']} seeds; within +-1 % with the interval "
-                   f"inside +-2 %: {'yes' if within else 'no'}.")
+        for metric, what in (("heldout_loss", f"held-out loss @ {S}"),
+                             ("trainer_heldout_final", "trainer's held-out loss, final")):
+            iv = relative_difference(vals, a, metric)
+            if not iv["n"]:
+                continue
+            if iv["lo"] is None:
+                out.append(f"* {a}: {what} {iv['mean']:+.2f} % of dense's at {tokens} tokens (one seed: no interval).")
+                continue
+            within = abs(iv["mean"]) <= 1.0 and -2.0 <= iv["lo"] and iv["hi"] <= 2.0
+            out.append(f"* {a}: {what} {iv['mean']:+.2f} % of dense's at {tokens} tokens, 95 % interval "
+                       f"[{iv['lo']:+.2f} %, {iv['hi']:+.2f} %] over {iv['n']} seeds; within +-1 % with the interval "
+                       f"inside +-2 %: {'yes' if within else 'no'}.")
     return out
 
 
@@ -343,8 +344,8 @@ def seed_report_md(rows, protocol: dict | None = None) -> str:
     lines += sparse_pair_lines(vals, arms, S)
     rel = relative_lines(vals, arms, S, ", ".join(f"{b:,}" for b in budget) or "—")
     if rel:
-        lines += ["", "Held-out loss (evaluator) relative to dense, per seed (arm − dense) / dense, mean and 95 % "
-                  "t-interval:", ""] + rel
+        lines += ["", "Held-out loss (the evaluator's, then the trainer's) relative to dense, per seed (arm − dense) / "
+                  "dense, mean and 95 % t-interval:", ""] + rel
     times = {s: v.get("equal_time") for (_, s), v in sorted(vals.items())}
     lines += ["", "Equal training time: each seed's arms are read at its fastest arm's training time (seconds, "
               "compile excluded): " + ", ".join(f"seed {s}: {fmt(t, '.1f')}" for s, t in sorted(times.items()))

@@ -315,6 +315,9 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     if name == "msa":
         rec["msa"]["config"] = dict(model_cfg.msa or {})
+    if args.no_eval:  # the trainer's held-out curve is the comparison (quality_seeds: trainer_heldout_final)
+        rec.update(eval_skipped="--no-eval: the trainer's held-out curve only", **provenance_row(args.argv))
+        return rec
     mesh, tok = build_mesh(cfg.mesh), load_tokenizer(cfg.data.tokenizer)
     held = np.asarray(token_file_stream(paths[1]))
     spec = eval_spec(args.smoke, cfg.data.seq_len, args.recall_ps, args.eval_haystack)
@@ -438,6 +441,10 @@ def main(argv=None) -> int:
     p.add_argument("--recall-ps", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.9, 0.5],
                    help="top-p budgets of the index recall (comma-separated; a budget sweep)")
     p.add_argument("--no-untrained-recall", action="store_true", help="skip the untrained initialisation's recall")
+    p.add_argument("--no-eval", action="store_true", help="no evaluator after training: the rows carry the trainer's "
+                   "curves (held-out every eval.every steps), compared as `trainer_heldout_final`")
+    p.add_argument("--pretrain-seed", type=int, metavar="S", help="every seed's arms start from seed S's copy "
+                   "pretraining (one pretrained model; the seeds vary the fine-tuning data and order)")
     p.add_argument("--run-steps", type=int, help="train at most this many steps of each arm's schedule in this call, "
                    "then stop with a checkpoint (no evaluation, no row); continue with --resume (module docstring)")
     p.add_argument("--resume", action="store_true",
@@ -506,6 +513,8 @@ def main(argv=None) -> int:
     if args.run_steps is not None and args.run_steps < 1:
         raise SystemExit(f"quality_study: --run-steps must be >= 1, got {args.run_steps}")
     if args.gpu_per_seed:
+        if args.pretrain_seed is not None:  # the children would pretrain one folder at once
+            raise SystemExit("quality_study: --pretrain-seed runs the seeds one after another (no --gpu-per-seed)")
         if args.smoke:
             raise SystemExit("quality_study: --gpu-per-seed is for GPU machines (--smoke runs on the CPU)")
         return launch_per_seed(args, list(sys.argv[1:] if argv is None else argv), resolve_seeds(args))
@@ -524,7 +533,7 @@ def main(argv=None) -> int:
     protocol = {"token_budget": args.steps * per_step, "steps": args.steps, "tokens_per_step": per_step,
                 "arms": list(names), "seeds": seeds, "retrieval": retrieval_settings(args),
                 "eval_haystack": args.eval_haystack, "train_overrides": args.train_overrides,
-                "pretrain": args.pretrain if args.pretrain["steps"] else None}
+                "pretrain": dict(args.pretrain, seed=args.pretrain_seed) if args.pretrain["steps"] else None}
     print(f"protocol: token budget {args.steps * per_step:,} tokens per arm and seed = {args.steps} steps x "
           f"{per_step} tokens; arms {', '.join(names)}; seeds {seeds} (each: init, data order, corpus); "
           f"retrieval mix {args.retrieval_mix:g}, up to {args.retrieval_keys} extra pairs per window in at most "
@@ -542,8 +551,9 @@ def main(argv=None) -> int:
               f"sha {corpus['sha']} ({time.time() - t0:.0f}s)", flush=True)
         try:  # the seed's copy pretraining (none unless pretrain.steps > 0), shared by its arms
             arm = (SMOKE + SMOKE_BACKENDS["dense"]) if args.smoke else []
-            pre = pretrain(args.pretrain, os.path.join(args.work, f"seed{seed}"), seed,
-                           arm + [o.replace("{seed}", str(seed)) for o in args.train_overrides])
+            ps = seed if args.pretrain_seed is None else args.pretrain_seed
+            pre = pretrain(args.pretrain, os.path.join(args.work, f"seed{ps}"), ps,
+                           arm + [o.replace("{seed}", str(ps)) for o in args.train_overrides])
         except Exception as e:
             traceback.print_exc()
             for name in names:

@@ -75,8 +75,10 @@ def test_relative_difference_is_per_seed_and_judges_the_target():
                                         + [row("mtraining", s, 0.9 * d) for s, d in enumerate(dense)])
     iv = quality_seeds.relative_difference(vals, "mtraining")
     assert iv["seeds"] == [0, 1, 2] and np.allclose(iv["diffs"], [-10.0] * 3) and abs(iv["mean"] + 10.0) < 1e-9
-    (line,) = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
-    assert "-10.00 % of dense's" in line and line.endswith("inside +-2 %: no.")
+    line, trainer_line = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
+    assert "held-out loss @ 512 -10.00 % of dense's" in line and line.endswith("inside +-2 %: no.")
+    # the trainer's final held-out (the rows' curves end at the same losses here) gets its own sentence
+    assert "trainer's held-out loss, final -10.00 %" in trainer_line and trainer_line.endswith("inside +-2 %: no.")
     # within 1 % and the interval inside 2 %: yes; the interval is that of the per-seed percentages
     vals, _ = quality_seeds.seed_values([row("dense", s, d) for s, d in enumerate(dense)]
                                         + [row("mtraining", s, d * (1 + r)) for s, (d, r) in
@@ -84,8 +86,24 @@ def test_relative_difference_is_per_seed_and_judges_the_target():
     iv = quality_seeds.relative_difference(vals, "mtraining")
     ref = quality_seeds.paired_interval([0.2, -0.4, 0.5])
     assert abs(iv["lo"] - ref["lo"]) < 1e-9 and abs(iv["hi"] - ref["hi"]) < 1e-9
-    (line,) = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
+    line, _ = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
     assert line.endswith("inside +-2 %: yes.") == (-2 <= ref["lo"] and ref["hi"] <= 2)
+
+
+def test_rows_without_the_evaluator_compare_on_the_trainers_curve():
+    """``--no-eval`` rows (``eval_skipped``, no ``heldout_loss``): the note says so and the relative
+    difference is the trainer's final held-out only."""
+    def row(arm, seed, final):
+        return {"arm": arm, "seed": seed, "heldout_loss": None, "steps": 2, "tokens": 1024, "corpus_sha": str(seed),
+                "eval_skipped": "--no-eval", "train_loss": [[1, 3.0], [2, 2.0]],
+                "heldout_curve": [[1, 9.0], [2, final]], "train_time": [[1, 1.0], [2, 2.0]]}
+
+    vals, notes = quality_seeds.seed_values([row("dense", s, 2.0 + s) for s in range(3)]
+                                            + [row("mtraining", s, (2.0 + s) * 1.01) for s in range(3)])
+    assert sum("not evaluated (--no-eval)" in n for n in notes) == 6
+    assert quality_seeds.paired_differences(vals, "mtraining", "heldout_loss")["n"] == 0
+    (line,) = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
+    assert line.startswith("* mtraining: trainer's held-out loss, final +1.00 % of dense's") and "3 seeds" in line
 
 
 def test_dense_read_is_paired_with_the_dense_arm():
