@@ -40,7 +40,8 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a pretrained checkpoint,
   ``{seed}`` replaced by each seed); what the study sets per arm and seed (run dir, data, seeds,
   steps) is refused.
-* **copy pretraining** (``pretrain``, ``--pretrain-steps N``; 0 by default): each seed first trains the
+* **copy pretraining** (``pretrain``, ``--pretrain-steps N``, ``--pretrain-stages``, ``--pretrain-seed S``; 0 steps by
+  default): each seed first trains the
   dense arm's model on short windows of random bytes with spans copied to later places
   (:mod:`benchmarks.quality_pretrain`), and every arm of that seed starts from those weights (rows:
   ``pretrain``). A finished pretraining is reused by later calls and a stopped one resumed.
@@ -104,7 +105,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.quality_corpus import build_corpus  # the training corpus
-from benchmarks.quality_pretrain import check_pretrain, pretrain  # copy pretraining before the arms
+from benchmarks.quality_pretrain import add_pretrain_args, pretrain, resolve_pretrain  # copy pretraining
 from benchmarks.quality_protocol import (DENSE_READ_BACKENDS, load_study, resolve_seeds, resolve_steps,  # the protocol
                                          merge_overrides, seed_overrides, train_overrides)
 from benchmarks.quality_report import write_report  # the single-call report
@@ -424,9 +425,7 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child
-    p.add_argument("--pretrain-steps", type=int, metavar="N",
-                   help="copy pretraining steps per seed before the arms (study: pretrain.steps; 0: none; "
-                        "benchmarks/quality_pretrain.py)")
+    add_pretrain_args(p)
     p.add_argument("--baseline-run", metavar="RUN",
                    help="with --report-only: the dense rows of this `run` tag only (e.g. a dense baseline trained "
                         "with other settings, compared with the sparse arms of --runs; the report notes it)")
@@ -443,8 +442,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-untrained-recall", action="store_true", help="skip the untrained initialisation's recall")
     p.add_argument("--no-eval", action="store_true", help="no evaluator after training: the rows carry the trainer's "
                    "curves (held-out every eval.every steps), compared as `trainer_heldout_final`")
-    p.add_argument("--pretrain-seed", type=int, metavar="S", help="every seed's arms start from seed S's copy "
-                   "pretraining (one pretrained model; the seeds vary the fine-tuning data and order)")
     p.add_argument("--run-steps", type=int, help="train at most this many steps of each arm's schedule in this call, "
                    "then stop with a checkpoint (no evaluation, no row); continue with --resume (module docstring)")
     p.add_argument("--resume", action="store_true",
@@ -497,24 +494,13 @@ def main(argv=None) -> int:
         args.cross_eval = "ring"
     if args.cross_eval_loss_only is None:
         args.cross_eval_loss_only = study["eval"]["cross_eval_loss_only"]
-    args.pretrain = dict(study["pretrain"])
-    if args.pretrain_steps is not None:
-        try:
-            args.pretrain = check_pretrain(dict(args.pretrain, steps=args.pretrain_steps), "--pretrain-steps")
-        except ValueError as e:
-            raise SystemExit(f"quality_study: {e}")
-    if args.pretrain["steps"] and any(o.startswith("model.init_from=") for o in args.train_overrides):
-        raise SystemExit("quality_study: copy pretraining (pretrain.steps / --pretrain-steps "
-                         f"{args.pretrain['steps']}) gives the arms their initial weights; drop model.init_from "
-                         "from the trainer overrides or set the pretraining steps to 0")
+    args.pretrain = resolve_pretrain(args, study["pretrain"])
     if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0 or not 0.0 < args.retrieval_share <= 1.0:
         raise SystemExit(f"quality_study: --retrieval-mix must lie in [0, 1] (got {args.retrieval_mix}), --retrieval-keys "
                          f"be >= 0 (got {args.retrieval_keys}) and --retrieval-share in (0, 1] (got {args.retrieval_share})")
     if args.run_steps is not None and args.run_steps < 1:
         raise SystemExit(f"quality_study: --run-steps must be >= 1, got {args.run_steps}")
     if args.gpu_per_seed:
-        if args.pretrain_seed is not None:  # the children would pretrain one folder at once
-            raise SystemExit("quality_study: --pretrain-seed runs the seeds one after another (no --gpu-per-seed)")
         if args.smoke:
             raise SystemExit("quality_study: --gpu-per-seed is for GPU machines (--smoke runs on the CPU)")
         return launch_per_seed(args, list(sys.argv[1:] if argv is None else argv), resolve_seeds(args))

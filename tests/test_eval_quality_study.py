@@ -500,3 +500,48 @@ def test_copy_pretraining_gives_every_arm_its_weights(tmp_path):
                      ({"seq_len": 64}, "pretrain.seq_len must be >= 128"), ({"batchsize": 4}, "must be a mapping of")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             check_pretrain(bad, "study")
+
+
+@pytest.mark.slow(seconds=30)
+def test_copy_curriculum_stages_and_one_pretraining_for_every_seed(tmp_path):
+    """``pretrain.stages`` / ``--pretrain-stages``: a later copy stage trains on its own window length from
+    the previous stage's weights and the arms load the last stage; ``--pretrain-seed 0`` gives every seed
+    that one pretraining (no folder of its own); ``--no-eval`` rows keep the trainer's curves only."""
+    from benchmarks.quality_pretrain import check_pretrain, parse_stages
+    from mtraining_jax.train.config import read_yaml
+
+    study = tmp_path / "study.yaml"
+    study.write_text("retrieval: {mix: 1.0, keys: 4}\neval: {haystack: heldout}\n"
+                     "pretrain: {steps: 2, seq_len: 128, batch: 4, windows: 16, warmup_steps: 1}\n")
+    work, out = str(tmp_path / "work"), tmp_path / "out"
+    assert quality_study.main(["--out", str(out), "--work", work, "--smoke", "--variant", "dense", "--study", str(study),
+                               "--seeds", "0", "1", "--steps", "2", "--pretrain-seed", "0", "--pretrain-stages",
+                               "256x2:2", "--no-eval", "--no-untrained-recall", "--recall-ps", "0.9"]) == 0
+    rows = [json.loads(line) for line in open(out / "quality.jsonl")]
+    assert [r["seed"] for r in rows] == [0, 1]
+    stage2 = os.path.join(work, "seed0", "pretrain", "stage2", "run")
+    for r in rows:
+        pre = r["pretrain"]
+        assert pre["seed"] == 0 and pre["checkpoints"] == os.path.join(stage2, "checkpoints")
+        (st,) = pre["stage_results"]
+        assert (st["seq_len"], st["batch"], st["steps"], st["windows"]) == (256, 2, 2, 4)
+        assert [s for s, _ in st["heldout_curve"]] == [1, 2] and st["lr"] == pre["lr"] == 3e-4
+        assert r["eval_skipped"] and r["heldout_loss"] is None and r["heldout_curve"] and r["corpus_sha"]
+    assert not rows[0]["pretrain"]["reused"] and rows[1]["pretrain"]["reused"]
+    assert not os.path.exists(os.path.join(work, "seed1", "pretrain"))  # seed 1 fine-tunes seed 0's model
+    # the second stage started from the first one's checkpoint, on its own 256-token windows
+    cfg = read_yaml(os.path.join(stage2, "config.yaml"))
+    assert cfg["model"]["init_from"] == "ckpt:" + os.path.join(work, "seed0", "pretrain", "run", "checkpoints")
+    assert cfg["data"]["seq_len"] == 256
+    # bad curricula are named up front
+    with pytest.raises(ValueError, match=re.escape("expected SEQxBATCH:STEPS items separated by commas "
+                                                   "(e.g. 4096x16:500), got '4096x16'")):
+        parse_stages("4096x16")
+    for stages, msg in (([{"seq_len": 64, "batch": 2, "steps": 1}], "pretrain.stages[0].seq_len must be >= 128"),
+                        ([{"steps": 1}], "pretrain.stages[0] must be a mapping with steps, seq_len, batch"),
+                        ([{"seq_len": 256, "batch": 2, "steps": 0}], "pretrain.stages[0].steps must be an integer >= 1, got 0"),
+                        ("256x2:2", "pretrain.stages must be a list of mappings")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            check_pretrain({"steps": 1, "stages": stages}, "study")
+    with pytest.raises(SystemExit, match="--pretrain-seed runs the seeds one after another"):
+        quality_study.main(["--out", str(tmp_path / "e"), "--pretrain-seed", "0", "--gpu-per-seed", "--seeds", "0", "1"])
