@@ -20,7 +20,8 @@ checkpoint, seconds).
 stage trains on copy windows of its own length (``seq_len`` x ``batch``, ``steps``; copies up to a window
 apart), starting from the previous stage's weights (fresh optimizer, the first stage's ``lr``,
 ``warmup_steps`` and ``alphabet`` unless it sets its own), in ``pretrain/stage<i>``; the arms load the
-last stage. Rows: ``pretrain.stage_results`` (each stage's held-out curve and seconds). Why: the
+last stage; a stage is reused when it and every stage before it have the same settings. Rows:
+``pretrain.stage_results`` (each later stage's held-out curve and seconds). Why: the
 256-byte copy model does not find its copies at 32K (NIAH 0 after copy pretraining, quality.md s16).
 """
 
@@ -160,43 +161,51 @@ def _stage(spec: dict, work: str, seed: int, model_overrides: list, config: str,
     return out
 
 
+def _claim(work: str, key: dict, label: str) -> None:
+    """Make ``work`` hold a stage of these settings (``pretrain.json``): one of other settings is deleted,
+    never reused. A later stage's settings include every earlier stage's, so it is trained anew after them."""
+    path = os.path.join(work, "pretrain.json")
+    old = json.loads(Path(path).read_text()) if os.path.exists(path) else None
+    if old is not None and old != json.loads(json.dumps(key)):
+        print(f"[pretrain {label}] {work} holds a pretraining with other settings ({old}); training anew", flush=True)
+        shutil.rmtree(work)
+    os.makedirs(work, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(key, f)
+
+
 def pretrain(spec: dict, seed_dir: str, seed: int, arm_overrides=(), config: str | None = None) -> dict | None:
     """Copy-pretrain one seed (module docstring); ``None`` when ``spec['steps']`` is 0.
     ``arm_overrides``: the dense arm's model overrides (the study's ``train`` list, ``--smoke`` sizes).
-    Returns ``{"checkpoints" (the last stage's), "steps", "seconds", "heldout_curve", "heldout_loss" (the
-    first stage's), "reused", "stage_results", **spec}``, or ``{"stopped": True, "step", "checkpoints"}``
+    Returns ``{"checkpoints" (the last stage's), "steps", "seconds", "heldout_curve", "heldout_loss",
+    "reused" (the first stage's), "stage_results" (each later stage's, with its own "reused"), **spec}``,
+    or ``{"stopped": True, "step", "checkpoints"}``
     when a stop signal ended a stage early (it resumes next time)."""
     if not spec["steps"]:
         return None
     work = os.path.join(seed_dir, "pretrain")
     t0 = time.time()
-    key = {"spec": spec, "seed": int(seed), "model_overrides": [o for o in arm_overrides
-                                                                 if not o.startswith("model.init_from=")]}
-    key_path = os.path.join(work, "pretrain.json")
-    old = json.loads(Path(key_path).read_text()) if os.path.exists(key_path) else None
-    if old is not None and old != json.loads(json.dumps(key)):  # other settings: start again, never reuse
-        print(f"[pretrain seed {seed}] {work} holds a pretraining with other settings ({old}); training anew",
-              flush=True)
-        shutil.rmtree(work)
-    os.makedirs(work, exist_ok=True)
-    with open(key_path, "w") as f:
-        json.dump(key, f)
+    over = [o for o in arm_overrides if not o.startswith("model.init_from=")]
+    chain = [{k: v for k, v in spec.items() if k != "stages"}]  # stage 1's settings, then each later stage's
+    _claim(work, {"spec": chain[0], "seed": int(seed), "model_overrides": over}, f"seed {seed}")
     config = config or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                                     "quality", "dense.yaml")
-    first = _stage(spec, work, seed, key["model_overrides"], config, spec["alphabet"], f"seed {seed}")
+    first = _stage(spec, work, seed, over, config, spec["alphabet"], f"seed {seed}")
     if first.get("stopped"):
         return first
     ck, later = first["checkpoints"], []
     for i, st in enumerate(spec["stages"], 2):
-        res = _stage(st, os.path.join(work, f"stage{i}"), seed, key["model_overrides"], config, spec["alphabet"],
+        chain.append(st)  # a stage is reused only after the same earlier stages
+        _claim(os.path.join(work, f"stage{i}"), {"chain": chain, "seed": int(seed), "model_overrides": over},
+               f"seed {seed} stage {i}")
+        res = _stage(st, os.path.join(work, f"stage{i}"), seed, over, config, spec["alphabet"],
                      f"seed {seed} stage {i}", init_from=ck)
         if res.get("stopped"):
             return res
         ck = res["checkpoints"]
         later.append(dict(st, **res))
     out = dict(spec, seed=int(seed), checkpoints=ck, seconds=time.time() - t0, heldout_curve=first["heldout_curve"],
-               heldout_loss=first["heldout_loss"], reused=first["reused"] and all(r["reused"] for r in later),
-               stage_results=later)
+               heldout_loss=first["heldout_loss"], reused=first["reused"], stage_results=later)
     return json.loads(json.dumps(out))
 
 

@@ -533,6 +533,14 @@ def test_copy_curriculum_stages_and_one_pretraining_for_every_seed(tmp_path):
     cfg = read_yaml(os.path.join(stage2, "config.yaml"))
     assert cfg["model"]["init_from"] == "ckpt:" + os.path.join(work, "seed0", "pretrain", "run", "checkpoints")
     assert cfg["data"]["seq_len"] == 256
+    # another second stage: the first stage is reused, the second trained anew from it
+    assert quality_study.main(["--out", str(tmp_path / "out2"), "--work", work, "--smoke", "--variant", "dense",
+                               "--study", str(study), "--seeds", "0", "--steps", "2", "--pretrain-stages", "256x2:3",
+                               "--no-eval", "--no-untrained-recall", "--recall-ps", "0.9"]) == 0
+    (row,) = [json.loads(line) for line in open(tmp_path / "out2" / "quality.jsonl")]
+    (st,) = row["pretrain"]["stage_results"]
+    assert row["pretrain"]["reused"] and not st["reused"] and [s for s, _ in st["heldout_curve"]] == [1, 2, 3]
+    assert row["pretrain"]["heldout_curve"] == rows[0]["pretrain"]["heldout_curve"]
     # bad curricula are named up front
     with pytest.raises(ValueError, match=re.escape("expected SEQxBATCH:STEPS items separated by commas "
                                                    "(e.g. 4096x16:500), got '4096x16'")):
