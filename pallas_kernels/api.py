@@ -207,15 +207,29 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
                        segs=segs, stream=stream)
 
 
+def _check_dq_dtype(dq_dtype) -> None:
+    try:
+        ok = isinstance(dq_dtype, (type, str, jnp.dtype)) and jnp.issubdtype(dq_dtype, jnp.floating)
+    except TypeError:  # a string that names no dtype
+        ok = False
+    if not ok:
+        raise ValueError(f"dq_dtype must be a floating dtype (float32, bfloat16, float16), got {dq_dtype!r}")
+
+
 def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale=None,
                                block_size: int = DEFAULT_BLOCK, impl: str = "auto", dq_acc=None, dkv_acc=None,
-                               q_seg=None, k_seg=None, stream: str = "auto"):
-    """Backward for one pair given the final ``lse`` and ``delta``; returns f32 ``(dq, dk, dv)``.
+                               q_seg=None, k_seg=None, stream: str = "auto", dq_dtype=jnp.float32):
+    """Backward for one pair given the final ``lse`` and ``delta``; returns ``(dq, dk, dv)``, dK/dV
+    float32, dQ in ``dq_dtype``.
 
     ``dq_acc`` (``f32 [B, Sq, Hq, D]``) and ``dkv_acc = (dk, dv)`` (``f32 [B, Sk, Hkv, D]`` each),
-    if given, are added to the result (ring steps accumulating over chunks). ``stream``: the Mosaic
-    dQ kernel's, as in :func:`block_sparse_attention_fwd`."""
+    if given, are added to the result (ring steps accumulating over chunks). ``dq_dtype``: float32
+    (default), or a narrower float dtype when nothing is added to dQ afterwards (a ring's last step):
+    the sum is then rounded once, by the Mosaic dQ kernel itself (no float32 dQ buffer), by the
+    other backends after theirs. ``stream``: the Mosaic dQ kernel's, as in
+    :func:`block_sparse_attention_fwd`."""
     registry.validate_stream(stream)
+    _check_dq_dtype(dq_dtype)
     _check(q, k, v, q_pos, k_pos, index, block_size)
     segs = _check_segs(q, k, q_seg, k_seg)
     if dq_acc is not None:
@@ -226,7 +240,8 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
     return backend.bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
-                       sm_scale=_scale(q, sm_scale), block_size=block_size, segs=segs, stream=stream)
+                       sm_scale=_scale(q, sm_scale), block_size=block_size, segs=segs, stream=stream,
+                       dq_dtype=jnp.dtype(dq_dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
@@ -250,8 +265,8 @@ def _op_fwd(q, k, v, q_pos, k_pos, index, segs, sm_scale, block_size, impl):
 def _op_bwd(sm_scale, block_size, impl, res, do):
     q, k, v, q_pos, k_pos, index, segs, out, out_lo, lse = res
     delta = attention_delta(out, do, out_lo)
-    dq, dk, dv = block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta,
-                                            sm_scale=sm_scale, block_size=block_size, impl=impl, **_seg_kw(segs))
+    dq, dk, dv = block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale,
+                                            block_size=block_size, impl=impl, dq_dtype=q.dtype, **_seg_kw(segs))
     zeros_like_int = lambda x: None if x is None else jax.tree.map(  # noqa: E731
         lambda a: jnp.zeros(a.shape, jax.dtypes.float0), x)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
+
 NAME = "mosaic"
 NEEDS_INDEX = True
 HEAD_DIMS = (64, 128)
@@ -53,7 +55,7 @@ def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, s
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
-        stream="auto"):
+        stream="auto", dq_dtype=jnp.float32):
     from pallas_kernels import triton_backward
     from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dkv_cols, mosaic_dq
     from pallas_kernels.three_pass import three_pass_bwd
@@ -63,6 +65,6 @@ def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_sca
         dkv = (mosaic_dkv_blocks, mosaic_dkv_cols)
     else:  # the Triton dK/dV passes (their own tuning defaults)
         dkv = (triton_backward.dkv_block_pass, triton_backward.dkv_col_pass)
-    dq = functools.partial(mosaic_dq, **_stream_options(stream))
+    dq = functools.partial(mosaic_dq, out_dtype=jnp.dtype(dq_dtype), **_stream_options(stream))
     return three_pass_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, dq_kernel=dq,
                           dkv_kernels=dkv, kernel_options=opts, segs=segs)

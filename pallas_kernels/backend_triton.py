@@ -6,6 +6,7 @@ documents (segment ids: the token-level check only on tiles that straddle a boun
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import triton_backward, triton_kernels
 
@@ -29,6 +30,7 @@ def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, s
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
-        stream="auto"):  # noqa: ARG001  (the Mosaic kernels' choice)
-    return triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
-                                      sm_scale=sm_scale, block_size=block_size, interpret=_interpret(), segs=segs)
+        stream="auto", dq_dtype=jnp.float32):  # noqa: ARG001  (stream: the Mosaic kernels' choice)
+    dq, dk, dv = triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
+                                            sm_scale=sm_scale, block_size=block_size, interpret=_interpret(), segs=segs)
+    return dq.astype(dq_dtype), dk, dv

@@ -3,6 +3,8 @@ dtype, head_dim and block size the API accepts; merges ``acc`` with :func:`merge
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from pallas_kernels import xla_twin
 from pallas_kernels.merge import merge_partials
 
@@ -21,10 +23,10 @@ def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, s
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
-        stream="auto"):  # noqa: ARG001  (the Mosaic kernels' choice)
+        stream="auto", dq_dtype=jnp.float32):  # noqa: ARG001  (stream: the Mosaic kernels' choice)
     dq, dk, dv = xla_twin.xla_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale,
                                   block_size=block_size, segs=segs)
-    dq = dq if dq_acc is None else dq_acc + dq
+    dq = (dq if dq_acc is None else dq_acc + dq).astype(dq_dtype)
     if dkv_acc is not None:
         dk, dv = dkv_acc[0] + dk, dkv_acc[1] + dv
     return dq, dk, dv

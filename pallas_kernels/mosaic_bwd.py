@@ -140,7 +140,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
         dq = dq * scale
         if accumulate:
             dq = dq + load_smem(dqacc_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False)
-        dq_ref[b, rows, h] = dq
+        dq_ref[b, rows, h] = dq.astype(dq_ref.dtype)  # rounded once, from the float32 sum
 
     @pl.when(wg == 2)
     def _producer():
@@ -153,11 +153,14 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
 _STATIC = ("sm_scale", "block_size", "stages")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk", "stream"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk", "stream",
+                                             "out_dtype"))
 def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
               block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None, walk: str = "loops",
-              stream: str = "auto"):
-    """``dq f32 [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given.
+              stream: str = "auto", out_dtype=jnp.float32):
+    """``dq [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given, in
+    ``out_dtype`` (float32; the last ring step may ask for q's dtype: the float32 sum is rounded once,
+    in the kernel, and no float32 copy of dq is written).
     ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed
     documents (module docstring); ``kv_step`` / ``slots`` / ``walk`` / ``stream`` as in
     :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd` (``stream="split"`` needs ``kv_step=128``; the default
@@ -190,7 +193,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
             args.append(segs[0].astype(jnp.int32))
         if accumulate:
             args.append(dq_acc.astype(jnp.float32))
-        return query_kernel(kernel, "mosaic_dq", jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), scratch, args,
+        return query_kernel(kernel, "mosaic_dq", jax.ShapeDtypeStruct((B, sq, H, d), out_dtype), scratch, args,
                             nqb // 2, H, B)
 
     return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)

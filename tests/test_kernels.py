@@ -231,6 +231,30 @@ class _KernelSuite:
             api.block_sparse_attention_bwd(q, kb, vb, q_pos, kb_pos, ib, do, ref_lse, delta, impl=self.impl,
                                            dkv_acc=(acc[0][:, :BS], acc[1]))
 
+    def test_dq_in_a_narrower_dtype_is_the_float32_dq_rounded_once(self):
+        """``dq_dtype=bfloat16`` (a ring's last step): the same sum as the float32 dQ, ``dq_acc``
+        included, rounded once (the Mosaic dQ kernel rounds in its epilogue, the others after)."""
+        rng = np.random.default_rng(8)
+        S, H, g = self.S, self.H, 2
+        q, k, v = _inputs(rng, 1, S, S, H, H // g, 128, jnp.bfloat16)
+        pos = jnp.arange(S, dtype=jnp.int32)
+        index = self._index(rng, 1, pos, pos, S)
+        out, lse = api.block_sparse_attention_fwd(q, k, v, pos, pos, index, impl=self.impl)
+        do = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+        delta = api.attention_delta(out, do)
+        acc = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+        args = (q, k, v, pos, pos, index, do, lse, delta)
+        dq32, dk32, _ = api.block_sparse_attention_bwd(*args, impl=self.impl, dq_acc=acc)
+        dq16, dk16, _ = api.block_sparse_attention_bwd(*args, impl=self.impl, dq_acc=acc, dq_dtype=jnp.bfloat16)
+        assert dq32.dtype == jnp.float32 and dq16.dtype == jnp.bfloat16 and dk16.dtype == jnp.float32
+        assert float(jnp.max(jnp.abs(dq32 - acc))) > 0.1  # the pass added something to the accumulator
+        np.testing.assert_array_equal(np.asarray(dq16), np.asarray(dq32.astype(jnp.bfloat16)))
+        np.testing.assert_array_equal(np.asarray(dk16), np.asarray(dk32))
+        with pytest.raises(ValueError, match="dq_dtype must be a floating dtype .* got <class 'jax.numpy.int32'>"):
+            api.block_sparse_attention_bwd(*args, impl=self.impl, dq_dtype=jnp.int32)
+        with pytest.raises(ValueError, match="dq_dtype must be a floating dtype .* got 'bf16x'"):
+            api.block_sparse_attention_bwd(*args, impl=self.impl, dq_dtype="bf16x")
+
 
 class TestXlaTwin(_KernelSuite):
     impl = "xla"

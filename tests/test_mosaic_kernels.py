@@ -393,6 +393,14 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
                                                                          sm_scale=0.1, segs=segs))
     text = g.trace(q, k, k, idx, q, lse, lse, dq_acc, segs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "mosaic_dq" in text and "anonymous" not in text
+    # a ring's last dQ in q's dtype: the kernels' result is bf16 (rounded in the epilogue), no float32 dQ
+    g16 = jax.jit(lambda q, k, v, idx, do, lse, delta, acc, segs: mosaic_dq(
+        q, k, v, pos, pos, idx, do, lse, delta, acc, sm_scale=0.1, segs=segs, out_dtype=jnp.bfloat16))
+    t16 = g16.trace(q, k, k, idx, q, lse, lse, dq_acc, segs).lower(lowering_platforms=("cuda",)).as_text()
+    dq_type = f"tensor<{B}x{S}x{H}x{D}x"
+    calls = [line for line in t16.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2 and all(f"-> {dq_type}bf16>" in line for line in calls), calls
+    assert all(f"-> {dq_type}f32>" in line for line in text.splitlines() if "custom_call @mosaic_gpu" in line)
     if not merge and not documents:  # the other step width of each query-side kernel
         sizes = {}
         f = jax.jit(lambda q, k, v, idx: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, kv_step=64))

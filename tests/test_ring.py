@@ -316,6 +316,40 @@ class TestMosaicGPU(TestTritonGPU):
                                  self.tol[self.STEP_DTYPE], f"random StepIndex stream={stream} impl={self.impl}")
 
 
+@pytest.mark.parametrize("mesh_shape, order, fuse, side, expect", [
+    ((1, 1), "flat", True, "kv", "b"),  # one rank: the own step's dQ is final
+    ((2, 2), "hierarchical", False, "kv", "fffb"),  # every step a call, the last (own chunk) writes bf16
+    ((2, 2), "hierarchical", True, "kv", "ffb"),  # steps 0 and P-1 in the first call: the last call is step 1
+    ((1, 2), "flat", True, "kv", "b"),  # the fused call is the only call
+    ((1, 1), "flat", True, "query", "b"),
+    ((1, 4), "flat", True, "query", "ffff"),  # dQ summed from travelling accumulators: float32 until the end
+])
+def test_only_the_last_backward_call_writes_dq_in_q_dtype(monkeypatch, mesh_shape, order, fuse, side, expect):
+    """The backward's kernel calls in trace order: the call after which nothing is added to dQ asks for
+    q's dtype (the Mosaic dQ kernel then writes no float32 dQ buffer), every earlier one for float32;
+    the gradients stay those of the dense reference (bfloat16)."""
+    from mtraining_jax.ring import backward, exchange_ring
+
+    calls = []
+
+    def spy(real):
+        def call(*a, dq_dtype=jnp.float32, **kw):
+            calls.append("b" if jnp.dtype(dq_dtype) == jnp.bfloat16 else "f")
+            return real(*a, dq_dtype=dq_dtype, **kw)
+        return call
+
+    monkeypatch.setattr(backward, "block_sparse_attention_bwd", spy(backward.block_sparse_attention_bwd))
+    monkeypatch.setattr(exchange_ring, "block_sparse_attention_bwd", spy(exchange_ring.block_sparse_attention_bwd))
+    dt, S = jnp.bfloat16, 128
+    q, k, v, cot = _inputs(3, 1, S, 4, 2, 32, dt)
+    ref_out, ref_grads = _reference(q, k, v, cot)
+    fn = _ring_vg.__wrapped__(mesh_shape, order, (fuse, fuse), "xla", side)  # a fresh trace
+    lay = Layout("zigzag", S, mesh_shape[0] * mesh_shape[1], stripe=STRIPE)
+    (_, out), grads = fn(*[jnp.asarray(lay.permute(x), dt) for x in (q, k, v)], jnp.asarray(lay.perm),
+                         jnp.asarray(lay.permute(cot), jnp.float32))
+    assert "".join(calls) == expect
+    _check_against_reference(out, grads, lay, ref_out, ref_grads, dt, TOL["bfloat16"], f"{mesh_shape} {side}")
+
 def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
     """Inputs sharded over (data, node, local) inside jit; output keeps that sharding."""
     mesh = _mesh((2, 2), data=2)

@@ -22,7 +22,9 @@ dO, lse and delta (one packed buffer) and their dQ accumulator travel ``+1``, ov
 (query rank, K/V chunk) pairs; no fused call.
 
 Shapes: ``q [B, Sl, Hq, D]``, ``kv_own [2, B, Sl, Hkv, D]`` (K and V stacked), ``q_pos, k_pos
-int32 [Sl]``, ``lse [B, Hq, Sl]`` float32; both return float32 ``(dq, dk, dv)``.
+int32 [Sl]``, ``lse [B, Hq, Sl]`` float32; both return ``(dq, dk, dv)`` with float32 dK/dV. The K/V side's
+dQ is in q's dtype: its last kernel call writes it, rounded once from the float32 sum (no float32 dQ buffer
+of the whole chunk); the query side's is float32 (summed from the travelling accumulators) unless P = 1.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ __all__ = ["backward_kv", "backward_query"]
 def backward_kv(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs=None):
     """The backward ring (see module docstring): the forward's steps in reverse order, starting
     from ``kv_last``; ``(out, out_lo)`` is the forward's float32 output as ``split_output`` saves it; returns
-    float32 ``(dq, dk, dv)``."""
+    ``(dq, dk, dv)``: dQ in q's dtype (rounded once, by the last step's kernel), dK/dV float32."""
     outer_axis, n_outer = cfg.outer
     inner_axis, n_inner = cfg.inner
     P = cfg.num_ranks
@@ -56,12 +58,14 @@ def backward_kv(cfg: RingConfig, q, kv_own, kv_last, q_pos, kpos_all, step_index
     rank = my_rank(cfg)
     delta = attention_delta(out, do, out_lo)
 
+    last = 1 if fuse else 0  # the step of the last kernel call: its dQ is final, written in q's dtype
+
     def attend(steps, kvs, dq, dkv_acc):
         seg_kw = group_segments(segs, rank, steps, cfg)
         return block_sparse_attention_bwd(
             q, kvs[0], kvs[1], q_pos, group_positions(kpos_all, rank, steps, cfg), group_index(step_index, steps),
             do, lse, delta, sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, stream=cfg.kernel_stream,
-            dq_acc=dq, dkv_acc=dkv_acc, **seg_kw)
+            dq_acc=dq, dkv_acc=dkv_acc, dq_dtype=q.dtype if steps[-1] == last else jnp.float32, **seg_kw)
 
     def moved(x, axis, size, dest_step):
         # the chunk of step 0 is this rank's own: it never travels home, it is already here
@@ -148,7 +152,7 @@ def backward_query(cfg: RingConfig, q, kv_own, qpos_all, kpos_all, step_index, o
     k, v = kv_own[0], kv_own[1]
     k_pos = lax.dynamic_index_in_dim(kpos_all, rank, axis=0, keepdims=False)
 
-    def attend(s, parts, dq_acc, dkv_acc):
+    def attend(s, parts, dq_acc, dkv_acc, dq_dtype=jnp.float32):
         qq, dd, ll, de = parts
         t = query_rank(rank, s, cfg)
         index = None if step_index is None else step_index.for_rank(t).step(s)
@@ -157,8 +161,7 @@ def backward_query(cfg: RingConfig, q, kv_own, qpos_all, kpos_all, step_index, o
         return block_sparse_attention_bwd(
             qq, k, v, lax.dynamic_index_in_dim(qpos_all, t, axis=0, keepdims=False), k_pos, index, dd, ll, de,
             sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, stream=cfg.kernel_stream,
-            dq_acc=dq_acc, dkv_acc=dkv_acc,
-            **seg_kw)
+            dq_acc=dq_acc, dkv_acc=dkv_acc, dq_dtype=dq_dtype, **seg_kw)
 
     def unpack(buf):
         return _unpack_queries(buf, q.shape, q.dtype)
@@ -167,7 +170,7 @@ def backward_query(cfg: RingConfig, q, kv_own, qpos_all, kpos_all, step_index, o
     if P > 1:  # posted before the own step, which it overlaps
         bundle = lax.ppermute(_pack_queries(q, do, lse, delta), CP_AXES,
                               perm=[(r, first_visit(r, cfg)) for r in range(P)])
-    dq_own, dk, dv = attend(0, (q, do, lse, delta), None, None)
+    dq_own, dk, dv = attend(0, (q, do, lse, delta), None, None, q.dtype if P == 1 else jnp.float32)
     dkv = (dk, dv)
     acc = tot = None
     for i in reversed(range(n_outer)):

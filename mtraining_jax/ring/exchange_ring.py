@@ -121,18 +121,19 @@ def forward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, se
 def backward_exchange(cfg: RingConfig, q, kv_own, kept, q_pos, kpos_all, step_index, out, out_lo, lse, do, segs=None,
                       ok=None):
     """The K/V-side backward with the sparse exchange (module docstring) on the chunks ``kept``
-    from the forward; float32 ``(dq, dk, dv)``."""
+    from the forward; ``(dq, dk, dv)``: dQ in q's dtype (rounded once, by the last step's kernel), dK/dV
+    float32."""
     P, bs, sl = cfg.num_ranks, cfg.block_size, kv_own.shape[2]
     rank = my_rank(cfg)
     delta = attention_delta(out, do, out_lo)
 
-    def bwd(kv, kpos, index, seg_kw, dq):
+    def bwd(kv, kpos, index, seg_kw, dq, last):  # last: the final dQ, written in q's dtype
         return block_sparse_attention_bwd(q, kv[0], kv[1], q_pos, kpos, index, do, lse, delta, sm_scale=cfg.sm_scale,
                                           block_size=bs, impl=cfg.impl, stream=cfg.kernel_stream,
-                                          dq_acc=dq, **seg_kw)
+                                          dq_acc=dq, dq_dtype=q.dtype if last else jnp.float32, **seg_kw)
 
     own = _Step(cfg, step_index, kpos_all, segs, rank, 0, sl)
-    dq, dk, dv = bwd(kv_own, *own.kernel_args(False), None)
+    dq, dk, dv = bwd(kv_own, *own.kernel_args(False), None, P == 1)
     dkv = jnp.stack([dk, dv])
     for s in range(1, P):
         st = _Step(cfg, step_index, kpos_all, segs, rank, s, sl)
@@ -140,7 +141,7 @@ def backward_exchange(cfg: RingConfig, q, kv_own, kept, q_pos, kpos_all, step_in
         def run(compact, dq, dkv, st=st, s=s):
             tok = st.send_tokens() if compact else None
             kv = kept[s - 1] if compact else _send(kv_own, cfg, s)
-            dq, dk_s, dv_s = bwd(kv, *st.kernel_args(compact), dq)
+            dq, dk_s, dv_s = bwd(kv, *st.kernel_args(compact), dq, s == P - 1)
             back = _send(jnp.stack([dk_s, dv_s]), cfg, s, back=True)
             return dq, (dkv.at[:, :, tok].add(back) if compact else dkv + back)
 
