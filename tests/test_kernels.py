@@ -249,7 +249,8 @@ class _KernelSuite:
         assert dq32.dtype == jnp.float32 and dq16.dtype == jnp.bfloat16 and dk16.dtype == jnp.float32
         assert float(jnp.max(jnp.abs(dq32 - acc))) > 0.1  # the pass added something to the accumulator
         np.testing.assert_array_equal(np.asarray(dq16), np.asarray(dq32.astype(jnp.bfloat16)))
-        np.testing.assert_array_equal(np.asarray(dk16), np.asarray(dk32))
+        # dK: the same pass both times, but the column pass's scatter-add (XLA) adds in any order on a GPU
+        np.testing.assert_allclose(np.asarray(dk16), np.asarray(dk32), rtol=1e-5, atol=1e-6)
         with pytest.raises(ValueError, match="dq_dtype must be a floating dtype .* got <class 'jax.numpy.int32'>"):
             api.block_sparse_attention_bwd(*args, impl=self.impl, dq_dtype=jnp.int32)
         with pytest.raises(ValueError, match="dq_dtype must be a floating dtype .* got 'bf16x'"):
