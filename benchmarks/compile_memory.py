@@ -39,10 +39,10 @@ def _patch_dq_walk() -> None:
 
     run_stream = mosaic_stream.run_stream
 
-    def patched(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream):
+    def patched(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform=False):
         if "mosaic_dq" in launch.__qualname__:
             walk = "switch"
-        return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)
+        return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform)
 
     mosaic_bwd.run_stream = patched
 

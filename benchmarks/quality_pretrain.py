@@ -58,7 +58,8 @@ def _check_fields(out: dict, where: str, prefix: str) -> None:
 def check_pretrain(spec: dict, where: str) -> dict:
     """``spec`` over :data:`PRETRAIN_DEFAULTS`, validated: a ``ValueError`` naming ``where`` and the bad value.
     Each of ``stages`` is completed from the first stage (``lr``, ``warmup_steps``; ``windows`` defaults to
-    ``steps * batch``: each window seen once)."""
+    ``steps * batch + 1``: each window seen once, and one more for the token past a window the last
+    label needs, so that a one-step stage still has a whole batch)."""
     out = dict(PRETRAIN_DEFAULTS)
     if spec is None:
         return out
@@ -80,7 +81,7 @@ def check_pretrain(spec: dict, where: str) -> dict:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"{where}: pretrain.stages[{i - 2}].steps must be an integer >= 1, got {steps!r}")
         full = {"lr": out["lr"], "warmup_steps": out["warmup_steps"], **st}
-        full.setdefault("windows", steps * full["batch"] if isinstance(full["batch"], int) else None)
+        full.setdefault("windows", steps * full["batch"] + 1 if isinstance(full["batch"], int) else None)
         _check_fields(full, where, f"pretrain.stages[{i - 2}].")
         done.append(full)
     out["stages"] = done
@@ -218,6 +219,8 @@ def add_pretrain_args(p) -> None:
                    "previous one's weights, e.g. 4096x16:500 (study: pretrain.stages; '' for none)")
     p.add_argument("--pretrain-seed", type=int, metavar="S", help="every seed's arms start from seed S's copy "
                    "pretraining (one pretrained model; the seeds vary the fine-tuning data and order)")
+    p.add_argument("--pretrain-only", action="store_true", help="the copy pretraining alone, no arms: one row per "
+                   "seed in OUT/pretrain.jsonl (arm 'pretrain'; curricula compared before any arm trains)")
 
 
 def resolve_pretrain(args, study_spec: dict) -> dict:
@@ -235,6 +238,9 @@ def resolve_pretrain(args, study_spec: dict) -> dict:
         raise SystemExit("quality_study: copy pretraining (pretrain.steps / --pretrain-steps "
                          f"{spec['steps']}) gives the arms their initial weights; drop model.init_from "
                          "from the trainer overrides or set the pretraining steps to 0")
+    if args.pretrain_only and not spec["steps"]:
+        raise SystemExit("quality_study: --pretrain-only needs a copy pretraining "
+                         "(pretrain.steps / --pretrain-steps > 0)")
     if args.pretrain_seed is not None and args.gpu_per_seed:  # the children would pretrain one folder at once
         raise SystemExit("quality_study: --pretrain-seed runs the seeds one after another (no --gpu-per-seed)")
     return spec

@@ -44,7 +44,8 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   default): each seed first trains the
   dense arm's model on short windows of random bytes with spans copied to later places
   (:mod:`benchmarks.quality_pretrain`), and every arm of that seed starts from those weights (rows:
-  ``pretrain``). A finished pretraining is reused by later calls and a stopped one resumed.
+  ``pretrain``). A finished pretraining is reused by later calls and a stopped one resumed;
+  ``--pretrain-only`` stops there (rows ``arm: pretrain`` in ``--out/pretrain.jsonl``).
 
 One JSONL row per (arm, seed) in ``--out/quality.jsonl``, appended as soon as it is known: ``arm``
 (dense / mtraining / msa), ``seed``, ``steps``, ``tokens``, ``heldout_loss`` (the evaluator's
@@ -552,6 +553,10 @@ def main(argv=None) -> int:
         if pre and pre.get("stopped"):  # like a slice (--run-steps): the arms wait for the next call
             sliced += len(names)
             continue
+        if args.pretrain_only:  # its curves alone (benchmarks/quality_pretrain_plot.py --rows OUT/pretrain.jsonl)
+            with open(os.path.join(args.out, "pretrain.jsonl"), "a") as f:
+                f.write(json.dumps(dict(arm="pretrain", seed=seed, pretrain=pre, **provenance_row(argv))) + "\n")
+            continue
         for name in names:
             try:
                 rec = run_variant(name, args, corpus, seed, pre)
@@ -570,6 +575,8 @@ def main(argv=None) -> int:
     if recs:
         write_report(recs, args.out)
         print(open(os.path.join(args.out, "quality.md")).read())
+    elif args.pretrain_only:
+        print(f"copy pretraining rows: {os.path.join(args.out, 'pretrain.jsonl')}")
     elif sliced:
         print(f"{sliced} arm(s) stopped at the end of a slice (--run-steps): continue with --resume")
     else:

@@ -178,11 +178,16 @@ def _scale(q, sm_scale):
 
 
 def _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs=None):
+    """``(index, uniform)``: the backend's index (the full causal one built for ``index=None`` when the
+    backend needs one, narrowed to the documents) and whether every (batch, head) row of it is the same
+    (built here, no documents), which a backend may use to build its operands once."""
+    uniform = False
     if index is None and backend.NEEDS_INDEX:
         index = full_step_index(q.shape[0], q.shape[2], q.shape[1], k.shape[1], q_pos, k_pos, block_size)
+        uniform = segs is None
     if index is not None and segs is not None:
         index = apply_segments(index, segs[0], segs[1], block_size)
-    return index
+    return index, uniform
 
 
 def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = None, *, sm_scale=None,
@@ -202,9 +207,9 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
         _check_acc("acc", acc, [q.shape, (q.shape[0], q.shape[2], q.shape[1])])
     backend = _backend(impl, "fwd", q, k, block_size, segs)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
-    idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
+    idx, uniform = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
     return backend.fwd(q, k, v, q_pos, k_pos, idx, acc, sm_scale=_scale(q, sm_scale), block_size=block_size,
-                       segs=segs, stream=stream)
+                       segs=segs, stream=stream, uniform_index=uniform)
 
 
 def _check_dq_dtype(dq_dtype) -> None:
@@ -238,10 +243,10 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
         _check_acc("dkv_acc", dkv_acc, [k.shape, k.shape])
     backend = _backend(impl, "bwd", q, k, block_size, segs)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
-    idx = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
+    idx, uniform = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
     return backend.bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
                        sm_scale=_scale(q, sm_scale), block_size=block_size, segs=segs, stream=stream,
-                       dq_dtype=jnp.dtype(dq_dtype))
+                       dq_dtype=jnp.dtype(dq_dtype), uniform_index=uniform)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))

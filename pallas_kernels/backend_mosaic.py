@@ -47,24 +47,28 @@ def _stream_options(stream: str) -> dict:
     return {"stream": "split", "kv_step": 128, "walk": "loops"} if stream == "split" else {"stream": stream}
 
 
-def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto"):
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto",
+        uniform_index=False):
+    """``uniform_index``: every (batch, head) row of ``index`` is the same (the API's full index for
+    ``index=None``): the forward / dQ operands and the dK/dV schedule are built once and broadcast."""
     from pallas_kernels.mosaic_fwd import mosaic_fwd  # imports Mosaic GPU only when used
 
     return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size, segs=segs,
-                      **_stream_options(stream))
+                      uniform=uniform_index, **_stream_options(stream))
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
-        stream="auto", dq_dtype=jnp.float32):
+        stream="auto", dq_dtype=jnp.float32, uniform_index=False):
     from pallas_kernels import triton_backward
     from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dkv_cols, mosaic_dq
     from pallas_kernels.three_pass import three_pass_bwd
 
     opts = dict(sm_scale=sm_scale, block_size=block_size)
     if k.shape[1] % 128 == 0:
-        dkv = (mosaic_dkv_blocks, mosaic_dkv_cols)
+        dkv = (functools.partial(mosaic_dkv_blocks, uniform=uniform_index), mosaic_dkv_cols)
     else:  # the Triton dK/dV passes (their own tuning defaults)
         dkv = (triton_backward.dkv_block_pass, triton_backward.dkv_col_pass)
-    dq = functools.partial(mosaic_dq, out_dtype=jnp.dtype(dq_dtype), **_stream_options(stream))
+    dq = functools.partial(mosaic_dq, out_dtype=jnp.dtype(dq_dtype), uniform=uniform_index,
+                           **_stream_options(stream))
     return three_pass_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, dq_kernel=dq,
                           dkv_kernels=dkv, kernel_options=opts, segs=segs)

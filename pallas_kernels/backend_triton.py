@@ -23,14 +23,16 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto"):  # noqa: ARG001
-    # ``stream`` is the Mosaic kernels' choice (registry.STREAMS); this backend has one schedule
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto",
+        uniform_index=False):  # noqa: ARG001
+    # ``stream`` is the Mosaic kernels' choice (registry.STREAMS); this backend has one schedule;
+    # ``uniform_index`` (every row of the index alike) is a hint this backend does not use
     return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size,
                                      interpret=_interpret(), segs=segs)
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
-        stream="auto", dq_dtype=jnp.float32):  # noqa: ARG001  (stream: the Mosaic kernels' choice)
+        stream="auto", dq_dtype=jnp.float32, uniform_index=False):  # noqa: ARG001  (stream, uniform_index: Mosaic's)
     dq, dk, dv = triton_backward.pallas_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc,
                                             sm_scale=sm_scale, block_size=block_size, interpret=_interpret(), segs=segs)
     return dq.astype(dq_dtype), dk, dv

@@ -16,14 +16,16 @@ def supports(problem) -> None:
     del problem  # runs everything the API validates
 
 
-def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto"):  # noqa: ARG001
-    # ``stream`` is the Mosaic kernels' choice (registry.STREAMS); this backend has one schedule
+def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto",
+        uniform_index=False):  # noqa: ARG001
+    # ``stream`` is the Mosaic kernels' choice (registry.STREAMS); this backend has one schedule;
+    # ``uniform_index`` (every row of the index alike) is a hint this backend does not use
     out, lse = xla_twin.xla_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale, block_size=block_size, segs=segs)
     return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
-        stream="auto", dq_dtype=jnp.float32):  # noqa: ARG001  (stream: the Mosaic kernels' choice)
+        stream="auto", dq_dtype=jnp.float32, uniform_index=False):  # noqa: ARG001  (stream, uniform_index: Mosaic's)
     dq, dk, dv = xla_twin.xla_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, sm_scale=sm_scale,
                                   block_size=block_size, segs=segs)
     dq = (dq if dq_acc is None else dq_acc + dq).astype(dq_dtype)

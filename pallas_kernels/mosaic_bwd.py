@@ -32,7 +32,8 @@ from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem,
                                           transposed)
 from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
                                           stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
-from pallas_kernels.mosaic_index import column_ranges, column_slots, kv_schedule, prepare
+from pallas_kernels.mosaic_index import (column_operands, column_ranges, column_slots, kv_schedule,
+                                         uniform_kv_schedule)
 from pallas_kernels.three_pass import add_column_grads
 
 
@@ -154,10 +155,10 @@ _STATIC = ("sm_scale", "block_size", "stages")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk", "stream",
-                                             "out_dtype"))
+                                             "out_dtype", "uniform"))
 def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
               block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None, walk: str = "loops",
-              stream: str = "auto", out_dtype=jnp.float32):
+              stream: str = "auto", out_dtype=jnp.float32, uniform: bool = False):
     """``dq [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given, in
     ``out_dtype`` (float32; the last ring step may ask for q's dtype: the float32 sum is rounded once,
     in the kernel, and no float32 copy of dq is written).
@@ -165,7 +166,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     documents (module docstring); ``kv_step`` / ``slots`` / ``walk`` / ``stream`` as in
     :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd` (``stream="split"`` needs ``kv_step=128``; the default
     ``"auto"`` walks its shared branch with segment loops in 64-key steps: one loop is 5-12 % slower
-    in the dQ, results/kernels/kernels.md run 13)."""
+    in the dQ, results/kernels/kernels.md run 13); ``uniform`` as in the forward."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
@@ -196,7 +197,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
         return query_kernel(kernel, "mosaic_dq", jax.ShapeDtypeStruct((B, sq, H, d), out_dtype), scratch, args,
                             nqb // 2, H, B)
 
-    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)
+    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform)
 
 
 def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
@@ -438,18 +439,20 @@ def _launch(kernel, out_type, scratch, grid, grid_names, *args):
                         compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("uniform",))
 def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
-                      block_size: int = 64, stages: int = 2, segs=None):
+                      block_size: int = 64, stages: int = 2, segs=None, uniform: bool = False):
     """Backward block pass: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks' pairs (causal,
     minus the listed columns of each row's prefix: :func:`mosaic_dkv_cols` has those), summed over
     each KV head's group of query heads. ``Sk`` a multiple of 128; ``do`` in q's dtype (cast here),
-    ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed documents (module docstring)."""
+    ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed documents (module docstring);
+    ``uniform``: every (batch, head) row of ``index`` alike, its schedule built once
+    (:func:`~pallas_kernels.mosaic_index.uniform_kv_schedule`)."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
     sg = segs is not None
-    sched, counts = kv_schedule(index, sk, hkv, bs)
+    sched, counts = (uniform_kv_schedule if uniform else kv_schedule)(index, sk, hkv, bs)
     rinfo, qinfo = _row_infos(q_pos, lse, delta, index.col_count, bs, segs[0] if sg else None)
     kernel = functools.partial(_dkv_blocks_kernel, stages=stages, g=H // hkv, bs=bs, nqb=sq // bs,
                                qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), segs=sg)
@@ -473,8 +476,8 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     sk = k.shape[1]
     bs = block_size
     sg = segs is not None
-    ops = prepare(index, k, v, k_pos, bs, segs=segs)
-    mcp = ops.kc.shape[2]
+    kc, vc, c_info = column_operands(index, k, v, k_pos, bs, segs=segs)
+    mcp = kc.shape[2]
     nch = mcp // bs
     first, nranges = column_ranges(index.col_count, nch, bs, range_blocks)
     rinfo, qinfo = _row_infos(q_pos, lse, delta, 1 - index.col_count, bs, segs[0] if sg else None)
@@ -484,6 +487,6 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
     scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg)
     dkc, dvc = _launch(named(kernel, "mosaic_dkv_cols"), [out, out], scratch, (nch // 2, H, B * nranges),
-                       ("p", "h", "br"), first, ops.c_info, q, do.astype(q.dtype), rinfo, qinfo, ops.kc, ops.vc)
+                       ("p", "h", "br"), first, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
     cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - index.max_cols)])
     return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), cidx, index.col_count)

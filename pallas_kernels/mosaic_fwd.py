@@ -200,13 +200,13 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
                          kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
 
 
-_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream")
+_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream", "uniform")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
                slots: int | None = None, kv_step: int = 128, segs=None, walk: str = "switch",
-               stream: str = "auto"):
+               stream: str = "auto", uniform: bool = False):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
     lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given. ``segs = (q_seg
     [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``.
@@ -217,7 +217,8 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     ``"split"``, each its own tiles in one half of every 128-key step, or ``"auto"``, one of the two
     chosen per call from the index by :func:`pallas_kernels.mosaic_stream.run_stream`, whose split
     branch always takes 128-key steps and segment loops; ``walk`` / ``kv_step`` apply to its shared
-    branch)."""
+    branch); ``uniform``: every (batch, head) row of ``index`` is the same, its operands are built once
+    (:func:`pallas_kernels.mosaic_stream.stream_operands`)."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
@@ -247,4 +248,4 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
         out_type = [jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)]
         return tuple(query_kernel(kernel, "mosaic_fwd", out_type, scratch, args, nqb // 2, H, B))
 
-    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream)
+    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform)

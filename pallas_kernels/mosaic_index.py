@@ -78,6 +78,51 @@ def column_slots(index: StepIndex, sk: int):
     return jnp.full((B, H, sk), UNLISTED, jnp.int32).at[b, h, ids].min(slots)
 
 
+def _column_ids(index: StepIndex, sk: int, mcp: int):
+    """``int32 [B, H, MCp]``: the column list clipped to ``[0, Sk)``, padded with key 0 to ``MCp``."""
+    return jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - index.max_cols)])
+
+
+def column_tiles(index: StepIndex, k, v, block_size: int):
+    """``(kc, vc) [B, H, MCp, D]``: each query head's listed columns of ``k, v [B, Sk, Hkv, D]`` (its KV
+    head's), zero on padding; ``MCp`` = ``max_cols`` rounded up to pairs of 64-key tiles (the column
+    dK/dV pass's CTAs)."""
+    B, H = index.col_idx.shape[:2]
+    bs, mc = block_size, index.max_cols
+    mcp = -(-max(mc, 1) // (2 * bs)) * 2 * bs
+    cidx = _column_ids(index, k.shape[1], mcp)
+    real = (jnp.arange(mcp) < mc)[None, None, :, None]
+    b_ix = jnp.arange(B)[:, None, None]
+    hk_ix = (jnp.arange(H) // (H // k.shape[2]))[None, :, None]
+    return (jnp.where(real, k[b_ix, cidx, hk_ix], 0).astype(k.dtype),
+            jnp.where(real, v[b_ix, cidx, hk_ix], 0).astype(v.dtype))
+
+
+def _column_info(index: StepIndex, k_pos, bs: int, mcp: int, segs=None):
+    """``(cpos [B, H, MCp], cseg [B, H, MCp] or None, c_info int32 [B, H, MCp // bs, 2 (+1), bs])`` of the
+    column tiles: the listed columns' positions (``POS_PAD`` on padding), their segment ids (-1 on
+    padding) and the info tiles ``(pos, -slot[, seg])``."""
+    B, H = index.col_idx.shape[:2]
+    cidx = _column_ids(index, k_pos.shape[0], mcp)
+    s = jnp.arange(mcp, dtype=jnp.int32)
+    real = s < index.max_cols
+    cpos = jnp.where(real, k_pos.astype(jnp.int32)[cidx], POS_PAD)
+    c_rows = [cpos.reshape(B, H, mcp // bs, bs),
+              jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))]
+    cseg = None
+    if segs is not None:
+        cseg = jnp.where(real, segs[1].astype(jnp.int32)[jnp.arange(B)[:, None, None], cidx], -1)
+        c_rows.append(cseg.reshape(B, H, mcp // bs, bs))
+    return cpos, cseg, jnp.stack(c_rows, axis=3).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def column_operands(index: StepIndex, k, v, k_pos, block_size: int, segs=None):
+    """``(kc, vc, c_info)`` of :func:`prepare` alone: what the column dK/dV pass walks (no block tiles)."""
+    kc, vc = column_tiles(index, k, v, block_size)
+    return kc, vc, _column_info(index, k_pos, block_size, kc.shape[2], segs)[2]
+
+
 @functools.partial(jax.jit, static_argnames=("block_size",))
 def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=None) -> MosaicOperands:
     """Build :class:`MosaicOperands` for ``k, v [B, Sk, Hkv, D]`` and query heads ``H`` of ``index``.
@@ -89,9 +134,8 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
     and a free column tile must also lie, with the query block, inside one document."""
     bs = block_size
     B, H, nqb, mb = index.block_idx.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    nkb, mc = sk // bs, index.max_cols
-    g = H // hkv
+    sk = k.shape[1]
+    nkb = sk // bs
 
     slot = column_slots(index, sk)  # [B, H, Sk]
     first_slot = slot.reshape(B, H, nkb, bs).min(axis=-1)  # [B, H, nKB]
@@ -113,21 +157,9 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
         info_rows.append(jnp.broadcast_to(kseg.reshape(B, 1, nkb, bs), (B, H, nkb, bs)))
     k_info = jnp.stack(info_rows, axis=3)
 
-    mcp = -(-max(mc, 1) // (2 * bs)) * 2 * bs  # pairs of column tiles (the column dK/dV pass's CTAs)
-    cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - mc)])
-    s = jnp.arange(mcp, dtype=jnp.int32)
-    real = s < mc
-    b_ix = jnp.arange(B)[:, None, None]
-    hk_ix = (jnp.arange(H) // g)[None, :, None]
-    kc = jnp.where(real[None, None, :, None], k[b_ix, cidx, hk_ix], 0).astype(k.dtype)
-    vc = jnp.where(real[None, None, :, None], v[b_ix, cidx, hk_ix], 0).astype(v.dtype)
-    cpos = jnp.where(real, k_pos.astype(jnp.int32)[cidx], POS_PAD)
-    c_rows = [cpos.reshape(B, H, mcp // bs, bs),
-              jnp.broadcast_to(-s.reshape(1, 1, mcp // bs, bs), (B, H, mcp // bs, bs))]
-    if segs is not None:
-        cseg = jnp.where(real, kseg[b_ix, cidx], -1)  # [B, H, MCp]
-        c_rows.append(cseg.reshape(B, H, mcp // bs, bs))
-    c_info = jnp.stack(c_rows, axis=3)
+    kc, vc = column_tiles(index, k, v, bs)
+    mcp = kc.shape[2]
+    cpos, cseg, c_info = _column_info(index, k_pos, bs, mcp, segs)
     n_cfree = jnp.zeros_like(n_free)
     if q_pos is not None:
         nct = mcp // bs
@@ -142,7 +174,7 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
             free_c = free_c & one & (ct.min(-1)[:, :, None, :] == qs.min(-1)[:, None, :, None])
         n_cfree = jnp.cumprod(free_c.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
     counts = jnp.concatenate([counts, n_cfree[..., None]], axis=-1)
-    return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info.astype(jnp.int32))
+    return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info)
 
 
 # The query-side kernels' CTA owns query blocks 2p and 2p + 1 and walks ONE stream of K/V steps shared
@@ -290,6 +322,27 @@ def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     off = jnp.cumsum(n_all) - n_all
     counts = jnp.stack([n_free, n_all, off], axis=-1).astype(jnp.int32).reshape(B, hkv, nkb, 3)
     return entries, counts
+
+
+@functools.partial(jax.jit, static_argnames=("sk", "hkv", "block_size"))
+def uniform_kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
+    """:func:`kv_schedule` of an index whose every (batch, head) row is the same (the full index the API
+    builds for ``index=None``): the lists are built for one row and every (batch, KV head) pair of a KV
+    block points at one shared list, ``g * nQB`` slots per KV block (not the index's ``B * H * nQB * MB``
+    entries and their sort). Same ``(n_free, n_all)`` and the same lists, entry for entry."""
+    B, H, nqb, _ = index.block_idx.shape
+    g, nkb, L = H // hkv, sk // block_size, (H // hkv) * nqb
+    one, c1 = kv_schedule(jax.tree.map(lambda x: x[:1, :1], index), sk, 1, block_size)
+    nf, na, off = (c1[0, 0, :, i][:, None] for i in range(3))  # [nKB, 1]: one query head's lists
+    t = jnp.arange(L, dtype=jnp.int32)[None, :]
+    free = t < g * nf  # the g heads' free tiles, head after head, then their masked ones
+    u = t - g * nf
+    nm = jnp.maximum(na - nf, 1)
+    j = jnp.where(free, t // jnp.maximum(nf, 1), u // nm)
+    src = jnp.where(free, off + t % jnp.maximum(nf, 1), off + nf + u % nm)
+    entries = jnp.where(t < g * na, j * nqb + one[jnp.clip(src, 0, one.shape[0] - 1)], 0).reshape(-1)
+    counts = jnp.concatenate([g * nf, g * na, jnp.arange(nkb, dtype=jnp.int32)[:, None] * L], axis=-1)
+    return entries.astype(jnp.int32), jnp.broadcast_to(counts.astype(jnp.int32), (B, hkv, nkb, 3))
 
 
 @functools.partial(jax.jit, static_argnames=("length",))

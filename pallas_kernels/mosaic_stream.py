@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -16,7 +17,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import registry
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import col_layout, load_smem, named, row_layout, tile_transforms
-from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, STREAM_SEGMENTS, pair_stream, prepare, split_stream
+from pallas_kernels.mosaic_index import (NULL_BLOCK, POS_PAD, STREAM_SEGMENTS, PairStream, column_tiles, pair_stream,
+                                         prepare, split_stream)
 
 def query_pair_ids(npairs: int):
     """``(b, h, pair, wg)`` of a query-side kernel's CTA (forward, dQ): pairs of query blocks are
@@ -274,20 +276,21 @@ def prefer_split(ops, shared, halves: int):
 
 
 def run_stream(launch, index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None,
-               walk: str, stream: str):
+               walk: str, stream: str, uniform: bool = False):
     """Build a query-side kernel's stream operands and call ``launch(ops, walk_ops, null_info, halves,
     slots, kv_step, walk, split)`` (the kernel). ``stream="auto"``: the operands once, then a
     ``lax.cond`` on :func:`prefer_split` between the split stream (128-key steps, segment loops) and
-    the shared one (``kv_step``, ``walk``): both kernels are compiled, one runs."""
+    the shared one (``kv_step``, ``walk``): both kernels are compiled, one runs. ``uniform``: as in
+    :func:`stream_operands`."""
     check_walk(walk)
     if stream not in STREAMS:
         raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
     if stream != "auto":
         ops, walk_ops, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step,
-                                                                 slots, stream)
+                                                                 slots, stream, uniform)
         return launch(ops, walk_ops, null_info, halves, slots, kv_step, walk, stream == "split")
     ops, shared, null_info, halves, shared_slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step,
-                                                                  slots, "shared")
+                                                                  slots, "shared", uniform)
     split_slots = check_slots(slots, 2 * bs, k.shape[-1])
     return lax.cond(prefer_split(ops, shared, halves),
                     lambda: launch(ops, split_stream(ops), null_info, 2, split_slots, 2 * bs, "loops", True),
@@ -313,10 +316,14 @@ def check_slots(slots, kv_step: int, d: int) -> int:
 
 
 def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None,
-                    stream: str = "shared"):
+                    stream: str = "shared", uniform: bool = False):
     """``(ops, stream, null_info, halves, slots)`` of a query-side kernel (forward, dQ) walking the
     CTA's stream (``stream``: :data:`STREAMS`) in steps of ``kv_step`` keys; ``slots`` defaults to
-    what fits beside the resident query tiles (4 at ``kv_step * head_dim <= 8192``, else 2)."""
+    what fits beside the resident query tiles (4 at ``kv_step * head_dim <= 8192``, else 2).
+    ``uniform``: every (batch, head) row of ``index`` is the same (the full index the API builds for
+    ``index=None``, no packed documents): the index's operands and stream are built for the first
+    row and broadcast (the same values; the stream's two sorts are what a dense ring step's operands
+    cost, ``results/kernels/kernels.md`` run 17), the column tiles per head as always."""
     if kv_step not in (bs, 2 * bs):
         raise ValueError(f"kv_step must be {bs} or {2 * bs}, got {kv_step!r}")
     if stream not in STREAMS[:2]:
@@ -325,10 +332,18 @@ def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step
         raise ValueError(f"stream='split' needs kv_step={2 * bs} (one {bs}-key half per consumer), got {kv_step!r}")
     halves = kv_step // bs
     slots = check_slots(slots, kv_step, k.shape[-1])
-    ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
     null_info = jnp.full((2 + (segs is not None), bs), POS_PAD, jnp.int32)
-    walk_ops = split_stream(ops) if stream == "split" else pair_stream(ops, halves)
-    return ops, walk_ops, null_info, halves, slots
+    walk = (lambda ops: split_stream(ops)) if stream == "split" else (lambda ops: pair_stream(ops, halves))
+    if not uniform or segs is not None:
+        ops = prepare(index, k, v, k_pos, bs, q_pos, segs)
+        return ops, walk(ops), null_info, halves, slots
+    B, H = index.block_idx.shape[:2]
+    row = prepare(jax.tree.map(lambda x: x[:1, :1], index), k[:1, :, :1], v[:1, :, :1], k_pos, bs, q_pos)
+    wide = lambda x: jnp.broadcast_to(x, (B, H) + x.shape[2:])  # noqa: E731
+    kc, vc = column_tiles(index, k, v, bs)
+    ops = row._replace(counts=wide(row.counts), block_idx=wide(row.block_idx), k_info=wide(row.k_info), kc=kc, vc=vc,
+                       c_info=wide(row.c_info))
+    return ops, PairStream(*map(wide, walk(row))), null_info, halves, slots
 
 
 def stream_smem(slots: int, kv_step: int, d: int, dtype, segs: bool):

@@ -524,7 +524,7 @@ def test_copy_curriculum_stages_and_one_pretraining_for_every_seed(tmp_path):
         pre = r["pretrain"]
         assert pre["seed"] == 0 and pre["checkpoints"] == os.path.join(stage2, "checkpoints")
         (st,) = pre["stage_results"]
-        assert (st["seq_len"], st["batch"], st["steps"], st["windows"]) == (256, 2, 2, 4)
+        assert (st["seq_len"], st["batch"], st["steps"], st["windows"]) == (256, 2, 2, 5)
         assert [s for s, _ in st["heldout_curve"]] == [1, 2] and st["lr"] == pre["lr"] == 3e-4
         assert r["eval_skipped"] and r["heldout_loss"] is None and r["heldout_curve"] and r["corpus_sha"]
     assert not rows[0]["pretrain"]["reused"] and rows[1]["pretrain"]["reused"]
@@ -553,3 +553,18 @@ def test_copy_curriculum_stages_and_one_pretraining_for_every_seed(tmp_path):
             check_pretrain({"steps": 1, "stages": stages}, "study")
     with pytest.raises(SystemExit, match="--pretrain-seed runs the seeds one after another"):
         quality_study.main(["--out", str(tmp_path / "e"), "--pretrain-seed", "0", "--gpu-per-seed", "--seeds", "0", "1"])
+    # --pretrain-only: the curriculum's curves alone, one row per seed, no arm trained; the first stage reused;
+    # a one-step stage has its batch (its windows default to steps x batch + 1: a window's last label needs one
+    # token past it)
+    out3 = tmp_path / "out3"
+    assert quality_study.main(["--out", str(out3), "--work", work, "--smoke", "--study", str(study), "--seeds", "0",
+                               "--pretrain-stages", "256x2:2,512x2:1", "--pretrain-only"]) == 0
+    (row,) = [json.loads(line) for line in open(out3 / "pretrain.jsonl")]
+    assert row["arm"] == "pretrain" and row["seed"] == 0 and row["command"] and not (out3 / "quality.jsonl").exists()
+    assert row["pretrain"]["reused"] and [s["seq_len"] for s in row["pretrain"]["stage_results"]] == [256, 512]
+    from benchmarks.quality_pretrain_plot import stage_curves
+    rows = [dict(row, run="c")]
+    s1, s2, s3 = 2 * 128 * 4, 2 * 256 * 2, 1 * 512 * 2  # tokens of each stage (steps x window x batch)
+    assert [c[-1][0] for _, c in stage_curves(rows, "c")] == [s1, s1 + s2, s1 + s2 + s3]
+    with pytest.raises(SystemExit, match="--pretrain-only needs a copy pretraining"):
+        quality_study.main(["--out", str(tmp_path / "e"), "--smoke", "--pretrain-steps", "0", "--pretrain-only"])

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels.reference import dense_attention
 from pallas_kernels import mosaic_index
@@ -339,6 +341,84 @@ def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permute
     dk_ref = (np.einsum("bhqk,bqhd->bkhd", ds, np.asarray(q, np.float64)) * scale).reshape(B, Sk, Hkv, g, 64).sum(3)
     np.testing.assert_allclose(np.asarray(dv), dv_ref, atol=2e-4)
     np.testing.assert_allclose(np.asarray(dk), dk_ref, atol=2e-4)
+
+
+@settings(max_examples=10, deadline=None)
+@given(shift=st.integers(-6, 8), gap=st.integers(0, 70))
+def test_uniform_index_operands_equal_the_general_build(shift, gap):
+    """``uniform=True`` (the full index the API builds for ``index=None``: every (batch, head) row alike)
+    builds the stream operands from one row and broadcasts them: exactly the general build's, for every
+    stream, on ring-like positions (queries ``shift`` blocks after the keys' start: diagonal, partly and
+    wholly visible chunks; ``gap`` positions between key blocks). One shape (2 batches, 4 / 2 heads, 4
+    query and 6 key blocks), so the examples reuse one compiled build."""
+    from pallas_kernels.index_format import full_step_index
+    from pallas_kernels.mosaic_stream import stream_operands
+
+    B, hkv, g, nqb, nkb = 2, 2, 2, 4, 6
+    H, S, Sk = hkv * g, nqb * BS, nkb * BS
+    kp = jnp.asarray(np.arange(Sk) + np.repeat(np.arange(nkb), BS) * gap, jnp.int32)  # gaps between key blocks
+    qp = jnp.arange(S, dtype=jnp.int32) + shift * BS
+    idx = full_step_index(B, H, S, Sk, qp, kp, BS)
+    rng = np.random.default_rng(nqb * nkb)
+    k = jnp.asarray(rng.standard_normal((B, Sk, hkv, 64)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, Sk, hkv, 64)), jnp.bfloat16)
+    for stream, kv_step in (("shared", 64), ("shared", 128), ("split", 128)):
+        general = stream_operands(idx, k, v, qp, kp, BS, None, kv_step, None, stream)
+        one = stream_operands(idx, k, v, qp, kp, BS, None, kv_step, None, stream, uniform=True)
+        for a, b in zip(jax.tree.leaves(general), jax.tree.leaves(one), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            assert a.shape == b.shape and a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+    # the dK/dV block pass's schedule: every (batch, KV head) list the general build's, entry for entry
+    e, c = mosaic_index.kv_schedule(idx, Sk, hkv, BS)
+    eu, cu = mosaic_index.uniform_kv_schedule(idx, Sk, hkv, BS)
+    np.testing.assert_array_equal(np.asarray(c[..., :2]), np.asarray(cu[..., :2]))
+    L = g * nqb
+    live = np.arange(L) < np.asarray(c[..., 1:2])
+    np.testing.assert_array_equal(np.where(live, mosaic_index.dense_kv_schedule(e, c, L), -1),
+                                  np.where(live, mosaic_index.dense_kv_schedule(eu, cu, L), -1))
+
+
+def test_the_api_marks_only_its_own_full_index_uniform():
+    """``_kernel_index``: the full index built for ``index=None`` is uniform; a given index, or the full
+    index narrowed to packed documents, is not (its rows differ by batch); a backend that takes
+    ``index=None`` itself (XLA) gets none."""
+    from types import SimpleNamespace
+
+    from pallas_kernels import api, backend_xla
+    from pallas_kernels.index_format import full_step_index
+
+    B, S, H = 2, 256, 4
+    q = jnp.zeros((B, S, H, 64), jnp.bfloat16)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    assert api._kernel_index(backend_xla, None, q, q, pos, pos, BS) == (None, False)
+    backend = SimpleNamespace(NEEDS_INDEX=True)  # the Mosaic and Triton backends
+    idx, uniform = api._kernel_index(backend, None, q, q, pos, pos, BS)
+    assert uniform and idx.block_idx.shape[:2] == (B, H)
+    given = full_step_index(B, H, S, S, pos, pos, BS)
+    assert api._kernel_index(backend, given, q, q, pos, pos, BS)[1] is False
+    segs = (jnp.zeros((B, S), jnp.int32), jnp.zeros((B, S), jnp.int32))
+    assert api._kernel_index(backend, None, q, q, pos, pos, BS, segs)[1] is False
+
+
+def test_uniform_index_kernels_lower_for_cuda():
+    """With ``uniform_index`` the backend lowers the same Mosaic GPU kernels (only their operands' build
+    differs): the forward's two streams, the backward's four kernels."""
+    from pallas_kernels import backend_mosaic
+    from pallas_kernels.index_format import full_step_index
+
+    B, S, H, q, k, pos, _ = _lowering_inputs(4)
+    idx = full_step_index(B, H, S, S, pos, pos, BS)
+    lse = jnp.zeros((B, H, S))
+    counts = {}
+    for uniform in (False, True):
+        f = jax.jit(lambda q, k, idx, u=uniform: backend_mosaic.fwd(q, k, k, pos, pos, idx, None, sm_scale=0.1,
+                                                                    block_size=BS, uniform_index=u))
+        g = jax.jit(lambda q, k, idx, u=uniform: backend_mosaic.bwd(q, k, k, pos, pos, idx, q, lse, lse, None, None,
+                                                                    sm_scale=0.1, block_size=BS, uniform_index=u))
+        texts = [h.trace(q, k, idx).lower(lowering_platforms=("cuda",)).as_text() for h in (f, g)]
+        counts[uniform] = [t.count("custom_call @mosaic_gpu") for t in texts]
+    assert counts == {False: [2, 4], True: [2, 4]}
 
 
 def _lowering_inputs(seed):

@@ -1,0 +1,92 @@
+"""Where an operator call's GPU time goes: ``jax.profiler`` traces of ``block_sparse_attention`` (forward, or
+forward + backward) on a trained model's index and on the full causal index, with cuDNN on the same inputs,
+summarised by :mod:`benchmarks.trace_summary` (kernel time by source: ``pallas`` kernels, the XLA work each
+source line of the library adds, ``library`` cuBLAS / cuDNN, idle gaps). The question it answers: of a call's
+milliseconds, how many are the kernels and how many the index operands, ``delta`` and casts around them.
+
+    python -m benchmarks.kernel_trace --model-index results/kernels/model_index_mt_s0_128k.npz --model-layers 1 \\
+        --full-seq 32768 --json trace.json
+
+Shapes as ``benchmarks/kernels.py`` (B=1, 16 / 2 heads, d128, bf16); each case: 3 warm calls, ``--reps``
+timed calls (wall clock), then 3 traced calls (trace sums are over those 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks._driver import provenance
+from benchmarks._timing import timeit
+from benchmarks.kernels import BS, H, _fwd_bwd, _inputs
+from benchmarks.model_index import add_model_args, model_entries, model_options
+from benchmarks.trace_summary import summarize_dir
+from pallas_kernels import api
+
+
+def trace_case(name: str, fn, args, reps: int, top: int) -> dict:
+    """Time and trace ``fn(*args)`` (jitted): ``{"case", "ms" (sorted), "per_call": {pallas, library, xla,
+    idle} ms, "summary"}``."""
+    hlo = fn.lower(*args).compile().as_text()
+    _, ts = timeit(fn, *args, warmup=3, repeat=reps)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(3):
+                jax.block_until_ready(fn(*args))
+        summ = summarize_dir(d, top=top, hlo_text=hlo)
+    s = next(iter(summ.values()), {})  # one device (no GPU: no device kernels, an empty summary)
+    by = {r["source"]: r["ms"] for r in s.get("by_source", [])}
+    pallas, lib = by.get("pallas", 0.0), by.get("library", 0.0)
+    per_call = {"pallas": pallas / 3, "library": lib / 3, "xla": (sum(by.values()) - pallas - lib) / 3,
+                "idle": s.get("idle_ms", 0.0) / 3, "span": s.get("span_ms", 0.0) / 3}
+    row = {"case": name, "ms": sorted(t * 1e3 for t in ts), "per_call": per_call, "summary": summ}
+    print(f"{name}: {sorted(round(t * 1e3, 2) for t in ts)} ms; per call: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in per_call.items()), flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=131072, help="sequence length of the model-index cases")
+    ap.add_argument("--full-seq", type=int, default=0, help="also the full causal index (and cuDNN) at this length")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    add_model_args(ap)
+    a = ap.parse_args(argv)
+    model = model_options(a, ap)
+    rows = []
+    if model:
+        q, k, v, ct = _inputs(a.seq, a.seq, jnp.float32)
+        pos = jnp.arange(a.seq, dtype=jnp.int32)
+        for layer, bud, idx, _ in model_entries(a.seq, H, BS, model):
+            idx = jax.tree.map(jnp.asarray, idx)
+            f = functools.partial(lambda q, k, v, idx: api.block_sparse_attention(q, k, v, pos, pos, idx), idx=idx)
+            tag = f"model_L{layer}" + "".join(f"_{kk}{vv}" for kk, vv in bud.items())
+            rows.append(trace_case(f"{tag}_fb", _fwd_bwd(f), (q, k, v, ct), a.reps, a.top))
+    if a.full_seq:
+        S = a.full_seq
+        q, k, v, ct = _inputs(S, S, jnp.float32)
+        pos = jnp.arange(S, dtype=jnp.int32)
+        cud = functools.partial(jax.nn.dot_product_attention, is_causal=True,  # XLA's attention off a GPU
+                                implementation="cudnn" if jax.default_backend() == "gpu" else None)
+        for name, f in (("full", lambda q, k, v: api.block_sparse_attention(q, k, v, pos, pos, None)),
+                        ("cudnn", lambda q, k, v: cud(q, k, v))):
+            rows.append(trace_case(f"{name}_{S}_fwd", jax.jit(f), (q, k, v), a.reps, a.top))
+            rows.append(trace_case(f"{name}_{S}_fb", _fwd_bwd(f), (q, k, v, ct), a.reps, a.top))
+    prov = provenance(argv)
+    for r in rows:
+        r.update(prov)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
