@@ -59,6 +59,23 @@ def gaps(rows, runs, arm: str, base: str, seeds=None) -> dict:
     return out
 
 
+def save_figure(fig, path: str) -> str:
+    """Lay out, write (PNG at ``path``) and close a matplotlib figure of the quality plots."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def rows_parser(description: str):
+    """An ``ArgumentParser`` with the quality plots' ``--rows`` flag (JSONL files, default :data:`ROWS`)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rows", default=ROWS, help="quality JSONL rows (comma-separated files)")
+    return ap
+
+
 def plot(pairs, path: str) -> str:
     """``pairs``: ``[(label, arm, base, gaps(...))]`` -> the two-panel PNG at ``path``."""
     import matplotlib
@@ -83,15 +100,11 @@ def plot(pairs, path: str) -> str:
         a_.legend(fontsize=7)
     ax.set_title("held-out curves (solid: arm, dashed: base)", fontsize=9)
     bx.set_title("held-out gap per step", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default=ROWS, help="quality JSONL rows (comma-separated files)")
+    ap = rows_parser(__doc__.split("\n")[0])
     ap.add_argument("--pair", action="append", required=True, metavar="LABEL=RUN[+RUN]:ARM-BASE")
     ap.add_argument("--seeds", default="", help="comma-separated seeds (default: every seed both arms have)")
     ap.add_argument("--out", required=True, help="PNG path")

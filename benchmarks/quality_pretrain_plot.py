@@ -10,16 +10,13 @@ a seed carries the same).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quality_gap_plot import rows_parser, save_figure  # noqa: E402
 from quality_seeds import read_rows  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS = os.path.join(ROOT, "results", "quality", "quality.jsonl")
 
 
 def stage_curves(rows, run: str) -> list:
@@ -58,15 +55,11 @@ def plot(runs, curves, alphabet: int, path: str) -> str:
     ax.set_title("copy pretraining, stage after stage", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default=ROWS, help="quality JSONL rows (comma-separated files)")
+    ap = rows_parser(__doc__.split("\n")[0])
     ap.add_argument("--run", action="append", required=True, help="a run tag (repeat for several)")
     ap.add_argument("--out", required=True, help="PNG path")
     a = ap.parse_args(argv)

@@ -32,7 +32,7 @@ from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem,
                                           transposed)
 from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
                                           stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
-from pallas_kernels.mosaic_index import (column_operands, column_ranges, column_slots, kv_schedule,
+from pallas_kernels.mosaic_index import (column_ids, column_operands, column_ranges, column_slots, kv_schedule,
                                          uniform_kv_schedule)
 from pallas_kernels.three_pass import add_column_grads
 
@@ -488,5 +488,4 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg)
     dkc, dvc = _launch(named(kernel, "mosaic_dkv_cols"), [out, out], scratch, (nch // 2, H, B * nranges),
                        ("p", "h", "br"), first, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
-    cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - index.max_cols)])
-    return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), cidx, index.col_count)
+    return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), column_ids(index, sk, mcp), index.col_count)

@@ -78,7 +78,7 @@ def column_slots(index: StepIndex, sk: int):
     return jnp.full((B, H, sk), UNLISTED, jnp.int32).at[b, h, ids].min(slots)
 
 
-def _column_ids(index: StepIndex, sk: int, mcp: int):
+def column_ids(index: StepIndex, sk: int, mcp: int):
     """``int32 [B, H, MCp]``: the column list clipped to ``[0, Sk)``, padded with key 0 to ``MCp``."""
     return jnp.pad(jnp.clip(index.col_idx, 0, sk - 1), [(0, 0), (0, 0), (0, mcp - index.max_cols)])
 
@@ -90,7 +90,7 @@ def column_tiles(index: StepIndex, k, v, block_size: int):
     B, H = index.col_idx.shape[:2]
     bs, mc = block_size, index.max_cols
     mcp = -(-max(mc, 1) // (2 * bs)) * 2 * bs
-    cidx = _column_ids(index, k.shape[1], mcp)
+    cidx = column_ids(index, k.shape[1], mcp)
     real = (jnp.arange(mcp) < mc)[None, None, :, None]
     b_ix = jnp.arange(B)[:, None, None]
     hk_ix = (jnp.arange(H) // (H // k.shape[2]))[None, :, None]
@@ -103,7 +103,7 @@ def _column_info(index: StepIndex, k_pos, bs: int, mcp: int, segs=None):
     column tiles: the listed columns' positions (``POS_PAD`` on padding), their segment ids (-1 on
     padding) and the info tiles ``(pos, -slot[, seg])``."""
     B, H = index.col_idx.shape[:2]
-    cidx = _column_ids(index, k_pos.shape[0], mcp)
+    cidx = column_ids(index, k_pos.shape[0], mcp)
     s = jnp.arange(mcp, dtype=jnp.int32)
     real = s < index.max_cols
     cpos = jnp.where(real, k_pos.astype(jnp.int32)[cidx], POS_PAD)
