@@ -44,7 +44,7 @@ def plot(runs, curves, alphabet: int, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
     for i, (run, stages) in enumerate(zip(runs, curves)):
         for j, (label, c) in enumerate(stages):
             ax.plot([t / 1e6 for t, _ in c], [v for _, v in c], "o-" if j else "-", color=f"C{i}", ms=3,
@@ -54,7 +54,7 @@ def plot(runs, curves, alphabet: int, path: str) -> str:
     ax.set_ylabel("held-out loss on copy windows (nats/byte)")
     ax.set_title("copy pretraining, stage after stage", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the curves fill the axes
     return save_figure(fig, path)
 
 
