@@ -34,7 +34,7 @@ def niah_heatmaps(runs, path: str) -> str:
         ax.set_ylabel("needle depth")
         ax.set_title(f"{label}: {r['task']} (n={r['samples']}/cell)", fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the colorbar spans the panels: no tight_layout
     plt.close(fig)
     return path
 
@@ -80,6 +80,6 @@ def recall_maps(runs, path: str, p: str = "0.9") -> str:
         ax.set_ylabel("layer")
         ax.set_title(f"{label}: recall at p={p} (mean {r['mean_recall'][p]:.3f})", fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
