@@ -106,6 +106,13 @@ def retrieval_window(tok, n: int, task: str, rng, stream, keys: int, share: floa
     return tasks.compose(tok, n - 1, needles, depths, question, answer, rng, stream).tokens, pairs
 
 
+def _save_atomic(path: str, arr) -> None:
+    """``np.save`` to a temporary name, then rename: readers see the old file or the whole new one."""
+    tmp = f"{path}.{os.getpid()}.tmp.npy"
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
 def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, keys: int = 0, task_weights=None,
                  share: float = EXTRA_SHARE, fresh: bool = False, copy_share: float = 0.0,
                  made_up_keys: bool = True) -> dict:
@@ -151,8 +158,8 @@ def build_corpus(work: str, seq_len: int, windows: int, mix: float, seed: int, k
     os.makedirs(work, exist_ok=True)
     paths = os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy")
     flat = blocks.reshape(-1).astype(np.uint16)
-    np.save(paths[0], flat)
-    np.save(paths[1], np.asarray(held, np.uint16))
+    _save_atomic(paths[0], flat)  # the arms of a seed may build it at once (--gpu-per-arm): same bytes,
+    _save_atomic(paths[1], np.asarray(held, np.uint16))  # and a reader never sees half a file
     return {"paths": paths, "windows": int(n), "code_windows": int(n_code), "retrieval_windows": int(len(chosen)),
             "pairs_per_window": float(np.mean(pairs)) if pairs else 0.0,
             "sha": hashlib.sha1(flat.tobytes()).hexdigest()[:12], "seed": int(seed)}

@@ -167,12 +167,16 @@ def _claim(work: str, key: dict, label: str) -> None:
     never reused. A later stage's settings include every earlier stage's, so it is trained anew after them."""
     path = os.path.join(work, "pretrain.json")
     old = json.loads(Path(path).read_text()) if os.path.exists(path) else None
-    if old is not None and old != json.loads(json.dumps(key)):
+    new = json.loads(json.dumps(key))
+    if old is not None and old != new:
         print(f"[pretrain {label}] {work} holds a pretraining with other settings ({old}); training anew", flush=True)
         shutil.rmtree(work)
     os.makedirs(work, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(key, f)
+    if old != new:  # written only when new, and whole (os.replace): the arms of a seed may reuse it at once
+        tmp = f"{path}.{os.getpid()}.tmp"  # (--gpu-per-arm)
+        with open(tmp, "w") as f:
+            json.dump(key, f)
+        os.replace(tmp, path)
 
 
 def pretrain(spec: dict, seed_dir: str, seed: int, arm_overrides=(), config: str | None = None) -> dict | None:

@@ -68,7 +68,9 @@ against training tokens (mean over seeds, band = min-max over seeds) and against
 ``--gpu-per-seed`` launches one process per seed with ``CUDA_VISIBLE_DEVICES=<gpu>`` (``--gpus``,
 default 0 .. seeds-1; more seeds than GPUs run in waves); each child writes ``--out/seed<s>/``
 (its rows, its single-run report, ``log_<variant>.txt``) and the parent appends the new rows to
-``--out/quality.jsonl`` and writes the comparison.
+``--out/quality.jsonl`` and writes the comparison. ``--gpu-per-arm`` (``--gpus`` required) splits
+further: one process per seed for its copy pretraining, then one per (seed, arm) on whichever GPU
+is free, each writing ``--out/seed<s>/<arm>/`` (:mod:`benchmarks.quality_launch`).
 
 MSA arm (``configs/quality/msa.yaml``): layers 1-11 MSA (top-16 of 64-token blocks, d_idx 64,
 mean-pooled block keys), ``msa.kl_coef`` 1 (``--msa-kl-coef``), and an indexer warm-up of
@@ -110,7 +112,7 @@ from benchmarks.quality_pretrain import add_pretrain_args, pretrain, resolve_pre
 from benchmarks.quality_protocol import (DENSE_READ_BACKENDS, load_study, resolve_seeds, resolve_steps,  # the protocol
                                          merge_overrides, seed_overrides, train_overrides)
 from benchmarks.quality_report import write_report  # the single-call report
-from benchmarks.quality_launch import launch_per_seed  # --gpu-per-seed: one process per seed
+from benchmarks.quality_launch import add_launch_args, launch_per_arm, launch_per_seed  # one process per seed / arm
 from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets  # --cross-eval, --recall-budgets
 from benchmarks.quality_seeds import VARIANTS, read_rows, select_runs, write_seed_report  # the statistics over seeds
 
@@ -403,9 +405,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", help="seeds (each: initialisation, data order, corpus)")
     p.add_argument("--num-seeds", type=int, help="seeds 0 .. N-1")
     p.add_argument("--seed", type=int, help="one seed (initialisation AND data order; default: the configs')")
-    p.add_argument("--gpu-per-seed", action="store_true",
-                   help="one process per seed with CUDA_VISIBLE_DEVICES=<gpu>, all at once (waves if seeds > GPUs)")
-    p.add_argument("--gpus", type=lambda t: [x for x in t.split(",") if x], help="GPU ids (default 0 .. seeds-1)")
+    add_launch_args(p)  # --gpu-per-seed, --gpu-per-arm, --gpus
     p.add_argument("--study", default=STUDY, help="the study protocol (token budget, retrieval mix, eval haystack)")
     p.add_argument("--tokens", type=int, help="training tokens per arm and seed (default: the study's token_budget)")
     p.add_argument("--steps", type=int, help="steps per arm and seed instead of --tokens")
@@ -501,10 +501,14 @@ def main(argv=None) -> int:
                          f"be >= 0 (got {args.retrieval_keys}) and --retrieval-share in (0, 1] (got {args.retrieval_share})")
     if args.run_steps is not None and args.run_steps < 1:
         raise SystemExit(f"quality_study: --run-steps must be >= 1, got {args.run_steps}")
-    if args.gpu_per_seed:
+    if args.gpu_per_seed or args.gpu_per_arm:
         if args.smoke:
-            raise SystemExit("quality_study: --gpu-per-seed is for GPU machines (--smoke runs on the CPU)")
-        return launch_per_seed(args, list(sys.argv[1:] if argv is None else argv), resolve_seeds(args))
+            raise SystemExit("quality_study: --gpu-per-seed / --gpu-per-arm are for GPU machines "
+                             "(--smoke runs on the CPU)")
+        launch_argv = list(sys.argv[1:] if argv is None else argv)
+        if args.gpu_per_arm:
+            return launch_per_arm(args, launch_argv, resolve_seeds(args), GROUPS.get(args.variant, (args.variant,)))
+        return launch_per_seed(args, launch_argv, resolve_seeds(args))
     if args.smoke:
         from mtraining_jax.train.cli import setup_platform
 

@@ -1,6 +1,6 @@
 """benchmarks/quality_study.py: the multi-seed protocol (seeds set initialisation, data order and
 corpus; token budget; retrieval in the training mix), the report of committed runs (the statistics
-themselves: test_quality_seeds.py), the one-process-per-seed launcher, and --smoke runs at toy size on
+themselves: test_quality_seeds.py; the launchers: test_quality_launch.py), and --smoke runs at toy size on
 CPU that train and evaluate the arms and write their result files (the GPU study is the same code at
 configs/quality sizes)."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import quality_corpus, quality_launch, quality_study
+from benchmarks import quality_corpus, quality_study
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")  # the arms and seeds share compiled steps
 
@@ -200,44 +200,6 @@ def test_study_protocol(tmp_path):
     args.tokens = 32768 * 3 + 1
     with pytest.raises(SystemExit, match="whole number"):
         quality_study.resolve_steps(args, base, study)
-
-
-def test_gpu_per_seed_launches_one_process_per_seed(tmp_path, monkeypatch):
-    argv = ["--out", str(tmp_path / "out"), "--variant", "dense", "--num-seeds", "5", "--gpu-per-seed",
-            "--gpus=0,1,2,3", "--work", "/tmp/w", "--seeds", "7", "8"]
-    jobs = quality_launch.child_commands(argv, [0, 1, 2, 3, 4], ["0", "1", "2", "3"], str(tmp_path / "out"))
-    assert [j[1] for j in jobs] == ["0", "1", "2", "3", "0"]  # a fifth seed waits for GPU 0
-    for s, gpu, cmd, env, child_out in jobs:
-        assert env["CUDA_VISIBLE_DEVICES"] == gpu and child_out == str(tmp_path / "out" / f"seed{s}")
-        assert cmd[2:] == ["--variant", "dense", "--work", "/tmp/w", "--seeds", str(s), "--out", child_out, "--child"]
-        assert "--gpu-per-seed" in env["MTRAINING_STUDY_COMMAND"]
-    # the launcher with stand-in children that write one row each: rows merged, comparison written
-    child = tmp_path / "child.py"
-    child.write_text(
-        "import json, os, sys\n"
-        "out = sys.argv[sys.argv.index('--out') + 1]; seed = int(sys.argv[sys.argv.index('--seeds') + 1])\n"
-        "os.makedirs(out, exist_ok=True)\n"
-        "arm = sys.argv[sys.argv.index('--variant') + 1]\n"
-        "row = dict(arm=arm, variant=arm, seed=seed, steps=2, tokens=1024, tokens_per_step=512,\n"
-        "           heldout_loss=2.0 + seed - 0.1 * (arm == 'mtraining'), niah_accuracy=0.0, recall=0.8, commit='c', date='d', device='gpu',\n"
-        "           jax='j', command=os.environ['MTRAINING_STUDY_COMMAND'], corpus_sha=str(seed),\n"
-        "           gpu=os.environ['CUDA_VISIBLE_DEVICES'], train_loss=[[1, 3.0], [2, 2.5]],\n"
-        "           heldout_curve=[[2, 2.6]], train_time=[[1, 1.0], [2, 2.0]])\n"
-        "open(os.path.join(out, 'quality.jsonl'), 'a').write(json.dumps(row) + '\\n')\n")
-    real = quality_launch.child_commands
-    monkeypatch.setattr(quality_launch, "child_commands", lambda *a: [
-        (s, g, [sys.executable, str(child), *c[2:]], e, o) for s, g, c, e, o in real(*a)])
-    out = str(tmp_path / "run")
-    assert quality_study.main(["--out", out, "--variant", "dense", "--seeds", "0", "1", "--gpu-per-seed"]) == 0
-    assert quality_study.main(["--out", out, "--variant", "dense", "--seeds", "2", "--gpu-per-seed"]) == 0
-    assert quality_study.main(["--out", out, "--variant", "mtraining", "--seeds", "0", "1", "--gpu-per-seed"]) == 0
-    rows = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
-    assert sorted((r["arm"], r["seed"], r["gpu"]) for r in rows) == [  # every row once, each on its GPU
-        ("dense", 0, "0"), ("dense", 1, "1"), ("dense", 2, "0"), ("mtraining", 0, "0"), ("mtraining", 1, "1")]
-    assert len(open(tmp_path / "run" / "seed0" / "quality.jsonl").readlines()) == 2  # the child's own file
-    md = open(os.path.join(out, "seeds.md")).read()
-    assert "| dense | 0, 1, 2 | 3.0000 ± 1.0000 |" in md and os.path.isfile(os.path.join(out, "loss_vs_tokens.png"))
-    assert "| mtraining − dense | 2 | -0.1 | [-0.1, -0.1] | s0: -0.1, s1: -0.1 | lower than dense" in md
 
 
 @pytest.mark.slow(seconds=49)
