@@ -18,10 +18,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quality_seeds import VARIANTS, heldout_curve_of, read_rows  # noqa: E402
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script: the repository root, so that `benchmarks` imports as the package
+from benchmarks.quality_seeds import VARIANTS, heldout_curve_of, read_rows  # noqa: E402
+
 ROWS = os.path.join(ROOT, "results", "quality", "quality.jsonl")
 
 

@@ -14,17 +14,19 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quality_gap_plot import rows_parser, save_figure  # noqa: E402
-from quality_seeds import read_rows  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
+from benchmarks.quality_gap_plot import rows_parser, save_figure  # noqa: E402
+from benchmarks.quality_seeds import read_rows  # noqa: E402
 
 
 def stage_curves(rows, run: str) -> list:
-    """``[(label, [(tokens, held-out loss)])]`` of ``run``'s copy pretraining, one entry per stage; the tokens
-    count from the start of stage 1 (``seq_len * batch`` per step). A ``ValueError`` names a run without one."""
+    """``[(label, [(tokens, held-out loss)])]`` of ``run``'s copy pretraining (``RUN`` or ``RUN@SEED``: that
+    seed's; a run of several seeds without one: its first row's), one entry per stage; the tokens count from
+    the start of stage 1 (``seq_len * batch`` per step). A ``ValueError`` names a run without one."""
+    tag, _, seed = run.partition("@")
     for r in rows:
         p = r.get("pretrain") or {}
-        if r.get("run") == run and p.get("steps") and p.get("heldout_curve"):
+        if r.get("run") == tag and seed in ("", str(r.get("seed"))) and p.get("steps") and p.get("heldout_curve"):
             break
     else:
         raise ValueError(f"run {run!r}: no row with a copy pretraining and its held-out curve")
@@ -60,7 +62,8 @@ def plot(runs, curves, alphabet: int, path: str) -> str:
 
 def main(argv=None) -> int:
     ap = rows_parser(__doc__.split("\n")[0])
-    ap.add_argument("--run", action="append", required=True, help="a run tag (repeat for several)")
+    ap.add_argument("--run", action="append", required=True,
+                    help="a run tag, RUN@SEED for one seed's pretraining (repeat for several)")
     ap.add_argument("--out", required=True, help="PNG path")
     a = ap.parse_args(argv)
     rows = read_rows(a.rows.split(","))
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"quality_pretrain_plot: {e}", file=sys.stderr)
         return 1
-    alphabet = next((r["pretrain"].get("alphabet", 256) for r in rows if r.get("run") == a.run[0]
+    alphabet = next((r["pretrain"].get("alphabet", 256) for r in rows if r.get("run") == a.run[0].partition("@")[0]
                      and r.get("pretrain")), 256)
     for run, stages in zip(a.run, curves):
         for label, c in stages:

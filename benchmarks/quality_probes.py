@@ -1,10 +1,24 @@
 """Evaluations of a trained arm of the quality study beyond its protocol: the parameters read with
-another attention backend in every layer (``--cross-eval``) and index recall / density under other
-sparsity budgets on the trained q/k (``--recall-budgets``)."""
+another attention backend in every layer (``--cross-eval``), the dense arm's parameters read with the
+sparse arm's attention (``--sparse-read``) and index recall / density under other sparsity budgets on
+the trained q/k (``--recall-budgets``); :func:`probe` runs each so that its failure is recorded, not
+raised."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import traceback
+
+
+def probe(rec: dict, key: str, fn) -> None:
+    """``rec[key] = fn()``; a failure is printed and kept as ``rec[key + "_error"]`` (the training
+    record and the other probes stay)."""
+    try:
+        rec[key] = fn()
+    except Exception as e:
+        traceback.print_exc()
+        rec[f"{key}_error"] = f"{type(e).__name__}: {e}"
 
 
 def parse_budgets(text: str) -> list:
@@ -30,19 +44,42 @@ def cross_eval(model_cfg, params, tok, spec, mesh, held, backend: str, retrieval
     trained with sparse attention, read with dense attention): held-out loss by position and the
     retrieval sections of ``spec`` unless ``retrieval=False``. Shows whether what the model learned
     holds without the sparse pattern (whose index is estimated from the window's last queries)."""
-    import dataclasses
+    cfg = dataclasses.replace(model_cfg, attention_backends=(backend,) * model_cfg.num_layers)
+    res = _read(cfg, params, tok, spec, mesh, held, retrieval, f"{backend} attention in every layer")
+    return {"backend": backend, "eval": res}
 
+
+def sparse_read(config_path: str, overrides, params, tok, spec, mesh, held, retrieval: bool = True) -> dict:
+    """Trained (dense) parameters evaluated with the attention of the model that the trainer config
+    ``config_path`` with ``overrides`` builds (the MTraining arm's: sparse layers 1-11, its
+    ``SparsityConfig``): the "dense training, sparse inference" cell of the MTraining paper's Table 1.
+    Held-out loss by position and, unless ``retrieval=False``, the NIAH / RULER sections of ``spec``."""
+    import os
+
+    from mtraining_jax.train.config import load_config
+    from mtraining_jax.train.state import build_model_config
+
+    cfg = load_config(config_path, list(overrides))
+    _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
+    res = _read(model_cfg, params, tok, spec, mesh, held, retrieval, f"{os.path.basename(config_path)}'s attention")
+    return {"config": os.path.basename(config_path), "backends": list(model_cfg.layer_backends), "eval": res}
+
+
+def _read(cfg, params, tok, spec, mesh, held, retrieval: bool, what: str) -> dict:
     from mtraining_jax.eval.api import evaluate_params
 
-    cfg = dataclasses.replace(model_cfg, attention_backends=(backend,) * model_cfg.num_layers)
-    params = _params_of(cfg, params)  # an MSA model's index branch has no use (and no place) in the dense read
+    params = _params_of(cfg, params)  # an MSA model's index branch has no use (and no place) in another read
     spec = dataclasses.replace(spec, recall_ps=(), ppl_len=spec.perplexity_len,
                                **({} if retrieval else {"lengths": ()}))
-    res = evaluate_params(cfg, params, tok, spec, mesh=mesh, heldout=held, label=f"as {backend}", progress=False)
-    out = {"backend": backend, "eval": res}
-    print(f"  read with {backend} attention in every layer: held-out loss "
-          f"{res['perplexity']['mean_loss']:.4f}", flush=True)
-    return out
+    res = evaluate_params(cfg, params, tok, spec, mesh=mesh, heldout=held, label=f"as {what}", progress=False)
+    print(f"  read with {what}: held-out loss {res['perplexity']['mean_loss']:.4f}"
+          + (f", NIAH {_mean(res['niah']['accuracy']):.3f}" if "niah" in res else ""), flush=True)
+    return res
+
+
+def _mean(grid) -> float:
+    xs = [x for row in grid for x in row]
+    return sum(xs) / len(xs)
 
 
 def _params_of(cfg, params) -> dict:

@@ -1,15 +1,19 @@
 """Statistics of the multi-seed quality study (``benchmarks/quality_study.py``): the rows of a run read
 per (arm, seed) (``select_runs``: of chosen runs and arms), paired differences arm - dense and between
 the sparse arms per seed with a two-sided Student-t interval over the seeds (no scipy), the loss at
-equal training time, the markdown comparison (``seeds.md``) and its plot (``loss_vs_tokens.png``).
-Pure functions of the JSONL rows; nothing here trains or evaluates."""
+equal training time, the markdown comparison (``seeds.md``: with the NIAH pass counts and the training x
+inference reads of :mod:`benchmarks.quality_niah`) and its plot (``loss_vs_tokens.png``). Pure functions
+of the JSONL rows; nothing here trains or evaluates; the interval arithmetic is
+:mod:`benchmarks.quality_stats`'s."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
+
+from benchmarks.quality_niah import niah_pooled_lines, train_infer_lines
+from benchmarks.quality_stats import paired_interval, verdict
 
 VARIANTS = ("dense", "mtraining", "msa")  # the arms, in report order
 
@@ -18,66 +22,6 @@ def heldout_curve_of(r) -> list:
     """The trainer's held-out curve (``heldout_loss`` held it in records before the multi-seed study)."""
     c = r.get("heldout_curve")
     return c if c is not None else (r["heldout_loss"] if isinstance(r.get("heldout_loss"), list) else [])
-
-
-def _student_t_two_sided(t: float, df: int) -> float:
-    """``P(|T| <= t)`` for Student's t with integer ``df`` (closed form, Abramowitz & Stegun 26.7.3-4)."""
-    theta = math.atan(t / math.sqrt(df))
-    s, c2 = math.sin(theta), math.cos(theta) ** 2
-    if df % 2:  # odd
-        term = total = math.cos(theta)
-        for k in range(1, (df - 1) // 2):
-            term *= c2 * (2 * k) / (2 * k + 1)
-            total += term
-        return (2 / math.pi) * (theta + (s * total if df > 1 else 0.0))
-    term = total = 1.0
-    for k in range(1, df // 2):
-        term *= c2 * (2 * k - 1) / (2 * k)
-        total += term
-    return s * total
-
-
-def t_quantile(q: float, df: int) -> float:
-    """The ``q`` quantile (``0.5 < q < 1``) of Student's t with integer ``df >= 1``, by bisection on
-    the closed-form distribution function (no scipy): ``t_quantile(0.975, 2) = 4.303``."""
-    if not 0.5 < q < 1.0 or int(df) != df or df < 1:
-        raise ValueError(f"t_quantile needs 0.5 < q < 1 and an integer df >= 1, got q={q}, df={df}")
-    target, lo, hi = 2 * q - 1, 0.0, 1.0
-    while _student_t_two_sided(hi, int(df)) < target:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _student_t_two_sided(mid, int(df)) < target else (lo, mid)
-        if hi - lo < 1e-12 * max(1.0, hi):
-            break
-    return (lo + hi) / 2
-
-
-def paired_interval(diffs, confidence: float = 0.95) -> dict:
-    """Mean of the per-seed differences and its two-sided ``confidence`` t-interval over the seeds
-    (``df = n - 1``); ``lo``/``hi``/``sd`` are ``None`` for one seed."""
-    d = [float(x) for x in diffs]
-    n = len(d)
-    out = {"n": n, "mean": statistics.fmean(d) if d else None, "sd": None, "se": None, "t": None,
-           "lo": None, "hi": None, "confidence": confidence, "diffs": d}
-    if n >= 2:
-        sd = statistics.stdev(d)
-        t = t_quantile(0.5 + confidence / 2, n - 1)
-        se = sd / math.sqrt(n)
-        out.update(sd=sd, se=se, t=t, lo=out["mean"] - t * se, hi=out["mean"] + t * se)
-    return out
-
-
-def verdict(iv: dict, base: str = "dense") -> str:
-    if iv["n"] == 0:
-        return "no paired seeds"
-    if iv["lo"] is None:
-        return "one seed: no interval, no difference established"
-    if iv["lo"] > 0:
-        return f"higher than {base} (interval excludes 0)"
-    if iv["hi"] < 0:
-        return f"lower than {base} (interval excludes 0)"
-    return "no difference established (interval includes 0)"
 
 
 def read_rows(paths) -> list:
@@ -342,6 +286,8 @@ def seed_report_md(rows, protocol: dict | None = None) -> str:
             lines.append(f"| {what.format(S=S)} | {a} − dense | {iv['n']} | {iv['mean']:+.4g} | {ci} | {per} "
                          f"| {verdict(iv)} |")
     lines += sparse_pair_lines(vals, arms, S)
+    lines += niah_pooled_lines(rows, arms)
+    lines += train_infer_lines(rows)
     rel = relative_lines(vals, arms, S, ", ".join(f"{b:,}" for b in budget) or "—")
     if rel:
         lines += ["", "Held-out loss (the evaluator's, then the trainer's) relative to dense, per seed (arm − dense) / "

@@ -34,7 +34,10 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   default, the training haystack's kind), held-out loss at 32K over 8 windows, loss by position,
   index recall per layer and head at p = 0.9 / 0.5 on the trained model's q/k (and on the untrained
   initialisation for contrast); each sparse arm's held-out loss again with dense attention in every
-  layer (``eval.cross_eval``, ``--cross-eval``; the index comes from later tokens);
+  layer (``eval.cross_eval``, ``--cross-eval``; the index comes from later tokens) and, with
+  ``--sparse-read``, the dense arm's parameters read with the MTraining arm's attention (row key
+  ``sparse_read``): with ``--no-cross-eval-loss-only`` the 2 x 2 of training x inference attention of
+  the MTraining paper's Table 1, with the NIAH grid in every cell;
 * **trainer overrides of every arm**: the study's ``train`` list (``optim.lr=3e-4``), then ``--set
   KEY=VALUE`` (repeatable; a key given again replaces the earlier value; e.g. ``optim.lr=1e-3``,
   ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a pretrained checkpoint,
@@ -113,7 +116,7 @@ from benchmarks.quality_protocol import (DENSE_READ_BACKENDS, load_study, resolv
                                          merge_overrides, seed_overrides, train_overrides)
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import add_launch_args, launch_per_arm, launch_per_seed  # one process per seed / arm
-from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets  # --cross-eval, --recall-budgets
+from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets, probe, sparse_read  # the probes
 from benchmarks.quality_seeds import VARIANTS, read_rows, select_runs, write_seed_report  # the statistics over seeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -334,29 +337,21 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     except Exception as e:  # keep the training record
         traceback.print_exc()
         rec["eval_error"] = f"{type(e).__name__}: {e}"
+    S = spec.perplexity_len
     if not args.no_untrained_recall:
-        try:
-            S = spec.perplexity_len
-            init = split_model(Qwen2ForCausalLM, model_cfg, cfg.seed)[1]()
-            rec["recall_untrained"] = index_recall(model_cfg, init, held[None, :S], spec.recall_ps, mesh,
-                                                   spec.recall_rows)
-        except Exception as e:
-            traceback.print_exc()
-            rec["recall_untrained_error"] = f"{type(e).__name__}: {e}"
+        probe(rec, "recall_untrained", lambda: index_recall(
+            model_cfg, split_model(Qwen2ForCausalLM, model_cfg, cfg.seed)[1](), held[None, :S], spec.recall_ps, mesh,
+            spec.recall_rows))
     if args.cross_eval and set(model_cfg.layer_backends) != {args.cross_eval}:
-        try:
-            rec["cross_eval"] = cross_eval(model_cfg, result.params, tok, spec, mesh, held, args.cross_eval,
-                                           retrieval=not args.cross_eval_loss_only)
-        except Exception as e:
-            traceback.print_exc()
-            rec["cross_eval_error"] = f"{type(e).__name__}: {e}"
+        probe(rec, "cross_eval", lambda: cross_eval(model_cfg, result.params, tok, spec, mesh, held, args.cross_eval,
+                                                    retrieval=not args.cross_eval_loss_only))
+    if args.sparse_read and name == "dense":  # the dense-trained parameters read with the MTraining arm's attention
+        sparse_over = [o for o in over if o not in SMOKE_BACKENDS[name]] + (SMOKE_BACKENDS["mtraining"] * args.smoke)
+        probe(rec, "sparse_read", lambda: sparse_read(os.path.join(QUALITY, "mtraining.yaml"), sparse_over,
+                                                      result.params, tok, spec, mesh, held))
     if args.recall_budgets:
-        try:
-            rec["recall_budgets"] = budget_sweep(model_cfg, result.params, held[None, :spec.perplexity_len], mesh,
-                                                 args.recall_budgets, spec.recall_rows)
-        except Exception as e:
-            traceback.print_exc()
-            rec["recall_budgets_error"] = f"{type(e).__name__}: {e}"
+        probe(rec, "recall_budgets", lambda: budget_sweep(model_cfg, result.params, held[None, :S], mesh,
+                                                          args.recall_budgets, spec.recall_rows))
     rec["eval_seconds"] = time.time() - t0
     rec.update(provenance_row(args.argv))
     print(f"[{name} seed {cfg.seed}] evaluated in {rec['eval_seconds']:.0f}s: held-out loss "
@@ -452,6 +447,8 @@ def main(argv=None) -> int:
                         "(default: the study's eval.cross_eval, cudnn; none: skip; --smoke reads with ring)")
     p.add_argument("--cross-eval-loss-only", action=argparse.BooleanOptionalAction, default=None,
                    help="--cross-eval: held-out loss only (default: the study's eval.cross_eval_loss_only)")
+    p.add_argument("--sparse-read", action="store_true", help="also evaluate the dense arm's parameters with the "
+                   "MTraining arm's attention (with --no-cross-eval-loss-only: both arms read both ways)")
     p.add_argument("--recall-budgets", type=parse_budgets, default=[],
                    help="index budgets of a recall sweep at p = 0.9 on the trained model, ';'-separated, each "
                         "','-separated SparsityConfig fields, e.g. ';vertical_max=16384,slash_max=256;last_q=256' "

@@ -52,6 +52,18 @@ def test_scoring_right_answers_one_wrong_answers_zero():
     bad = niah_grid(clueless, TOK, lengths, depths, samples=2)
     assert np.array_equal(good["accuracy"], np.ones((3, 2))) and np.array_equal(bad["accuracy"], np.zeros((3, 2)))
     assert np.array_equal(bad["token_accuracy"], np.zeros((3, 2)))
+    assert np.array_equal(good["correct"], np.ones((3, 2, 2))) and np.array_equal(bad["correct"], np.zeros((3, 2, 2)))
+
+    def some(inputs, labels):  # right on the examples whose input tokens sum to an even number: mixed cells
+        return (oracle if int(np.asarray(inputs)[0].sum()) % 2 == 0 else clueless)(inputs, labels)
+
+    mixed = niah_grid(some, TOK, lengths, depths, samples=3)
+    for i, d in enumerate(depths):  # per sample, in order: the pairing of two models' grids rests on it
+        for j, S in enumerate(lengths):
+            want = [int(make_example("passkey", TOK, S, d, 0, i, s).tokens[:-1].sum()) % 2 == 0 for s in range(3)]
+            assert mixed["correct"][i][j] == [int(w) for w in want]
+            assert mixed["accuracy"][i][j] == pytest.approx(np.mean(want))
+    assert 0 < np.mean(mixed["correct"]) < 1  # both kinds of sample occur
     ex = [make_example("passkey", TOK, 256, 0.5, 0, 0, s) for s in range(3)]
     exact, tok = score_examples(first_digit_only, ex, batch_size=2)
     n = ex[0].answer.sum()  # " 12345" = 6 answer tokens, the last one wrong: not an exact match

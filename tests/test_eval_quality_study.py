@@ -207,11 +207,11 @@ def test_quality_study_seeds_smoke(tmp_path):
     """2 seeds x 2 arms at toy size, one process: one row per (arm, seed) with every required field,
     the arms of a seed on the same data, the seeds on different data, order and initialisation, the
     comparison over seeds and its plot; the recall budget sweep and the read-with-dense-attention
-    evaluation on the MTraining model."""
+    evaluation on the MTraining model; the dense model read with MTraining's attention (--sparse-read)."""
     out, work = str(tmp_path / "out"), tmp_path / "work"
     rc = quality_study.main(["--out", out, "--work", str(work), "--smoke", "--variant", "both", "--seeds", "0", "1",
                              "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128",
-                             "--cross-eval", "reference", "--cross-eval-loss-only"])
+                             "--cross-eval", "reference", "--cross-eval-loss-only", "--sparse-read"])
     assert rc == 0
     rows = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
     assert [(r["arm"], r["seed"]) for r in rows] == [("dense", 0), ("mtraining", 0), ("dense", 1), ("mtraining", 1)]
@@ -268,6 +268,16 @@ def test_quality_study_seeds_smoke(tmp_path):
     assert len(line) == 1 and "| 2 |" in line[0], line
     got = [float(x.split(": ")[1]) for x in line[0].split(" | ")[5].split(", ")]  # "s0: d0, s1: d1"
     np.testing.assert_allclose(got, per, atol=1e-6)
+    # the dense arm's parameters read with the MTraining arm's attention: the same index rule (density 1 at
+    # this size), so the dense arm's own loss up to rounding; the 2 x 2 of training x inference in seeds.md
+    for s in (0, 1):
+        sr = by[("dense", s)]["sparse_read"]
+        assert sr["config"] == "mtraining.yaml" and sr["backends"] == ["ring", "mtraining"] == sr["eval"]["model"]["backends"]
+        assert abs(sr["eval"]["perplexity"]["mean_loss"] - by[("dense", s)]["heldout_loss"]) < 1e-5
+        assert "niah" in sr["eval"] and "sparse_read" not in by[("mtraining", s)]
+        assert len(by[("dense", s)]["eval"]["niah"]["correct"][0][0]) == 1  # per-passkey outcomes for the pairing
+    assert "| inference | trained dense read mtraining − trained dense read dense, seeds 0, 1 |" in seeds_md
+    assert "| training | trained mtraining read dense − trained dense read dense, seeds 0, 1 |" in seeds_md
     files = sorted(os.listdir(out))
     assert files == ["loss_curves.png", "loss_vs_tokens.png", "quality.jsonl", "quality.md", "quality_niah.png",
                      "quality_position_loss.png", "quality_recall.png", "seeds.md"]

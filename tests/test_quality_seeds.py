@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from benchmarks import quality_seeds, quality_study
+from benchmarks import quality_seeds, quality_stats, quality_study
 
 
 def test_t_quantile_known_values():
@@ -15,33 +15,33 @@ def test_t_quantile_known_values():
     table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262, 10: 2.228,
              20: 2.086, 30: 2.042}
     for df, want in table.items():
-        assert abs(quality_seeds.t_quantile(0.975, df) - want) < 5e-4, df
-    assert abs(quality_seeds.t_quantile(0.95, 4) - 2.132) < 5e-4 and abs(quality_seeds.t_quantile(0.995, 2) - 9.925) < 5e-4
-    assert abs(quality_seeds.t_quantile(0.975, 2000) - 1.9612) < 5e-4  # -> the normal quantile 1.960
+        assert abs(quality_stats.t_quantile(0.975, df) - want) < 5e-4, df
+    assert abs(quality_stats.t_quantile(0.95, 4) - 2.132) < 5e-4 and abs(quality_stats.t_quantile(0.995, 2) - 9.925) < 5e-4
+    assert abs(quality_stats.t_quantile(0.975, 2000) - 1.9612) < 5e-4  # -> the normal quantile 1.960
     for bad in ((0.5, 2), (1.0, 2), (0.975, 0), (0.975, 2.5)):
         with pytest.raises(ValueError):
-            quality_seeds.t_quantile(*bad)
+            quality_stats.t_quantile(*bad)
     try:
         from scipy import stats
     except ImportError:
         return
     for df in (1, 2, 3, 4, 7, 15):
         for q in (0.6, 0.9, 0.975, 0.999):
-            assert abs(quality_seeds.t_quantile(q, df) - stats.t.ppf(q, df)) < 1e-8
+            assert abs(quality_stats.t_quantile(q, df) - stats.t.ppf(q, df)) < 1e-8
 
 
 def test_paired_interval_on_synthetic_numbers():
-    iv = quality_seeds.paired_interval([1.0, 2.0, 3.0])
+    iv = quality_stats.paired_interval([1.0, 2.0, 3.0])
     assert iv["n"] == 3 and iv["mean"] == 2.0 and abs(iv["sd"] - 1.0) < 1e-12
     half = 4.3027 / np.sqrt(3)  # t_{0.975, 2} * sd / sqrt(n)
     assert abs(iv["lo"] - (2 - half)) < 1e-3 and abs(iv["hi"] - (2 + half)) < 1e-3
-    assert quality_seeds.verdict(iv).startswith("no difference established")
-    iv = quality_seeds.paired_interval([-0.10, -0.12, -0.11, -0.13])
+    assert quality_stats.verdict(iv).startswith("no difference established")
+    iv = quality_stats.paired_interval([-0.10, -0.12, -0.11, -0.13])
     sd = np.std([-0.10, -0.12, -0.11, -0.13], ddof=1)
     assert abs(iv["hi"] - (-0.115 + 3.1824 * sd / 2)) < 1e-4 and iv["hi"] < 0
-    assert quality_seeds.verdict(iv).startswith("lower than dense")
-    one = quality_seeds.paired_interval([-0.137])
-    assert one["lo"] is None and one["mean"] == -0.137 and quality_seeds.verdict(one).startswith("one seed")
+    assert quality_stats.verdict(iv).startswith("lower than dense")
+    one = quality_stats.paired_interval([-0.137])
+    assert one["lo"] is None and one["mean"] == -0.137 and quality_stats.verdict(one).startswith("one seed")
 
     # pairing is per seed: a seed-level offset common to both arms cancels
     def row(arm, seed, loss, sha="x"):
@@ -84,7 +84,7 @@ def test_relative_difference_is_per_seed_and_judges_the_target():
                                         + [row("mtraining", s, d * (1 + r)) for s, (d, r) in
                                            enumerate(zip(dense, [0.002, -0.004, 0.005]))])
     iv = quality_seeds.relative_difference(vals, "mtraining")
-    ref = quality_seeds.paired_interval([0.2, -0.4, 0.5])
+    ref = quality_stats.paired_interval([0.2, -0.4, 0.5])
     assert abs(iv["lo"] - ref["lo"]) < 1e-9 and abs(iv["hi"] - ref["hi"]) < 1e-9
     line, _ = quality_seeds.relative_lines(vals, ["dense", "mtraining"], 512, "1,024")
     assert line.endswith("inside +-2 %: yes.") == (-2 <= ref["lo"] and ref["hi"] <= 2)
@@ -225,3 +225,4 @@ def test_a_trained_arm_without_its_evaluation_is_reported_as_such():
     md = quality_seeds.seed_report_md(rows)
     assert "| mtraining | 0 | — | 1.0610 |" in md and "one seed: no interval, no difference established" in md
     assert "mtraining seed 0: not evaluated" in md
+

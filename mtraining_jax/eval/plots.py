@@ -21,7 +21,8 @@ def _save(fig, path: str) -> str:
 
 def niah_heatmaps(runs, path: str) -> str:
     """Accuracy heatmaps (depth x context length), one panel per ``(label, niah_result)``."""
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs) + 0.8, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.6 * len(runs) + 0.8, 3.6), squeeze=False,
+                             gridspec_kw={"wspace": 0.25})
     im = None
     for ax, (label, r) in zip(axes[0], runs):
         a = np.asarray(r["accuracy"])
@@ -31,7 +32,8 @@ def niah_heatmaps(runs, path: str) -> str:
         for (i, j), v in np.ndenumerate(a):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
         ax.set_xlabel("context length")
-        ax.set_ylabel("needle depth")
+        if ax is axes[0][0]:  # the panels share their rows: one label, none over the panel to the left
+            ax.set_ylabel("needle depth")
         ax.set_title(f"{label}: {r['task']} (n={r['samples']}/cell)", fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     fig.savefig(path, dpi=110, bbox_inches="tight")  # the colorbar spans the panels: no tight_layout

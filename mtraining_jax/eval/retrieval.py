@@ -3,7 +3,9 @@ and the RULER-style tasks (:mod:`~mtraining_jax.eval.tasks`), scored by greedy e
 (:mod:`~mtraining_jax.eval.scoring`).
 
 Result dicts are plain JSON: ``niah = {"task", "lengths", "depths", "samples", "accuracy"
-[depth][length], "token_accuracy" [depth][length]}``; ``ruler = {"lengths", "samples",
+[depth][length], "token_accuracy" [depth][length], "correct" [depth][length][sample]}`` (``correct``: 1
+where that sample's whole answer matched; the examples depend only on the seed, the cell and the
+haystack stream, so two models' grids on the same stream pair sample by sample); ``ruler = {"lengths", "samples",
 "tasks": {task: {"accuracy": [per length], "token_accuracy": [per length]}}}``.
 """
 
@@ -22,13 +24,15 @@ def niah_grid(predict: Callable, tokenizer, lengths: Sequence[int], depths: Sequ
     """Accuracy of ``task`` (default passkey) per (depth, length) cell over ``samples`` examples."""
     acc = np.zeros((len(depths), len(lengths)))
     tacc = np.zeros_like(acc)
+    correct = [[[] for _ in lengths] for _ in depths]
     for j, S in enumerate(lengths):
         for i, d in enumerate(depths):
             ex = [make_example(task, tokenizer, S, d, seed, i, s, stream) for s in range(samples)]
             e, t = score_examples(predict, ex, batch_size, progress)
             acc[i, j], tacc[i, j] = e.mean(), t.mean()
+            correct[i][j] = [int(x) for x in np.asarray(e) > 0.5]
     return {"task": task, "lengths": [int(x) for x in lengths], "depths": [float(d) for d in depths],
-            "samples": int(samples), "accuracy": acc.tolist(), "token_accuracy": tacc.tolist()}
+            "samples": int(samples), "accuracy": acc.tolist(), "token_accuracy": tacc.tolist(), "correct": correct}
 
 
 def ruler_suite(predict: Callable, tokenizer, lengths: Sequence[int], tasks: Sequence[str], samples: int,

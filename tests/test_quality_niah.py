@@ -1,0 +1,91 @@
+"""benchmarks/quality_stats.py's score intervals of proportions (Wilson, Newcombe) against published
+values, and benchmarks/quality_niah.py: NIAH hits pooled over passkeys (paired by passkey when the rows
+carry per-sample outcomes) and the training x inference 2 x 2 from the cross reads."""
+
+import numpy as np
+import pytest
+
+from benchmarks import quality_niah, quality_stats
+
+
+def test_proportion_intervals_known_values():
+    # Newcombe (Stat. Med. 1998): Wilson 81/263 = [0.2553, 0.3662]; his method 10 for 56/70 - 48/80 = [0.0524, 0.3339]
+    lo, hi = quality_stats.wilson(81, 263)
+    assert abs(lo - 0.2553) < 5e-5 and abs(hi - 0.3662) < 5e-5
+    d, lo, hi = quality_stats.newcombe_unpaired(56, 70, 48, 80)
+    assert abs(d - 0.2) < 1e-12 and abs(lo - 0.0524) < 5e-5 and abs(hi - 0.3339) < 5e-5
+    assert quality_stats.wilson(0, 5)[0] == 0.0 and quality_stats.wilson(5, 5)[1] == 1.0
+    # paired: the difference is (b - c) / n; swapping the two arms mirrors the interval
+    D, lo, hi = quality_stats.newcombe_paired(12, 9, 2, 21)
+    assert abs(D - 7 / 44) < 1e-12 and lo < D < hi
+    D2, lo2, hi2 = quality_stats.newcombe_paired(12, 2, 9, 21)
+    assert np.allclose((D2, lo2, hi2), (-D, -hi, -lo))
+    assert quality_stats.newcombe_paired(10, 0, 0, 10)[:1] == (0.0,)
+    # the same margins with agreeing pairs are tighter paired than as independent samples
+    _, plo, phi_ = quality_stats.newcombe_paired(60, 20, 5, 15)
+    _, ulo, uhi = quality_stats.newcombe_unpaired(80, 100, 65, 100)
+    assert phi_ - plo < uhi - ulo
+    for bad in ((-1, 1, 1, 1), (0, 0, 0, 0)):
+        with pytest.raises(ValueError, match="non-negative counts"):
+            quality_stats.newcombe_paired(*bad)
+    with pytest.raises(ValueError, match="k=6, n=5"):
+        quality_stats.wilson(6, 5)
+
+
+def test_niah_is_pooled_over_passkeys_and_paired_by_passkey_when_recorded():
+    def row(arm, seed, correct, per_sample=True):
+        acc = [[float(np.mean(c)) for c in r] for r in correct]
+        niah = {"samples": len(correct[0][0]), "accuracy": acc, **({"correct": correct} if per_sample else {})}
+        return {"arm": arm, "seed": seed, "heldout_loss": 1.0, "steps": 2, "tokens": 1024, "eval": {"niah": niah}}
+
+    dense = [[[1, 1], [1, 0]], [[1, 1], [1, 1]]]  # 7 / 8 right per seed
+    sparse = [[[1, 0], [0, 0]], [[1, 1], [1, 1]]]  # 5 / 8, every hit also a dense hit
+    rows = [row("dense", s, dense) for s in (0, 1)] + [row("mtraining", s, sparse) for s in (0, 1)]
+    text = "\n".join(quality_niah.niah_pooled_lines(rows, ["dense", "mtraining"]))
+    assert "| dense | 0, 1 | 14 / 16 | 0.875 |" in text and "| mtraining | 0, 1 | 10 / 16 | 0.625 |" in text
+    D, lo, hi = quality_stats.newcombe_paired(10, 0, 4, 2)
+    assert f"{D:+.3f}, 95 % interval [{lo:+.3f}, {hi:+.3f}], paired by passkey (0 right only in mtraining, 4 only" in text
+    assert "within ±0.05 of dense with the interval inside: no" in text
+    # rows from before the per-sample outcomes: counts from accuracy x samples, compared unpaired
+    old = [row(r["arm"], r["seed"], dense if r["arm"] == "dense" else sparse, per_sample=False) for r in rows]
+    text = "\n".join(quality_niah.niah_pooled_lines(old, ["dense", "mtraining"]))
+    D, lo, hi = quality_stats.newcombe_unpaired(10, 16, 14, 16)
+    assert f"{D:+.3f}, 95 % interval [{lo:+.3f}, {hi:+.3f}], unpaired" in text
+    assert quality_niah.niah_pooled_lines([{"arm": "dense", "seed": 0}], ["dense"]) == []
+
+
+def _ev(loss, correct):
+    return {"perplexity": {"mean_loss": loss},
+            "niah": {"samples": len(correct[0][0]), "correct": correct,
+                     "accuracy": [[float(np.mean(c)) for c in r] for r in correct]}}
+
+
+def test_training_and_inference_effects_come_apart_in_the_two_by_two():
+    """Dense-trained parameters read with MTraining's attention (``sparse_read``) and MTraining-trained ones read
+    densely (``cross_eval``): the 2 x 2 of means, and per seed the inference effect (same parameters, two reads),
+    the training effect (both read densely) and both together (each arm as trained)."""
+    full, half = [[[1, 1], [1, 1]]], [[[1, 0], [1, 0]]]
+    rows = []
+    for s, off in ((0, 0.0), (1, 0.1)):
+        rows.append({"arm": "dense", "seed": s, "eval": _ev(1.0 + off, full),
+                     "sparse_read": {"config": "mtraining.yaml", "eval": _ev(1.3 + off, half)}})
+        rows.append({"arm": "mtraining", "seed": s, "eval": _ev(1.2 + off, half),
+                     "cross_eval": {"backend": "cudnn", "eval": _ev(1.05 + off, full)}})
+    assert quality_niah.read_eval(rows[0], "mtraining") is rows[0]["sparse_read"]["eval"]
+    assert quality_niah.read_eval(rows[1], "dense") is rows[1]["cross_eval"]["eval"]
+    text = "\n".join(quality_niah.train_infer_lines(rows))
+    assert "| dense | 1.0500 ± 0.0707 (n=2) | 1.0000 ± 0.0000 (n=2) | 1.3500 ± 0.0707 (n=2) | 0.5000" in text
+    assert "| mtraining | 1.1000 ± 0.0707 (n=2) | 1.0000" in text
+    D, lo, hi = quality_stats.newcombe_paired(4, 0, 4, 0)  # per seed 2 of 4 passkeys lost, 2 kept
+    line = next(x for x in text.splitlines() if x.startswith("| inference |"))
+    assert "trained dense read mtraining − trained dense read dense, seeds 0, 1 | +0.3000 [+0.3000, +0.3000]" in line
+    assert f"| -0.500 [-0.500, -0.500] | {D:+.3f} [{lo:+.3f}, {hi:+.3f}], paired by passkey |" in line
+    line = next(x for x in text.splitlines() if x.startswith("| training |"))
+    D, lo, hi = quality_stats.newcombe_paired(8, 0, 0, 0)  # every passkey right both ways: 0, the width of n = 8
+    assert f"| +0.0500 [+0.0500, +0.0500] | +0.000 [+0.000, +0.000] | {D:+.3f} [{lo:+.3f}, {hi:+.3f}]" in line
+    assert next(x for x in text.splitlines() if x.startswith("| both |")).count("+0.2000") == 3
+    # without the cross reads there is no table; a read without its NIAH grid leaves the NIAH columns empty
+    assert quality_niah.train_infer_lines([{"arm": "dense", "seed": 0, "eval": _ev(1.0, full)}]) == []
+    del rows[0]["sparse_read"]["eval"]["niah"]
+    assert ("| inference | trained dense read mtraining − trained dense read dense, seeds 0, 1 | +0.3000 [+0.3000, "
+            "+0.3000] | -0.500 (one seed) | — |") in "\n".join(quality_niah.train_infer_lines(rows))
