@@ -1,7 +1,8 @@
 """NIAH pass counts and the cross reads of the quality study (``benchmarks/quality_study.py``): each
 arm's whole-answer hits pooled over seeds' passkeys with score intervals, arm - dense paired by passkey
 where the rows carry per-sample outcomes, and the 2 x 2 of training x inference attention (the
-MTraining paper's Table 1) from the ``--sparse-read`` / ``--cross-eval`` reads. Pure functions of the
+MTraining paper's Table 1) from the ``--sparse-read`` / ``--cross-eval`` reads, and the index's recall of
+the needle for the answer's rows (``--needle-recall``). Pure functions of the
 JSONL rows; :mod:`benchmarks.quality_seeds` puts their lines into ``seeds.md``."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def niah_difference(pairs) -> tuple:
     ``[(outcomes_a, outcomes_b)]`` (:func:`grid_outcomes`), with a 95 % interval paired by passkey where
     every pair carries per-sample outcomes of the same grid (:func:`newcombe_paired`), else unpaired."""
     if all(x[2] is not None and y[2] is not None and len(x[2]) == len(y[2]) for x, y in pairs):
-        z = [(u, v) for x, y in pairs for u, v in zip(x[2], y[2])]
+        z = [(u, v) for x, y in pairs for u, v in zip(x[2], y[2], strict=True)]
         cnt = [sum(1 for u, v in z if (u, v) == k) for k in ((1, 1), (1, 0), (0, 1), (0, 0))]
         return (*newcombe_paired(*cnt), f"paired by passkey ({cnt[1]} right only in the first, {cnt[2]} only in "
                                         "the second)")
@@ -85,6 +86,43 @@ def niah_pooled_lines(rows, arms, tol: float = 0.05) -> list:
                    f"{how.replace('the first', a).replace('the second', 'dense')}; "
                    f"{'excludes 0' if lo > 0 or hi < 0 else 'includes 0'}; within ±{tol:g} of dense with the "
                    f"interval inside: {'yes' if inside else 'no'}.")
+    return out
+
+
+def needle_lines(rows, arms) -> list:
+    """Markdown of the rows' ``needle_recall`` (``--needle-recall``): per arm, how much of the answer's attention
+    to the needle the index keeps (mean over seeds of the mass-weighted share), and per passkey (pooled over
+    seeds) for the passkeys the arm's own read answered right and those it missed (``eval.niah.correct``)."""
+    last = {k: r for k, r in _last_rows(rows).items() if r.get("needle_recall")}
+    if not last:
+        return []
+    out = ["", "Needle recall: of the attention the answer's query rows pay to the needle, the part the index keeps "
+           "(mass-weighted over the MTraining arm's sparse layers and every head; per passkey, its first "
+           "samples of each NIAH cell):", "",
+           "| arm | seeds | kept, mean over seeds | passkeys answered right: mean kept (n) | missed: mean kept (n) "
+           "| lowest |", "|---|---|---|---|---|---|"]
+    for a in arms:
+        rs = [(s, r) for (b, s), r in sorted(last.items()) if b == a]
+        if not rs:
+            continue
+        right, missed, every = [], [], []
+        for _, r in rs:
+            nr, grid = r["needle_recall"], (r.get("eval") or {}).get("niah") or {}
+            ok = grid.get("correct")
+            for i, row in enumerate(nr["kept"]):
+                for j, cell in enumerate(row):
+                    for k, x in enumerate(cell):
+                        every.append(x)
+                        if ok is not None:  # the grid's cell of the same depth and length, the same sample
+                            jj = grid["lengths"].index(nr["lengths"][j])
+                            (right if ok[i][jj][k] else missed).append(x)
+
+        def m(xs):
+            return f"{statistics.fmean(xs):.3f} ({len(xs)})" if xs else "—"
+
+        means = [r["needle_recall"]["mean_kept"] for _, r in rs]
+        out.append(f"| {a} | {', '.join(str(s) for s, _ in rs)} | {statistics.fmean(means):.3f} | {m(right)} "
+                   f"| {m(missed)} | {min(every):.3f} |")
     return out
 
 

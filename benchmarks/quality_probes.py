@@ -1,7 +1,8 @@
 """Evaluations of a trained arm of the quality study beyond its protocol: the parameters read with
 another attention backend in every layer (``--cross-eval``), the dense arm's parameters read with the
-sparse arm's attention (``--sparse-read``) and index recall / density under other sparsity budgets on
-the trained q/k (``--recall-budgets``); :func:`probe` runs each so that its failure is recorded, not
+sparse arm's attention (``--sparse-read``), index recall / density under other sparsity budgets on
+the trained q/k (``--recall-budgets``) and the index's recall of the NIAH needle for the answer's rows
+(``--needle-recall``); :func:`probe` runs each so that its failure is recorded, not
 raised."""
 
 from __future__ import annotations
@@ -56,13 +57,33 @@ def sparse_read(config_path: str, overrides, params, tok, spec, mesh, held, retr
     Held-out loss by position and, unless ``retrieval=False``, the NIAH / RULER sections of ``spec``."""
     import os
 
+    model_cfg = arm_model_config(config_path, overrides)
+    res = _read(model_cfg, params, tok, spec, mesh, held, retrieval, f"{os.path.basename(config_path)}'s attention")
+    return {"config": os.path.basename(config_path), "backends": list(model_cfg.layer_backends), "eval": res}
+
+
+def arm_model_config(config_path: str, overrides):
+    """The model config that the trainer config ``config_path`` with ``overrides`` builds (another arm's)."""
     from mtraining_jax.train.config import load_config
     from mtraining_jax.train.state import build_model_config
 
     cfg = load_config(config_path, list(overrides))
-    _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
-    res = _read(model_cfg, params, tok, spec, mesh, held, retrieval, f"{os.path.basename(config_path)}'s attention")
-    return {"config": os.path.basename(config_path), "backends": list(model_cfg.layer_backends), "eval": res}
+    return build_model_config(cfg.model, cfg.config_dir)[1]
+
+
+def needle_probe(model_cfg, params, tok, spec, mesh, held, layers=None, p: float = 0.9) -> dict:
+    """:func:`mtraining_jax.eval.recall.needle_recall` on the longest length of the NIAH grid of ``spec`` (its
+    haystack, its seed, every depth and sample: the same passkeys, paired with the grid's outcomes; one batch,
+    one compilation): how much of the answer's attention to the needle the index keeps, over ``layers`` (the
+    sparse arm's sparse layers)."""
+    from mtraining_jax.eval.recall import needle_recall
+
+    stream = held if spec.haystack == "heldout" else None
+    out = needle_recall(model_cfg, params, tok, spec.lengths[-1:], spec.depths, spec.samples, spec.seed, stream,
+                        mesh, p, layers)
+    print(f"  needle recall p={p:g}: the index keeps {out['mean_kept']:.3f} of the answer's attention to the needle "
+          f"(layers {out['layers'][0]}-{out['layers'][-1]})", flush=True)
+    return out
 
 
 def _read(cfg, params, tok, spec, mesh, held, retrieval: bool, what: str) -> dict:

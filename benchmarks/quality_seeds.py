@@ -12,7 +12,7 @@ import json
 import os
 import statistics
 
-from benchmarks.quality_niah import niah_pooled_lines, train_infer_lines
+from benchmarks.quality_niah import needle_lines, niah_pooled_lines, train_infer_lines
 from benchmarks.quality_stats import paired_interval, verdict
 
 VARIANTS = ("dense", "mtraining", "msa")  # the arms, in report order
@@ -288,6 +288,7 @@ def seed_report_md(rows, protocol: dict | None = None) -> str:
     lines += sparse_pair_lines(vals, arms, S)
     lines += niah_pooled_lines(rows, arms)
     lines += train_infer_lines(rows)
+    lines += needle_lines(rows, arms)
     rel = relative_lines(vals, arms, S, ", ".join(f"{b:,}" for b in budget) or "—")
     if rel:
         lines += ["", "Held-out loss (the evaluator's, then the trainer's) relative to dense, per seed (arm − dense) / "

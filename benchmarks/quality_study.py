@@ -37,7 +37,8 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   layer (``eval.cross_eval``, ``--cross-eval``; the index comes from later tokens) and, with
   ``--sparse-read``, the dense arm's parameters read with the MTraining arm's attention (row key
   ``sparse_read``): with ``--no-cross-eval-loss-only`` the 2 x 2 of training x inference attention of
-  the MTraining paper's Table 1, with the NIAH grid in every cell;
+  the MTraining paper's Table 1, with the NIAH grid in every cell; with ``--needle-recall`` how much of
+  the answer's attention to the NIAH needle the index keeps (row key ``needle_recall``);
 * **trainer overrides of every arm**: the study's ``train`` list (``optim.lr=3e-4``), then ``--set
   KEY=VALUE`` (repeatable; a key given again replaces the earlier value; e.g. ``optim.lr=1e-3``,
   ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a pretrained checkpoint,
@@ -116,7 +117,8 @@ from benchmarks.quality_protocol import (DENSE_READ_BACKENDS, load_study, resolv
                                          merge_overrides, seed_overrides, train_overrides)
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import add_launch_args, launch_per_arm, launch_per_seed  # one process per seed / arm
-from benchmarks.quality_probes import budget_sweep, cross_eval, parse_budgets, probe, sparse_read  # the probes
+from benchmarks.quality_probes import (arm_model_config, budget_sweep, cross_eval, needle_probe, parse_budgets,  # probes
+                                      probe, sparse_read)
 from benchmarks.quality_seeds import VARIANTS, read_rows, select_runs, write_seed_report  # the statistics over seeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -345,10 +347,13 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     if args.cross_eval and set(model_cfg.layer_backends) != {args.cross_eval}:
         probe(rec, "cross_eval", lambda: cross_eval(model_cfg, result.params, tok, spec, mesh, held, args.cross_eval,
                                                     retrieval=not args.cross_eval_loss_only))
+    mt_over = [o for o in over if o not in SMOKE_BACKENDS[name]] + (SMOKE_BACKENDS["mtraining"] * args.smoke)
+    mt_yaml = os.path.join(QUALITY, "mtraining.yaml")  # the MTraining arm's config: its attention, its layers
     if args.sparse_read and name == "dense":  # the dense-trained parameters read with the MTraining arm's attention
-        sparse_over = [o for o in over if o not in SMOKE_BACKENDS[name]] + (SMOKE_BACKENDS["mtraining"] * args.smoke)
-        probe(rec, "sparse_read", lambda: sparse_read(os.path.join(QUALITY, "mtraining.yaml"), sparse_over,
-                                                      result.params, tok, spec, mesh, held))
+        probe(rec, "sparse_read", lambda: sparse_read(mt_yaml, mt_over, result.params, tok, spec, mesh, held))
+    if args.needle_recall:  # over the MTraining arm's sparse layers, for every arm
+        probe(rec, "needle_recall", lambda: needle_probe(model_cfg, result.params, tok, spec, mesh, held, [
+            i for i, b in enumerate(arm_model_config(mt_yaml, mt_over).layer_backends) if b == "mtraining"]))
     if args.recall_budgets:
         probe(rec, "recall_budgets", lambda: budget_sweep(model_cfg, result.params, held[None, :S], mesh,
                                                           args.recall_budgets, spec.recall_rows))
@@ -449,6 +454,8 @@ def main(argv=None) -> int:
                    help="--cross-eval: held-out loss only (default: the study's eval.cross_eval_loss_only)")
     p.add_argument("--sparse-read", action="store_true", help="also evaluate the dense arm's parameters with the "
                    "MTraining arm's attention (with --no-cross-eval-loss-only: both arms read both ways)")
+    p.add_argument("--needle-recall", action="store_true", help="also measure how much of the NIAH answer's attention "
+                   "to the needle the index keeps (the first 2 passkeys of each cell; the MTraining arm's sparse layers)")
     p.add_argument("--recall-budgets", type=parse_budgets, default=[],
                    help="index budgets of a recall sweep at p = 0.9 on the trained model, ';'-separated, each "
                         "','-separated SparsityConfig fields, e.g. ';vertical_max=16384,slash_max=256;last_q=256' "

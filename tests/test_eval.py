@@ -8,7 +8,7 @@ from flax import nnx
 
 from mtraining_jax.eval.perplexity import position_loss
 from mtraining_jax.eval.predictor import ModelPredictor, head_predictions
-from mtraining_jax.eval.recall import index_recall, layer_qk
+from mtraining_jax.eval.recall import index_recall, layer_qk, needle_recall
 from mtraining_jax.eval.retrieval import niah_grid, ruler_suite
 from mtraining_jax.eval.scoring import score_examples
 from mtraining_jax.eval.tasks import TASKS, make_example
@@ -146,3 +146,40 @@ def test_layer_qk_and_index_recall(tiny):
     assert np.all((lo > 0) & (hi <= 1 + 1e-6)) and np.all(hi >= lo - 1e-9)  # larger top-p keeps more mass
     assert np.all(np.asarray(r["density"]["1"]) >= np.asarray(r["density"]["0.3"]))
     assert r["mean_recall"]["0.3"] < r["mean_recall"]["1"] and r["mean_density"]["0.3"] < r["mean_density"]["1"]
+
+
+def test_needle_recall_is_the_index_recall_of_the_needle_for_the_answer_rows(tiny):
+    """The NIAH grid's first examples through the model: the mass the answer's query rows put on the needle's key
+    occurrences and the part of it the index keeps, per example; everything kept when the budget keeps every
+    column; the same numbers as column_recall on that example's q/k."""
+    import jax.numpy as jnp
+
+    from mtraining_jax.eval.recall import _estimate, sparsity_for
+    from mtraining_jax.sparsity.metrics import column_recall
+
+    cfg, params = tiny
+    sp = cfg.replace(attention_backend="reference", sparsity=dict(vertical_max=16, slash_max=2, vertical_min=1, last_q=64))
+    r = needle_recall(sp, params, TOK, [512], [0.0, 0.5], samples=2, p=0.5)
+    assert r["layers"] == [0, 1] and np.asarray(r["kept"]).shape == (2, 1, 2) == np.asarray(r["mass"]).shape
+    kept, mass = np.asarray(r["kept"]), np.asarray(r["mass"])
+    assert np.all((kept >= 0) & (kept <= 1 + 1e-9)) and np.all((mass > 0) & (mass < 1))
+    assert kept.min() < 0.999  # this budget drops some of the needle
+    # one example by hand: the needle = both occurrences of the answer's tokens before the question
+    ex = make_example("passkey", TOK, 512, 0.5, 0, 1, 1)
+    rows = np.nonzero(ex.answer)[0]
+    text = TOK.encode(" " + ex.text)
+    starts = [t for t in range(rows[0] - len(text)) if np.array_equal(ex.tokens[t:t + len(text)], text)]
+    assert len(starts) == 2  # "The pass key is K. Remember it. K is the pass key."
+    cols = np.concatenate([np.arange(t, t + len(text)) for t in starts])
+    qs, ks, _ = layer_qk(sp, params, ex.tokens[None, :512])
+    spc = sparsity_for(sp, 0.5)
+    km = [column_recall(q, k, _estimate(q, k, jnp.arange(512), spc), rows=rows, cols=cols, block_size=spc.block_size)
+          for q, k in zip(qs, ks)]
+    np.testing.assert_allclose(kept[1, 0, 1], sum(k.sum() for k, _ in km) / sum(m.sum() for _, m in km), rtol=1e-5)
+    np.testing.assert_allclose(mass[1, 0, 1], sum(m.sum() for _, m in km) / (2 * qs[0].shape[2]), rtol=1e-5)
+    # a budget that keeps every column keeps the whole needle; one layer only; a layer the model lacks
+    full = needle_recall(sp, params, TOK, [512], [0.5], samples=1, layers=[1],
+                         budgets={"vertical_min": 512, "vertical_max": 512})
+    assert full["layers"] == [1] and abs(full["mean_kept"] - 1) < 1e-6 and np.allclose(full["layer_kept"], 1)
+    with pytest.raises(ValueError, match="layers \\[2\\] must be"):
+        needle_recall(sp, params, TOK, [512], [0.5], samples=1, layers=[2])

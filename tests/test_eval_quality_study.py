@@ -202,7 +202,7 @@ def test_study_protocol(tmp_path):
         quality_study.resolve_steps(args, base, study)
 
 
-@pytest.mark.slow(seconds=49)
+@pytest.mark.slow(seconds=70)
 def test_quality_study_seeds_smoke(tmp_path):
     """2 seeds x 2 arms at toy size, one process: one row per (arm, seed) with every required field,
     the arms of a seed on the same data, the seeds on different data, order and initialisation, the
@@ -211,7 +211,8 @@ def test_quality_study_seeds_smoke(tmp_path):
     out, work = str(tmp_path / "out"), tmp_path / "work"
     rc = quality_study.main(["--out", out, "--work", str(work), "--smoke", "--variant", "both", "--seeds", "0", "1",
                              "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128",
-                             "--cross-eval", "reference", "--cross-eval-loss-only", "--sparse-read"])
+                             "--cross-eval", "reference", "--cross-eval-loss-only", "--sparse-read",
+                             "--needle-recall"])
     assert rc == 0
     rows = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
     assert [(r["arm"], r["seed"]) for r in rows] == [("dense", 0), ("mtraining", 0), ("dense", 1), ("mtraining", 1)]
@@ -277,6 +278,12 @@ def test_quality_study_seeds_smoke(tmp_path):
         assert "niah" in sr["eval"] and "sparse_read" not in by[("mtraining", s)]
         assert len(by[("dense", s)]["eval"]["niah"]["correct"][0][0]) == 1  # per-passkey outcomes for the pairing
     assert "| inference | trained dense read mtraining − trained dense read dense, seeds 0, 1 |" in seeds_md
+    # the needle recall of every arm over the MTraining arm's sparse layer (layer 1 of the smoke model): the
+    # index keeps every block at this size, so all of the answer's attention to the needle
+    for r in rows:
+        nr = r["needle_recall"]
+        assert nr["layers"] == [1] and np.asarray(nr["kept"]).shape == (2, 1, 1) and abs(nr["mean_kept"] - 1) < 1e-6
+    assert "| mtraining | 0, 1 | 1.000 |" in seeds_md
     assert "| training | trained mtraining read dense − trained dense read dense, seeds 0, 1 |" in seeds_md
     files = sorted(os.listdir(out))
     assert files == ["loss_curves.png", "loss_vs_tokens.png", "quality.jsonl", "quality.md", "quality_niah.png",

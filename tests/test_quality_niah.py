@@ -89,3 +89,23 @@ def test_training_and_inference_effects_come_apart_in_the_two_by_two():
     del rows[0]["sparse_read"]["eval"]["niah"]
     assert ("| inference | trained dense read mtraining − trained dense read dense, seeds 0, 1 | +0.3000 [+0.3000, "
             "+0.3000] | -0.500 (one seed) | — |") in "\n".join(quality_niah.train_infer_lines(rows))
+
+
+def test_needle_recall_lines_split_the_passkeys_by_their_outcome():
+    def row(arm, seed, kept, correct):  # the grid at lengths 256 and 512, the needle recall at 512 only
+        grid = [[[1, 1], c[0]] for c in correct]
+        return {"arm": arm, "seed": seed, "eval": {"niah": {"samples": 2, "correct": grid, "lengths": [256, 512],
+                                                            "accuracy": [[float(np.mean(c)) for c in r] for r in grid]}},
+                "needle_recall": {"kept": kept, "mean_kept": float(np.mean(kept)), "layers": [1, 2],
+                                  "lengths": [512]}}
+
+    rows = [row("mtraining", 0, [[[0.9, 0.2]], [[0.8, 0.95]]], [[[1, 0]], [[1, 1]]]),
+            row("mtraining", 1, [[[0.7, 0.1]], [[0.9, 0.9]]], [[[1, 0]], [[0, 1]]]),
+            {"arm": "dense", "seed": 0}]
+    text = "\n".join(quality_niah.needle_lines(rows, ["dense", "mtraining"]))
+    right = np.mean([0.9, 0.8, 0.95, 0.7, 0.9])
+    missed = np.mean([0.2, 0.1, 0.9])
+    mean = np.mean([np.mean([0.9, 0.2, 0.8, 0.95]), np.mean([0.7, 0.1, 0.9, 0.9])])
+    assert f"| mtraining | 0, 1 | {mean:.3f} | {right:.3f} (5) | {missed:.3f} (3) | 0.100 |" in text
+    assert "| dense |" not in text  # no needle recall in its row
+    assert quality_niah.needle_lines([{"arm": "dense", "seed": 0}], ["dense"]) == []

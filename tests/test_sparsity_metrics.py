@@ -73,6 +73,27 @@ def test_density_and_recall_match_dense_mask():
     rows = np.arange(S - 64, S)
     part = metrics.recall(q, k, index, rows=rows, block_size=bs)
     assert part.shape == (1, 4) and np.all(part > 0.5)  # the observation window is well covered
+    # column_recall: the dense mask restricted to chosen key columns, per head, mean over the rows
+    cols = np.array([3, 4, 5, 40, 41, 150])
+    kept, mass = metrics.column_recall(q, k, index, rows=rows, cols=cols, block_size=bs, chunk=24)
+    z = np.asarray(jnp.repeat(k, 2, axis=2))  # GQA: query head h reads key head h // 2
+    logits = np.einsum("bshd,bthd->bhst", np.asarray(q, np.float64), z) / np.sqrt(16)
+    t = np.arange(S)
+    logits = np.where(t[None, :] <= t[:, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    on = np.zeros(S, bool)
+    on[cols] = True
+    want_mass = p[:, :, rows][..., on].sum(-1).mean(-1)
+    want_kept = np.where(m, p, 0.0)[:, :, rows][..., on].sum(-1).mean(-1)
+    np.testing.assert_allclose(mass, want_mass, rtol=1e-5)
+    np.testing.assert_allclose(kept, want_kept, rtol=1e-5, atol=1e-12)
+    assert np.all(kept <= mass + 1e-12) and np.any(kept < mass - 1e-6)  # some of these columns dropped
+    every, total = metrics.column_recall(q, k, index, rows=rows, cols=np.arange(S), block_size=bs)
+    np.testing.assert_allclose(every, part, rtol=1e-6)
+    np.testing.assert_allclose(total, 1.0, rtol=1e-6)
+    with pytest.raises(ValueError, match="cols"):
+        metrics.column_recall(q, k, index, rows=rows, cols=np.array([S]), block_size=bs)
 
 
 def _qkv(S, Hq=4, Hkv=2, D=32, seed=1):

@@ -118,3 +118,67 @@ def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0
         out["mean_recall"][key], out["min_recall"][key] = float(rec.mean()), float(rec.min())
         out["mean_density"][key] = float(den.mean())
     return out
+
+
+def needle_recall(cfg: ModelConfig, params, tokenizer, lengths: Sequence[int], depths: Sequence[float],
+                  samples: int = 2, seed: int = 0, stream=None, mesh=None, p: float = 0.9,
+                  layers: Sequence[int] | None = None, budgets: dict | None = None) -> dict:
+    """How much of the attention that a passkey's answer pays to its needle the vertical-slash index keeps:
+    the NIAH grid's examples (:func:`~mtraining_jax.eval.tasks.make_example`, the first ``samples`` of each
+    cell, so they pair with ``niah["correct"]``), each run through the model (:func:`layer_qk`), the index
+    estimated per layer at top-p ``p`` (the model's budgets, ``budgets`` replaced) and
+    :func:`~mtraining_jax.sparsity.metrics.column_recall` of the needle's key occurrences for the answer's
+    query rows. Per example, over ``layers`` (default: the model's ``mtraining`` layers, every layer if it
+    has none) and every head: ``mass`` = the mean needle mass per head, ``kept`` = the kept part over the
+    needle mass (mass-weighted, so the heads that look at the needle count). Returns JSON ``{"p", "lengths",
+    "depths", "samples", "layers", "budgets", "mass" [depth][length][sample], "kept" [depth][length][sample],
+    "layer_kept" [L] (pooled over the examples), "mean_kept"}``."""
+    from mtraining_jax.eval.tasks import make_example
+    from mtraining_jax.sparsity.metrics import column_recall
+
+    budgets = dict(budgets or {})
+    sp = dataclasses.replace(sparsity_for(cfg, p), **budgets)
+    L = len(cfg.layer_backends)
+    if layers is None:
+        layers = [i for i, b in enumerate(cfg.layer_backends) if b == "mtraining"] or list(range(L))
+    layers = [int(i) for i in layers]
+    if not layers or min(layers) < 0 or max(layers) >= L:
+        raise ValueError(f"needle_recall: layers {layers} must be a non-empty subset of 0..{L - 1}")
+    shape = (len(depths), len(lengths), int(samples))
+    mass, kept = np.zeros(shape), np.zeros(shape)
+    lk, lm = np.zeros(L), np.zeros(L)
+    cells = [(i, s) for i in range(len(depths)) for s in range(samples)]
+    for j, S in enumerate(lengths):  # one batch (one compilation) per length
+        exs = [make_example("passkey", tokenizer, S, depths[i], seed, i, s, stream) for i, s in cells]
+        rows = np.nonzero(exs[0].answer)[0]  # the answer ends every example: the same rows in all
+        cols = [_occurrences(e.tokens[:rows[0]], e.tokens[rows[0] + 1:rows[-1] + 2]) for e in exs]
+        qs, ks = layer_qk(cfg, params, np.stack([e.tokens[:S] for e in exs]), mesh)[:2]
+        pos = jnp.arange(S, dtype=jnp.int32)
+        for li, (q, k) in enumerate(zip(qs, ks)):
+            q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+            idx = _estimate(q32, k32, pos, sp)
+            for b, (i, s) in enumerate(cells):
+                kk, mm = column_recall(q32[b:b + 1], k32[b:b + 1], jax.tree.map(lambda a: a[b:b + 1], idx),
+                                       rows=rows, cols=cols[b], block_size=sp.block_size, sm_scale=sp.sm_scale)
+                lk[li] += kk.sum()
+                lm[li] += mm.sum()
+                if li in layers:
+                    kept[i, j, s] += kk.sum()
+                    mass[i, j, s] += mm.sum()
+        for i, s in cells:
+            kept[i, j, s] = kept[i, j, s] / max(mass[i, j, s], 1e-30)
+            mass[i, j, s] /= len(layers) * qs[0].shape[2]
+    return {"p": float(p), "lengths": [int(x) for x in lengths], "depths": [float(d) for d in depths],
+            "samples": int(samples), "layers": layers, "budgets": budgets, "mass": mass.tolist(),
+            "kept": kept.tolist(), "layer_kept": (lk / np.maximum(lm, 1e-30)).tolist(),
+            "mean_kept": float(sum(lk[layers]) / max(sum(lm[layers]), 1e-30))}
+
+
+def _occurrences(hay: np.ndarray, needle: np.ndarray) -> np.ndarray:
+    """Positions of every token of every occurrence of ``needle`` in ``hay`` (``ValueError`` if none)."""
+    n = len(needle)
+    win = np.lib.stride_tricks.sliding_window_view(np.asarray(hay), n)
+    starts = np.nonzero((win == np.asarray(needle)).all(1))[0]
+    if not len(starts):
+        raise ValueError("needle_recall: the answer does not occur before the question")
+    return np.unique((starts[:, None] + np.arange(n)).ravel())

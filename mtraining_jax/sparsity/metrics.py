@@ -15,11 +15,14 @@ included). ``W[r, s]``: the work of worker ``r`` at ring step ``s``.
   with ``C_s`` the step's K/V transfer in work units: a cost-model analogue of Table 3's
   "Comp. Ratio".
 
-Quality: ``density`` / ``sparsity`` over the causal pairs of the global mask, and ``recall`` = the
-full causal softmax mass that the index keeps, averaged over query rows.
+Quality: ``density`` / ``sparsity`` over the causal pairs of the global mask, ``recall`` = the
+full causal softmax mass that the index keeps, averaged over query rows, and ``column_recall`` =
+the same restricted to chosen key columns (a needle's span, for the rows that answer it).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -168,10 +171,27 @@ def recall(q, k, index: VerticalSlashIndex, *, rows=None, block_size: int = 64, 
     ``segment_ids int [B, S]`` (packed documents): the softmax and the kept pairs are those of the
     causal document mask (a query attends its own document only).
     """
+    return _row_mass(q, k, index, rows, None, block_size, sm_scale, chunk, segment_ids)[0]
+
+
+def column_recall(q, k, index: VerticalSlashIndex, *, rows, cols, block_size: int = 64, sm_scale=None,
+                  chunk: int = 64):
+    """``(kept, mass)``, both ``float64 [B, H]``: for the query ``rows``, the mean softmax mass on the key
+    positions ``cols`` (e.g. a needle's span, for the rows that answer it) and the part of it the index
+    keeps; ``kept / mass`` is the index's recall of those columns. Shapes and order as :func:`recall`."""
+    return _row_mass(q, k, index, rows, cols, block_size, sm_scale, chunk, None)
+
+
+def _row_mass(q, k, index, rows, cols, block_size, sm_scale, chunk, segment_ids):
+    """``(kept, total)`` float64 ``[B, H]``, each the mean over ``rows`` (default all) of the causal softmax
+    mass on ``cols`` (default every key) that the index keeps / in all."""
     S = k.shape[1]
     if rows is not None:
         check_positions(rows, S, name="rows", permutation=False, shape=(np.size(rows),))
+    if cols is not None:
+        check_positions(cols, S, name="cols", permutation=False, shape=(np.size(cols),))
     rows = np.arange(S) if rows is None else np.asarray(rows)
+    colm = jnp.ones(S, bool) if cols is None else jnp.zeros(S, bool).at[jnp.asarray(cols)].set(True)
     vmask = jnp.zeros(index.v_idx.shape[:2] + (S + 1,), bool)
     B, H, mv = index.v_idx.shape
     valid = jnp.arange(mv) < index.v_count[..., None]
@@ -182,27 +202,30 @@ def recall(q, k, index: VerticalSlashIndex, *, rows=None, block_size: int = 64, 
     svalid = jnp.arange(ms) < index.s_count[..., None]
     diag = jnp.zeros((B, H, nb + 1), bool).at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
                                             jnp.where(svalid, index.s_idx, nb)].set(True)[..., :nb]
-
     seg = None if segment_ids is None else jnp.asarray(segment_ids)
-
-    @jax.jit
-    def kept(qr, rpos):
-        z = attention_logits(qr, k, sm_scale)  # [B, H, R, S]
-        kp = jnp.arange(S)
-        causal = kp[None, :] <= rpos[:, None]
-        if seg is not None:  # [B, 1, R, S]
-            causal = causal & (seg[:, rpos][:, :, None] == seg[:, None, :])[:, None]
-        z = jnp.where(causal, z, -jnp.inf)
-        p = jax.nn.softmax(z, axis=-1)
-        d = rpos[:, None] // block_size - kp[None, :] // block_size
-        allowed = (diag[:, :, jnp.clip(d, 0, nb - 1)] | vmask[:, :, None, :]) & causal
-        return jnp.where(allowed, p, 0.0).sum(-1).sum(-1)  # [B, H]
-
     total = 0.0
     for i in range(0, len(rows), chunk):
         r = rows[i: i + chunk]
-        total = total + np.asarray(kept(q[:, r], jnp.asarray(r)), np.float64)
-    return total / len(rows)
+        total = total + np.asarray(_kept_mass(q[:, r], jnp.asarray(r), k, vmask, diag, colm, seg, sm_scale,
+                                              block_size), np.float64)
+    return total[0] / len(rows), total[1] / len(rows)
+
+
+@functools.partial(jax.jit, static_argnums=(7, 8))
+def _kept_mass(qr, rpos, k, vmask, diag, colm, seg, sm_scale, block_size):
+    """``[2, B, H]``: the rows' softmax mass on the columns ``colm`` that the index keeps, and in all (summed
+    over the rows); compiled once per shape, not per call."""
+    S, nb = k.shape[1], diag.shape[-1]
+    z = attention_logits(qr, k, sm_scale)  # [B, H, R, S]
+    kp = jnp.arange(S)
+    causal = kp[None, :] <= rpos[:, None]
+    if seg is not None:  # [B, 1, R, S]
+        causal = causal & (seg[:, rpos][:, :, None] == seg[:, None, :])[:, None]
+    z = jnp.where(causal, z, -jnp.inf)
+    p = jnp.where(colm, jax.nn.softmax(z, axis=-1), 0.0)
+    d = rpos[:, None] // block_size - kp[None, :] // block_size
+    allowed = (diag[:, :, jnp.clip(d, 0, nb - 1)] | vmask[:, :, None, :]) & causal
+    return jnp.stack([jnp.where(allowed, p, 0.0).sum((-1, -2)), p.sum((-1, -2))])
 
 
 def mask_recall(q, k, index: VerticalSlashIndex, block_size: int = 64):
