@@ -128,11 +128,12 @@ def needle_lines(rows, arms) -> list:
 
 def read_eval(r, read: str):
     """The evaluation of a row's parameters read with dense attention (``read="dense"``: the dense arm's
-    own, a sparse arm's ``cross_eval``) or with the MTraining arm's attention (``"mtraining"``: that
+    own, the MTraining arm's ``cross_eval``) or with the MTraining arm's attention (``"mtraining"``: that
     arm's own, the dense arm's ``sparse_read``); ``None`` where that read was not made."""
-    own = r.get("arm") == read
-    other = {"dense": "cross_eval", "mtraining": "sparse_read"}[read] if r.get("arm") in ("dense", "mtraining") else None
-    return r.get("eval") if own else ((r.get(other) or {}).get("eval") if other and r.get("arm") != read else None)
+    if r.get("arm") == read:
+        return r.get("eval")
+    key = {("mtraining", "dense"): "cross_eval", ("dense", "mtraining"): "sparse_read"}.get((r.get("arm"), read))
+    return (r.get(key) or {}).get("eval") if key else None
 
 
 def train_infer_lines(rows) -> list:
