@@ -109,3 +109,43 @@ def test_needle_recall_lines_split_the_passkeys_by_their_outcome():
     assert f"| mtraining | 0, 1 | {mean:.3f} | {right:.3f} (5) | {missed:.3f} (3) | 0.100 |" in text
     assert "| dense |" not in text  # no needle recall in its row
     assert quality_niah.needle_lines([{"arm": "dense", "seed": 0}], ["dense"]) == []
+
+
+def _niah(acc, lengths=(4096, 8192), depths=(0.0, 1.0), samples=2):
+    return {"task": "passkey", "lengths": list(lengths), "depths": list(depths), "samples": samples, "accuracy": acc}
+
+
+def test_niah_plot_panels_per_training_and_inference_read_averaged_over_seeds(tmp_path, capsys):
+    import json
+
+    from benchmarks import quality_niah_plot
+
+    rows = [{"run": "r", "arm": "dense", "seed": 0, "eval": {"niah": _niah([[1.0, 0.5], [1.0, 1.0]])}},
+            {"run": "r", "arm": "dense", "seed": 1, "eval": {"niah": _niah([[0.0, 0.5], [1.0, 1.0]])},
+             "sparse_read": {"eval": {"niah": _niah([[0.5, 0.5], [0.5, 0.5]])}}},
+            {"run": "r", "arm": "mtraining", "seed": 1, "eval": {"niah": _niah([[0.0, 0.0], [0.5, 1.0]])},
+             "cross_eval": {"eval": {"niah": _niah([[1.0, 1.0], [0.0, 0.0]])}}},
+            {"run": "other", "arm": "dense", "seed": 0, "eval": {"niah": _niah([[0.0, 0.0], [0.0, 0.0]])}}]
+    panels = quality_niah_plot.grids(rows, ["r"])
+    assert [label for label, _ in panels] == [
+        "trained dense, read dense\nseeds 0, 1", "trained dense, read mtraining\nseed 1",
+        "trained mtraining, read dense\nseed 1", "trained mtraining, read mtraining\nseed 1"]
+    assert panels[0][1]["accuracy"] == [[0.5, 0.5], [1.0, 1.0]] and panels[0][1]["samples"] == 4
+    assert panels[2][1]["accuracy"] == [[1.0, 1.0], [0.0, 0.0]] and panels[2][1]["samples"] == 2
+    assert [label for label, _ in quality_niah_plot.grids(rows, ["r"], seeds={0})] == [
+        "trained dense, read dense\nseed 0"]
+    with pytest.raises(ValueError, match="runs r, seeds \\[7\\]: no row with a NIAH grid"):
+        quality_niah_plot.grids(rows, ["r"], seeds={7})
+    rows[1]["eval"]["niah"] = _niah([[1.0], [1.0]], lengths=(4096,))
+    with pytest.raises(ValueError, match="different lengths / depths"):
+        quality_niah_plot.grids(rows, ["r"])
+    del rows[1]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "niah.png"
+    assert quality_niah_plot.main(["--rows", str(path), "--run", "r", "--out", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "trained mtraining, read dense, seed 1: NIAH 0.500 (2 passkeys per cell)" in printed
+    assert quality_niah_plot.main(["--rows", str(path), "--run", "nope", "--out", str(out)]) == 1
+    assert "runs nope: no row with a NIAH grid" in capsys.readouterr().err

@@ -44,7 +44,7 @@ def test_main_writes_the_plot_and_names_a_missing_run(tmp_path, capsys):
     assert "run 'b': no row" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script", ["quality_pretrain_plot.py", "quality_gap_plot.py"])
+@pytest.mark.parametrize("script", ["quality_pretrain_plot.py", "quality_gap_plot.py", "quality_niah_plot.py"])
 def test_the_plot_scripts_run_as_files_from_anywhere(tmp_path, script):
     """The docstrings' commands (``python benchmarks/<script> ...``) from another folder without PYTHONPATH.
     Where the project is installed (CI) ``benchmarks`` imports either way; the scripts' own path insert is what
