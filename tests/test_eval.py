@@ -1,6 +1,7 @@
 """mtraining_jax.eval: scoring (right answers 1, wrong 0), task generation, the sharded predictor
 and the q/k capture against the model's own forward, index recall."""
 
+import jax
 import numpy as np
 import pytest
 import scipy.special
@@ -183,3 +184,23 @@ def test_needle_recall_is_the_index_recall_of_the_needle_for_the_answer_rows(tin
     assert full["layers"] == [1] and abs(full["mean_kept"] - 1) < 1e-6 and np.allclose(full["layer_kept"], 1)
     with pytest.raises(ValueError, match="layers \\[2\\] must be"):
         needle_recall(sp, params, TOK, [512], [0.5], samples=1, layers=[2])
+
+
+def test_layer_qk_compiles_once_per_config_and_token_shape(tiny):
+    """Recall and needle recall call ``layer_qk`` in loops (per length, per p): the program is built once per
+    (config, mesh) and jit compiles it once per token shape; new parameters of the same shapes reuse it."""
+    from mtraining_jax.eval.recall import _qk_program
+
+    cfg, params = tiny
+    sp = cfg.replace(attention_backend="reference", sparsity=dict(vertical_max=16, slash_max=2, vertical_min=1, last_q=64))
+    x = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (1, 256), 0, cfg.vocab_size), np.int32)
+    q1, _, _ = layer_qk(sp, params, x)
+    prog = _qk_program(sp, None)
+    n = prog._cache_size()
+    params2 = jax.tree.map(lambda t: t * 0.5, params)
+    q2, _, _ = layer_qk(sp, params2, x)
+    layer_qk(sp, params, x[:, ::-1].copy())
+    assert _qk_program(sp, None) is prog and prog._cache_size() == n  # same shapes: no new compile
+    assert not np.allclose(np.asarray(q1[-1]), np.asarray(q2[-1]))  # the new parameters were used
+    layer_qk(sp, params, x[:, :128])
+    assert prog._cache_size() == n + 1  # a new token shape: one more

@@ -14,6 +14,7 @@ Every layer is measured, dense ones included (what the index would keep there).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -36,10 +37,27 @@ from mtraining_jax.train.step import batch_shardings
 def layer_qk(cfg: ModelConfig, params, tokens, mesh=None):
     """``([q per layer], [k per layer], hidden)`` for ``tokens int [B, S]`` (natural order); q/k
     in natural order as device arrays, ``hidden`` the final-normed hidden states (natural order,
-    equal to the model's own forward: tested)."""
+    equal to the model's own forward: tested). The program is built once per ``(cfg, mesh)`` and
+    compiled once per token shape (:func:`_qk_program`): calls in a loop do not recompile."""
     tokens = np.asarray(tokens, np.int32)
     P_ = 1 if mesh is None else num_cp_ranks(mesh)
     lay = layout_for(cfg, tokens.shape[1], P_)
+    tok, pos = lay.permute(tokens, axis=1), lay.perm.astype(np.int32)
+    sh = batch_shardings(mesh, False)
+    if sh is not None:
+        tok, pos = to_global(tok, sh.tokens), to_global(pos, sh.positions)
+    qs, ks, h = _qk_program(cfg, mesh)(params, tok, pos)
+    nat, dev = jnp.asarray(lay.inverse), jax.devices()[0]
+
+    def natural(a):  # gathered on one device, natural order
+        return jnp.take(jax.device_put(a, dev), nat, axis=1)
+
+    return [natural(q) for q in qs], [natural(k) for k in ks], natural(h)
+
+
+@functools.lru_cache(maxsize=8)
+def _qk_program(cfg: ModelConfig, mesh):
+    """The jitted ``(params, tokens, positions) -> (qs, ks, hidden)`` of :func:`layer_qk` (layout order)."""
     parts, _ = split_model(Qwen2ForCausalLM, cfg, 0)
     backends = cfg.layer_backends
 
@@ -59,17 +77,7 @@ def layer_qk(cfg: ModelConfig, params, tokens, mesh=None):
             ks.append(k)
         return qs, ks, model.norm(x)
 
-    tok, pos = lay.permute(tokens, axis=1), lay.perm.astype(np.int32)
-    sh = batch_shardings(mesh, False)
-    if sh is not None:
-        tok, pos = to_global(tok, sh.tokens), to_global(pos, sh.positions)
-    qs, ks, h = jax.jit(run)(params, tok, pos)
-    nat, dev = jnp.asarray(lay.inverse), jax.devices()[0]
-
-    def natural(a):  # gathered on one device, natural order
-        return jnp.take(jax.device_put(a, dev), nat, axis=1)
-
-    return [natural(q) for q in qs], [natural(k) for k in ks], natural(h)
+    return jax.jit(run)
 
 
 _estimate = jax.jit(estimate_index, static_argnums=3)
