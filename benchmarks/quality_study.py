@@ -103,7 +103,6 @@ where the slices started).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -112,19 +111,14 @@ import traceback
 from pathlib import Path
 
 from benchmarks.quality_corpus import build_corpus  # the training corpus
-from benchmarks.quality_pretrain import add_pretrain_args, pretrain, resolve_pretrain  # copy pretraining
-from benchmarks.quality_protocol import (DENSE_READ_BACKENDS, load_study, resolve_seeds, resolve_steps,  # the protocol
-                                         merge_overrides, seed_overrides, train_overrides)
+from benchmarks.quality_pretrain import pretrain  # copy pretraining
+from benchmarks.quality_protocol import load_study, resolve_seeds, resolve_steps, seed_overrides  # the protocol
 from benchmarks.quality_report import write_report  # the single-call report
-from benchmarks.quality_launch import add_launch_args, launch_per_arm, launch_per_seed  # one process per seed / arm
-from benchmarks.quality_probes import (arm_model_config, budget_sweep, cross_eval, needle_probe, parse_budgets,  # probes
-                                      probe, sparse_read)
-from benchmarks.quality_seeds import VARIANTS, read_rows, select_runs, write_seed_report  # the statistics over seeds
+from benchmarks.quality_launch import launch_per_arm, launch_per_seed  # one process per seed / arm
+from benchmarks.quality_probes import arm_model_config, budget_sweep, cross_eval, needle_probe, probe, sparse_read
+from benchmarks.quality_seeds import read_rows, select_runs, write_seed_report  # the statistics over seeds
+from benchmarks.quality_args import GROUPS, QUALITY, ROOT, STUDY, parser, resolve_flags  # noqa: F401  (flags; re-exported)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUALITY = os.path.join(ROOT, "configs", "quality")
-STUDY = os.path.join(QUALITY, "study.yaml")
-GROUPS = {"both": ("dense", "mtraining"), "all": VARIANTS}  # --variant names of several variants
 REQUIRED = ("arm", "seed", "steps", "tokens", "heldout_loss", "niah_accuracy", "recall", "commit", "date",
             "device", "jax", "command")  # every JSONL row carries these (None where not measured)
 SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
@@ -132,7 +126,6 @@ SMOKE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layer
          "eval.every=2", "eval.batches=1", "loss_chunk_size=512", "mesh.shape=[1,2]", "logging.progress=false"]
 SMOKE_BACKENDS = {"dense": ["model.attention_backend=ring"], "mtraining": ["model.dense_backend=ring"],
                   "msa": ["model.dense_backend=ring", "model.msa.top_k=3", "model.msa.index_dim=8"]}
-MSA_WARMUP_FRACTION = 0.1  # of the run's steps (module docstring)
 
 
 # ----------------------------------------------------------------------------------- protocol
@@ -398,69 +391,7 @@ def msa_summary(cfg, train_rows) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder of the rows (quality.jsonl), the comparison and the plots")
-    p.add_argument("--variant", choices=tuple(GROUPS) + VARIANTS, default="both",
-                   help="the arm(s): both = dense + mtraining; all = dense + mtraining + msa")
-    p.add_argument("--seeds", type=int, nargs="+", help="seeds (each: initialisation, data order, corpus)")
-    p.add_argument("--num-seeds", type=int, help="seeds 0 .. N-1")
-    p.add_argument("--seed", type=int, help="one seed (initialisation AND data order; default: the configs')")
-    add_launch_args(p)  # --gpu-per-seed, --gpu-per-arm, --gpus
-    p.add_argument("--study", default=STUDY, help="the study protocol (token budget, retrieval mix, eval haystack)")
-    p.add_argument("--tokens", type=int, help="training tokens per arm and seed (default: the study's token_budget)")
-    p.add_argument("--steps", type=int, help="steps per arm and seed instead of --tokens")
-    p.add_argument("--retrieval-mix", type=float, help="fraction of training windows with retrieval (study: retrieval.mix)")
-    p.add_argument("--retrieval-keys", type=int, help="extra key-value pairs per retrieval window (study: retrieval.keys)")
-    p.add_argument("--retrieval-share", type=float,
-                   help="most of a retrieval window the extra pairs may take (study: retrieval.share)")
-    p.add_argument("--copy-share", type=float, help="share of every window's code overwritten by repeats of its "
-                   "own earlier spans (study: retrieval.copy_share; quality_corpus.with_repeats)")
-    p.add_argument("--fresh-retrieval", action=argparse.BooleanOptionalAction, default=None,
-                   help="new retrieval examples on every pass over the code (study: retrieval.fresh)")
-    p.add_argument("--made-up-keys", action=argparse.BooleanOptionalAction, default=None, help="keys beyond the "
-                   "eval's 20 words (study: retrieval.made_up_keys; --no-made-up-keys: the s8 study's corpora)")
-    p.add_argument("--eval-haystack", choices=("filler", "heldout"), help="NIAH/RULER haystack (study: eval.haystack)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override of every arm "
-                   "after the study's `train` list, e.g. optim.lr=3e-4 or model.init_from=ckpt:DIR/seed{seed} ({seed}: "
-                   "each seed; repeatable)")
-    p.add_argument("--report-only", nargs="*", metavar="JSONL",
-                   help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child
-    add_pretrain_args(p)
-    p.add_argument("--baseline-run", metavar="RUN",
-                   help="with --report-only: the dense rows of this `run` tag only (e.g. a dense baseline trained "
-                        "with other settings, compared with the sparse arms of --runs; the report notes it)")
-    p.add_argument("--runs", help="with --report-only: comma-separated `run` tags, only the rows of these runs "
-                   "(e.g. s8-800-steps-4-seeds of results/quality/quality.jsonl); RUN:ARM[+ARM] keeps only those "
-                   "arms of a run")
-    p.add_argument("--msa-warmup-fraction", type=float, default=MSA_WARMUP_FRACTION,
-                   help="msa variant: indexer warm-up (dense attention + full-support KL) as a fraction of the steps")
-    p.add_argument("--msa-kl-coef", type=float, help="msa variant: KL coefficient (default: configs/quality/msa.yaml)")
-    p.add_argument("--work", default=os.path.join("runs", "quality"), help="run dirs and token files (per seed)")
-    p.add_argument("--smoke", action="store_true", help="CPU toy sizes (2 virtual devices)")
-    p.add_argument("--recall-ps", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.9, 0.5],
-                   help="top-p budgets of the index recall (comma-separated; a budget sweep)")
-    p.add_argument("--no-untrained-recall", action="store_true", help="skip the untrained initialisation's recall")
-    p.add_argument("--no-eval", action="store_true", help="no evaluator after training: the rows carry the trainer's "
-                   "curves (held-out every eval.every steps), compared as `trainer_heldout_final`")
-    p.add_argument("--run-steps", type=int, help="train at most this many steps of each arm's schedule in this call, "
-                   "then stop with a checkpoint (no evaluation, no row); continue with --resume (module docstring)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue each arm's run dir from its checkpoint (an arm without one starts from step 0)")
-    p.add_argument("--cross-eval", metavar="BACKEND", choices=DENSE_READ_BACKENDS + ("none",),
-                   help="also evaluate each sparse-trained model with this dense attention backend in every layer "
-                        "(default: the study's eval.cross_eval, cudnn; none: skip; --smoke reads with ring)")
-    p.add_argument("--cross-eval-loss-only", action=argparse.BooleanOptionalAction, default=None,
-                   help="--cross-eval: held-out loss only (default: the study's eval.cross_eval_loss_only)")
-    p.add_argument("--sparse-read", action="store_true", help="also evaluate the dense arm's parameters with the "
-                   "MTraining arm's attention (with --no-cross-eval-loss-only: both arms read both ways)")
-    p.add_argument("--needle-recall", action="store_true", help="also measure how much of the NIAH answer's attention "
-                   "to the needle the index keeps (the first 2 passkeys of each cell; the MTraining arm's sparse layers)")
-    p.add_argument("--recall-budgets", type=parse_budgets, default=[],
-                   help="index budgets of a recall sweep at p = 0.9 on the trained model, ';'-separated, each "
-                        "','-separated SparsityConfig fields, e.g. ';vertical_max=16384,slash_max=256;last_q=256' "
-                        "(an empty entry: the model's own budgets)")
-    args = p.parse_args(argv)
+    args = parser(__doc__.split("\n\n")[0]).parse_args(argv)
     args.argv = argv
     if args.report_only is not None:
         rows = read_rows(args.report_only or [os.path.join(args.out, "quality.jsonl")])
@@ -479,32 +410,7 @@ def main(argv=None) -> int:
         print(write_seed_report(rows, args.out))
         return 0
     study = load_study(args.study)
-    for flag, key in (("retrieval_mix", "mix"), ("retrieval_keys", "keys"), ("retrieval_share", "share"),
-                      ("fresh_retrieval", "fresh"), ("copy_share", "copy_share"), ("made_up_keys", "made_up_keys")):
-        if getattr(args, flag) is None:  # the flag unset: the study's value
-            setattr(args, flag, study["retrieval"][key])
-    args.retrieval_tasks = {t: float(w) for t, w in study["retrieval"]["tasks"].items()}
-    if not 0.0 <= args.copy_share < 1.0:
-        raise SystemExit(f"quality_study: --copy-share must lie in [0, 1), got {args.copy_share}")
-    args.eval_haystack = args.eval_haystack or study["eval"]["haystack"]
-    try:
-        args.train_overrides = merge_overrides(study["train"], train_overrides(args.set))
-    except ValueError as e:
-        raise SystemExit(f"quality_study: {e}")
-    args.recall_p = float(study["eval"]["recall_p"])
-    if args.cross_eval is None:
-        args.cross_eval = study["eval"]["cross_eval"]
-    args.cross_eval = None if args.cross_eval == "none" else args.cross_eval
-    if args.smoke and args.cross_eval == "cudnn":  # no cuDNN on CPU: the smoke arms' dense backend
-        args.cross_eval = "ring"
-    if args.cross_eval_loss_only is None:
-        args.cross_eval_loss_only = study["eval"]["cross_eval_loss_only"]
-    args.pretrain = resolve_pretrain(args, study["pretrain"])
-    if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0 or not 0.0 < args.retrieval_share <= 1.0:
-        raise SystemExit(f"quality_study: --retrieval-mix must lie in [0, 1] (got {args.retrieval_mix}), --retrieval-keys "
-                         f"be >= 0 (got {args.retrieval_keys}) and --retrieval-share in (0, 1] (got {args.retrieval_share})")
-    if args.run_steps is not None and args.run_steps < 1:
-        raise SystemExit(f"quality_study: --run-steps must be >= 1, got {args.run_steps}")
+    resolve_flags(args, study)
     if args.gpu_per_seed or args.gpu_per_arm:
         if args.smoke:
             raise SystemExit("quality_study: --gpu-per-seed / --gpu-per-arm are for GPU machines "

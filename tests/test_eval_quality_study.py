@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import quality_corpus, quality_study
+from benchmarks import quality_corpus, quality_protocol, quality_study
 
 pytestmark = pytest.mark.usefixtures("jax_compilation_cache")  # the arms and seeds share compiled steps
 
@@ -177,7 +177,7 @@ def test_study_protocol(tmp_path):
     # the protocol of record (runs s8-s14): 800 steps of 32K, 48 extra keys from the eval's words, lr 3e-4
     assert (study["token_budget"], study["retrieval"]["keys"], study["retrieval"]["made_up_keys"]) == (26214400, 48, False)
     assert study["train"] == ["optim.lr=3e-4"]
-    assert quality_study.merge_overrides(study["train"], ["optim.lr=1e-3", "model.remat=full", "optim.lr=2e-4"]) == [
+    assert quality_protocol.merge_overrides(study["train"], ["optim.lr=1e-3", "model.remat=full", "optim.lr=2e-4"]) == [
         "optim.lr=2e-4", "model.remat=full"]
     # every sparse arm is also read with dense attention (its index comes from later tokens), loss only
     assert study["eval"]["cross_eval"] == "cudnn" and study["eval"]["cross_eval_loss_only"] is True

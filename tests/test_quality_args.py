@@ -1,0 +1,50 @@
+"""benchmarks/quality_args.py: the quality study's flags, unset ones taken from the protocol
+(configs/quality/study.yaml), and a value out of range refused by name before anything trains."""
+
+import pytest
+
+from benchmarks.quality_args import parser, resolve_flags
+from benchmarks.quality_protocol import load_study
+from benchmarks.quality_study import STUDY
+
+
+def _resolve(*argv):
+    args = parser("test").parse_args(["--out", "x", *argv])
+    resolve_flags(args, load_study(STUDY))
+    return args
+
+
+def test_unset_flags_take_the_protocol_and_set_ones_win():
+    study = load_study(STUDY)
+    a = _resolve()
+    assert (a.retrieval_mix, a.retrieval_keys, a.retrieval_share) == (
+        study["retrieval"]["mix"], study["retrieval"]["keys"], study["retrieval"]["share"])
+    assert a.eval_haystack == study["eval"]["haystack"] and a.cross_eval == study["eval"]["cross_eval"]
+    assert a.train_overrides == list(study["train"]) and a.recall_p == float(study["eval"]["recall_p"])
+    assert a.retrieval_tasks == {t: float(w) for t, w in study["retrieval"]["tasks"].items()}
+    b = _resolve("--retrieval-keys", "3", "--retrieval-mix", "0.5", "--eval-haystack", "filler", "--cross-eval", "none",
+                 "--set", "optim.lr=1e-3", "--set", "optim.weight_decay=0.1", "--no-cross-eval-loss-only")
+    assert (b.retrieval_keys, b.retrieval_mix, b.eval_haystack, b.cross_eval) == (3, 0.5, "filler", None)
+    assert b.train_overrides == ["optim.lr=1e-3", "optim.weight_decay=0.1"]  # a later lr replaces the study's
+    assert b.cross_eval_loss_only is False
+    assert _resolve("--smoke").cross_eval == "ring"  # no cuDNN on the CPU
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--copy-share", "1"), "--copy-share must lie in \\[0, 1\\), got 1.0"),
+    (("--retrieval-mix", "1.5"), "--retrieval-mix must lie in \\[0, 1\\] \\(got 1.5\\)"),
+    (("--retrieval-keys", "-1"), "\\(got -1\\)"),
+    (("--retrieval-share", "0"), "--retrieval-share in \\(0, 1\\] \\(got 0.0\\)"),
+    (("--run-steps", "0"), "--run-steps must be >= 1, got 0"),
+    (("--set", "steps=5"), "'steps' is set by the study"),
+    (("--set", "optim.lr"), "expected KEY=VALUE"),
+])
+def test_values_out_of_range_stop_the_call_naming_them(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        _resolve(*argv)
+
+
+def test_a_string_where_a_number_belongs_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        _resolve("--retrieval-keys", "many")
+    assert "--retrieval-keys: invalid int value: 'many'" in capsys.readouterr().err
