@@ -25,6 +25,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import yaml
 
+from mtraining_jax.train import compile_cache
+
 DATA_SOURCES = ("stdlib", "tokens", "text", "passkey")
 DATA_PACKS = ("stream", "documents")
 DATA_POSITIONS = ("global", "per_document")
@@ -348,6 +350,8 @@ class TrainConfig:
     ``deterministic``: bit-reproducible steps on GPUs (:mod:`.determinism`: XLA's deterministic
     scatter-adds; the kernels use no atomics), at some speed; the same run twice, or on one process
     and on several with the same mesh, then gives the same losses.
+    ``compile_cache_dir``: a persistent compilation cache (:mod:`.compile_cache`): a restarted or
+    resumed run loads its compiled step from it instead of compiling again; ``null``: none.
     """
 
     run_dir: str = "runs/default"
@@ -356,6 +360,7 @@ class TrainConfig:
     seed: int = 0
     loss_chunk_size: int = 1024
     deterministic: bool = False
+    compile_cache_dir: Optional[str] = None
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -373,6 +378,7 @@ class TrainConfig:
         if self.run_steps is not None:
             _positive("run_steps", self.run_steps)
         _positive("loss_chunk_size", self.loss_chunk_size)
+        compile_cache.check(self.compile_cache_dir)
 
     @property
     def checkpoint_dir(self) -> str:

@@ -39,7 +39,7 @@ import numpy as np
 from mtraining_jax.layouts import Layout, validate_layout
 from mtraining_jax.mesh import make_mesh, num_cp_ranks
 from mtraining_jax.train import data as data_lib
-from mtraining_jax.train import determinism
+from mtraining_jax.train import compile_cache, determinism
 from mtraining_jax.train.checkpoint import Checkpointer
 from mtraining_jax.train.config import TrainConfig
 from mtraining_jax.train.metrics import MetricsWriter, Progress, device_peak_gib, plot_losses
@@ -312,6 +312,7 @@ def setup(cfg: TrainConfig, *, overwrite: bool = False,
     t_setup = time.time()
     resume = cfg.checkpoint.resume
     determinism.check(cfg.deterministic)
+    compile_cache.enable(cfg.compile_cache_dir)  # before the first compile
     mesh = build_mesh(cfg.mesh)
     model_cls, model_cfg = build_model_config(cfg.model, cfg.config_dir)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -493,6 +494,7 @@ def train(run: Run, hooks: Sequence[Hook] = ()) -> RunResult:
             if stopping:
                 raise Interrupted(_stop_message(run, stopping, None), stopping)
             bar.write("compiling the training step (the first step includes compilation)...")
+            cached = compile_cache.hits()
         t0 = time.time()
         host = next(run.loader)
         batch = jax.tree.map(to_global, host, run.batch_sharding) if run.batch_sharding is not None else host
@@ -502,7 +504,9 @@ def train(run: Run, hooks: Sequence[Hook] = ()) -> RunResult:
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         dt = time.time() - t0
         if step == run.start:
-            bar.write(f"first step done in {dt:.1f}s")
+            cached = compile_cache.hits() - cached
+            bar.write(f"first step done in {dt:.1f}s"
+                      + (f" ({cached} program(s) loaded from the compilation cache)" if cached else ""))
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
             bad_in_a_row += 1
             run.skipped_updates += 1
