@@ -2,10 +2,9 @@
 
 JAX writes each compiled program (and XLA's GPU autotuning results) to the folder and reads it back in a
 later process that compiles the same program: a run restarted after a preemption, resumed for its next
-slice, or run again with the same shapes skips the compile. On an H200 the Qwen2.5-0.5B training step at
-128K compiles in 24.1 s cold and 0.8 s from the cache (tracing and lowering, 6.7 s, are not cached;
-``results/training/train_throughput.md`` run 14). Programs are keyed by their contents, the JAX / jaxlib
-version and the devices, so several runs and configs can share one folder; entries are a few MB.
+slice, or run again with the same shapes skips the compile; tracing and lowering still run (what it
+saves is measured in ``results/training/train_throughput.md``, run 14). Programs are keyed by their
+contents, the JAX / jaxlib version and the devices, so several runs and configs can share one folder.
 
 The first step's log line says how many programs came from the cache (:func:`hits`). Every program is
 cached, whatever its compile time (JAX's default skips those under a second, which on
