@@ -6,6 +6,10 @@ says which, and the passkeys per cell).
 
     python benchmarks/quality_niah_plot.py --run s25-copy-doubling-32k-seed-2-cross-reads --seeds 2 \\
       --out results/quality/quality_s25_niah.png
+
+``--run RUN:ARM[+ARM]`` takes only those arms of a run (e.g. one run's dense arm beside another run's
+MTraining arm). An arm trained with its own ``model.dense_layers`` override is a panel of its own, labelled
+with those layers.
 """
 
 from __future__ import annotations
@@ -21,20 +25,34 @@ from benchmarks.quality_seeds import read_rows  # noqa: E402
 ARMS = ("dense", "mtraining")
 
 
+def dense_layers(row) -> str:
+    """The row's ``model.dense_layers`` trainer override (``""`` when it has none)."""
+    sets = [o.partition("=")[2] for o in row.get("train_overrides") or () if o.startswith("model.dense_layers=")]
+    return sets[-1].strip("[]").replace(" ", "") if sets else ""
+
+
 def grids(rows, runs, seeds=None) -> list:
     """``[(label, niah)]`` for :func:`mtraining_jax.eval.plots.niah_heatmaps`: per (trained, read) the
-    accuracy grid averaged over the rows of ``runs`` (and ``seeds``, if given) that have that read, in the
-    order dense/dense, dense/mtraining, mtraining/dense, mtraining/mtraining. A ``ValueError`` names runs
-    with no NIAH grid or grids of different lengths / depths."""
+    accuracy grid averaged over the rows of ``runs`` (``RUN`` or ``RUN:ARM[+ARM]``; and ``seeds``, if given)
+    that have that read, in the order dense/dense, dense/mtraining, mtraining/dense, mtraining/mtraining; an
+    arm trained with a ``model.dense_layers`` override is its own panel (:func:`dense_layers`). A
+    ``ValueError`` names an unknown arm, runs with no NIAH grid or grids of different lengths / depths."""
     import numpy as np
 
-    picked = [r for r in rows if r.get("run") in runs and r.get("arm") in ARMS
+    keep = {}
+    for item in runs:
+        run, _, arms = item.partition(":")
+        names = set(arms.split("+")) if arms else set(ARMS)
+        if names - set(ARMS):
+            raise ValueError(f"run {item!r}: unknown arm(s) {sorted(names - set(ARMS))}; arms are {list(ARMS)}")
+        keep.setdefault(run, set()).update(names)
+    picked = [r for r in rows if r.get("arm") in keep.get(r.get("run"), ()) and r.get("arm") in ARMS
               and (seeds is None or r.get("seed") in seeds)]
     out, shape = [], None
-    for arm in ARMS:
+    for arm, layers in sorted({(r["arm"], dense_layers(r)) for r in picked}, key=lambda t: (ARMS.index(t[0]), t[1])):
         for read in ARMS:
             got = [(r["seed"], ev["niah"]) for r in picked
-                   if r["arm"] == arm and (ev := read_eval(r, read)) and ev.get("niah")]
+                   if r["arm"] == arm and dense_layers(r) == layers and (ev := read_eval(r, read)) and ev.get("niah")]
             if not got:
                 continue
             axes = [(tuple(n["lengths"]), tuple(n["depths"])) for _, n in got]
@@ -44,7 +62,8 @@ def grids(rows, runs, seeds=None) -> list:
             n0 = got[0][1]
             acc = np.mean([np.asarray(n["accuracy"], float) for _, n in got], axis=0)
             seeds_s = ", ".join(str(s) for s, _ in sorted(got, key=lambda t: t[0]))
-            out.append((f"trained {arm}, read {read}\nseed{'s' if len(got) > 1 else ''} {seeds_s}",
+            trained = f"{arm}\n(dense layers {layers})" if layers else arm
+            out.append((f"trained {trained}, read {read}\nseed{'s' if len(got) > 1 else ''} {seeds_s}",
                         dict(n0, accuracy=acc.tolist(), samples=sum(n["samples"] for _, n in got))))
     if not out:
         raise ValueError(f"runs {', '.join(runs)}" + (f", seeds {sorted(seeds)}" if seeds else "")

@@ -134,6 +134,17 @@ def test_niah_plot_panels_per_training_and_inference_read_averaged_over_seeds(tm
     assert panels[2][1]["accuracy"] == [[1.0, 1.0], [0.0, 0.0]] and panels[2][1]["samples"] == 2
     assert [label for label, _ in quality_niah_plot.grids(rows, ["r"], seeds={0})] == [
         "trained dense, read dense\nseed 0"]
+    # one run's dense arm beside another run's MTraining arm trained with more dense layers: its own panel
+    rows.append({"run": "other", "arm": "mtraining", "seed": 0, "eval": {"niah": _niah([[1.0, 1.0], [1.0, 1.0]])},
+                 "train_overrides": ["optim.lr=3e-4", "model.dense_layers=[0, 4, 8]"]})
+    mixed = quality_niah_plot.grids(rows, ["r:dense", "other:mtraining"])
+    assert [label for label, _ in mixed] == [
+        "trained dense, read dense\nseeds 0, 1", "trained dense, read mtraining\nseed 1",
+        "trained mtraining\n(dense layers 0,4,8), read mtraining\nseed 0"]
+    assert mixed[2][1]["accuracy"] == [[1.0, 1.0], [1.0, 1.0]]
+    with pytest.raises(ValueError, match="unknown arm\\(s\\) \\['msa'\\]"):
+        quality_niah_plot.grids(rows, ["r:msa"])
+    rows.pop()
     with pytest.raises(ValueError, match="runs r, seeds \\[7\\]: no row with a NIAH grid"):
         quality_niah_plot.grids(rows, ["r"], seeds={7})
     rows[1]["eval"]["niah"] = _niah([[1.0], [1.0]], lengths=(4096,))
