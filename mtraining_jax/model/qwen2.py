@@ -18,8 +18,9 @@ laid-out token, shared by the batch), hidden ``[B, S, hidden]`` in ``cfg.dtype``
 
 Layers: ONE stacked module (every parameter has a leading ``[num_layers]`` axis, ``nnx.vmap``), so
 checkpoints and the HF mapping do not depend on how the layers run. ``cfg.scan_layers=True`` runs
-each run of consecutive layers with one (backend, remat policy) as one ``jax.lax.scan``; ``False``
-unrolls a Python loop. Each layer is wrapped in ``jax.checkpoint`` by ``cfg.remat``:
+each run of consecutive layers with one (backend, remat policy) as one ``jax.lax.scan``, and a pattern
+of such runs repeated back to back (a dense layer every fourth layer) as one scan over its repeats
+(:mod:`.layer_plan`); ``False`` unrolls a Python loop. Each layer is wrapped in ``jax.checkpoint`` by ``cfg.remat``:
 
 * ``none``: keep every activation;
 * ``full``: save only the layer input;
@@ -35,7 +36,6 @@ Every policy keeps the exact gradients.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from flax import nnx
 
 from mtraining_jax.attention.dispatch import attention
 from mtraining_jax.model.config import ModelConfig
+from mtraining_jax.model.layer_plan import backend_segments, layer_blocks  # noqa: F401 (re-exported)
 from mtraining_jax.model.rope import apply_rope, rope_cos_sin, rope_parameters
 
 
@@ -237,15 +238,36 @@ def _rope_tables(head_dim: int, theta: float, scaling_items: tuple | None):
     return rope_parameters(head_dim, theta, None if scaling_items is None else dict(scaling_items))
 
 
-def backend_segments(backends: tuple) -> list[tuple[int, int, object]]:
-    """Maximal runs ``(start, stop, backend)`` of consecutive layers sharing a backend (any
-    comparable per-layer key, e.g. ``(backend, remat policy)`` pairs)."""
-    out, start = [], 0
-    for b, grp in itertools.groupby(backends):
-        n = len(list(grp))
-        out.append((start, start + n, b))
-        start += n
-    return out
+def _scan_pattern(x, params, pattern, layer_fns):
+    """Run one repeat's runs (``pattern``, :func:`~mtraining_jax.model.layer_plan.layer_blocks`) over
+    ``params`` (leaves ``[period, ...]``); stats ``{name: [n]}`` in layer order."""
+    stats, n = [], jax.tree.leaves(params)[0].shape[0]
+    for offset, length, key in pattern:
+        seg = params if (offset, length) == (0, n) else jax.tree.map(lambda t: t[offset:offset + length], params)
+        x, st = jax.lax.scan(layer_fns(key), x, seg)
+        if st:
+            stats.append(st)
+    return x, {k: jnp.concatenate([s[k] for s in stats]) for k in (stats[0] if stats else {})}
+
+
+def _scan_blocks(x, stacked, blocks, layer_fns):
+    """``(x, [stats {name: [n]}])`` of the layers in ``blocks`` (``layer_fns(key)``: the layer body of a
+    key); a block of ``repeats >= 2`` is one scan over its repeats (parameters ``[repeats, period, ...]``)
+    whose body runs the pattern, so each key's body is traced once."""
+    n_layers, out = jax.tree.leaves(stacked)[0].shape[0], []
+    for start, reps, pattern in blocks:
+        period = sum(length for _, length, _ in pattern)
+        stop = start + reps * period
+        seg = stacked if (start, stop) == (0, n_layers) else jax.tree.map(lambda t: t[start:stop], stacked)
+        if reps == 1:
+            x, st = _scan_pattern(x, seg, pattern, layer_fns)
+        else:
+            seg = jax.tree.map(lambda t: t.reshape((reps, period) + t.shape[1:]), seg)
+            x, st = jax.lax.scan(lambda h, p: _scan_pattern(h, p, pattern, layer_fns), x, seg)
+            st = {k: v.reshape(-1) for k, v in st.items()}
+        if st:
+            out.append(st)
+    return x, out
 
 
 class Qwen2ForCausalLM(nnx.Module):
@@ -325,20 +347,20 @@ class Qwen2ForCausalLM(nnx.Module):
                 attn_kwargs.update(msa_warmup=msa_warmup, msa_metrics=msa_metrics)
             return _layer_fn(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse=not cfg.scan_layers)
 
-        per_segment = []  # one scan per run of consecutive layers sharing (backend, remat policy)
-        for start, stop, (backend, policy) in backend_segments(tuple(zip(cfg.layer_backends, cfg.layer_remats))):
-            f = run_layer(backend, policy)
-            if cfg.scan_layers:
-                seg = stacked if (start, stop) == (0, cfg.num_layers) else jax.tree.map(lambda t: t[start:stop], stacked)
-                x, st = jax.lax.scan(f, x, seg)
-            else:
+        keys = tuple(zip(cfg.layer_backends, cfg.layer_remats))
+        if cfg.scan_layers:  # one scan per block; a repeated multi-run pattern as one scan over its repeats
+            x, per_segment = _scan_blocks(x, stacked, layer_blocks(keys), lambda k: run_layer(*k))
+        else:
+            per_segment = []
+            for start, stop, key in backend_segments(keys):
+                f = run_layer(*key)
                 outs = []
                 for i in range(start, stop):
                     x, s_i = f(x, jax.tree.map(lambda t: t[i], stacked))
                     outs.append(s_i)
                 st = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-            if st:
-                per_segment.append(st)
+                if st:
+                    per_segment.append(st)
         h = self.norm(x)
         if not return_stats:
             return h
