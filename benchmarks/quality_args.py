@@ -87,6 +87,22 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def request_determinism(overrides) -> None:
+    """``deterministic=true`` among the trainer overrides: XLA's deterministic GPU ops for this process
+    (the copy pretraining runs in it, then every arm), set before anything starts JAX's GPU backend
+    (:mod:`mtraining_jax.train.determinism`; the trainer refuses the override without it). A value other
+    than true / false stops the call naming it."""
+    from mtraining_jax.train import determinism
+    from mtraining_jax.train.config import parse_override
+
+    for item in overrides:
+        key, value = parse_override(item)
+        if key == ["deterministic"]:
+            if not isinstance(value, bool):
+                raise SystemExit(f"quality_study: deterministic must be true or false, got {item!r}")
+            determinism.request(value)
+
+
 def resolve_flags(args, study: dict) -> None:
     """Fill ``args`` from the ``study`` protocol where a flag was not given (retrieval mix / keys / share /
     fresh / copy share / made-up keys, eval haystack, cross read, recall p, copy pretraining) and merge the
@@ -103,6 +119,7 @@ def resolve_flags(args, study: dict) -> None:
         args.train_overrides = merge_overrides(study["train"], train_overrides(args.set))
     except ValueError as e:
         raise SystemExit(f"quality_study: {e}")
+    request_determinism(args.train_overrides)
     args.recall_p = float(study["eval"]["recall_p"])
     if args.cross_eval is None:
         args.cross_eval = study["eval"]["cross_eval"]

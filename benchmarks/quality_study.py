@@ -43,7 +43,10 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   KEY=VALUE`` (repeatable; a key given again replaces the earlier value; e.g. ``optim.lr=1e-3``,
   ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a pretrained checkpoint,
   ``{seed}`` replaced by each seed); what the study sets per arm and seed (run dir, data, seeds,
-  steps) is refused.
+  steps) is refused. ``deterministic=true`` also asks XLA for deterministic GPU ops before JAX starts
+  (the pretraining and every arm run in the one process, so both are affected; the rows' ``train_overrides``
+  say so): a seed's copy pretraining is then the same in every call of one commit (not yet measured on a
+  GPU; autotuning may still pick other kernels in another compile, ``--xla_gpu_autotune_level=0`` rules it out).
 * **copy pretraining** (``pretrain``, ``--pretrain-steps N``, ``--pretrain-stages``, ``--pretrain-seed S``; 0 steps by
   default): each seed first trains the
   dense arm's model on short windows of random bytes with spans copied to later places

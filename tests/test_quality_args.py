@@ -1,6 +1,8 @@
 """benchmarks/quality_args.py: the quality study's flags, unset ones taken from the protocol
 (configs/quality/study.yaml), and a value out of range refused by name before anything trains."""
 
+import os
+
 import pytest
 
 from benchmarks.quality_args import parser, resolve_flags
@@ -48,3 +50,22 @@ def test_a_string_where_a_number_belongs_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         _resolve("--retrieval-keys", "many")
     assert "--retrieval-keys: invalid int value: 'many'" in capsys.readouterr().err
+
+
+def test_deterministic_override_sets_the_xla_flag_before_jax_starts(monkeypatch):
+    """``--set deterministic=true`` reaches the pretraining and every arm (one process), so the study asks
+    XLA for deterministic GPU ops itself; false or absent leaves XLA_FLAGS alone; a non-boolean is refused."""
+    from mtraining_jax.train.determinism import FLAG
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    a = _resolve("--set", "deterministic=true")
+    assert "deterministic=true" in a.train_overrides  # and so in every row's train_overrides
+    assert os.environ["XLA_FLAGS"] == f"--xla_gpu_autotune_level=0 {FLAG}"
+    _resolve("--set", "deterministic=true")  # asked twice: the flag once
+    assert os.environ["XLA_FLAGS"].split().count(FLAG) == 1
+    monkeypatch.setenv("XLA_FLAGS", "")
+    _resolve("--set", "deterministic=false")
+    _resolve()
+    assert os.environ["XLA_FLAGS"] == ""
+    with pytest.raises(SystemExit, match="deterministic must be true or false, got 'deterministic=yes please'"):
+        _resolve("--set", "deterministic=yes please")
