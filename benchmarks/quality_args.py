@@ -12,6 +12,7 @@ from benchmarks.quality_pretrain import add_pretrain_args, resolve_pretrain
 from benchmarks.quality_probes import parse_budgets
 from benchmarks.quality_protocol import DENSE_READ_BACKENDS, merge_overrides, train_overrides
 from benchmarks.quality_seeds import VARIANTS
+from benchmarks.quality_warm import check_warm_start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(ROOT, "configs", "quality")
@@ -47,6 +48,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override of every arm "
                    "after the study's `train` list, e.g. optim.lr=3e-4 or model.init_from=ckpt:DIR/seed{seed} ({seed}: "
                    "each seed; repeatable)")
+    p.add_argument("--warm-start", type=int, default=0, metavar="W", help="every arm of a seed continues one dense "
+                   "run from its step W (parameters, optimizer, schedule, data position): the arms differ only in "
+                   "the attention of the last steps - W steps (benchmarks/quality_warm.py; 0: none)")
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child
@@ -129,6 +133,10 @@ def resolve_flags(args, study: dict) -> None:
     if args.cross_eval_loss_only is None:
         args.cross_eval_loss_only = study["eval"]["cross_eval_loss_only"]
     args.pretrain = resolve_pretrain(args, study["pretrain"])
+    check_warm_start(args.warm_start, args.steps)
+    if args.warm_start and args.gpu_per_arm and not args.pretrain["steps"]:  # its --pretrain-only child trains it
+        raise SystemExit(f"quality_study: --warm-start {args.warm_start} with --gpu-per-arm needs copy pretraining "
+                         "(--pretrain-steps > 0): the arms would train one warm start at once")
     if not 0.0 <= args.retrieval_mix <= 1.0 or args.retrieval_keys < 0 or not 0.0 < args.retrieval_share <= 1.0:
         raise SystemExit(f"quality_study: --retrieval-mix must lie in [0, 1] (got {args.retrieval_mix}), --retrieval-keys "
                          f"be >= 0 (got {args.retrieval_keys}) and --retrieval-share in (0, 1] (got {args.retrieval_share})")

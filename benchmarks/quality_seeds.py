@@ -146,7 +146,8 @@ def seed_values(rows) -> tuple:
                              "heldout_dense_read": dense_read_loss(r),
                              "tokens": r.get("tokens"), "tokens_per_s": r.get("tokens_per_s"),
                              "train_compute_seconds": r.get("train_compute_seconds"),
-                             "corpus_sha": r.get("corpus_sha"), "device": r.get("device")}
+                             "corpus_sha": r.get("corpus_sha"), "device": r.get("device"),
+                             "warm_start": (r.get("warm_start") or {}).get("steps")}
     for seed in sorted({s for _, s in last}):
         arms = [a for a, s in last if s == seed]
         totals = [last[(a, seed)]["train_time"][-1][1] for a in arms if last[(a, seed)].get("train_time")]
@@ -162,7 +163,11 @@ def seed_values(rows) -> tuple:
             notes.append(f"seed {seed}: the arms differ in trainer overrides ("
                          + "; ".join(f"{a}: {last[(a, seed)].get('train_overrides') or 'none'}" for a in arms)
                          + "): the differences compare these settings too")
-        for k in ("tokens", "corpus_sha", "device"):
+        warm = {vals[(a, seed)]["warm_start"] for a in arms}
+        if warm != {None} and len(warm) == 1:
+            notes.append(f"seed {seed}: every arm continues one dense run from its step {warm.pop()} (--warm-start): "
+                         "the arms differ in the attention of the later steps only")
+        for k in ("tokens", "corpus_sha", "warm_start", "device"):
             got = {vals[(a, seed)][k] for a in arms}
             if len(got) > 1:
                 notes.append(f"seed {seed}: the arms differ in {k} ({sorted(map(str, got))})"

@@ -53,6 +53,9 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   (:mod:`benchmarks.quality_pretrain`), and every arm of that seed starts from those weights (rows:
   ``pretrain``). A finished pretraining is reused by later calls and a stopped one resumed;
   ``--pretrain-only`` stops there (rows ``arm: pretrain`` in ``--out/pretrain.jsonl``).
+* **warm start** (``--warm-start W``; none by default): every arm of a seed continues one dense run from
+  its step ``W`` (parameters, optimizer, schedule, data position; :mod:`benchmarks.quality_warm`), so the
+  arms differ only in the attention of the later steps: the question of a model that already retrieves.
 
 One JSONL row per (arm, seed) in ``--out/quality.jsonl``, appended as soon as it is known: ``arm``
 (dense / mtraining / msa), ``seed``, ``steps``, ``tokens``, ``heldout_loss`` (the evaluator's
@@ -115,6 +118,7 @@ from pathlib import Path
 
 from benchmarks.quality_corpus import build_corpus  # the training corpus
 from benchmarks.quality_pretrain import pretrain  # copy pretraining
+from benchmarks.quality_warm import check_warm_start, continue_from, warm_start  # --warm-start
 from benchmarks.quality_protocol import load_study, resolve_seeds, resolve_steps, seed_overrides  # the protocol
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import launch_per_arm, launch_per_seed  # one process per seed / arm
@@ -238,12 +242,14 @@ def _slices(run_dir: str, start: int | None = None) -> list:
     return starts
 
 
-def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = None) -> dict | None:
+def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = None, warm: dict | None = None,
+                run_name: str | None = None) -> dict | None:
     """Train and evaluate one arm of one seed; every section's failure is recorded, not raised.
     ``corpus``: :func:`build_corpus` (or the old ``(train, heldout)`` paths). ``pretrained``: the
     seed's copy pretraining (:func:`benchmarks.quality_pretrain.pretrain`): the arm starts from its
-    weights. ``None`` when this call trained a slice that ends before the schedule does
-    (``--run-steps``: module docstring)."""
+    weights. ``warm``: the seed's warm start (:mod:`benchmarks.quality_warm`): the arm continues it.
+    ``run_name``: the run folder's name (default ``name``). ``None`` when this call trained a slice
+    that ends before the schedule does (``--run-steps``: module docstring)."""
     import numpy as np
 
     from mtraining_jax.eval.api import evaluate_params
@@ -259,7 +265,8 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     info = corpus if isinstance(corpus, dict) else {"paths": tuple(corpus)}
     paths = info["paths"]
     work = os.path.dirname(os.path.abspath(paths[0]))
-    over = [f"run_dir={os.path.join(work, name)}", f"data.path={paths[0]}", f"data.eval_path={paths[1]}"]
+    run_dir = os.path.join(work, run_name or name)
+    over = [f"run_dir={run_dir}", f"data.path={paths[0]}", f"data.eval_path={paths[1]}"]
     if args.smoke:
         over += SMOKE + SMOKE_BACKENDS[name]
     if args.steps:
@@ -269,11 +276,13 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     over += [o.replace("{seed}", str(seed)) for o in getattr(args, "train_overrides", [])]  # study `train`, --set
     if pretrained:
         over.append(f"model.init_from=ckpt:{pretrained['checkpoints']}")
-    run_dir = os.path.join(work, name)
-    sliced = bool(getattr(args, "run_steps", None) or getattr(args, "resume", False))
+    sliced = bool(getattr(args, "run_steps", None) or getattr(args, "resume", False) or warm)
     ckdir = os.path.join(run_dir, "checkpoints")  # the configs' checkpoint folder (checkpoint.dir unset)
-    resume = (sliced and getattr(args, "resume", False) and os.path.isdir(ckdir)
-              and any(n.isdigit() for n in os.listdir(ckdir)))
+    held = sorted(int(n) for n in os.listdir(ckdir) if n.isdigit()) if os.path.isdir(ckdir) else []
+    if warm and not (getattr(args, "resume", False) and held and held[-1] > warm["steps"]):
+        continue_from(warm, run_dir)  # a resumed slice past the warm start keeps its own progress
+        held = [warm["steps"]]
+    resume = sliced and (getattr(args, "resume", False) or bool(warm)) and bool(held)
     if sliced:  # a checkpoint where a slice stops (and at the end): the next slice continues from it
         over.append(f"checkpoint.every={args.steps or load_config(os.path.join(QUALITY, f'{name}.yaml'), over).steps}")
     if getattr(args, "run_steps", None):
@@ -288,6 +297,7 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     cfg = load_config(os.path.join(QUALITY, f"{name}.yaml"), over)
     rec = base_row(name, cfg.seed, args)
     rec["pretrain"] = pretrained
+    rec["warm_start"] = warm
     per_step = cfg.data.seq_len * cfg.data.batch_size * cfg.optim.grad_accum
     rec.update(steps=cfg.steps, tokens=cfg.steps * per_step, tokens_per_step=per_step, seq_len=cfg.data.seq_len,
                data_seed=cfg.data.seed, corpus_sha=info.get("sha"),
@@ -432,12 +442,14 @@ def main(argv=None) -> int:
     base = load_config(os.path.join(QUALITY, "dense.yaml"), SMOKE if args.smoke else [])
     seeds = resolve_seeds(args, base.seed)
     args.steps = resolve_steps(args, base, study)
+    args.warm_start = check_warm_start(args.warm_start, args.steps)
     per_step = base.data.seq_len * base.data.batch_size * base.optim.grad_accum
     names = GROUPS.get(args.variant, (args.variant,))
     protocol = {"token_budget": args.steps * per_step, "steps": args.steps, "tokens_per_step": per_step,
                 "arms": list(names), "seeds": seeds, "retrieval": retrieval_settings(args),
                 "eval_haystack": args.eval_haystack, "train_overrides": args.train_overrides,
-                "pretrain": dict(args.pretrain, seed=args.pretrain_seed) if args.pretrain["steps"] else None}
+                "pretrain": dict(args.pretrain, seed=args.pretrain_seed) if args.pretrain["steps"] else None,
+                "warm_start": args.warm_start or None}
     print(f"protocol: token budget {args.steps * per_step:,} tokens per arm and seed = {args.steps} steps x "
           f"{per_step} tokens; arms {', '.join(names)}; seeds {seeds} (each: init, data order, corpus); "
           f"retrieval mix {args.retrieval_mix:g}, up to {args.retrieval_keys} extra pairs per window in at most "
@@ -453,16 +465,20 @@ def main(argv=None) -> int:
         print(f"corpus of seed {seed}: {corpus['windows']} windows of {base.data.seq_len} tokens, "
               f"{corpus['retrieval_windows']} with retrieval ({corpus['pairs_per_window']:.1f} extra pairs each), "
               f"sha {corpus['sha']} ({time.time() - t0:.0f}s)", flush=True)
-        try:  # the seed's copy pretraining (none unless pretrain.steps > 0), shared by its arms
+        stage, warm = "copy pretraining", None
+        try:  # the seed's copy pretraining (none unless pretrain.steps > 0) and warm start, shared by its arms
             arm = (SMOKE + SMOKE_BACKENDS["dense"]) if args.smoke else []
             ps = seed if args.pretrain_seed is None else args.pretrain_seed
             pre = pretrain(args.pretrain, os.path.join(args.work, f"seed{ps}"), ps,
                            arm + [o.replace("{seed}", str(ps)) for o in args.train_overrides])
+            stage = "warm start"
+            if args.warm_start and not (pre and pre.get("stopped")):
+                warm = warm_start(args, corpus, seed, pre, run_variant)
         except Exception as e:
             traceback.print_exc()
             for name in names:
                 rec = base_row(name, seed, args)
-                rec.update(error=f"copy pretraining: {type(e).__name__}: {e}", **provenance_row(argv))
+                rec.update(error=f"{stage}: {type(e).__name__}: {e}", **provenance_row(argv))
                 with open(os.path.join(args.out, "quality.jsonl"), "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 failed += 1
@@ -472,11 +488,12 @@ def main(argv=None) -> int:
             continue
         if args.pretrain_only:  # its curves alone (benchmarks/quality_pretrain_plot.py --rows OUT/pretrain.jsonl)
             with open(os.path.join(args.out, "pretrain.jsonl"), "a") as f:
-                f.write(json.dumps(dict(arm="pretrain", seed=seed, pretrain=pre, **provenance_row(argv))) + "\n")
+                f.write(json.dumps(dict(arm="pretrain", seed=seed, pretrain=pre, warm_start=warm,
+                                        **provenance_row(argv))) + "\n")
             continue
         for name in names:
             try:
-                rec = run_variant(name, args, corpus, seed, pre)
+                rec = run_variant(name, args, corpus, seed, pre, warm)
             except Exception as e:
                 traceback.print_exc()
                 rec = base_row(name, seed, args)

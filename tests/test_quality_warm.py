@@ -1,0 +1,67 @@
+"""benchmarks/quality_warm.py (``quality_study.py --warm-start W``): every arm of a seed continues one dense
+run from its step W. Checked at --smoke size on the CPU: the dense arm continued from the warm start is the
+run that was never split (same losses at every later step), the MTraining arm starts from the same step,
+a second call reuses the warm start, the report says so, and a bad W is refused by name."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from benchmarks import quality_study
+from benchmarks.quality_seeds import read_rows, seed_values
+
+pytestmark = pytest.mark.usefixtures("jax_compilation_cache")
+
+
+def _rows(out):
+    return {r["arm"]: r for r in (json.loads(line) for line in open(os.path.join(out, "quality.jsonl")))}
+
+
+@pytest.mark.slow(seconds=40)
+def test_arms_continue_one_dense_run(tmp_path):
+    work = str(tmp_path / "work")
+    common = ["--work", work, "--smoke", "--steps", "4", "--recall-ps", "0.9", "--no-untrained-recall",
+              "--cross-eval", "none"]
+    assert quality_study.main(["--out", str(tmp_path / "a"), "--variant", "both", "--warm-start", "2", *common]) == 0
+    rows = _rows(tmp_path / "a")
+    ck = os.path.join(work, "seed0", "warm", "checkpoints")
+    for arm in ("dense", "mtraining"):
+        r = rows[arm]
+        assert r["warm_start"]["steps"] == 2 and r["warm_start"]["checkpoints"] == ck, arm
+        assert [s for s, _ in r["train_loss"]] == [3, 4] and r["steps"] == 4 and np.isfinite(r["heldout_loss"])
+    warm = rows["dense"]["warm_start"]
+    assert [s for s, _ in warm["train_loss"]] == [1, 2] and not warm["reused"]
+    # the dense arm of a run that was never split: the same losses at steps 3-4 (same state, schedule, data)
+    assert quality_study.main(["--out", str(tmp_path / "one"), "--work", str(tmp_path / "w1"), "--variant", "dense",
+                               *common[2:]]) == 0
+    one = _rows(tmp_path / "one")["dense"]
+    np.testing.assert_allclose([v for _, v in one["train_loss"]],
+                               [v for _, v in warm["train_loss"] + rows["dense"]["train_loss"]], rtol=1e-6)
+    # the MTraining arm restored the same state: at this size its index keeps every block of the 512-token
+    # window, so its steps 3-4 are the unsplit dense run's up to float rounding (a fresh start: 6.14 at step 1)
+    np.testing.assert_allclose([v for _, v in rows["mtraining"]["train_loss"]],
+                               [v for _, v in one["train_loss"][2:]], rtol=1e-5)
+    _, notes = seed_values(read_rows([os.path.join(tmp_path / "a", "quality.jsonl")]))
+    assert any("every arm continues one dense run from its step 2" in n for n in notes)
+    # a second call reuses the warm start; an arm without one is not paired with one that has it
+    assert quality_study.main(["--out", str(tmp_path / "b"), "--variant", "mtraining", "--warm-start", "2",
+                               *common]) == 0
+    again = _rows(tmp_path / "b")["mtraining"]
+    assert again["warm_start"]["reused"] and again["warm_start"]["train_loss"] == warm["train_loss"]
+    np.testing.assert_allclose([v for _, v in again["train_loss"]],
+                               [v for _, v in rows["mtraining"]["train_loss"]], rtol=1e-6)
+    vals, notes = seed_values([rows["dense"] | {"warm_start": None}, rows["mtraining"]])
+    assert vals[("dense", 0)].get("unpaired") and any("differ in warm_start" in n for n in notes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--warm-start", "4"), "--warm-start 4 must be below the arms' steps \\(4\\)"),
+    (("--warm-start", "-1"), "--warm-start must be >= 0, got -1"),
+    (("--warm-start", "2", "--gpu-per-arm", "--gpus", "0,1", "--pretrain-steps", "0"),
+     "--warm-start 2 with --gpu-per-arm needs copy pretraining"),
+])
+def test_a_bad_warm_start_is_refused_by_name(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        quality_study.main(["--out", str(tmp_path), "--steps", "4", *argv])
