@@ -51,6 +51,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--warm-start", type=int, default=0, metavar="W", help="every arm of a seed continues one dense "
                    "run from its step W (parameters, optimizer, schedule, data position): the arms differ only in "
                    "the attention of the last steps - W steps (benchmarks/quality_warm.py; 0: none)")
+    p.add_argument("--warm-start-eval", action="store_true", help="also evaluate the warm start's checkpoint (NIAH, "
+                   "RULER, held-out loss at step W: where the arms start; rows: warm_start.eval)")
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
                    help="no training: the comparison of the rows of these files (default: --out/quality.jsonl)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --gpu-per-seed child

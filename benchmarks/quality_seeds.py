@@ -165,8 +165,12 @@ def seed_values(rows) -> tuple:
                          + "): the differences compare these settings too")
         warm = {vals[(a, seed)]["warm_start"] for a in arms}
         if warm != {None} and len(warm) == 1:
+            there = [(last[(a, seed)]["warm_start"].get("niah_accuracy"), last[(a, seed)]["warm_start"].get("heldout_loss"))
+                     for a in arms]
+            there = next(((n, h) for n, h in there if n is not None), None)
             notes.append(f"seed {seed}: every arm continues one dense run from its step {warm.pop()} (--warm-start): "
-                         "the arms differ in the attention of the later steps only")
+                         "the arms differ in the attention of the later steps only"
+                         + (f"; there NIAH {there[0]:.3f}, held-out loss {there[1]:.4f}" if there else ""))
         for k in ("tokens", "corpus_sha", "warm_start", "device"):
             got = {vals[(a, seed)][k] for a in arms}
             if len(got) > 1:

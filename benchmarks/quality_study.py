@@ -242,6 +242,26 @@ def _slices(run_dir: str, start: int | None = None) -> list:
     return starts
 
 
+def evaluate_checkpoint(args, run_dir: str, step: int, heldout_path: str, label: str) -> dict:
+    """The evaluator (NIAH, RULER, held-out loss, recall at ``args.recall_p``) on the parameters of
+    ``run_dir``'s checkpoint ``step`` with the run's own attention: ``{"eval", **eval_scalars}``."""
+    import numpy as np
+
+    from mtraining_jax.eval.api import evaluate_params
+    from mtraining_jax.model.checkpoint import load_model_params
+    from mtraining_jax.train.config import load_config
+    from mtraining_jax.train.data import token_file_stream
+    from mtraining_jax.train.loop import build_mesh
+    from mtraining_jax.train.tokenizer import load_tokenizer
+
+    cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    _, model_cfg, params = load_model_params(os.path.join(run_dir, "checkpoints", str(step)))
+    spec = eval_spec(args.smoke, cfg.data.seq_len, args.recall_ps, args.eval_haystack)
+    ev = evaluate_params(model_cfg, params, load_tokenizer(cfg.data.tokenizer), spec, mesh=build_mesh(cfg.mesh),
+                         heldout=np.asarray(token_file_stream(heldout_path)), label=label)
+    return {"eval": ev, **eval_scalars(ev, args.recall_p if args.recall_p in args.recall_ps else args.recall_ps[0])}
+
+
 def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = None, warm: dict | None = None,
                 run_name: str | None = None) -> dict | None:
     """Train and evaluate one arm of one seed; every section's failure is recorded, not raised.
@@ -473,7 +493,7 @@ def main(argv=None) -> int:
                            arm + [o.replace("{seed}", str(ps)) for o in args.train_overrides])
             stage = "warm start"
             if args.warm_start and not (pre and pre.get("stopped")):
-                warm = warm_start(args, corpus, seed, pre, run_variant)
+                warm = warm_start(args, corpus, seed, pre, run_variant, evaluate_checkpoint)
         except Exception as e:
             traceback.print_exc()
             for name in names:

@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 RUN_NAME = "warm"
@@ -47,40 +48,48 @@ def _step_dirs(ck: str) -> list:
     return sorted(int(n) for n in os.listdir(ck) if n.isdigit()) if os.path.isdir(ck) else []
 
 
-def warm_start(args, corpus: dict, seed: int, pretrained: dict | None, run_variant) -> dict:
-    """Train (or reuse) the seed's dense run to step ``args.warm_start``; returns its ``warm_start`` record."""
+def warm_start(args, corpus: dict, seed: int, pretrained: dict | None, run_variant, evaluate=None) -> dict:
+    """Train (or reuse) the seed's dense run to step ``args.warm_start``; returns its ``warm_start`` record,
+    with ``--warm-start-eval`` also the evaluator's view of it (``evaluate``: ``quality_study.evaluate_checkpoint``;
+    ``eval``, ``heldout_loss``, ``niah_accuracy``, ...: where the arms start)."""
     from mtraining_jax.train.metrics import read_metrics
 
     work = os.path.dirname(os.path.abspath(corpus["paths"][0]))
     run_dir = os.path.join(work, RUN_NAME)
-    ck, key = os.path.join(run_dir, "checkpoints"), _key(args, seed, pretrained)
+    ck, key, W = os.path.join(run_dir, "checkpoints"), _key(args, seed, pretrained), int(args.warm_start)
     done = os.path.join(run_dir, "warm.json")
-    if os.path.exists(done) and json.loads(Path(done).read_text()).get("key") == key and args.warm_start in _step_dirs(ck):
-        out = dict(json.loads(Path(done).read_text())["record"], reused=True)
-        print(f"[warm start seed {seed}] reused: dense to step {args.warm_start} in {ck}", flush=True)
-        return out
-    if os.path.exists(run_dir):
-        shutil.rmtree(run_dir)
-    wargs = copy.copy(args)
-    wargs.run_steps, wargs.resume = int(args.warm_start), False
-    print(f"[warm start seed {seed}] dense steps 1 .. {args.warm_start} of {args.steps}; every arm continues "
-          f"from there", flush=True)
-    import time
-
-    t0 = time.time()
-    if run_variant("dense", wargs, corpus, seed, pretrained, run_name=RUN_NAME) is not None or \
-            args.warm_start not in _step_dirs(ck):
-        raise RuntimeError(f"the warm start of seed {seed} did not stop at step {args.warm_start} with a checkpoint "
-                           f"in {ck}")
-    rows = [m for m in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in m]
-    record = {"steps": int(args.warm_start), "checkpoints": ck, "seconds": time.time() - t0,
-              "heldout_curve": [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split") == "eval"],
-              "train_loss": [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split", "train") == "train"],
-              "reused": False}
-    tmp = f"{done}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"key": key, "record": record}, f)
-    os.replace(tmp, done)
+    stored = json.loads(Path(done).read_text()) if os.path.exists(done) else {}
+    reuse = stored.get("key") == key and W in _step_dirs(ck)
+    if reuse:
+        record = dict(stored["record"], reused=True)
+        print(f"[warm start seed {seed}] reused: dense to step {W} in {ck}", flush=True)
+    else:
+        if os.path.exists(run_dir):
+            shutil.rmtree(run_dir)
+        wargs = copy.copy(args)
+        wargs.run_steps, wargs.resume = W, False
+        print(f"[warm start seed {seed}] dense steps 1 .. {W} of {args.steps}; every arm continues from there",
+              flush=True)
+        t0 = time.time()
+        if run_variant("dense", wargs, corpus, seed, pretrained, run_name=RUN_NAME) is not None or W not in _step_dirs(ck):
+            raise RuntimeError(f"the warm start of seed {seed} did not stop at step {W} with a checkpoint in {ck}")
+        rows = [m for m in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in m]
+        record = {"steps": W, "checkpoints": ck, "seconds": time.time() - t0,
+                  "heldout_curve": [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split") == "eval"],
+                  "train_loss": [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split", "train") == "train"],
+                  "reused": False}
+    evaluated = getattr(args, "warm_start_eval", False) and evaluate is not None and "eval" not in record
+    if evaluated:
+        t1 = time.time()
+        record.update(evaluate(args, run_dir, W, corpus["paths"][1], f"warm start seed {seed}, dense step {W}"))
+        record["eval_seconds"] = time.time() - t1
+        print(f"[warm start seed {seed}] at step {W}: held-out loss {record.get('heldout_loss')}, NIAH "
+              f"{record.get('niah_accuracy')}", flush=True)
+    if evaluated or not reuse:  # written whole (os.replace): the arms of --gpu-per-arm read it at once
+        tmp = f"{done}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"key": key, "record": dict(record, reused=False)}, f)
+        os.replace(tmp, done)
     return record
 
 

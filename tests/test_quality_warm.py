@@ -50,6 +50,16 @@ def test_arms_continue_one_dense_run(tmp_path):
                                *common]) == 0
     again = _rows(tmp_path / "b")["mtraining"]
     assert again["warm_start"]["reused"] and again["warm_start"]["train_loss"] == warm["train_loss"]
+    assert "eval" not in again["warm_start"]
+    # --warm-start-eval: the evaluator on the step-2 checkpoint (where the arms start), kept for later calls
+    assert quality_study.main(["--out", str(tmp_path / "c"), "--variant", "dense", "--warm-start", "2",
+                               "--warm-start-eval", "--no-eval", *common]) == 0
+    ev = _rows(tmp_path / "c")["dense"]["warm_start"]
+    assert ev["reused"] and np.isfinite(ev["heldout_loss"]) and 0 <= ev["niah_accuracy"] <= 1
+    assert ev["eval"]["label"] == "warm start seed 0, dense step 2"
+    assert ev["heldout_loss"] != rows["dense"]["heldout_loss"]  # step 2's parameters, not step 4's
+    _, notes = seed_values(read_rows([os.path.join(tmp_path / "c", "quality.jsonl")]))
+    assert any(f"there NIAH {ev['niah_accuracy']:.3f}, held-out loss {ev['heldout_loss']:.4f}" in n for n in notes)
     np.testing.assert_allclose([v for _, v in again["train_loss"]],
                                [v for _, v in rows["mtraining"]["train_loss"]], rtol=1e-6)
     vals, notes = seed_values([rows["dense"] | {"warm_start": None}, rows["mtraining"]])
