@@ -35,7 +35,7 @@ def test_arms_continue_one_dense_run(tmp_path):
     assert [s for s, _ in warm["train_loss"]] == [1, 2] and not warm["reused"]
     # the dense arm of a run that was never split: the same losses at steps 3-4 (same state, schedule, data)
     assert quality_study.main(["--out", str(tmp_path / "one"), "--work", str(tmp_path / "w1"), "--variant", "dense",
-                               *common[2:]]) == 0
+                               "--no-eval", *common[2:]]) == 0
     one = _rows(tmp_path / "one")["dense"]
     np.testing.assert_allclose([v for _, v in one["train_loss"]],
                                [v for _, v in warm["train_loss"] + rows["dense"]["train_loss"]], rtol=1e-6)
@@ -47,7 +47,7 @@ def test_arms_continue_one_dense_run(tmp_path):
     assert any("every arm continues one dense run from its step 2" in n for n in notes)
     # a second call reuses the warm start; an arm without one is not paired with one that has it
     assert quality_study.main(["--out", str(tmp_path / "b"), "--variant", "mtraining", "--warm-start", "2",
-                               *common]) == 0
+                               "--no-eval", *common]) == 0
     again = _rows(tmp_path / "b")["mtraining"]
     assert again["warm_start"]["reused"] and again["warm_start"]["train_loss"] == warm["train_loss"]
     assert "eval" not in again["warm_start"]
