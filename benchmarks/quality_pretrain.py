@@ -104,7 +104,8 @@ def parse_stages(text: str) -> list:
     return out
 
 
-def _checkpoints(ck: str) -> list:
+def checkpoint_steps(ck: str) -> list:
+    """The step folders in the trainer's checkpoint folder ``ck``, ascending (none when it is absent)."""
     return sorted(int(n) for n in os.listdir(ck) if n.isdigit()) if os.path.isdir(ck) else []
 
 
@@ -131,7 +132,7 @@ def _stage(spec: dict, work: str, seed: int, model_overrides: list, config: str,
     run_dir = os.path.join(work, "run")
     ck = os.path.join(run_dir, "checkpoints")
     t0 = time.time()
-    have = _checkpoints(ck)
+    have = checkpoint_steps(ck)
     reused = bool(have) and have[-1] >= spec["steps"]
     if not reused:
         paths = (os.path.join(work, "train_tokens.npy"), os.path.join(work, "heldout_tokens.npy"))

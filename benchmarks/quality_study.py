@@ -117,7 +117,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.quality_corpus import build_corpus  # the training corpus
-from benchmarks.quality_pretrain import pretrain  # copy pretraining
+from benchmarks.quality_pretrain import checkpoint_steps, pretrain  # copy pretraining
 from benchmarks.quality_warm import check_warm_start, continue_from, warm_start  # --warm-start
 from benchmarks.quality_protocol import load_study, resolve_seeds, resolve_steps, seed_overrides  # the protocol
 from benchmarks.quality_report import write_report  # the single-call report
@@ -298,7 +298,7 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
         over.append(f"model.init_from=ckpt:{pretrained['checkpoints']}")
     sliced = bool(getattr(args, "run_steps", None) or getattr(args, "resume", False) or warm)
     ckdir = os.path.join(run_dir, "checkpoints")  # the configs' checkpoint folder (checkpoint.dir unset)
-    held = sorted(int(n) for n in os.listdir(ckdir) if n.isdigit()) if os.path.isdir(ckdir) else []
+    held = checkpoint_steps(ckdir)
     if warm and not (getattr(args, "resume", False) and held and held[-1] > warm["steps"]):
         continue_from(warm, run_dir)  # a resumed slice past the warm start keeps its own progress
         held = [warm["steps"]]

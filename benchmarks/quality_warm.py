@@ -23,6 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
+from benchmarks.quality_pretrain import checkpoint_steps
+
 RUN_NAME = "warm"
 
 
@@ -44,10 +46,6 @@ def _key(args, seed: int, pretrained: dict | None) -> dict:
             "smoke": bool(args.smoke)}
 
 
-def _step_dirs(ck: str) -> list:
-    return sorted(int(n) for n in os.listdir(ck) if n.isdigit()) if os.path.isdir(ck) else []
-
-
 def warm_start(args, corpus: dict, seed: int, pretrained: dict | None, run_variant, evaluate=None) -> dict:
     """Train (or reuse) the seed's dense run to step ``args.warm_start``; returns its ``warm_start`` record,
     with ``--warm-start-eval`` also the evaluator's view of it (``evaluate``: ``quality_study.evaluate_checkpoint``;
@@ -59,7 +57,7 @@ def warm_start(args, corpus: dict, seed: int, pretrained: dict | None, run_varia
     ck, key, W = os.path.join(run_dir, "checkpoints"), _key(args, seed, pretrained), int(args.warm_start)
     done = os.path.join(run_dir, "warm.json")
     stored = json.loads(Path(done).read_text()) if os.path.exists(done) else {}
-    reuse = stored.get("key") == key and W in _step_dirs(ck)
+    reuse = stored.get("key") == key and W in checkpoint_steps(ck)
     if reuse:
         record = dict(stored["record"], reused=True)
         print(f"[warm start seed {seed}] reused: dense to step {W} in {ck}", flush=True)
@@ -71,7 +69,7 @@ def warm_start(args, corpus: dict, seed: int, pretrained: dict | None, run_varia
         print(f"[warm start seed {seed}] dense steps 1 .. {W} of {args.steps}; every arm continues from there",
               flush=True)
         t0 = time.time()
-        if run_variant("dense", wargs, corpus, seed, pretrained, run_name=RUN_NAME) is not None or W not in _step_dirs(ck):
+        if run_variant("dense", wargs, corpus, seed, pretrained, run_name=RUN_NAME) is not None or W not in checkpoint_steps(ck):
             raise RuntimeError(f"the warm start of seed {seed} did not stop at step {W} with a checkpoint in {ck}")
         rows = [m for m in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in m]
         record = {"steps": W, "checkpoints": ck, "seconds": time.time() - t0,
