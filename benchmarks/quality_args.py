@@ -48,9 +48,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override of every arm "
                    "after the study's `train` list, e.g. optim.lr=3e-4 or model.init_from=ckpt:DIR/seed{seed} ({seed}: "
                    "each seed; repeatable)")
-    p.add_argument("--warm-start", type=int, default=0, metavar="W", help="every arm of a seed continues one dense "
+    p.add_argument("--warm-start", type=int, default=None, metavar="W", help="every arm of a seed continues one dense "
                    "run from its step W (parameters, optimizer, schedule, data position): the arms differ only in "
-                   "the attention of the last steps - W steps (benchmarks/quality_warm.py; 0: none)")
+                   "the attention of the last steps - W steps (benchmarks/quality_warm.py; 0: none; default: the "
+                   "study's warm_start, none with --smoke)")
     p.add_argument("--warm-start-eval", action="store_true", help="also evaluate the warm start's checkpoint (NIAH, "
                    "RULER, held-out loss at step W: where the arms start; rows: warm_start.eval)")
     p.add_argument("--report-only", nargs="*", metavar="JSONL",
@@ -135,6 +136,8 @@ def resolve_flags(args, study: dict) -> None:
     if args.cross_eval_loss_only is None:
         args.cross_eval_loss_only = study["eval"]["cross_eval_loss_only"]
     args.pretrain = resolve_pretrain(args, study["pretrain"])
+    if args.warm_start is None:  # the study's (a --smoke run has a few steps: none)
+        args.warm_start = 0 if args.smoke else study["warm_start"]
     check_warm_start(args.warm_start, args.steps)
     if args.warm_start and args.gpu_per_arm and not args.pretrain["steps"]:  # its --pretrain-only child trains it
         raise SystemExit(f"quality_study: --warm-start {args.warm_start} with --gpu-per-arm needs copy pretraining "

@@ -16,7 +16,8 @@ STUDY_DEFAULTS = {"token_budget": None, "retrieval": {"mix": 0.5, "keys": 0, "sh
                                                       "copy_share": 0.0, "made_up_keys": True, "tasks": {t: 1.0 for t in TRAIN_TASKS}},
                   "eval": {"haystack": "filler", "recall_p": 0.9, "cross_eval": None, "cross_eval_loss_only": True},
                   "train": [],  # trainer overrides of every arm (``KEY=VALUE``), before ``--set``
-                  "pretrain": PRETRAIN_DEFAULTS}  # copy pretraining per seed (benchmarks/quality_pretrain.py)
+                  "pretrain": PRETRAIN_DEFAULTS,  # copy pretraining per seed (benchmarks/quality_pretrain.py)
+                  "warm_start": 0}  # every arm continues one dense run from this step (benchmarks/quality_warm.py)
 
 
 def load_study(path: str) -> dict:
@@ -63,6 +64,9 @@ def load_study(path: str) -> dict:
                          f"got {out['eval']['cross_eval_loss_only']!r}")
     if out["token_budget"] is not None and int(out["token_budget"]) <= 0:
         raise ValueError(f"study config {path!r}: token_budget must be positive")
+    ws = out["warm_start"]
+    if isinstance(ws, bool) or not isinstance(ws, int) or ws < 0:
+        raise ValueError(f"study config {path!r}: warm_start must be an integer >= 0 (0: none), got {ws!r}")
     out["train"] = train_overrides(out["train"], f"study config {path!r}: train")
     out["pretrain"] = check_pretrain(out["pretrain"], f"study config {path!r}")
     return out

@@ -119,6 +119,7 @@ from pathlib import Path
 from benchmarks.quality_corpus import build_corpus  # the training corpus
 from benchmarks.quality_pretrain import checkpoint_steps, pretrain  # copy pretraining
 from benchmarks.quality_warm import check_warm_start, continue_from, warm_start  # --warm-start
+from benchmarks.quality_curves import join_warm, time_curve  # a run's curves
 from benchmarks.quality_protocol import load_study, resolve_seeds, resolve_steps, seed_overrides  # the protocol
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import launch_per_arm, launch_per_seed  # one process per seed / arm
@@ -153,29 +154,6 @@ def eval_spec(smoke: bool, seq_len: int, recall_ps=(0.9, 0.5), haystack: str = "
 
 
 # ----------------------------------------------------------------------------------- one run
-
-
-def time_curve(train_rows, compile_steps=()) -> list:
-    """``[[step, cumulative training seconds]]`` from the trainer's ``step_time`` (every logged
-    step; a gap of ``g`` steps counts ``g`` times the logged one); the first step and the steps in
-    ``compile_steps`` (the first of each resumed slice), which carry a compilation, count as the
-    median of the others."""
-    import numpy as np
-
-    st = [(int(m["step"]), float(m["step_time"])) for m in train_rows if "step_time" in m]
-    if not st:
-        return []
-    if len(st) > 1:
-        slow = {st[0][0], *compile_steps}
-        rest = [t for s, t in st if s not in slow] or [t for _, t in st[1:]]
-        med = float(np.median(rest))
-        st = [(s, med if s in slow else t) for s, t in st]
-    out, cum, prev = [], 0.0, 0
-    for s, t in st:
-        cum += t * max(s - prev, 1)
-        prev = s
-        out.append([s, cum])
-    return out
 
 
 def eval_scalars(ev: dict, recall_p: float) -> dict:
@@ -336,7 +314,9 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     rec["train_loss"] = [[int(m["step"]), float(m["loss"])] for m in train_rows]
     # from the metrics file, not result.eval_metrics: a resumed run's earlier slices are in the file only
     rec["heldout_curve"] = [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split") == "eval"]
-    rec["train_time"] = time_curve(train_rows, compile_steps=starts[1:])
+    rec["train_time"] = time_curve(train_rows, compile_steps=starts[1:], start=warm["steps"] if warm else 0)
+    if warm:  # the dense prefix every arm of the seed shares: its measured time, loss and held-out curves
+        join_warm(rec, warm, rec["train_time"])
     rec["train_compute_seconds"] = rec["train_time"][-1][1] if rec["train_time"] else None
     tps = [m["tokens_per_s"] for m in train_rows[len(train_rows) // 4:] if "tokens_per_s" in m]
     rec["tokens_per_s"] = float(np.median(tps)) if tps else None

@@ -7,7 +7,9 @@ once (``<work>/seed<s>/warm``; the trainer's slice, ``run_steps=W``, ends in a c
 restores that checkpoint (parameters, optimizer state, step, data position: the same schedule and stream)
 and trains steps ``W + 1`` .. ``steps`` with its own attention. The arms' rows then differ only in the
 attention of the last ``steps - W`` steps; ``tokens`` counts the whole schedule, ``warm_start`` (in every
-row) the shared part: ``{"steps": W, "checkpoints", "heldout_curve", "train_loss", "seconds", "reused"}``.
+row) the shared part: ``{"steps": W, "checkpoints", "heldout_curve", "train_loss", "train_time", "seconds",
+"reused"}``; the arms' own curves continue the warm start's (:func:`benchmarks.quality_curves.join_warm`: training
+time counts the dense prefix as measured, once per arm, so the arms are compared at equal time fairly).
 
 A finished warm start of the same settings (``warm.json``: steps, W, seed, the copy pretraining's
 checkpoint, the trainer overrides) is reused, e.g. by the arms of ``--gpu-per-arm``, whose ``--pretrain-only``
@@ -23,6 +25,7 @@ import shutil
 import time
 from pathlib import Path
 
+from benchmarks.quality_curves import time_curve
 from benchmarks.quality_pretrain import checkpoint_steps
 
 RUN_NAME = "warm"
@@ -72,10 +75,11 @@ def warm_start(args, corpus: dict, seed: int, pretrained: dict | None, run_varia
         if run_variant("dense", wargs, corpus, seed, pretrained, run_name=RUN_NAME) is not None or W not in checkpoint_steps(ck):
             raise RuntimeError(f"the warm start of seed {seed} did not stop at step {W} with a checkpoint in {ck}")
         rows = [m for m in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in m]
+        train = [m for m in rows if m.get("split", "train") == "train"]
         record = {"steps": W, "checkpoints": ck, "seconds": time.time() - t0,
                   "heldout_curve": [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split") == "eval"],
-                  "train_loss": [[int(m["step"]), float(m["loss"])] for m in rows if m.get("split", "train") == "train"],
-                  "reused": False}
+                  "train_loss": [[int(m["step"]), float(m["loss"])] for m in train],
+                  "train_time": time_curve(train), "reused": False}
     evaluated = getattr(args, "warm_start_eval", False) and evaluate is not None and "eval" not in record
     if evaluated:
         t1 = time.time()

@@ -69,3 +69,35 @@ def test_deterministic_override_sets_the_xla_flag_before_jax_starts(monkeypatch)
     assert os.environ["XLA_FLAGS"] == ""
     with pytest.raises(SystemExit, match="deterministic must be true or false, got 'deterministic=yes please'"):
         _resolve("--set", "deterministic=yes please")
+
+
+def test_the_warm_start_protocol_file_is_the_s28_command():
+    """configs/quality/study_warm.yaml holds what run s28's flags set (its row's command): the same resolved
+    retrieval, evaluation, trainer overrides, copy-pretraining curriculum and warm start; --warm-start and
+    --smoke still win over the file's warm start, and a bad warm_start in a study file is refused by name."""
+    warm = os.path.join(os.path.dirname(STUDY), "study_warm.yaml")
+    s28 = ("--steps 800 --retrieval-keys 48 --no-made-up-keys --cross-eval cudnn --pretrain-steps 4000 "
+           "--pretrain-stages 512x128:300,1024x64:150,2048x32:150,4096x16:150,8192x8:200,16384x4:200,32768x2:200 "
+           "--set optim.lr=3e-4 --warm-start 400").split()
+    by_flags = _resolve(*s28)
+    by_file = parser("test").parse_args(["--out", "x", "--study", warm])
+    study = load_study(warm)
+    resolve_flags(by_file, study)
+    keys = ("retrieval_mix", "retrieval_keys", "retrieval_share", "fresh_retrieval", "copy_share", "made_up_keys",
+            "retrieval_tasks", "eval_haystack", "train_overrides", "recall_p", "cross_eval", "cross_eval_loss_only",
+            "pretrain", "warm_start")
+    assert {k: getattr(by_file, k) for k in keys} == {k: getattr(by_flags, k) for k in keys}
+    assert by_file.warm_start == 400 and study["token_budget"] == 800 * 32768
+    assert _resolve().warm_start == 0  # the default study has none
+    for argv, expect in ((("--warm-start", "0"), 0), (("--warm-start", "200"), 200), (("--smoke",), 0)):
+        a = parser("test").parse_args(["--out", "x", "--study", warm, *argv])
+        resolve_flags(a, study)
+        assert a.warm_start == expect, argv
+
+
+@pytest.mark.parametrize("value", ["-1", "'400'", "true", "1.5"])
+def test_a_bad_warm_start_in_a_study_file_is_refused_by_name(tmp_path, value):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"warm_start: {value}\n")
+    with pytest.raises(ValueError, match="warm_start must be an integer >= 0"):
+        load_study(str(bad))

@@ -30,18 +30,24 @@ def test_arms_continue_one_dense_run(tmp_path):
     for arm in ("dense", "mtraining"):
         r = rows[arm]
         assert r["warm_start"]["steps"] == 2 and r["warm_start"]["checkpoints"] == ck, arm
-        assert [s for s, _ in r["train_loss"]] == [3, 4] and r["steps"] == 4 and np.isfinite(r["heldout_loss"])
+        # whole-schedule curves: the warm start's steps 1-2, then the arm's own 3-4
+        assert [s for s, _ in r["train_loss"]] == [1, 2, 3, 4] and r["steps"] == 4 and np.isfinite(r["heldout_loss"])
+        assert [s for s, _ in r["train_time"]] == [1, 2, 3, 4]
     warm = rows["dense"]["warm_start"]
     assert [s for s, _ in warm["train_loss"]] == [1, 2] and not warm["reused"]
+    # both arms paid the same measured dense prefix (not two steps at their own speed), then their own steps
+    for arm in ("dense", "mtraining"):
+        assert rows[arm]["train_time"][:2] == warm["train_time"] and rows[arm]["train_loss"][:2] == warm["train_loss"]
+        assert rows[arm]["train_compute_seconds"] > rows[arm]["train_time"][1][1] > 0
     # the dense arm of a run that was never split: the same losses at steps 3-4 (same state, schedule, data)
     assert quality_study.main(["--out", str(tmp_path / "one"), "--work", str(tmp_path / "w1"), "--variant", "dense",
                                "--no-eval", *common[2:]]) == 0
     one = _rows(tmp_path / "one")["dense"]
     np.testing.assert_allclose([v for _, v in one["train_loss"]],
-                               [v for _, v in warm["train_loss"] + rows["dense"]["train_loss"]], rtol=1e-6)
+                               [v for _, v in rows["dense"]["train_loss"]], rtol=1e-6)
     # the MTraining arm restored the same state: at this size its index keeps every block of the 512-token
     # window, so its steps 3-4 are the unsplit dense run's up to float rounding (a fresh start: 6.14 at step 1)
-    np.testing.assert_allclose([v for _, v in rows["mtraining"]["train_loss"]],
+    np.testing.assert_allclose([v for _, v in rows["mtraining"]["train_loss"][2:]],
                                [v for _, v in one["train_loss"][2:]], rtol=1e-5)
     _, notes = seed_values(read_rows([os.path.join(tmp_path / "a", "quality.jsonl")]))
     assert any("every arm continues one dense run from its step 2" in n for n in notes)
