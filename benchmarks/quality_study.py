@@ -53,7 +53,8 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   (:mod:`benchmarks.quality_pretrain`), and every arm of that seed starts from those weights (rows:
   ``pretrain``). A finished pretraining is reused by later calls and a stopped one resumed;
   ``--pretrain-only`` stops there (rows ``arm: pretrain`` in ``--out/pretrain.jsonl``).
-* **warm start** (``--warm-start W``; none by default): every arm of a seed continues one dense run from
+* **warm start** (``--warm-start W``; the study's ``warm_start``, none in ``study.yaml``, 400 in
+  ``study_warm.yaml``): every arm of a seed continues one dense run from
   its step ``W`` (parameters, optimizer, schedule, data position; :mod:`benchmarks.quality_warm`), so the
   arms differ only in the attention of the later steps: the question of a model that already retrieves.
 
@@ -63,7 +64,8 @@ held-out loss at 32K), ``niah_accuracy`` (mean whole-answer accuracy of the NIAH
 (mean index recall at p = 0.9), ``commit``, ``date``, ``device``, ``jax``, ``command``; besides them
 the training curves (``train_loss``, ``heldout_curve`` = the trainer's held-out loss every
 ``eval.every`` steps, ``train_time`` = cumulative training seconds per step, the compile-bearing
-first step counted at the median step time), timings and every evaluation result.
+first step counted at the median step time; with a warm start the curves begin with its steps and time,
+as measured, the same for every arm), timings and every evaluation result.
 
 Comparison (``seeds.md``, ``loss_vs_tokens.png``; rewritten from ALL rows of ``quality.jsonl`` after
 every call, or by ``--report-only``): per arm mean and s.d. over seeds; per metric the paired
