@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     if args.skip < 0 or args.steps <= args.skip:
         raise SystemExit(f"determinism_cost: --skip must be >= 0 (got {args.skip}) and --steps above it "
                          f"(got {args.steps})")
-    if (bool(args.device) and bool(args.jax)) != bool(args.from_metrics) or (args.device or args.jax) and not args.from_metrics:
+    given = bool(args.device and args.jax) if args.from_metrics else not (args.device or args.jax)
+    if not given:
         raise SystemExit("determinism_cost: --from-metrics needs --device and --jax (where the runs were made), "
                          f"and they need it (got --from-metrics {args.from_metrics!r}, --device {args.device!r}, "
                          f"--jax {args.jax!r})")

@@ -49,7 +49,8 @@ def test_traced_as_gpu_traces_cudnn_and_undoes_its_patches():
 
 def test_main_writes_a_row_with_provenance(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
-    assert main(["--config", TINY, "--set", "model.attention_backend=cudnn", "--set", "model.dtype=bfloat16", "--top", "50", "--out", str(out)]) == 0
+    argv = ["--config", TINY, "--set", "model.attention_backend=cudnn", "--set", "model.dtype=bfloat16", "--top", "50"]
+    assert main(argv + ["--out", str(out)]) == 0
     row = json.loads(out.read_text())
     assert row["config"] == TINY and row["overrides"] == ["model.attention_backend=cudnn", "model.dtype=bfloat16"]
     assert row["traced_as"] == "gpu" and row["device"] == "trace" and row["jax"] == jax.__version__

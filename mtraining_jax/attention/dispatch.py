@@ -20,9 +20,9 @@ Backends:
   documents.
 
 Positions a backend cannot honour are a ``ValueError`` when concrete and NaN-poison the output when
-traced (a wrong layout fails loudly; the values are poisoned, :func:`_nan_unless`). A keyword a backend does not take, or ``ring=`` beside a
-config holding other ring options, is a ``ValueError`` (:data:`BACKEND_KEYWORDS`). A model builds
-each layer's keywords with ``ModelConfig.attention_spec``.
+traced (a wrong layout fails loudly; :func:`_nan_unless` poisons the values). A keyword a backend does
+not take, or ``ring=`` beside a config holding other ring options, is a ``ValueError``
+(:data:`BACKEND_KEYWORDS`). A model builds each layer's keywords with ``ModelConfig.attention_spec``.
 """
 
 from __future__ import annotations
