@@ -115,8 +115,9 @@ def main(argv=None) -> int:
                            args.smoke)
                 print(f"{name}: exit {rc}", flush=True)
                 path = os.path.join(run_dir, "metrics.jsonl")
-            if read_metrics(path):
-                metrics[(arm, det)] = read_metrics(path)
+            records = read_metrics(path)
+            if records:
+                metrics[(arm, det)] = records
             else:
                 print(f"{name}: no metrics at {path}", flush=True)
     import jax  # noqa: F401  (the rows' jax / device)
