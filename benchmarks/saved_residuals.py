@@ -84,12 +84,20 @@ def group(residuals) -> list[dict]:
 
 def step_residuals(config: str, overrides: list) -> list:
     """The saved residuals of ``config``'s training loss (one micro-batch, abstract parameters)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    loss, params, batch = training_loss(config, overrides)
+    return saved_residuals(loss, params, batch)
+
+
+def training_loss(config: str, overrides: list):
+    """``(loss(params, batch) -> scalar, params, batch)`` of ``config``'s training step, the
+    arguments abstract (``jax.ShapeDtypeStruct``: one micro-batch): for tracing, not running."""
     import inspect
 
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax._src.ad_checkpoint import saved_residuals
 
     from mtraining_jax.train.config import load_config
     from mtraining_jax.train.data import Batch
@@ -107,7 +115,7 @@ def step_residuals(config: str, overrides: list) -> list:
     batch = Batch(**{name: jax.ShapeDtypeStruct(*spec[name]) if name in spec else None
                      for name in inspect.signature(Batch).parameters})
     loss_fn = make_loss_fn(parts, build_mesh(cfg.mesh), cfg.loss_chunk_size)
-    return saved_residuals(lambda p, b: loss_fn(p, b)[0], params, batch)
+    return (lambda p, b: loss_fn(p, b)[0]), params, batch
 
 
 def gib(b: int) -> str:

@@ -152,12 +152,14 @@ def row_block_map(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):
     B, H, nqb, mb = index.block_idx.shape
     nkb = sk // block_size
     valid_b = jnp.arange(mb)[None, None, None, :] < index.block_count[..., None]
-    bidx = jnp.where(valid_b, index.block_idx, nkb)  # invalid -> spill slot
-    blk = jnp.zeros((B, H, nqb, nkb + 1), bool)
+    # a row's valid blocks are distinct (the contract); padding goes to distinct out-of-range slots
+    # (dropped), so the scatter's indices are unique: no serialising loop under deterministic ops
+    bidx = jnp.where(valid_b, index.block_idx, nkb + jnp.arange(mb, dtype=index.block_idx.dtype))
+    blk = jnp.zeros((B, H, nqb, nkb), bool)
     return blk.at[
         jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
         jnp.arange(nqb)[None, None, :, None], bidx
-    ].set(True)[..., :nkb]
+    ].set(True, mode="drop", unique_indices=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sk", "block_size"))

@@ -249,11 +249,13 @@ def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
     step = jnp.where(paired, jnp.take_along_axis(sbound, segc, -1) + r // 2, jnp.take_along_axis(left_step, segc, -1))
     half = jnp.where(paired, r % 2, 0)
     L = mb + 8  # steps: at most ceil(2 MB / 2) + one leftover per group
-    step = jnp.where(seg < nseg, step, L)  # dropped entries -> spill row
-    out = jnp.full((B, H, npair, L + 1, 2), NULL_BLOCK, jnp.int32)
+    # dropped entries -> distinct out-of-range steps; kept ones have distinct (step, half): the
+    # scatter's indices are unique (no atomics, no serialising loop under deterministic GPU ops)
+    step = jnp.where(seg < nseg, step, L + jnp.arange(2 * mb, dtype=jnp.int32))
+    out = jnp.full((B, H, npair, L, 2), NULL_BLOCK, jnp.int32)
     ix = [jnp.arange(x)[(slice(None),) + (None,) * (3 - d)] for d, x in enumerate((B, H, npair))]
-    out = out.at[ix[0], ix[1], ix[2], step, half].set(jnp.where(seg < nseg, kb, NULL_BLOCK))
-    return PairStream(out[..., :L, :], sbound)
+    out = out.at[ix[0], ix[1], ix[2], step, half].set(kb, mode="drop", unique_indices=True)
+    return PairStream(out, sbound)
 
 
 @jax.jit

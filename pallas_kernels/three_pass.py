@@ -37,14 +37,23 @@ def three_pass_bwd(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_a
 
 def add_column_grads(dk, dv, dkc, dvc, col_idx, col_count):
     """``dk[b, col_idx[b, h, m], h // g] += dkc[b, h, m]`` (and ``dv``) for every query head ``h``
-    and list slot ``m`` some query block uses (``m < max_i col_count[b, h, i]``): one XLA scatter-add
-    of the column pass's per-slot gradients into ``dk, dv f32 [B, Sk, Hkv, D]``. Unused (padding)
-    slots are dropped, not added as zeros: they all point at key 0 and would serialise the
-    scatter's atomics."""
+    and list slot ``m`` some query block uses (``m < max_i col_count[b, h, i]``): XLA scatter-adds
+    of the column pass's per-slot gradients into ``dk, dv f32 [B, Sk, Hkv, D]``.
+
+    The scatters have unique indices (``unique_indices=True``), so XLA neither serialises them into
+    a loop under ``--xla_gpu_deterministic_ops`` nor needs atomics: one scatter per member ``j`` of
+    a GQA group (heads ``j, j + g, ...``: one per KV head, and a head's used columns are distinct by
+    the :class:`StepIndex` contract); unused (padding) slots go to distinct out-of-range rows and
+    are dropped. ``g`` scatters add into each row in a fixed order."""
     B, H, mcp = col_idx.shape
-    g = H // dk.shape[2]
+    sk, hkv = dk.shape[1], dk.shape[2]
+    g = H // hkv
     used = jnp.arange(mcp, dtype=jnp.int32) < jnp.max(col_count, axis=-1, initial=0)[..., None]
-    rows = jnp.where(used, col_idx, dk.shape[1])  # out of range: dropped
+    rows = jnp.where(used, col_idx, sk + jnp.arange(mcp, dtype=jnp.int32))  # out of range: dropped
     b_ix = jnp.arange(B)[:, None, None]
-    hk_ix = (jnp.arange(H) // g)[None, :, None]
-    return (dk.at[b_ix, rows, hk_ix].add(dkc, mode="drop"), dv.at[b_ix, rows, hk_ix].add(dvc, mode="drop"))
+    hk_ix = jnp.arange(hkv)[None, :, None]
+    for j in range(g):
+        at = (b_ix, rows[:, j::g], hk_ix)
+        dk = dk.at[at].add(dkc[:, j::g], mode="drop", unique_indices=True)
+        dv = dv.at[at].add(dvc[:, j::g], mode="drop", unique_indices=True)
+    return dk, dv

@@ -87,13 +87,17 @@ def transpose_block_index(index: StepIndex, sk: int, bs: int):
     nkb = sk // bs
     mtp = pow2(nqb)
     valid = jnp.arange(mb) < index.block_count[..., None]
-    kb = jnp.where(valid, jnp.clip(index.block_idx, 0, nkb - 1), nkb)  # invalid -> spill row
+    # a row's valid blocks are distinct (the StepIndex contract) and invalid slots go to distinct
+    # out-of-range rows (dropped): both scatters below have unique indices, so XLA needs no atomics
+    # and does not serialise them under --xla_gpu_deterministic_ops
+    kb = jnp.where(valid, jnp.clip(index.block_idx, 0, nkb - 1), nkb + jnp.arange(mb, dtype=jnp.int32))
     b_ix = jnp.arange(B)[:, None, None, None]
     h_ix = jnp.arange(H)[None, :, None, None]
     q_ix = jnp.broadcast_to(jnp.arange(nqb, dtype=jnp.int32)[None, None, :, None], kb.shape)
     masked = index.block_causal != 0
     code = (1 + masked).astype(jnp.int8)
-    tiles = jnp.zeros((B, H, nkb + 1, nqb), jnp.int8).at[b_ix, h_ix, kb, q_ix].set(code)[:, :, :nkb]
+    tiles = jnp.zeros((B, H, nkb, nqb), jnp.int8).at[b_ix, h_ix, kb, q_ix].set(code, mode="drop",
+                                                                              unique_indices=True)
     free_map, masked_map = tiles == 1, tiles == 2
     pos_free = jnp.cumsum(free_map, axis=-1, dtype=jnp.int32) - 1  # [B, H, nKB, nQB]
     pos_masked = jnp.cumsum(masked_map, axis=-1, dtype=jnp.int32) - 1
@@ -102,9 +106,9 @@ def transpose_block_index(index: StepIndex, sk: int, bs: int):
     kbc = jnp.minimum(kb, nkb - 1)
     pos = jnp.where(masked, n_free[b_ix, h_ix, kbc] + pos_masked[b_ix, h_ix, kbc, q_ix],
                     pos_free[b_ix, h_ix, kbc, q_ix])
-    pos = jnp.where(valid, pos, mtp)  # invalid -> spill column
-    tidx = jnp.zeros((B, H, nkb + 1, mtp + 1), jnp.int32).at[b_ix, h_ix, kb, pos].set(q_ix)
-    return tidx[:, :, :nkb, :mtp], tcnt
+    pos = jnp.where(valid, pos, mtp + q_ix)  # invalid: out of range, distinct (kb is too)
+    tidx = jnp.zeros((B, H, nkb, mtp), jnp.int32).at[b_ix, h_ix, kb, pos].set(q_ix, mode="drop", unique_indices=True)
+    return tidx, tcnt
 
 
 COL_RANGE_BLOCKS = 128

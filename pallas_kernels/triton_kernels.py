@@ -42,10 +42,11 @@ def _partition_slots(first, second):
 
 
 def _scatter_last(x, dst, size):
-    """``out[..., dst[..., j]] = x[..., j]`` into a zero array with last dim ``size``."""
+    """``out[..., dst[..., j]] = x[..., j]`` into a zero array with last dim ``size``; ``dst`` is a
+    permutation of each row's slots (:func:`_partition_slots`), so the scatter's indices are unique."""
     ix = jnp.indices(x.shape[:-1], sparse=True)
     ix = tuple(i[..., None] for i in ix)
-    return jnp.zeros(x.shape[:-1] + (size,), x.dtype).at[ix + (dst,)].set(x)
+    return jnp.zeros(x.shape[:-1] + (size,), x.dtype).at[ix + (dst,)].set(x, unique_indices=True)
 
 
 def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):

@@ -189,7 +189,8 @@ def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfi
         rank = jax.lax.axis_index(CP_AXES)
         pos_l = jnp.asarray(pos_table, jnp.int32)[rank]
         inv = inv_blocks if cfg.pooling == "mean" else inv_tokens
-        kbar = jax.lax.all_gather(index_keys(ki_l, bs, cfg.pooling), CP_AXES, axis=1, tiled=True)[:, inv]
+        kbar = jax.lax.all_gather(index_keys(ki_l, bs, cfg.pooling), CP_AXES, axis=1, tiled=True)
+        kbar = kbar.at[:, inv].get(unique_indices=True)  # a permutation: its transpose needs no atomics
         sel = select_blocks(qi_l, kbar, pos_l, block_size=bs, top_k=cfg.top_k, pooling=cfg.pooling,
                             selection=cfg.selection)
         if dense:

@@ -50,16 +50,17 @@ def needed_tokens(index: StepIndex, sk: int, block_size: int, capacity: int):
     bs = block_size
     nkb = sk // bs
     valid = jnp.arange(index.max_blocks) < index.block_count[..., None]
-    blk = jnp.zeros((nkb,), bool).at[jnp.where(valid, index.block_idx, nkb).reshape(-1)].set(True, mode="drop")
+    # max, not set: the same block / column listed by many rows; a max-scatter is deterministic
+    blk = jnp.zeros((nkb,), bool).at[jnp.where(valid, index.block_idx, nkb).reshape(-1)].max(True, mode="drop")
     ncols = index.col_count.max(axis=-1, initial=0)  # [B, H]: the longest prefix of each list
     cvalid = jnp.arange(index.max_cols) < ncols[..., None]
-    col = jnp.zeros((sk,), bool).at[jnp.where(cvalid, index.col_idx, sk).reshape(-1)].set(True, mode="drop")
+    col = jnp.zeros((sk,), bool).at[jnp.where(cvalid, index.col_idx, sk).reshape(-1)].max(True, mode="drop")
     in_blk = jnp.repeat(blk, bs)
     col = col & ~in_blk
     t = jnp.arange(sk, dtype=jnp.int32)
     key = jnp.where(in_blk, t, jnp.where(col, sk + t, 2 * sk + t))
     order = jnp.argsort(key).astype(jnp.int32)
-    compact_of = jnp.zeros((sk,), jnp.int32).at[order].set(t)
+    compact_of = jnp.zeros((sk,), jnp.int32).at[order].set(t, unique_indices=True)  # order: a permutation
     count = (in_blk.sum() + col.sum()).astype(jnp.int32)
     return order[:capacity], count, compact_of
 

@@ -94,7 +94,8 @@ def _convert_step(index: VerticalSlashIndex, q_pos, k_pos, *, seq_len: int, bloc
     qmax = q_pos.reshape(nqb, bs).max(axis=1)
 
     # --- active blocks (slashes): per query block, the <= MS candidate KV blocks QB - d ---
-    blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[KB].set(jnp.arange(nkb, dtype=jnp.int32))
+    # KB is distinct (distinct, block-aligned positions): a unique-index scatter
+    blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[KB].set(jnp.arange(nkb, dtype=jnp.int32), unique_indices=True)
     ms = index.max_slashes
     s_ok = jnp.arange(ms) < index.s_count[..., None]  # [B, H, MS]
     kb = QB[None, None, :, None] - index.s_idx[:, :, None, :]  # [B, H, nQB, MS] global KV block

@@ -75,9 +75,11 @@ def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
     exactly one non-zero contribution per slot, so the result is exact.
     """
     slot = q_pos - (seq_len - last_q)
-    slot = jnp.where(slot >= 0, slot, last_q)  # out of range -> dropped
+    # earlier rows go to distinct out-of-range slots (dropped); positions are distinct, so every
+    # index is unique and XLA does not serialise the scatter under --xla_gpu_deterministic_ops
+    slot = jnp.where(slot >= 0, slot, last_q + jnp.arange(slot.shape[0], dtype=slot.dtype))
     buf = jnp.zeros((q.shape[0], last_q) + q.shape[2:], jnp.float32)
-    buf = buf.at[:, slot].add(q.astype(jnp.float32), mode="drop")
+    buf = buf.at[:, slot].add(q.astype(jnp.float32), mode="drop", unique_indices=True)
     return reduce_sum(buf)
 
 
@@ -146,12 +148,15 @@ def _window_queries(q, k_pos, blocks, seq_len: int, bs: int, reduce_sum):
     B, W = blocks.shape
     nb = seq_len // bs
     b_ix = jnp.arange(B)[:, None]
-    slot_of = jnp.full((B, nb + 1), W, jnp.int32).at[b_ix, jnp.where(blocks >= 0, blocks, nb)].set(
-        jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W)))[:, :nb]
+    # unique-index scatters (distinct blocks and positions; the rest to distinct dropped slots): no
+    # serialising loop under --xla_gpu_deterministic_ops
+    w_ix = jnp.arange(W, dtype=jnp.int32)
+    slot_of = jnp.full((B, nb), W, jnp.int32).at[b_ix, jnp.where(blocks >= 0, blocks, nb + w_ix)].set(
+        jnp.broadcast_to(w_ix, (B, W)), mode="drop", unique_indices=True)
     sb = slot_of[:, k_pos // bs]  # [B, S_local]
-    slot = jnp.where(sb < W, sb * bs + k_pos % bs, W * bs)
+    slot = jnp.where(sb < W, sb * bs + k_pos % bs, W * bs + jnp.arange(k_pos.shape[0], dtype=jnp.int32))
     buf = jnp.zeros((B, W * bs) + q.shape[2:], jnp.float32)
-    return reduce_sum(buf.at[b_ix, slot].add(q.astype(jnp.float32), mode="drop"))
+    return reduce_sum(buf.at[b_ix, slot].add(q.astype(jnp.float32), mode="drop", unique_indices=True))
 
 
 def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, padded: bool = False):

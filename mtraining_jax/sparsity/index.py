@@ -48,7 +48,7 @@ def active_diagonals(index: VerticalSlashIndex, num_blocks: int):
     valid = jnp.arange(ms) < index.s_count[..., None]
     d = jnp.where(valid, index.s_idx, num_blocks)
     out = jnp.zeros((B, H, num_blocks + 1), bool)
-    out = out.at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], d].set(True)
+    out = out.at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], d].max(True)  # deterministic
     return out[..., :num_blocks]
 
 
@@ -59,7 +59,7 @@ def vertical_flags(index: VerticalSlashIndex, seq_len: int):
     valid = jnp.arange(mv) < index.v_count[..., None]
     v = jnp.where(valid, index.v_idx, seq_len)
     out = jnp.zeros((B, H, seq_len + 1), bool)
-    out = out.at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], v].set(True)
+    out = out.at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], v].max(True)  # deterministic
     return out[..., :seq_len]
 
 
@@ -89,13 +89,17 @@ def compact_in_order(flags, values, size: int, pad):
     Returns ``(idx int32 [..., size], count int32 [...])``; ``count`` is NOT clipped to ``size``.
     """
     slot = jnp.cumsum(flags, axis=-1, dtype=jnp.int32) - 1
-    slot = jnp.where(flags & (slot < size), slot, size)  # unflagged / overflow -> dropped slot
+    # unflagged / overflow entries go to distinct out-of-range slots (dropped): with the flagged
+    # ones' distinct prefix-sum slots every index is unique, so XLA scatters without atomics and
+    # does not serialise the scatter into a loop under --xla_gpu_deterministic_ops
+    n = flags.shape[-1]
+    slot = jnp.where(flags & (slot < size), slot, size + jnp.arange(n, dtype=jnp.int32))
     lead = jnp.indices(flags.shape[:-1], sparse=True)
     lead = [a[..., None] for a in lead]
-    out = jnp.full(flags.shape[:-1] + (size + 1,), pad, jnp.int32)
-    out = out.at[(*lead, slot)].set(values.astype(jnp.int32), mode="drop", unique_indices=False)
+    out = jnp.full(flags.shape[:-1] + (size,), pad, jnp.int32)
+    out = out.at[(*lead, slot)].set(values.astype(jnp.int32), mode="drop", unique_indices=True)
     count = flags.sum(axis=-1, dtype=jnp.int32)
-    return out[..., :size], count
+    return out, count
 
 
 def random_index(seed: int, batch: int, heads: int, seq_len: int, block_size: int = 64,

@@ -201,7 +201,7 @@ def row_topk_union(q_idx, kbar, q_pos, *, block_size: int = 64, top_k: int = 16)
         valid = jnp.arange(ids.shape[-1]) < cnt[..., None]
         sel = jnp.zeros(ids.shape[:-1] + (nb + 1,), bool)
         lead = jnp.indices(ids.shape[:-1], sparse=True)
-        sel = sel.at[(*[a[..., None] for a in lead], jnp.where(valid, ids, nb))].set(True)[..., :nb]
+        sel = sel.at[(*[a[..., None] for a in lead], jnp.where(valid, ids, nb))].max(True)[..., :nb]  # deterministic
         return sel, sel.any(axis=2).sum(-1).astype(jnp.int32)
 
     sel, union = jax.lax.map(one, (qblk, qbs))  # [nQB, B, G, bs, nb], [nQB, B, G]
@@ -231,7 +231,7 @@ def selection_block_map(sel: MSASelection, num_blocks: int):
     ids = jnp.where(valid, sel.block_idx, num_blocks)
     out = jnp.zeros(sel.block_idx.shape[:-1] + (num_blocks + 1,), bool)
     lead = jnp.indices(sel.block_idx.shape[:-1], sparse=True)
-    return out.at[(*[a[..., None] for a in lead], ids)].set(True)[..., :num_blocks]
+    return out.at[(*[a[..., None] for a in lead], ids)].max(True)[..., :num_blocks]  # max: deterministic
 
 
 def selection_step_index(sel: MSASelection, q_pos, k_pos, *, num_heads: int, seq_len: int,
@@ -248,7 +248,8 @@ def selection_step_index(sel: MSASelection, q_pos, k_pos, *, num_heads: int, seq
         check_positions(p, seq_len, name=name, permutation=False, shape=(np.shape(p)[0],))
     nb, nkb = seq_len // bs, k_pos.shape[0] // bs
     k_pos = jnp.asarray(k_pos, jnp.int32)
-    blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[block_ids(k_pos, bs)].set(jnp.arange(nkb, dtype=jnp.int32))
+    blockmap = jnp.full((nb + 1,), -1, jnp.int32).at[block_ids(k_pos, bs)].set(  # distinct blocks
+        jnp.arange(nkb, dtype=jnp.int32), unique_indices=True)
     valid = jnp.arange(K) < sel.block_count[..., None]
     cand = jnp.where(valid, blockmap[jnp.clip(sel.block_idx, 0, nb)], -1)
     mb = min(K, nkb)
