@@ -147,7 +147,7 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
     dst, n_free, n_blk = _partition(free, valid & ~free)
     bidx = jnp.zeros_like(bidx).at[
         jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
-        jnp.arange(nqb)[None, None, :, None], dst].set(bidx)
+        jnp.arange(nqb)[None, None, :, None], dst].set(bidx, unique_indices=True)  # dst: a permutation
     counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1)
 
     kpos_t = jnp.broadcast_to(k_pos.astype(jnp.int32).reshape(1, 1, nkb, bs), (B, H, nkb, bs))

@@ -70,6 +70,29 @@ def test_single_device_study_step_serialises_only_the_embedding_gradient():
                                       ["data.seq_len=2048", "model.ring.impl=triton"]), hidden=768)
 
 
+@pytest.mark.parametrize("segments", [False, True])
+def test_mosaic_index_preparation_has_no_serialised_scatter(segments):
+    """The Mosaic kernels cannot be traced on a CPU (the training step tests above take the Triton
+    path); their index preparation and both streams are plain JAX and are checked here."""
+    import numpy as np
+
+    from pallas_kernels import mosaic_index
+    from pallas_kernels.testing import random_step_index
+
+    rng = np.random.default_rng(0)
+    S, B, H, Hkv, D = 512, 1, 4, 2, 64
+    pos = jnp.arange(S, dtype=jnp.int32)
+    idx = random_step_index(rng, B, H, S, S, pos, pos, max_blocks=5, max_cols=90)
+    k = jnp.zeros((B, S, Hkv, D), jnp.bfloat16)
+    segs = (pos[None] // 150, pos[None] // 150) if segments else None
+
+    def build(idx, k, segs):
+        ops = mosaic_index.prepare(idx, k, k, pos, 64, pos, segs)
+        return ops, mosaic_index.pair_stream(ops, 2), mosaic_index.split_stream(ops)
+
+    assert serialised_scatters(jax.make_jaxpr(build)(idx, k, segs)) == []
+
+
 def test_msa_step_keeps_the_indexer_gather_transpose():
     """Known and left: MSA's indexer loss gathers selected block keys with clipped (repeating)
     ids; its gradient is a float scatter-add the deterministic mode serialises."""
