@@ -146,6 +146,27 @@ def apply_segments(index: StepIndex, q_seg, k_seg, block_size: int = DEFAULT_BLO
                           block_causal=pick(flags))
 
 
+def stable_partition(first, second):
+    """Destination slot of every entry when the ``first`` entries move to the front and the ``second``
+    ones right after (each group keeps its order), the rest last: a stable partition without a sort.
+    Bool ``[..., M]`` in, ``(dst int32 [..., M], n_first [...], n_first + n_second [...])`` out; ``dst``
+    is a permutation of each row's ``M`` slots (so a scatter by it has unique indices)."""
+    c1 = jnp.cumsum(first, axis=-1, dtype=jnp.int32)
+    c2 = jnp.cumsum(second, axis=-1, dtype=jnp.int32)
+    c3 = jnp.cumsum(~(first | second), axis=-1, dtype=jnp.int32)
+    n1, n2 = c1[..., -1:], c2[..., -1:]
+    dst = jnp.where(first, c1 - 1, jnp.where(second, n1 + c2 - 1, n1 + n2 + c3 - 1))
+    return dst, n1[..., 0], (n1 + n2)[..., 0]
+
+
+def scatter_last(x, dst, size: int):
+    """``out[..., dst[..., j]] = x[..., j]`` into zeros with last dim ``size >= M``; ``dst`` a permutation
+    of each row's slots (:func:`stable_partition`), declared unique (no atomics, nothing serialised
+    under deterministic GPU ops)."""
+    ix = tuple(i[..., None] for i in jnp.indices(x.shape[:-1], sparse=True))
+    return jnp.zeros(x.shape[:-1] + (size,), x.dtype).at[ix + (dst,)].set(x, unique_indices=True)
+
+
 @functools.partial(jax.jit, static_argnames=("sk", "block_size"))
 def row_block_map(index: StepIndex, sk: int, block_size: int = DEFAULT_BLOCK):
     """``bool [B, H, nQB, nKB]``: whether KV block ``j`` is active in query block row ``i``."""

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.index_format import StepIndex
+from pallas_kernels.index_format import StepIndex, scatter_last, stable_partition
 
 UNLISTED = 1 << 30  # slot of a key that is not in the column list (>= every col_count)
 POS_PAD = jnp.iinfo(jnp.int32).max  # position of a padding column: never causal
@@ -53,17 +53,6 @@ class MosaicOperands(NamedTuple):
     kc: jax.Array  # [B, H, MCp, D]: K rows of the head's column list (zeros in padding)
     vc: jax.Array  # [B, H, MCp, D]: V rows likewise
     c_info: jax.Array  # int32 [B, H, MCp // bs, 2, bs]: (column position, -slot) per column tile (+ k_seg)
-
-
-def _partition(first, second):
-    """Destination slot of each entry when ``first`` ones move to the front and ``second`` ones
-    follow (both in order), the rest last; ``(dst, n_first, n_first + n_second)``."""
-    c1 = jnp.cumsum(first, axis=-1, dtype=jnp.int32)
-    c2 = jnp.cumsum(second, axis=-1, dtype=jnp.int32)
-    c3 = jnp.cumsum(~(first | second), axis=-1, dtype=jnp.int32)
-    n1, n2 = c1[..., -1:], c2[..., -1:]
-    dst = jnp.where(first, c1 - 1, jnp.where(second, n1 + c2 - 1, n1 + n2 + c3 - 1))
-    return dst, n1[..., 0], (n1 + n2)[..., 0]
 
 
 @functools.partial(jax.jit, static_argnames=("sk",))
@@ -144,10 +133,8 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
     tile_slot = jnp.take_along_axis(first_slot, bidx.reshape(B, H, nqb * mb), axis=2).reshape(bidx.shape)
     has_col = tile_slot < index.col_count[..., None]
     free = valid & (index.block_causal == 0) & ~has_col
-    dst, n_free, n_blk = _partition(free, valid & ~free)
-    bidx = jnp.zeros_like(bidx).at[
-        jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
-        jnp.arange(nqb)[None, None, :, None], dst].set(bidx, unique_indices=True)  # dst: a permutation
+    dst, n_free, n_blk = stable_partition(free, valid & ~free)
+    bidx = scatter_last(bidx, dst, mb)
     counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1)
 
     kpos_t = jnp.broadcast_to(k_pos.astype(jnp.int32).reshape(1, 1, nkb, bs), (B, H, nkb, bs))

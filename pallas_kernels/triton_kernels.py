@@ -24,29 +24,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import dot, triton_compiler_params
-from pallas_kernels.index_format import StepIndex
+from pallas_kernels.index_format import StepIndex, scatter_last, stable_partition
 from pallas_kernels.triton_common import (LN2, LOG2E, STATIC, add_seg_operands, col_rows, for_blocks, outside_blocks,
                                           pair_ok, pow2, query_specs, split_seg_refs)
-
-def _partition_slots(first, second):
-    """Destination slot of every entry when the ``first`` entries are moved to the front and the
-    ``second`` ones right after (each group keeps its order), the rest last. Bool ``[..., M]`` in,
-    ``(dst int32 [..., M], n_first [...], n_both [...])`` out — a stable partition without a sort."""
-    c1 = jnp.cumsum(first, axis=-1, dtype=jnp.int32)
-    c2 = jnp.cumsum(second, axis=-1, dtype=jnp.int32)
-    rest = jnp.logical_not(first | second)
-    c3 = jnp.cumsum(rest, axis=-1, dtype=jnp.int32)
-    n1, n2 = c1[..., -1:], c2[..., -1:]
-    dst = jnp.where(first, c1 - 1, jnp.where(second, n1 + c2 - 1, n1 + n2 + c3 - 1))
-    return dst, n1[..., 0], (n1 + n2)[..., 0]
-
-
-def _scatter_last(x, dst, size):
-    """``out[..., dst[..., j]] = x[..., j]`` into a zero array with last dim ``size``; ``dst`` is a
-    permutation of each row's slots (:func:`_partition_slots`), so the scatter's indices are unique."""
-    ix = jnp.indices(x.shape[:-1], sparse=True)
-    ix = tuple(i[..., None] for i in ix)
-    return jnp.zeros(x.shape[:-1] + (size,), x.dtype).at[ix + (dst,)].set(x, unique_indices=True)
 
 
 def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
@@ -64,8 +44,8 @@ def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
     mcp = max(col_chunk, pow2(-(-mc // col_chunk) * col_chunk))
     valid = jnp.arange(mb) < index.block_count[..., None]
     free = valid & (index.block_causal == 0)
-    dst, n_free, n_blk = _partition_slots(free, valid & ~free)
-    bidx = _scatter_last(jnp.clip(jnp.where(valid, index.block_idx, 0), 0, sk // bs - 1).astype(jnp.int32),
+    dst, n_free, n_blk = stable_partition(free, valid & ~free)
+    bidx = scatter_last(jnp.clip(jnp.where(valid, index.block_idx, 0), 0, sk // bs - 1).astype(jnp.int32),
                          dst, mbp)
     cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1).astype(jnp.int32), [(0, 0), (0, 0), (0, mcp - mc)])
     counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1).astype(jnp.int32)

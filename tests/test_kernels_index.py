@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pallas_kernels import triton_backward as tb
 from pallas_kernels import triton_common
 from pallas_kernels import triton_kernels as tk
-from pallas_kernels.index_format import row_columns
+from pallas_kernels.index_format import row_columns, scatter_last, stable_partition
 from pallas_kernels.testing import random_step_index
 
 BS = 16  # index math is block-size agnostic; small blocks keep the examples cheap
@@ -133,3 +133,16 @@ def test_add_column_grads_adds_used_slots_and_drops_padding(seed):
     got_k, got_v = tb.add_column_grads(*(jnp.asarray(x) for x in (dk0, dv0, dkc, dvc, col_idx, col_count)))
     np.testing.assert_allclose(np.asarray(got_k), want_k, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got_v), want_v, rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(flags=st.lists(st.integers(0, 2), min_size=1, max_size=12))
+def test_stable_partition_is_a_permutation_that_keeps_each_group_in_order(flags):
+    f = np.asarray(flags)
+    dst, n1, n12 = (np.asarray(x) for x in stable_partition(jnp.asarray(f == 0), jnp.asarray(f == 1)))
+    assert sorted(dst.tolist()) == list(range(len(f)))  # a permutation: unique scatter indices
+    assert (int(n1), int(n12)) == (int((f == 0).sum()), int((f <= 1).sum()))
+    x = np.arange(len(f), dtype=np.int32) + 1
+    out = np.asarray(scatter_last(jnp.asarray(x), jnp.asarray(dst), len(f) + 3))
+    want = np.concatenate([x[f == 0], x[f == 1], x[f == 2], np.zeros(3, np.int32)])
+    np.testing.assert_array_equal(out, want)
