@@ -1,4 +1,4 @@
-"""The library's ``unique_indices=True`` scatters checked when they run (:mod:`tests.unique_scatters`):
+"""The library's ``unique_indices=True`` scatters checked when they run (``tests/_unique_scatters.py``):
 repeated indices there are a silent wrong answer on a GPU and a right one on the CPU.
 
 * The checker can fail: repeated declared indices are reported (jit and eager, per batch element
@@ -26,7 +26,7 @@ from mtraining_jax.ring.schedule import source_rank
 from pallas_kernels import index_format, mosaic_index, triton_backward, triton_kernels
 from pallas_kernels.testing import random_step_index
 from pallas_kernels.three_pass import add_column_grads
-from tests.unique_scatters import checked_unique_scatters, colliding_starts
+from _unique_scatters import checked_unique_scatters, colliding_starts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BS = 64
