@@ -9,7 +9,7 @@ import os
 
 from benchmarks.quality_launch import add_launch_args
 from benchmarks.quality_pretrain import add_pretrain_args, resolve_pretrain
-from benchmarks.quality_probes import parse_budgets
+from benchmarks.quality_probes import arm_model_config, parse_budgets
 from benchmarks.quality_protocol import DENSE_READ_BACKENDS, merge_overrides, train_overrides
 from benchmarks.quality_seeds import VARIANTS
 from benchmarks.quality_warm import check_warm_start
@@ -85,6 +85,10 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="--cross-eval: held-out loss only (default: the study's eval.cross_eval_loss_only)")
     p.add_argument("--sparse-read", action="store_true", help="also evaluate the dense arm's parameters with the "
                    "MTraining arm's attention (with --no-cross-eval-loss-only: both arms read both ways)")
+    p.add_argument("--reread-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="also read the MTraining arm's trained parameters with its attention under these trainer "
+                        "overrides (repeatable; e.g. --reread-set model.sparsity.last_q=1024): held-out loss, NIAH "
+                        "and the index recall / density of that read (rows: reread), paired with dense in seeds.md")
     p.add_argument("--needle-recall", action="store_true", help="also measure how much of the NIAH answer's attention "
                    "to the needle the index keeps (the first 2 passkeys of each cell; the MTraining arm's sparse layers)")
     p.add_argument("--recall-budgets", type=parse_budgets, default=[],
@@ -110,6 +114,21 @@ def request_determinism(overrides) -> None:
             determinism.request(value)
 
 
+def check_reread(overrides) -> None:
+    """``--reread-set``: every item a ``KEY=VALUE`` trainer override under ``model.`` that the MTraining arm's
+    config takes (checked by building its model config now, before any training); ``SystemExit`` naming
+    the bad item otherwise."""
+    for item in overrides:
+        if "=" not in item or not item.startswith("model."):
+            raise SystemExit(f"quality_study: --reread-set {item!r}: expected model.KEY=VALUE (an attention setting "
+                             "of the MTraining arm's model, e.g. model.sparsity.last_q=1024)")
+    if overrides:
+        try:
+            arm_model_config(os.path.join(QUALITY, "mtraining.yaml"), list(overrides))
+        except (ValueError, TypeError, KeyError) as e:
+            raise SystemExit(f"quality_study: --reread-set {' '.join(overrides)}: {e}")
+
+
 def resolve_flags(args, study: dict) -> None:
     """Fill ``args`` from the ``study`` protocol where a flag was not given (retrieval mix / keys / share /
     fresh / copy share / made-up keys, eval haystack, cross read, recall p, copy pretraining) and merge the
@@ -127,6 +146,7 @@ def resolve_flags(args, study: dict) -> None:
     except ValueError as e:
         raise SystemExit(f"quality_study: {e}")
     request_determinism(args.train_overrides)
+    check_reread(args.reread_set)
     args.recall_p = float(study["eval"]["recall_p"])
     if args.cross_eval is None:
         args.cross_eval = study["eval"]["cross_eval"]

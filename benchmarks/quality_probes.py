@@ -1,7 +1,8 @@
 """Evaluations of a trained arm of the quality study beyond its protocol: the parameters read with
 another attention backend in every layer (``--cross-eval``), the dense arm's parameters read with the
 sparse arm's attention (``--sparse-read``), index recall / density under other sparsity budgets on
-the trained q/k (``--recall-budgets``) and the index's recall of the NIAH needle for the answer's rows
+the trained q/k (``--recall-budgets``), the sparse arm's parameters read with its attention under
+other settings (``--reread-set``) and the index's recall of the NIAH needle for the answer's rows
 (``--needle-recall``); :func:`probe` runs each so that its failure is recorded, not
 raised."""
 
@@ -62,6 +63,17 @@ def sparse_read(config_path: str, overrides, params, tok, spec, mesh, held, retr
     return {"config": os.path.basename(config_path), "backends": list(model_cfg.layer_backends), "eval": res}
 
 
+def reread(config_path: str, arm_overrides, overrides, params, tok, spec, mesh, held) -> dict:
+    """A sparse-trained arm's parameters read with its own attention (``config_path`` + ``arm_overrides``)
+    changed by ``overrides`` (``--reread-set``, e.g. a denser index: ``model.sparsity.last_q=1024``): held-out
+    loss by position, the NIAH / RULER sections of ``spec`` and the index recall / density at ``spec.recall_ps``
+    of that read. Splits the sparse read's cost: the same parameters, another index."""
+    model_cfg = arm_model_config(config_path, [*arm_overrides, *overrides])
+    res = _read(model_cfg, params, tok, spec, mesh, held, True, f"its attention with {' '.join(overrides)}",
+                recall=True)
+    return {"overrides": list(overrides), "backends": list(model_cfg.layer_backends), "eval": res}
+
+
 def arm_model_config(config_path: str, overrides):
     """The model config that the trainer config ``config_path`` with ``overrides`` builds (another arm's)."""
     from mtraining_jax.train.config import load_config
@@ -86,15 +98,18 @@ def needle_probe(model_cfg, params, tok, spec, mesh, held, layers=None, p: float
     return out
 
 
-def _read(cfg, params, tok, spec, mesh, held, retrieval: bool, what: str) -> dict:
+def _read(cfg, params, tok, spec, mesh, held, retrieval: bool, what: str, recall: bool = False) -> dict:
     from mtraining_jax.eval.api import evaluate_params
 
     params = _params_of(cfg, params)  # an MSA model's index branch has no use (and no place) in another read
-    spec = dataclasses.replace(spec, recall_ps=(), ppl_len=spec.perplexity_len,
+    spec = dataclasses.replace(spec, ppl_len=spec.perplexity_len, **({} if recall else {"recall_ps": ()}),
                                **({} if retrieval else {"lengths": ()}))
     res = evaluate_params(cfg, params, tok, spec, mesh=mesh, heldout=held, label=f"as {what}", progress=False)
+    rec = res.get("recall") or {}
     print(f"  read with {what}: held-out loss {res['perplexity']['mean_loss']:.4f}"
-          + (f", NIAH {_mean(res['niah']['accuracy']):.3f}" if "niah" in res else ""), flush=True)
+          + (f", NIAH {_mean(res['niah']['accuracy']):.3f}" if "niah" in res else "")
+          + "".join(f", recall p={p} {v:.3f} (density {rec['mean_density'][p]:.3f})"
+                    for p, v in (rec.get("mean_recall") or {}).items()), flush=True)
     return res
 
 

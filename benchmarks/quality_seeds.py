@@ -86,7 +86,9 @@ PAIRED = (("heldout_loss", "held-out loss @ {S}, evaluator (nats/byte)"),
           ("heldout_dense_read", "held-out loss @ {S}, the arm's parameters read with dense attention in every layer"),
           ("heldout_equal_time", "held-out loss, trainer's eval, at equal training time"),
           ("train_loss_equal_time", "train loss (last 5 % of steps) at equal training time"),
+          ("heldout_reread", "held-out loss @ {S}, the arm's parameters read with its attention under --reread-set"),
           ("niah_accuracy", "NIAH passkey accuracy (whole answer)"),
+          ("niah_reread", "NIAH passkey accuracy, the arm's parameters read with its attention under --reread-set"),
           ("niah_token_accuracy", "NIAH answer-token accuracy"),
           ("recall", "index recall p = 0.9 (mean over heads)"))
 
@@ -99,6 +101,42 @@ def dense_read_loss(r):
         return float(ce["eval"]["perplexity"]["mean_loss"])
     except (KeyError, TypeError):
         return r.get("heldout_loss") if r.get("arm") == "dense" else None
+
+
+def reread_value(r, key: str):
+    """A sparse row's ``reread`` (``--reread-set``) held-out loss (``key="loss"``) or NIAH accuracy
+    (``"niah"``); for the dense arm its own value (the baseline of the pairing); else None."""
+    if r.get("arm") == "dense":
+        return r.get("heldout_loss" if key == "loss" else "niah_accuracy")
+    try:
+        ev = r["reread"]["eval"]
+        if key == "loss":
+            return float(ev["perplexity"]["mean_loss"])
+        xs = [x for row in ev["niah"]["accuracy"] for x in row]
+        return sum(xs) / len(xs)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def reread_lines(rows) -> list:
+    """Markdown: per sparse row with a ``reread`` (``--reread-set``), its settings and the index recall /
+    density at p = 0.9 of its own read and of the reread (what the other settings cost and buy)."""
+    out = []
+    for r in rows:
+        rr = r.get("reread") or {}
+        try:
+            own, new = r["eval"]["recall"], rr["eval"]["recall"]
+            p = "0.9" if "0.9" in new["mean_recall"] else next(iter(new["mean_recall"]))
+            cells = [own["mean_recall"][p], own["mean_density"][p], new["mean_recall"][p], new["mean_density"][p]]
+        except (KeyError, TypeError, StopIteration):
+            continue
+        out.append(f"| {r['arm']} | {r['seed']} | {' '.join(rr['overrides'])} | p = {p}: recall {cells[0]:.3f}, density "
+                   f"{cells[1]:.3f} | recall {cells[2]:.3f}, density {cells[3]:.3f} |")
+    if not out:
+        return []
+    return ["", "Reread (`--reread-set`): the arm's parameters, its attention under other settings; the index's "
+            "recall and density (the kernels' work) at the trained model's q/k:", "",
+            "| arm | seed | settings | own read | reread |", "|---|---|---|---|---|"] + out
 
 
 def dense_read_by_position(rows) -> list:
@@ -144,6 +182,7 @@ def seed_values(rows) -> tuple:
                              "niah_token_accuracy": r.get("niah_token_accuracy"), "recall": r.get("recall"),
                              "trainer_heldout_final": curve[-1][1] if curve else None,
                              "heldout_dense_read": dense_read_loss(r),
+                             "heldout_reread": reread_value(r, "loss"), "niah_reread": reread_value(r, "niah"),
                              "tokens": r.get("tokens"), "tokens_per_s": r.get("tokens_per_s"),
                              "train_compute_seconds": r.get("train_compute_seconds"),
                              "corpus_sha": r.get("corpus_sha"), "device": r.get("device"),
@@ -298,6 +337,7 @@ def seed_report_md(rows, protocol: dict | None = None) -> str:
     lines += niah_pooled_lines(rows, arms)
     lines += train_infer_lines(rows)
     lines += needle_lines(rows, arms)
+    lines += reread_lines(rows)
     rel = relative_lines(vals, arms, S, ", ".join(f"{b:,}" for b in budget) or "—")
     if rel:
         lines += ["", "Held-out loss (the evaluator's, then the trainer's) relative to dense, per seed (arm − dense) / "

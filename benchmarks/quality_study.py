@@ -38,7 +38,9 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   ``--sparse-read``, the dense arm's parameters read with the MTraining arm's attention (row key
   ``sparse_read``): with ``--no-cross-eval-loss-only`` the 2 x 2 of training x inference attention of
   the MTraining paper's Table 1, with the NIAH grid in every cell; with ``--needle-recall`` how much of
-  the answer's attention to the NIAH needle the index keeps (row key ``needle_recall``);
+  the answer's attention to the NIAH needle the index keeps (row key ``needle_recall``); with
+  ``--reread-set KEY=VALUE`` the MTraining arm's parameters read again with its attention under those
+  settings (e.g. a denser index), with that index's recall and density (row key ``reread``);
 * **trainer overrides of every arm**: the study's ``train`` list (``optim.lr=3e-4``), then ``--set
   KEY=VALUE`` (repeatable; a key given again replaces the earlier value; e.g. ``optim.lr=1e-3``,
   ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a pretrained checkpoint,
@@ -125,7 +127,8 @@ from benchmarks.quality_curves import join_warm, time_curve  # a run's curves
 from benchmarks.quality_protocol import load_study, resolve_seeds, resolve_steps, seed_overrides  # the protocol
 from benchmarks.quality_report import write_report  # the single-call report
 from benchmarks.quality_launch import launch_per_arm, launch_per_seed  # one process per seed / arm
-from benchmarks.quality_probes import arm_model_config, budget_sweep, cross_eval, needle_probe, probe, sparse_read
+from benchmarks.quality_probes import (arm_model_config, budget_sweep, cross_eval, needle_probe, probe, reread,
+                                       sparse_read)
 from benchmarks.quality_seeds import read_rows, select_runs, write_seed_report  # the statistics over seeds
 from benchmarks.quality_args import GROUPS, QUALITY, ROOT, STUDY, parser, resolve_flags  # noqa: F401  (flags; re-exported)
 
@@ -359,6 +362,8 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     mt_yaml = os.path.join(QUALITY, "mtraining.yaml")  # the MTraining arm's config: its attention, its layers
     if args.sparse_read and name == "dense":  # the dense-trained parameters read with the MTraining arm's attention
         probe(rec, "sparse_read", lambda: sparse_read(mt_yaml, mt_over, result.params, tok, spec, mesh, held))
+    if args.reread_set and name == "mtraining":  # its parameters, its attention with other settings
+        probe(rec, "reread", lambda: reread(mt_yaml, mt_over, args.reread_set, result.params, tok, spec, mesh, held))
     if args.needle_recall:  # over the MTraining arm's sparse layers, for every arm
         probe(rec, "needle_recall", lambda: needle_probe(model_cfg, result.params, tok, spec, mesh, held, [
             i for i, b in enumerate(arm_model_config(mt_yaml, mt_over).layer_backends) if b == "mtraining"]))

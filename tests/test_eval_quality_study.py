@@ -192,6 +192,10 @@ def test_study_protocol(tmp_path):
             quality_study.load_study(str(bad))
     with pytest.raises(SystemExit):  # argparse names the choices
         quality_study.main(["--out", str(tmp_path), "--cross-eval", "msa"])
+    for bad, msg in (("sparsity.last_q=1", "expected model.KEY=VALUE"), ("model.sparsity.last_q=many", "last_q"),
+                     ("model.sparsity.nope=1", "nope")):  # stopped before any training, naming the item
+        with pytest.raises(SystemExit, match=msg):
+            quality_study.main(["--out", str(tmp_path), "--smoke", "--reread-set", bad])
 
     args = SimpleNamespace(steps=None, tokens=None, smoke=False)
     base = SimpleNamespace(steps=160, data=SimpleNamespace(seq_len=32768, batch_size=1), optim=SimpleNamespace(grad_accum=1))
@@ -212,7 +216,7 @@ def test_quality_study_seeds_smoke(tmp_path):
     rc = quality_study.main(["--out", out, "--work", str(work), "--smoke", "--variant", "both", "--seeds", "0", "1",
                              "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128",
                              "--cross-eval", "reference", "--cross-eval-loss-only", "--sparse-read",
-                             "--needle-recall"])
+                             "--needle-recall", "--reread-set", "model.sparsity.last_q=128"])
     assert rc == 0
     rows = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
     assert [(r["arm"], r["seed"]) for r in rows] == [("dense", 0), ("mtraining", 0), ("dense", 1), ("mtraining", 1)]
@@ -284,6 +288,17 @@ def test_quality_study_seeds_smoke(tmp_path):
         nr = r["needle_recall"]
         assert nr["layers"] == [1] and np.asarray(nr["kept"]).shape == (2, 1, 1) and abs(nr["mean_kept"] - 1) < 1e-6
     assert "| mtraining | 0, 1 | 1.000 |" in seeds_md
+    # --reread-set: the MTraining parameters read again with last_q=128: every block kept at this size, so
+    # the same loss up to rounding, with the reread's own recall / density; paired with dense in seeds.md
+    for s in (0, 1):
+        rr, mt = by[("mtraining", s)]["reread"], by[("mtraining", s)]
+        assert rr["overrides"] == ["model.sparsity.last_q=128"] and rr["backends"] == ["ring", "mtraining"]
+        assert abs(rr["eval"]["perplexity"]["mean_loss"] - mt["heldout_loss"]) < 1e-5 * mt["heldout_loss"]
+        assert rr["eval"]["recall"]["mean_density"]["0.9"] > 0.999 and "niah" in rr["eval"]
+        assert "reread" not in by[("dense", s)]
+    line = [x for x in seeds_md.splitlines() if "under --reread-set | mtraining − dense | 2 |" in x]
+    assert len(line) == 2, line  # held-out loss and NIAH
+    assert "| mtraining | 1 | model.sparsity.last_q=128 | p = 0.9: recall " in seeds_md
     assert "| training | trained mtraining read dense − trained dense read dense, seeds 0, 1 |" in seeds_md
     files = sorted(os.listdir(out))
     assert files == ["loss_curves.png", "loss_vs_tokens.png", "quality.jsonl", "quality.md", "quality_niah.png",
