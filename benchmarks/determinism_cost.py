@@ -4,9 +4,15 @@ GPU ops (:mod:`mtraining_jax.train.determinism`), one run after another on the s
 pretrainings of a seed bit-identical (``benchmarks/pretrain_determinism.py``), but the study compares its arms at
 equal training time, so a flag that slows one arm more than the other would move that comparison.
 
-    MTRAINING_COMMIT=<sha> python benchmarks/determinism_cost.py --out $OUT/dc --steps 40
+    MTRAINING_COMMIT=<sha> python benchmarks/determinism_cost.py --out $OUT/dc --steps 40 --repeats 3
     python benchmarks/determinism_cost.py --out DIR --from-metrics M --device "NVIDIA H200" --jax 0.11.2
-                            # rows from runs already made (M/<arm>-<false|true>.jsonl) on that device
+                            # rows from runs already made (M/<arm>-<false|true>.jsonl; with --repeats N,
+                            # M/<arm>-<false|true>-r<k>.jsonl) on that device
+
+``--repeats N``: the four runs N times, the flag's order reversed in every other repeat (drift of the GPU's
+clocks or of the host does not favour one setting); every row carries its ``repeat``, each repeat's
+deterministic row its slowdown within that repeat, and the slowdown's median and range over the repeats are
+printed.
 
 Data: the trainer's ``stdlib`` source (no files to build). One row per (arm, deterministic) in
 ``--out/determinism_cost.jsonl``: ``arm``, ``deterministic``, ``steps_timed`` (steps after ``--skip``, the
@@ -91,7 +97,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", help="with --from-metrics: the GPU the runs were made on (required)")
     p.add_argument("--jax", help="with --from-metrics: the JAX version they ran (required)")
     p.add_argument("--smoke", action="store_true", help="configs/tiny_cpu.yaml (the test's size)")
+    p.add_argument("--repeats", type=int, default=1, help="the four runs this many times, the flag's order "
+                   "alternating (default 1)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"determinism_cost: --repeats must be >= 1, got {args.repeats}")
     if args.skip < 0 or args.steps <= args.skip:
         raise SystemExit(f"determinism_cost: --skip must be >= 0 (got {args.skip}) and --steps above it "
                          f"(got {args.steps})")
@@ -103,34 +113,47 @@ def main(argv=None) -> int:
     from benchmarks.quality_study import provenance_row
 
     os.makedirs(args.out, exist_ok=True)
-    metrics = {}
-    for arm in ARMS:
-        for det in FLAGS:
-            name = f"{arm}-{str(det).lower()}"
-            if args.from_metrics:
-                path = os.path.join(args.from_metrics, f"{name}.jsonl")
-            else:
-                run_dir = os.path.join(args.out, name)
-                rc = train(arm, det, args.steps, run_dir, os.path.join(args.out, f"{name}.log"), args.timeout,
-                           args.smoke)
-                print(f"{name}: exit {rc}", flush=True)
-                path = os.path.join(run_dir, "metrics.jsonl")
-            records = read_metrics(path)
-            if records:
-                metrics[(arm, det)] = records
-            else:
-                print(f"{name}: no metrics at {path}", flush=True)
-    import jax  # noqa: F401  (the rows' jax / device)
+    per_repeat = []
+    for rep in range(args.repeats):
+        metrics = {}
+        for arm in ARMS:
+            for det in FLAGS if rep % 2 == 0 else FLAGS[::-1]:
+                name = f"{arm}-{str(det).lower()}" + (f"-r{rep}" if args.repeats > 1 else "")
+                if args.from_metrics:
+                    path = os.path.join(args.from_metrics, f"{name}.jsonl")
+                else:
+                    run_dir = os.path.join(args.out, name)
+                    rc = train(arm, det, args.steps, run_dir, os.path.join(args.out, f"{name}.log"), args.timeout,
+                               args.smoke)
+                    print(f"{name}: exit {rc}", flush=True)
+                    path = os.path.join(run_dir, "metrics.jsonl")
+                records = read_metrics(path)
+                if records:
+                    metrics[(arm, det)] = records
+                else:
+                    print(f"{name}: no metrics at {path}", flush=True)
+        per_repeat.append(metrics)
+    # only now this process starts JAX (the rows' jax / device): on a GPU it would hold memory the runs need
+    import jax  # noqa: F401
 
+    slowdowns = {arm: [] for arm in ARMS}
     with open(os.path.join(args.out, "determinism_cost.jsonl"), "a") as f:
-        for row in rows(metrics, args.skip):
-            row.update(provenance_row(argv))
-            if args.from_metrics:  # this process only read the runs' metrics
-                row.update(device=args.device, jax=args.jax)
-            f.write(json.dumps(row) + "\n")
-            print(f"{row['arm']} deterministic={row['deterministic']}: median step {row['step_s_median']:.4f} s "
-                  f"over {row['steps_timed']} steps" + (f", {row['slowdown']:.2f}x" if "slowdown" in row else ""),
-                  flush=True)
+        for rep, metrics in enumerate(per_repeat):
+            for row in rows(metrics, args.skip):
+                row["repeat"] = rep
+                row.update(provenance_row(argv))
+                if args.from_metrics:  # this process only read the runs' metrics
+                    row.update(device=args.device, jax=args.jax)
+                f.write(json.dumps(row) + "\n")
+                if "slowdown" in row:
+                    slowdowns[row["arm"]].append(row["slowdown"])
+                print(f"repeat {rep}: {row['arm']} deterministic={row['deterministic']}: median step "
+                      f"{row['step_s_median']:.4f} s over {row['steps_timed']} steps"
+                      + (f", {row['slowdown']:.2f}x" if "slowdown" in row else ""), flush=True)
+    for arm, xs in slowdowns.items():
+        if len(xs) > 1:
+            print(f"{arm}: deterministic=true slowdown over {len(xs)} repeats: median {statistics.median(xs):.2f}x, "
+                  f"range {min(xs):.2f}-{max(xs):.2f}x", flush=True)
     return 0
 
 

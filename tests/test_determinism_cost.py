@@ -52,6 +52,32 @@ def test_from_metrics_writes_rows_with_provenance(tmp_path):
         assert "--from-metrics" in r["command"] and (r["device"], r["jax"]) == ("NVIDIA H200", "0.11.2")
 
 
+def test_repeats_alternate_the_flag_and_give_each_repeat_its_slowdown(tmp_path, capsys):
+    src = tmp_path / "m"
+    src.mkdir()
+    for rep, (fast, slow) in enumerate(((0.1, 0.25), (0.1, 0.3), (0.1, 0.2))):
+        for arm in ("mtraining", "dense"):
+            for det, t in ((False, fast), (True, slow)):
+                name = f"{arm}-{str(det).lower()}-r{rep}"
+                (src / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records([20.0] + [t] * 3)))
+    assert main(["--out", str(tmp_path / "o"), "--from-metrics", str(src), "--skip", "1", "--device", "H200",
+                 "--jax", "0.11.2", "--repeats", "3"]) == 0
+    got = [json.loads(line) for line in open(tmp_path / "o" / "determinism_cost.jsonl")]
+    assert [r["repeat"] for r in got] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [r["slowdown"] for r in got if "slowdown" in r] == pytest.approx([2.5, 2.5, 3.0, 3.0, 2.0, 2.0])
+    assert "mtraining: deterministic=true slowdown over 3 repeats: median 2.50x, range 2.00-3.00x" in capsys.readouterr().out
+
+
+def test_repeats_run_the_flag_in_alternating_order(tmp_path, monkeypatch):
+    import benchmarks.determinism_cost as dc
+
+    order = []
+    monkeypatch.setattr(dc, "train", lambda arm, det, *a: order.append((arm, det)) or 1)
+    assert main(["--out", str(tmp_path), "--repeats", "2", "--smoke"]) == 0  # no metrics: no rows, no failure
+    assert order == [("mtraining", False), ("mtraining", True), ("dense", False), ("dense", True),
+                     ("mtraining", True), ("mtraining", False), ("dense", True), ("dense", False)]
+
+
 @pytest.mark.parametrize("smoke", [False, True])
 @pytest.mark.parametrize("arm", ["mtraining", "dense"])
 def test_trainer_runs_resolve_to_the_arms_backend_and_flag(arm, smoke, tmp_path):
@@ -69,6 +95,7 @@ def test_trainer_runs_resolve_to_the_arms_backend_and_flag(arm, smoke, tmp_path)
 
 @pytest.mark.parametrize("argv, message", [
     (["--skip", "-1"], "--skip must be >= 0 \\(got -1\\)"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--steps", "10", "--skip", "10"], "--steps above it \\(got 10\\)"),
     (["--from-metrics", "m"], "--from-metrics needs --device and --jax"),
     (["--from-metrics", "m", "--device", "H200"], "got --from-metrics 'm', --device 'H200', --jax None"),
