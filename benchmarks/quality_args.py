@@ -85,10 +85,12 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="--cross-eval: held-out loss only (default: the study's eval.cross_eval_loss_only)")
     p.add_argument("--sparse-read", action="store_true", help="also evaluate the dense arm's parameters with the "
                    "MTraining arm's attention (with --no-cross-eval-loss-only: both arms read both ways)")
-    p.add_argument("--reread-set", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--reread", action="append", default=[], type=str.split, metavar="'KEY=VALUE [KEY=VALUE ...]'",
                    help="also read the MTraining arm's trained parameters with its attention under these trainer "
-                        "overrides (repeatable; e.g. --reread-set model.sparsity.last_q=1024): held-out loss, NIAH "
-                        "and the index recall / density of that read (rows: reread), paired with dense in seeds.md")
+                        "overrides (whitespace-separated, one read; repeat the flag for more reads, e.g. --reread "
+                        "model.sparsity.last_q=1024 --reread 'model.sparsity.last_q=1024 model.sparsity.slash_max=256'): "
+                        "held-out loss, NIAH and the index recall / density of each read (rows: rereads), paired with "
+                        "dense in seeds.md")
     p.add_argument("--needle-recall", action="store_true", help="also measure how much of the NIAH answer's attention "
                    "to the needle the index keeps (the first 2 passkeys of each cell; the MTraining arm's sparse layers)")
     p.add_argument("--recall-budgets", type=parse_budgets, default=[],
@@ -114,19 +116,25 @@ def request_determinism(overrides) -> None:
             determinism.request(value)
 
 
-def check_reread(overrides) -> None:
-    """``--reread-set``: every item a ``KEY=VALUE`` trainer override under ``model.`` that the MTraining arm's
-    config takes (checked by building its model config now, before any training); ``SystemExit`` naming
-    the bad item otherwise."""
-    for item in overrides:
-        if "=" not in item or not item.startswith("model."):
-            raise SystemExit(f"quality_study: --reread-set {item!r}: expected model.KEY=VALUE (an attention setting "
-                             "of the MTraining arm's model, e.g. model.sparsity.last_q=1024)")
-    if overrides:
+def check_reread(reads) -> None:
+    """``--reread``: each read a non-empty list of ``KEY=VALUE`` trainer overrides under ``model.`` that the
+    MTraining arm's config takes (checked by building its model config now, before any training), no read
+    given twice; ``SystemExit`` naming the bad item otherwise."""
+    seen = set()
+    for overrides in reads:
+        if not overrides:
+            raise SystemExit("quality_study: --reread '': expected one or more model.KEY=VALUE")
+        for item in overrides:
+            if "=" not in item or not item.startswith("model."):
+                raise SystemExit(f"quality_study: --reread {item!r}: expected model.KEY=VALUE (an attention setting "
+                                 "of the MTraining arm's model, e.g. model.sparsity.last_q=1024)")
+        if " ".join(overrides) in seen:
+            raise SystemExit(f"quality_study: --reread {' '.join(overrides)!r} given twice")
+        seen.add(" ".join(overrides))
         try:
             arm_model_config(os.path.join(QUALITY, "mtraining.yaml"), list(overrides))
         except (ValueError, TypeError, KeyError) as e:
-            raise SystemExit(f"quality_study: --reread-set {' '.join(overrides)}: {e}")
+            raise SystemExit(f"quality_study: --reread {' '.join(overrides)}: {e}")
 
 
 def resolve_flags(args, study: dict) -> None:
@@ -146,7 +154,7 @@ def resolve_flags(args, study: dict) -> None:
     except ValueError as e:
         raise SystemExit(f"quality_study: {e}")
     request_determinism(args.train_overrides)
-    check_reread(args.reread_set)
+    check_reread(args.reread)
     args.recall_p = float(study["eval"]["recall_p"])
     if args.cross_eval is None:
         args.cross_eval = study["eval"]["cross_eval"]

@@ -2,7 +2,7 @@
 another attention backend in every layer (``--cross-eval``), the dense arm's parameters read with the
 sparse arm's attention (``--sparse-read``), index recall / density under other sparsity budgets on
 the trained q/k (``--recall-budgets``), the sparse arm's parameters read with its attention under
-other settings (``--reread-set``) and the index's recall of the NIAH needle for the answer's rows
+other settings (``--reread``) and the index's recall of the NIAH needle for the answer's rows
 (``--needle-recall``); :func:`probe` runs each so that its failure is recorded, not
 raised."""
 
@@ -65,7 +65,7 @@ def sparse_read(config_path: str, overrides, params, tok, spec, mesh, held, retr
 
 def reread(config_path: str, arm_overrides, overrides, params, tok, spec, mesh, held) -> dict:
     """A sparse-trained arm's parameters read with its own attention (``config_path`` + ``arm_overrides``)
-    changed by ``overrides`` (``--reread-set``, e.g. a denser index: ``model.sparsity.last_q=1024``): held-out
+    changed by ``overrides`` (one ``--reread``, e.g. a denser index: ``model.sparsity.last_q=1024``): held-out
     loss by position, the NIAH / RULER sections of ``spec`` and the index recall / density at ``spec.recall_ps``
     of that read. Splits the sparse read's cost: the same parameters, another index."""
     model_cfg = arm_model_config(config_path, [*arm_overrides, *overrides])

@@ -86,9 +86,7 @@ PAIRED = (("heldout_loss", "held-out loss @ {S}, evaluator (nats/byte)"),
           ("heldout_dense_read", "held-out loss @ {S}, the arm's parameters read with dense attention in every layer"),
           ("heldout_equal_time", "held-out loss, trainer's eval, at equal training time"),
           ("train_loss_equal_time", "train loss (last 5 % of steps) at equal training time"),
-          ("heldout_reread", "held-out loss @ {S}, the arm's parameters read with its attention under --reread-set"),
           ("niah_accuracy", "NIAH passkey accuracy (whole answer)"),
-          ("niah_reread", "NIAH passkey accuracy, the arm's parameters read with its attention under --reread-set"),
           ("niah_token_accuracy", "NIAH answer-token accuracy"),
           ("recall", "index recall p = 0.9 (mean over heads)"))
 
@@ -103,40 +101,79 @@ def dense_read_loss(r):
         return r.get("heldout_loss") if r.get("arm") == "dense" else None
 
 
-def reread_value(r, key: str):
-    """A sparse row's ``reread`` (``--reread-set``) held-out loss (``key="loss"``) or NIAH accuracy
-    (``"niah"``); for the dense arm its own value (the baseline of the pairing); else None."""
-    if r.get("arm") == "dense":
-        return r.get("heldout_loss" if key == "loss" else "niah_accuracy")
-    try:
-        ev = r["reread"]["eval"]
-        if key == "loss":
-            return float(ev["perplexity"]["mean_loss"])
-        xs = [x for row in ev["niah"]["accuracy"] for x in row]
-        return sum(xs) / len(xs)
-    except (KeyError, TypeError, ZeroDivisionError):
-        return None
+def reread_settings(rows) -> list:
+    """The settings (``--reread``, joined by spaces) of every read in ``rows``' ``rereads``, in first-seen order."""
+    out = []
+    for r in rows:
+        for rr in r.get("rereads") or []:
+            key = " ".join(rr.get("overrides") or [])
+            if key and key not in out:
+                out.append(key)
+    return out
+
+
+def reread_metrics(rows) -> list:
+    """:data:`PAIRED`'s ``(key, label)`` pairs for the reads of ``rows``' ``rereads``: held-out loss and NIAH per
+    setting, keys ``heldout_reread:SETTINGS`` / ``niah_reread:SETTINGS`` (the values :func:`reread_values` gives)."""
+    return [m for st in reread_settings(rows) for m in (
+        (f"heldout_reread:{st}", f"held-out loss @ {{S}}, the arm's parameters read with its attention under {st}"),
+        (f"niah_reread:{st}", f"NIAH passkey accuracy, the arm's parameters read with its attention under {st}"))]
+
+
+def reread_values(r, settings) -> dict:
+    """``{metric key: value}`` of :func:`reread_metrics` for one row: a sparse row's reads (held-out loss, NIAH
+    accuracy; None for a read it lacks or that failed); for the dense arm its own values under every setting (the
+    baseline of the pairing)."""
+    out = {}
+    reads = {" ".join(rr.get("overrides") or []): rr for rr in r.get("rereads") or []}
+    for st in settings:
+        if r.get("arm") == "dense":
+            out[f"heldout_reread:{st}"], out[f"niah_reread:{st}"] = r.get("heldout_loss"), r.get("niah_accuracy")
+            continue
+        loss = niah = None
+        try:
+            ev = reads[st]["eval"]
+            loss = float(ev["perplexity"]["mean_loss"])
+            xs = [x for row in ev["niah"]["accuracy"] for x in row]
+            niah = sum(xs) / len(xs)
+        except (KeyError, TypeError, ZeroDivisionError):
+            pass
+        out[f"heldout_reread:{st}"], out[f"niah_reread:{st}"] = loss, niah
+    return out
 
 
 def reread_lines(rows) -> list:
-    """Markdown: per sparse row with a ``reread`` (``--reread-set``), its settings and the index recall /
-    density at p = 0.9 of its own read and of the reread (what the other settings cost and buy)."""
+    """Markdown: per sparse row and read of its ``rereads`` (``--reread``), the settings and the index recall /
+    density at p = 0.9 of its own read and of the reread (what the other settings cost and buy), and the held-out
+    loss and NIAH accuracy of both reads; a read that failed is listed with its error."""
     out = []
     for r in rows:
-        rr = r.get("reread") or {}
-        try:
-            own, new = r["eval"]["recall"], rr["eval"]["recall"]
-            p = "0.9" if "0.9" in new["mean_recall"] else next(iter(new["mean_recall"]))
-            cells = [own["mean_recall"][p], own["mean_density"][p], new["mean_recall"][p], new["mean_density"][p]]
-        except (KeyError, TypeError, StopIteration):
-            continue
-        out.append(f"| {r['arm']} | {r['seed']} | {' '.join(rr['overrides'])} | p = {p}: recall {cells[0]:.3f}, density "
-                   f"{cells[1]:.3f} | recall {cells[2]:.3f}, density {cells[3]:.3f} |")
+        for rr in r.get("rereads") or []:
+            st = " ".join(rr.get("overrides") or [])
+            if rr.get("error"):
+                out.append(f"| {r['arm']} | {r['seed']} | {st} | | failed: {rr['error']} |")
+                continue
+            try:
+                own, new = r["eval"]["recall"], rr["eval"]["recall"]
+                p = "0.9" if "0.9" in new["mean_recall"] else next(iter(new["mean_recall"]))
+                cells = [own["mean_recall"][p], own["mean_density"][p], new["mean_recall"][p], new["mean_density"][p]]
+            except (KeyError, TypeError, StopIteration):
+                continue
+            v = reread_values(r, [st])
+            loss = _num(v[f"heldout_reread:{st}"], ".4f")
+            niah = _num(v[f"niah_reread:{st}"], ".3f")
+            out.append(f"| {r['arm']} | {r['seed']} | {st} | p = {p}: recall {cells[0]:.3f}, density {cells[1]:.3f}; "
+                       f"loss {_num(r.get('heldout_loss'), '.4f')}, NIAH {_num(r.get('niah_accuracy'), '.3f')} "
+                       f"| recall {cells[2]:.3f}, density {cells[3]:.3f}; loss {loss}, NIAH {niah} |")
     if not out:
         return []
-    return ["", "Reread (`--reread-set`): the arm's parameters, its attention under other settings; the index's "
-            "recall and density (the kernels' work) at the trained model's q/k:", "",
+    return ["", "Reread (`--reread`): the arm's parameters, its attention under other settings; the index's "
+            "recall and density (the kernels' work) at the trained model's q/k, held-out loss and NIAH accuracy:", "",
             "| arm | seed | settings | own read | reread |", "|---|---|---|---|---|"] + out
+
+
+def _num(x, f: str) -> str:
+    return "—" if x is None else format(x, f)
 
 
 def dense_read_by_position(rows) -> list:
@@ -175,18 +212,17 @@ def seed_values(rows) -> tuple:
         if why:  # trained; the evaluator's columns are empty, the trainer's curves are not
             notes.append(f"{r['arm']} seed {r['seed']}: not evaluated ({why}); only the trainer's columns and curves")
         last[key] = r
-    vals = {}
+    vals, settings = {}, reread_settings(last.values())
     for (arm, seed), r in last.items():
         curve = heldout_curve_of(r)
         vals[(arm, seed)] = {"heldout_loss": r.get("heldout_loss"), "niah_accuracy": r.get("niah_accuracy"),
                              "niah_token_accuracy": r.get("niah_token_accuracy"), "recall": r.get("recall"),
                              "trainer_heldout_final": curve[-1][1] if curve else None,
                              "heldout_dense_read": dense_read_loss(r),
-                             "heldout_reread": reread_value(r, "loss"), "niah_reread": reread_value(r, "niah"),
                              "tokens": r.get("tokens"), "tokens_per_s": r.get("tokens_per_s"),
                              "train_compute_seconds": r.get("train_compute_seconds"),
                              "corpus_sha": r.get("corpus_sha"), "device": r.get("device"),
-                             "warm_start": (r.get("warm_start") or {}).get("steps")}
+                             "warm_start": (r.get("warm_start") or {}).get("steps"), **reread_values(r, settings)}
     for seed in sorted({s for _, s in last}):
         arms = [a for a, s in last if s == seed]
         totals = [last[(a, seed)]["train_time"][-1][1] for a in arms if last[(a, seed)].get("train_time")]
@@ -325,7 +361,7 @@ def seed_report_md(rows, protocol: dict | None = None) -> str:
     for a in arms:
         if a == "dense":
             continue
-        for k, what in PAIRED:
+        for k, what in (*PAIRED, *reread_metrics(rows)):
             iv = paired_differences(vals, a, k)
             if not iv["n"]:
                 continue

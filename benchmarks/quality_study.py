@@ -39,8 +39,9 @@ Protocol (``configs/quality/study.yaml``; printed first and recorded in every ro
   ``sparse_read``): with ``--no-cross-eval-loss-only`` the 2 x 2 of training x inference attention of
   the MTraining paper's Table 1, with the NIAH grid in every cell; with ``--needle-recall`` how much of
   the answer's attention to the NIAH needle the index keeps (row key ``needle_recall``); with
-  ``--reread-set KEY=VALUE`` the MTraining arm's parameters read again with its attention under those
-  settings (e.g. a denser index), with that index's recall and density (row key ``reread``);
+  ``--reread 'KEY=VALUE ...'`` (repeatable, one read each) the MTraining arm's parameters read again with its
+  attention under those settings (e.g. denser indices), with each index's recall and density (row key
+  ``rereads``, a list);
 * **trainer overrides of every arm**: the study's ``train`` list (``optim.lr=3e-4``), then ``--set
   KEY=VALUE`` (repeatable; a key given again replaces the earlier value; e.g. ``optim.lr=1e-3``,
   ``model.init_from=ckpt:DIR/seed{seed}`` for arms that start from a pretrained checkpoint,
@@ -362,8 +363,12 @@ def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = No
     mt_yaml = os.path.join(QUALITY, "mtraining.yaml")  # the MTraining arm's config: its attention, its layers
     if args.sparse_read and name == "dense":  # the dense-trained parameters read with the MTraining arm's attention
         probe(rec, "sparse_read", lambda: sparse_read(mt_yaml, mt_over, result.params, tok, spec, mesh, held))
-    if args.reread_set and name == "mtraining":  # its parameters, its attention with other settings
-        probe(rec, "reread", lambda: reread(mt_yaml, mt_over, args.reread_set, result.params, tok, spec, mesh, held))
+    if args.reread and name == "mtraining":  # its parameters, its attention with other settings, one read each
+        rec["rereads"] = []
+        for overrides in args.reread:
+            one = {}
+            probe(one, "read", lambda o=overrides: reread(mt_yaml, mt_over, o, result.params, tok, spec, mesh, held))
+            rec["rereads"].append(one.get("read") or {"overrides": list(overrides), "error": one["read_error"]})
     if args.needle_recall:  # over the MTraining arm's sparse layers, for every arm
         probe(rec, "needle_recall", lambda: needle_probe(model_cfg, result.params, tok, spec, mesh, held, [
             i for i, b in enumerate(arm_model_config(mt_yaml, mt_over).layer_backends) if b == "mtraining"]))

@@ -195,7 +195,13 @@ def test_study_protocol(tmp_path):
     for bad, msg in (("sparsity.last_q=1", "expected model.KEY=VALUE"), ("model.sparsity.last_q=many", "last_q"),
                      ("model.sparsity.nope=1", "nope")):  # stopped before any training, naming the item
         with pytest.raises(SystemExit, match=msg):
-            quality_study.main(["--out", str(tmp_path), "--smoke", "--reread-set", bad])
+            quality_study.main(["--out", str(tmp_path), "--smoke", "--reread", bad])
+    for bad, msg in (("", "expected one or more"), ("model.sparsity.last_q=64 sparsity.slash_max=8", "'sparsity.slash_max=8'")):
+        with pytest.raises(SystemExit, match=msg):
+            quality_study.main(["--out", str(tmp_path), "--smoke", "--reread", "model.sparsity.last_q=128", "--reread", bad])
+    with pytest.raises(SystemExit, match="given twice"):
+        quality_study.main(["--out", str(tmp_path), "--smoke", "--reread", "model.sparsity.last_q=128",
+                            "--reread", " model.sparsity.last_q=128 "])
 
     args = SimpleNamespace(steps=None, tokens=None, smoke=False)
     base = SimpleNamespace(steps=160, data=SimpleNamespace(seq_len=32768, batch_size=1), optim=SimpleNamespace(grad_accum=1))
@@ -216,7 +222,8 @@ def test_quality_study_seeds_smoke(tmp_path):
     rc = quality_study.main(["--out", out, "--work", str(work), "--smoke", "--variant", "both", "--seeds", "0", "1",
                              "--recall-budgets", ";vertical_max=512,slash_max=8;vertical_min=512,last_q=128",
                              "--cross-eval", "reference", "--cross-eval-loss-only", "--sparse-read",
-                             "--needle-recall", "--reread-set", "model.sparsity.last_q=128"])
+                             "--needle-recall", "--reread", "model.sparsity.last_q=128",
+                             "--reread", "model.sparsity.last_q=64 model.sparsity.vertical_max=64 model.sparsity.slash_max=4"])
     assert rc == 0
     rows = [json.loads(line) for line in open(os.path.join(out, "quality.jsonl"))]
     assert [(r["arm"], r["seed"]) for r in rows] == [("dense", 0), ("mtraining", 0), ("dense", 1), ("mtraining", 1)]
@@ -288,17 +295,26 @@ def test_quality_study_seeds_smoke(tmp_path):
         nr = r["needle_recall"]
         assert nr["layers"] == [1] and np.asarray(nr["kept"]).shape == (2, 1, 1) and abs(nr["mean_kept"] - 1) < 1e-6
     assert "| mtraining | 0, 1 | 1.000 |" in seeds_md
-    # --reread-set: the MTraining parameters read again with last_q=128: every block kept at this size, so
-    # the same loss up to rounding, with the reread's own recall / density; paired with dense in seeds.md
+    # --reread, two reads of the MTraining parameters: last_q=128 keeps every block at this size, so the same loss
+    # up to rounding; last_q=64 with small budgets keeps fewer (its density below 1, its loss another); each read
+    # with its own recall / density; both paired with dense in seeds.md
+    sparse = "model.sparsity.last_q=64 model.sparsity.vertical_max=64 model.sparsity.slash_max=4"
     for s in (0, 1):
-        rr, mt = by[("mtraining", s)]["reread"], by[("mtraining", s)]
+        (rr, r2), mt = by[("mtraining", s)]["rereads"], by[("mtraining", s)]
         assert rr["overrides"] == ["model.sparsity.last_q=128"] and rr["backends"] == ["ring", "mtraining"]
         assert abs(rr["eval"]["perplexity"]["mean_loss"] - mt["heldout_loss"]) < 1e-5 * mt["heldout_loss"]
         assert rr["eval"]["recall"]["mean_density"]["0.9"] > 0.999 and "niah" in rr["eval"]
-        assert "reread" not in by[("dense", s)]
-    line = [x for x in seeds_md.splitlines() if "under --reread-set | mtraining − dense | 2 |" in x]
-    assert len(line) == 2, line  # held-out loss and NIAH
+        assert r2["overrides"] == sparse.split() and r2["eval"]["recall"]["mean_density"]["0.9"] < 0.99
+        assert abs(r2["eval"]["perplexity"]["mean_loss"] - mt["heldout_loss"]) > 1e-4 and "niah" in r2["eval"]
+        assert "rereads" not in by[("dense", s)]
+    for st in ("model.sparsity.last_q=128", sparse):
+        line = [x for x in seeds_md.splitlines() if f"under {st} | mtraining − dense | 2 |" in x]
+        assert len(line) == 2, line  # held-out loss and NIAH
+        d = [by[("mtraining", s)]["rereads"][0 if st.endswith("128") else 1]["eval"]["perplexity"]["mean_loss"]
+             - by[("dense", s)]["heldout_loss"] for s in (0, 1)]
+        assert f"| {(d[0] + d[1]) / 2:+.4g} |" in line[0], (line[0], d)  # the paired mean of the reads' losses
     assert "| mtraining | 1 | model.sparsity.last_q=128 | p = 0.9: recall " in seeds_md
+    assert f"| mtraining | 0 | {sparse} | p = 0.9: recall " in seeds_md
     assert "| training | trained mtraining read dense − trained dense read dense, seeds 0, 1 |" in seeds_md
     files = sorted(os.listdir(out))
     assert files == ["loss_curves.png", "loss_vs_tokens.png", "quality.jsonl", "quality.md", "quality_niah.png",
