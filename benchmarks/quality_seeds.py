@@ -169,7 +169,45 @@ def reread_lines(rows) -> list:
         return []
     return ["", "Reread (`--reread`): the arm's parameters, its attention under other settings; the index's "
             "recall and density (the kernels' work) at the trained model's q/k, held-out loss and NIAH accuracy:", "",
-            "| arm | seed | settings | own read | reread |", "|---|---|---|---|---|"] + out
+            "| arm | seed | settings | own read | reread |", "|---|---|---|---|---|"] + out + reread_window_lines(rows)
+
+
+def window_difference(a, b) -> dict:
+    """:func:`paired_interval` of evaluation ``a``'s held-out loss minus ``b``'s, paired window by window (the same
+    held-out windows): the evaluation's sampling on one trained model, not training's spread over seeds."""
+    wa, wb = a["perplexity"]["window_loss"], b["perplexity"]["window_loss"]
+    if len(wa) != len(wb):
+        raise ValueError(f"{len(wa)} held-out windows against {len(wb)}")
+    return paired_interval([x - y for x, y in zip(wa, wb)])
+
+
+def reread_window_lines(rows) -> list:
+    """Markdown: each read of a sparse row's ``rereads`` against its own read, held-out loss paired over the held-out
+    windows (mean and 95 % t-interval), and the share of what reading densely (``cross_eval``) gains that the read
+    recovers: how much of the sparse read's cost each index setting buys back on that model."""
+    out = []
+    for r in rows:
+        for rr in r.get("rereads") or []:
+            try:
+                iv = window_difference(rr["eval"], r["eval"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            share = "—"
+            try:
+                dense = window_difference(r["cross_eval"]["eval"], r["eval"])
+                share = f"{iv['mean'] / dense['mean']:.2f} (dense read {dense['mean']:+.4f})" if dense["mean"] else "—"
+            except (KeyError, TypeError, ValueError):
+                pass
+            ci = f"[{iv['lo']:+.4f}, {iv['hi']:+.4f}]" if iv["lo"] is not None else "—"
+            out.append(f"| {r['arm']} | {r['seed']} | {' '.join(rr['overrides'])} | {iv['n']} | {iv['mean']:+.4f} {ci} "
+                       f"| {share} |")
+    if not out:
+        return []
+    return ["", "Each reread's held-out loss minus the own read's, paired over the held-out windows (mean, 95 % "
+            "t-interval over windows: the evaluation's sampling on that one model), and the share of the dense read's "
+            "gain (its parameters read with dense attention in every layer) that the reread recovers:", "",
+            "| arm | seed | settings | windows | reread − own read [95 %] | share of the dense read's gain |",
+            "|---|---|---|---|---|---|"] + out
 
 
 def _num(x, f: str) -> str:

@@ -315,6 +315,14 @@ def test_quality_study_seeds_smoke(tmp_path):
         assert f"| {(d[0] + d[1]) / 2:+.4g} |" in line[0], (line[0], d)  # the paired mean of the reads' losses
     assert "| mtraining | 1 | model.sparsity.last_q=128 | p = 0.9: recall " in seeds_md
     assert f"| mtraining | 0 | {sparse} | p = 0.9: recall " in seeds_md
+    # each read against the own read, window by window, and the share of the dense read's gain it recovers
+    mt = by[("mtraining", 1)]
+    win = [a - b for a, b in zip(mt["rereads"][1]["eval"]["perplexity"]["window_loss"],
+                                 mt["eval"]["perplexity"]["window_loss"])]
+    gain = np.mean(mt["cross_eval"]["eval"]["perplexity"]["window_loss"]) - mt["heldout_loss"]
+    assert len(win) >= 2 and abs(np.mean(win)) > 1e-4
+    row = [x for x in seeds_md.splitlines() if x.startswith(f"| mtraining | 1 | {sparse} | {len(win)} | ")]
+    assert len(row) == 1 and f"| {np.mean(win):+.4f} [" in row[0] and f"| {np.mean(win) / gain:.2f} (dense read " in row[0]
     assert "| training | trained mtraining read dense − trained dense read dense, seeds 0, 1 |" in seeds_md
     files = sorted(os.listdir(out))
     assert files == ["loss_curves.png", "loss_vs_tokens.png", "quality.jsonl", "quality.md", "quality_niah.png",
