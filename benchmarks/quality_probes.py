@@ -108,7 +108,9 @@ def _read(cfg, params, tok, spec, mesh, held, retrieval: bool, what: str, recall
     rec = res.get("recall") or {}
     print(f"  read with {what}: held-out loss {res['perplexity']['mean_loss']:.4f}"
           + (f", NIAH {_mean(res['niah']['accuracy']):.3f}" if "niah" in res else "")
-          + "".join(f", recall p={p} {v:.3f} (density {rec['mean_density'][p]:.3f})"
+          + "".join(f", recall p={p} {v:.3f} (density {rec['mean_density'][p]:.3f}"
+                    + (f"; on the window's rows {rec['mean_window_recall'][p]:.3f}" if p in (rec.get(
+                        "mean_window_recall") or {}) else "") + ")"
                     for p, v in (rec.get("mean_recall") or {}).items()), flush=True)
     return res
 

@@ -2,6 +2,7 @@
 and the q/k capture against the model's own forward, index recall."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
@@ -147,6 +148,33 @@ def test_layer_qk_and_index_recall(tiny):
     assert np.all((lo > 0) & (hi <= 1 + 1e-6)) and np.all(hi >= lo - 1e-9)  # larger top-p keeps more mass
     assert np.all(np.asarray(r["density"]["1"]) >= np.asarray(r["density"]["0.3"]))
     assert r["mean_recall"]["0.3"] < r["mean_recall"]["1"] and r["mean_density"]["0.3"] < r["mean_density"]["1"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_window_recall_covers_p_unless_a_cap_binds(seed):
+    """The recall on the estimate's own window (its last ``last_q`` rows) is at least ``p`` when no cap binds
+    (top-p coverage of the window's mass, mean over its rows), and 1 at ``p = 1``; with caps that bind it
+    falls below ``p``; on the other rows it can be anything (the window's pattern may not hold there).
+    Queries and keys share a few directions so that attention is peaked (vertical / slash structure)."""
+    rng = np.random.default_rng(seed)
+    S, D = 512, 32
+    base = rng.normal(size=(4, D))
+    q = (base[rng.integers(0, 4, S)] * 2 + rng.normal(size=(S, D)) * 0.7)[None, :, None, :]
+    k = (base[rng.integers(0, 4, S)] * 2 + rng.normal(size=(S, D)) * 0.7)[None, :, None, :]
+    qk = ([jnp.asarray(q, jnp.float32)], [jnp.asarray(k, jnp.float32)])
+    cfg = ModelConfig(**dict(TINY, num_layers=1, num_heads=1, num_kv_heads=1, hidden_size=32), attention_backend="ring")
+    free = cfg.replace(sparsity=dict(vertical_max=S, vertical_min=0, slash_max=S // 64, last_q=64))
+    r = index_recall(free, None, None, (1.0, 0.9, 0.5, 0.2), num_rows=128, qk=qk)
+    win = r["mean_window_recall"]
+    assert abs(win["1"] - 1) < 1e-6 and np.asarray(r["window_recall"]["0.5"]).shape == (1, 1)
+    for p in ("0.9", "0.5", "0.2"):
+        assert win[p] >= float(p) - 2e-3, (p, win[p])  # the estimate's coverage, up to its rounding of q / k
+    assert win["0.2"] <= win["0.5"] <= win["0.9"] + 1e-9
+    capped = cfg.replace(sparsity=dict(vertical_max=8, slash_max=1, vertical_min=0, last_q=64))
+    rc = index_recall(capped, None, None, (0.9,), num_rows=128, qk=qk)
+    assert rc["mean_window_recall"]["0.9"] < 0.9 and rc["mean_density"]["0.9"] < r["mean_density"]["0.9"]
+    docs = cfg.replace(sparsity=dict(window="per_document", last_q=64))
+    assert "window_recall" not in index_recall(docs, None, None, (0.9,), num_rows=64, qk=qk)
 
 
 def test_needle_recall_is_the_index_recall_of_the_needle_for_the_answer_rows(tiny):

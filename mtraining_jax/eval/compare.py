@@ -51,6 +51,8 @@ def summary(res: dict) -> dict:
         for p in r["mean_recall"]:
             out[f"index recall p={p} (mean / min head)"] = (r["mean_recall"][p], r["min_recall"][p])
             out[f"index density p={p}"] = r["mean_density"][p]
+            if p in (r.get("mean_window_recall") or {}):
+                out[f"index recall p={p} on its window's rows"] = r["mean_window_recall"][p]
     return out
 
 

@@ -93,8 +93,12 @@ def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0
     """Recall and density per layer and head at each ``p`` (see module docstring).
 
     Returns JSON: ``{"p": [...], "seq_len", "rows", "backends": [per layer], "recall": {p: [L][H]},
-    "density": {p: [L][H]}, "mean_recall": {p}, "min_recall": {p}, "mean_density": {p}}`` (``p`` keys
-    formatted ``"%g"``; values averaged over the batch). ``qk``: ``(qs, ks)`` of :func:`layer_qk`
+    "density": {p: [L][H]}, "mean_recall": {p}, "min_recall": {p}, "mean_density": {p},
+    "window_recall": {p: [L][H]}, "mean_window_recall": {p}}`` (``p`` keys formatted ``"%g"``; values
+    averaged over the batch). ``window_recall``: the recall on the estimate's own observation window (the
+    last ``last_q`` rows; ``window="sequence"`` only, else absent), which the top-p budgets cover to at least
+    ``p`` unless a cap (``vertical_max``, ``slash_max``) binds: recall at ``p`` on the other rows below it is
+    the window's pattern not holding for them, not the budget. ``qk``: ``(qs, ks)`` of :func:`layer_qk`
     already computed (then ``params``, ``tokens`` and ``mesh`` are not used). ``budgets``: other
     :class:`~mtraining_jax.sparsity.config.SparsityConfig` fields replaced in every estimate (e.g.
     ``{"vertical_max": 16384, "slash_max": 256, "last_q": 256}``: a budget sweep), recorded as
@@ -113,18 +117,25 @@ def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0
            "min_recall": {}, "mean_density": {}, "budgets": budgets}
     for p in ps:
         sp = dataclasses.replace(sparsity_for(cfg, p), **budgets)
-        rec, den = [], []
+        window = np.arange(S - sp.last_q, S) if sp.window == "sequence" else None
+        rec, den, win = [], [], []
         for q, k in zip(qs, ks):
             q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
             idx = _estimate(q32, k32, pos, sp)
             rec.append(np.asarray(recall(q32, k32, idx, rows=rows, block_size=sp.block_size,
                                          sm_scale=sp.sm_scale)).mean(0))
             den.append(density(idx, S, sp.block_size).mean(0))
+            if window is not None:
+                win.append(np.asarray(recall(q32, k32, idx, rows=window, block_size=sp.block_size,
+                                             sm_scale=sp.sm_scale)).mean(0))
         key = f"{p:g}"
         rec, den = np.stack(rec), np.stack(den)
         out["recall"][key], out["density"][key] = rec.tolist(), den.tolist()
         out["mean_recall"][key], out["min_recall"][key] = float(rec.mean()), float(rec.min())
         out["mean_density"][key] = float(den.mean())
+        if win:
+            out.setdefault("window_recall", {})[key] = np.stack(win).tolist()
+            out.setdefault("mean_window_recall", {})[key] = float(np.mean(win))
     return out
 
 
