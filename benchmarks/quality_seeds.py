@@ -159,12 +159,15 @@ def reread_lines(rows) -> list:
                 cells = [own["mean_recall"][p], own["mean_density"][p], new["mean_recall"][p], new["mean_density"][p]]
             except (KeyError, TypeError, StopIteration):
                 continue
+            wins = [(x.get("mean_window_recall") or {}).get(p) for x in (own, new)]
+            wins = [f", on the window's rows {w:.3f}" if w is not None else "" for w in wins]
             v = reread_values(r, [st])
             loss = _num(v[f"heldout_reread:{st}"], ".4f")
             niah = _num(v[f"niah_reread:{st}"], ".3f")
-            out.append(f"| {r['arm']} | {r['seed']} | {st} | p = {p}: recall {cells[0]:.3f}, density {cells[1]:.3f}; "
-                       f"loss {_num(r.get('heldout_loss'), '.4f')}, NIAH {_num(r.get('niah_accuracy'), '.3f')} "
-                       f"| recall {cells[2]:.3f}, density {cells[3]:.3f}; loss {loss}, NIAH {niah} |")
+            out.append(f"| {r['arm']} | {r['seed']} | {st} | p = {p}: recall {cells[0]:.3f}{wins[0]}, density "
+                       f"{cells[1]:.3f}; loss {_num(r.get('heldout_loss'), '.4f')}, NIAH "
+                       f"{_num(r.get('niah_accuracy'), '.3f')} | recall {cells[2]:.3f}{wins[1]}, density {cells[3]:.3f}; "
+                       f"loss {loss}, NIAH {niah} |")
     if not out:
         return []
     return ["", "Reread (`--reread`): the arm's parameters, its attention under other settings; the index's "

@@ -315,6 +315,10 @@ def test_quality_study_seeds_smoke(tmp_path):
         assert f"| {(d[0] + d[1]) / 2:+.4g} |" in line[0], (line[0], d)  # the paired mean of the reads' losses
     assert "| mtraining | 1 | model.sparsity.last_q=128 | p = 0.9: recall " in seeds_md
     assert f"| mtraining | 0 | {sparse} | p = 0.9: recall " in seeds_md
+    # the recall on each read's own observation window: all of it where every block is kept, below p where the
+    # caps bind (64 verticals and 4 slash diagonals of 512 keys)
+    w0, w = (rr["eval"]["recall"]["mean_window_recall"]["0.9"] for rr in by[("mtraining", 0)]["rereads"])
+    assert w0 > 0.999 and 0 < w < 0.9 and f"on the window's rows {w:.3f}, density" in seeds_md
     # each read against the own read, window by window, and the share of the dense read's gain it recovers
     mt = by[("mtraining", 1)]
     win = [a - b for a, b in zip(mt["rereads"][1]["eval"]["perplexity"]["window_loss"],
