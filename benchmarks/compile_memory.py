@@ -10,7 +10,9 @@ number ``--plan`` prints and the trainer's peak matches to 0.02 %).
 Variants: ``cudnn`` (every layer cuDNN); ``mt`` (MTraining as configured: the Mosaic forward / dQ
 with ``stream="auto"``, both streams' kernels compiled); ``mt-shared`` (``model.ring.kernel_stream=shared``:
 every forward / dQ call on the shared stream, one kernel each); ``-dqswitch`` (the dQ's shared stream
-walked with one loop, ``walk="switch"``: no config option, the kernel call is patched). ``--dump DIR`` also writes XLA's dumps there and lists the largest values of the
+walked with one loop, ``walk="switch"``: no config option, the kernel call is patched); ``mt-int2`` /
+``mt-bf16out`` (the sparse layers' output residual as int2 codes / none, patched: what the int4 codes cost at
+the peak). ``--dump DIR`` also writes XLA's dumps there and lists the largest values of the
 step's temporary allocation (what the peak holds; offsets show which cannot be live together).
 
     python -m benchmarks.compile_memory --variants mt,mt-shared,cudnn --json results.jsonl
@@ -29,7 +31,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch")
+VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out")
 GIB = 2 ** 30
 
 
@@ -47,6 +49,22 @@ def _patch_dq_walk() -> None:
     mosaic_bwd.run_stream = patched
 
 
+def _patch_output_residual(variant: str) -> None:
+    """The sparse layers' saved output residual (``pallas_kernels.api.split_output``): ``mt-int2`` keeps int2
+    codes (a quarter byte per element, the error in half-ulp steps) instead of the library's int4; ``mt-bf16out``
+    keeps none (delta from the bf16 output, as cuDNN forms it). What the int4 codes cost at the step's peak;
+    their gradient accuracy is ``benchmarks/bf16_gradients.py``'s (``--residuals int2,int4,bf16``)."""
+    import jax.numpy as jnp
+
+    from mtraining_jax.ring import attention
+    from pallas_kernels import api
+
+    if variant.endswith("-int2"):
+        api.LO_DTYPE = jnp.int2
+    elif variant.endswith("-bf16out"):
+        attention.split_output = lambda out, dtype: (out.astype(dtype), None)
+
+
 def measure(variant: str, config: str, seq_len: int) -> dict:
     """One variant in this process: setup / lower / compile seconds, Mosaic kernel launches, memory."""
     import time
@@ -62,6 +80,7 @@ def measure(variant: str, config: str, seq_len: int) -> dict:
 
     if "dqswitch" in variant:
         _patch_dq_walk()
+    _patch_output_residual(variant)
     sets = ["model.ring.kernel_stream=shared"] if "shared" in variant else []
     cfg, overrides = bench_config(config, sets, seq_len, "cudnn" if variant == "cudnn" else "mtraining", 1)
     t0 = time.perf_counter()

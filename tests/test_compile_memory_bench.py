@@ -38,3 +38,27 @@ def test_mosaic_calls_counts_kernel_launches_not_mentions():
             '%3:2 = stablehlo.custom_call @mosaic_gpu_v2(%1#0) {module = "mosaic_gpu.smem mosaic_gpu_smem_alloc"}\n')
     assert compile_memory.mosaic_calls(text) == 2
     assert compile_memory.mosaic_calls("no kernels here: mosaic_gpu") == 0
+
+
+def test_output_residual_variants_patch_what_the_ring_saves(monkeypatch):
+    # the patches the mt-int2 / mt-bf16out variants apply (in their own process) change what the ring saves
+    import jax.numpy as jnp
+
+    from mtraining_jax.ring import attention
+    from pallas_kernels import api
+
+    monkeypatch.setattr(api, "LO_DTYPE", api.LO_DTYPE)
+    monkeypatch.setattr(attention, "split_output", attention.split_output)
+    out = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32).reshape(1, 4, 2, 8) / 7.0
+    compile_memory._patch_output_residual("mt")
+    assert attention.split_output(out, jnp.bfloat16)[1].dtype == jnp.int4
+    compile_memory._patch_output_residual("mt-int2")
+    hi, lo = attention.split_output(out, jnp.bfloat16)
+    assert lo.dtype == jnp.int2
+    # int2 codes still halve the rounded output's error (half-ulp steps: at most a quarter ulp left)
+    err_hi = jnp.abs(api.output_f32(hi) - out).max()
+    err_lo = jnp.abs(api.output_f32(hi, lo) - out).max()
+    assert 0 < err_lo <= 0.5 * err_hi + 1e-9
+    compile_memory._patch_output_residual("mt-bf16out")
+    hi, lo = attention.split_output(out, jnp.bfloat16)
+    assert lo is None and hi.dtype == jnp.bfloat16
