@@ -62,10 +62,10 @@ def _patch_output_residual(variant: str) -> None:
     if variant.endswith("-int2"):
         api.LO_DTYPE = jnp.int2
     elif variant.endswith("-bf16out"):
-        attention.split_output = lambda out, dtype: (out.astype(dtype), None)
+        attention.split_output = api.split_output = lambda out, dtype: (out.astype(dtype), None)
 
 
-def measure(variant: str, config: str, seq_len: int) -> dict:
+def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
     """One variant in this process: setup / lower / compile seconds, Mosaic kernel launches, memory."""
     import time
 
@@ -81,7 +81,7 @@ def measure(variant: str, config: str, seq_len: int) -> dict:
     if "dqswitch" in variant:
         _patch_dq_walk()
     _patch_output_residual(variant)
-    sets = ["model.ring.kernel_stream=shared"] if "shared" in variant else []
+    sets = (["model.ring.kernel_stream=shared"] if "shared" in variant else []) + list(extra_sets)
     cfg, overrides = bench_config(config, sets, seq_len, "cudnn" if variant == "cudnn" else "mtraining", 1)
     t0 = time.perf_counter()
     mesh = build_mesh(cfg.mesh)
@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="mt,mt-shared,cudnn", help=f"comma-separated, of {VARIANTS}")
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "qwen2.5-0.5b-128k.yaml"))
     p.add_argument("--seq-len", type=int, default=131072)
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="config overrides for every variant (e.g. 'model.dense_layers=[]')")
     p.add_argument("--json", help="append one row per variant to this JSONL file")
     p.add_argument("--dump", help="XLA dump folder (one sub-folder per variant); lists the temp allocation's values")
     p.add_argument("--top", type=int, default=30, help="values listed with --dump")
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print("ROW " + json.dumps(measure(a.child, a.config, a.seq_len)), flush=True)
+        print("ROW " + json.dumps(measure(a.child, a.config, a.seq_len, a.set)), flush=True)
         return 0
     variants = [v for v in a.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
         if a.dump:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={os.path.join(a.dump, v)}").strip()
         cmd = [sys.executable, "-m", "benchmarks.compile_memory", "--child", v, "--config", a.config,
-               "--seq-len", str(a.seq_len)]
+               "--seq-len", str(a.seq_len)] + (["--set", *a.set] if a.set else [])
         try:
             out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.timeout)
             row = next((json.loads(x[4:]) for x in out.stdout.splitlines() if x.startswith("ROW ")), None)

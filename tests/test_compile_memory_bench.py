@@ -49,6 +49,7 @@ def test_output_residual_variants_patch_what_the_ring_saves(monkeypatch):
 
     monkeypatch.setattr(api, "LO_DTYPE", api.LO_DTYPE)
     monkeypatch.setattr(attention, "split_output", attention.split_output)
+    monkeypatch.setattr(api, "split_output", api.split_output)
     out = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32).reshape(1, 4, 2, 8) / 7.0
     compile_memory._patch_output_residual("mt")
     assert attention.split_output(out, jnp.bfloat16)[1].dtype == jnp.int4
@@ -62,3 +63,4 @@ def test_output_residual_variants_patch_what_the_ring_saves(monkeypatch):
     compile_memory._patch_output_residual("mt-bf16out")
     hi, lo = attention.split_output(out, jnp.bfloat16)
     assert lo is None and hi.dtype == jnp.bfloat16
+    assert api.split_output(out, jnp.bfloat16)[1] is None  # the single-device op's too
