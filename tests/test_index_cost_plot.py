@@ -11,7 +11,8 @@ from benchmarks.index_cost_plot import ESTIMATE, THROUGHPUT, _rows, estimates, m
 
 def test_committed_run_gives_what_the_results_say(tmp_path):
     got = steps(_rows(THROUGHPUT, "s33-index-settings-128k"))
-    assert [g[0] for g in got] == ["all cuDNN", "defaults", "last_q=1024", "last_q=1024 vertical_min=1024 slash_max=256"]
+    assert [g[0] for g in got] == ["all cuDNN", "defaults", "last_q=1024",
+                                   "last_q=1024 vertical_min=1024 slash_max=256"]
     assert [round(g[2], 2) for g in got] == [1.0, 3.30, 2.25, 1.78]
     assert [round(g[3], 3) for g in got[1:]] == [0.055, 0.054, 0.144]
     est = estimates(_rows(ESTIMATE, "s33-estimate-cost"))
