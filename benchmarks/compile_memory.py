@@ -14,7 +14,8 @@ walked with one loop, ``walk="switch"``: no config option, the kernel call is pa
 ``mt-bf16out`` (the sparse layers' output residual as int2 codes / none, patched: what the int4 codes cost at
 the peak); ``mt-slice`` (a partial run of layers scans a slice of the stacked weights, as before dd34e74).
 ``--set KEY=VALUE ...`` overrides the config for every variant (e.g. ``'model.dense_layers=[]'``). ``--dump DIR``
-also writes XLA's dumps there and lists the largest values of the step's temporary allocation (what the peak holds; offsets show which cannot be live together).
+also writes XLA's dumps there and lists the largest values of the step's temporary allocation (what the peak
+holds; offsets show which cannot be live together).
 
     python -m benchmarks.compile_memory --variants mt,mt-shared,cudnn --json results.jsonl
     python -m benchmarks.compile_memory --variants mt --dump /tmp/dump --top 40
