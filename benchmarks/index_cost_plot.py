@@ -11,18 +11,20 @@ attention of the same shape (``benchmarks/estimate_cost.py`` rows).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script: the repo root
+from benchmarks.kernels_report import load_rows  # noqa: E402
+
 THROUGHPUT = os.path.join(ROOT, "results", "training", "train_throughput.jsonl")
 ESTIMATE = os.path.join(ROOT, "results", "quality", "estimate_cost.jsonl")
 
 
 def _rows(path: str, run: str) -> list:
-    with open(path) as f:
-        return [r for r in (json.loads(line) for line in f if line.strip()) if r.get("run") == run]
+    """The rows of JSONL ``path`` from campaign ``run``."""
+    return load_rows([path], (run,))
 
 
 def steps(rows) -> list:
