@@ -8,7 +8,8 @@ attention backend) pair, and reports the step time, training tokens/s, peak devi
 compile time, plus the loss of every step and the attention statistics the step returns.
 
 Per configuration the benchmark forces, on top of the config file and the user's ``--set``
-overrides (the benchmark's own keys win):
+overrides (a ``--set`` that gives one of these keys another value is refused, naming both;
+``model.dense_backend`` under ``mtraining`` is the user's to choose):
 
 * ``data.seq_len=S``, ``data.batch_size=--batch`` (1), ``optim.grad_accum=1``,
   ``mesh.shape=[1,1]``, ``mesh.data=1`` (one device; the first one when the host has several);
@@ -19,7 +20,7 @@ overrides (the benchmark's own keys win):
     is the identity permutation (its causal mask is by index);
   - ``mtraining``: the loader's layout is the model's (block_striped, stripe = the sparse block
     size: ``loop.run_layout``); the config's dense layers run on cuDNN (``model.dense_backend=cudnn``), the fastest dense attention on one
-    GPU, so the two rows differ only in the sparse layers;
+    GPU, so the two rows differ only in the sparse layers, unless ``--set model.dense_backend=...`` picks another;
   - ``ring`` / ``reference``: ``model.dense_backend=BACKEND``; layout as configured.
 
 On one device every layout is the identity permutation, so all backends see the same tokens in
@@ -114,23 +115,33 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return n, l
 
 
+def _key_value(item: str) -> tuple[str, str]:
+    key, _, value = item.partition("=")
+    return key.strip(), value.replace(" ", "")
+
+
 def bench_config(config: str, sets: Sequence[str], seq_len: int, backend: str, batch: int = 1,
                  mesh: str = "1x1"):
     """``(TrainConfig, overrides)`` of one benchmark configuration: ``config`` + ``sets`` + the
-    benchmark's keys (which win). Two passes: the backend's layout needs the model config.
-    ``mesh``: ``"NODExLOCAL"`` context-parallel mesh (default one device)."""
-    from mtraining_jax.train.state import build_model_config
-
+    benchmark's keys (module docstring). A ``sets`` item that gives one of the benchmark's keys
+    another value is a ``ValueError`` naming both (it would be overridden: a silently different
+    measurement), except ``model.dense_backend`` under ``mtraining``, where the user's value replaces
+    the default dense backend. ``mesh``: ``"NODExLOCAL"`` context-parallel mesh (default one device)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     n, l = parse_mesh(mesh)
-    base = list(sets) + [
+    forced = [
         f"data.seq_len={int(seq_len)}", f"data.batch_size={int(batch)}", "optim.grad_accum=1",
         f"mesh.shape=[{n},{l}]", "mesh.data=1", f"model.attention_backend={backend}",
     ]
-    cfg = load_config(config, base)
-    _, model_cfg = build_model_config(cfg.model, cfg.config_dir)
-    overrides = base + backend_overrides(backend, model_cfg, n * l)
+    user = dict(_key_value(item) for item in sets)
+    dense = [] if backend == "mtraining" and "model.dense_backend" in user else backend_overrides(backend, None, n * l)
+    for item in forced + dense:
+        key, value = _key_value(item)
+        if key in user and user[key] != value:
+            raise ValueError(f"--set {key}={user[key]} contradicts the benchmark's {item!r} (its flags set "
+                             f"{key}: sequence length, batch, mesh and backend are options of their own)")
+    overrides = list(sets) + forced + dense
     return load_config(config, overrides), overrides
 
 

@@ -6,6 +6,7 @@ error rows and writes / re-prints the table."""
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -15,10 +16,10 @@ from benchmarks import train_throughput as tt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
-# tiny_cpu.yaml (vocab 512, layer 0 dense, sparse budgets for CPU) shrunk to 2 layers x 64 wide;
-# the last item is overridden by the benchmark's own key (seq_len comes from the benchmark)
+# tiny_cpu.yaml (vocab 512, layer 0 dense, sparse budgets for CPU) shrunk to 2 layers x 64 wide
+# (seq_len comes from the benchmark: a --set of it is refused, test below)
 TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
-        "model.num_heads=2", "model.num_kv_heads=1", "data.seq_len=512"]
+        "model.num_heads=2", "model.num_kv_heads=1"]
 S = 1024
 
 
@@ -48,6 +49,24 @@ def test_backend_configs_pass_the_loops_validation():
         np.testing.assert_array_equal(layout.perm, np.arange(S))  # one rank: natural order
     with pytest.raises(ValueError, match="flash"):
         tt.bench_config(CONFIG, TINY, S, "flash")
+
+
+def test_a_set_the_benchmark_would_override_is_refused():
+    """A ``--set`` of one of the benchmark's own keys with another value would be overridden (a
+    different measurement than asked for, silently): refused, naming both. The same value is fine;
+    ``model.dense_backend`` under ``mtraining`` is the user's (the default is cuDNN)."""
+    for item, backend in (("data.seq_len=512", "mtraining"), ("mesh.shape=[1,2]", "cudnn"),
+                          ("model.attention_backend=ring", "mtraining"), ("model.dense_backend=ring", "cudnn"),
+                          ("data.batch_size=2", "reference")):
+        with pytest.raises(ValueError, match=re.escape(item.split("=")[0]) + ".*contradicts the benchmark's"):
+            tt.bench_config(CONFIG, TINY + [item], S, backend)
+    cfg, overrides = tt.bench_config(CONFIG, TINY + [f"data.seq_len={S}", "mesh.shape=[1, 1]"], S, "cudnn")
+    assert cfg.data.seq_len == S and overrides[-1] == "model.dense_backend=cudnn"
+    cfg, overrides = tt.bench_config(CONFIG, TINY + ["model.dense_backend=ring"], S, "mtraining")
+    assert "model.dense_backend=cudnn" not in overrides
+    from mtraining_jax.train.state import build_model_config
+
+    assert build_model_config(cfg.model, cfg.config_dir)[1].layer_backends == ("ring", "mtraining")
 
 
 def test_random_batches_are_real_batches_in_layout_order():
