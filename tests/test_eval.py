@@ -154,7 +154,8 @@ def test_layer_qk_and_index_recall(tiny):
 def test_window_recall_covers_p_unless_a_cap_binds(seed):
     """The recall on the estimate's own window (its last ``last_q`` rows) is at least ``p`` when no cap binds
     (top-p coverage of the window's mass, mean over its rows), and 1 at ``p = 1``; with caps that bind it
-    falls below ``p``; on the other rows it can be anything (the window's pattern may not hold there).
+    falls below ``p``; on the other rows it can be anything (the window's pattern may not hold there). Which
+    cap binds is reported from the uncapped index's counts.
     Queries and keys share a few directions so that attention is peaked (vertical / slash structure)."""
     rng = np.random.default_rng(seed)
     S, D = 512, 32
@@ -170,9 +171,20 @@ def test_window_recall_covers_p_unless_a_cap_binds(seed):
     for p in ("0.9", "0.5", "0.2"):
         assert win[p] >= float(p) - 2e-3, (p, win[p])  # the estimate's coverage, up to its rounding of q / k
     assert win["0.2"] <= win["0.5"] <= win["0.9"] + 1e-9
+    for p in ("1", "0.9", "0.5", "0.2"):  # no cap binds; uncapped counts grow with p, all keys / diagonals at p = 1
+        assert r["mean_vertical_capped"][p] == r["mean_slash_capped"][p] == 0
+    need_v, need_s = r["mean_vertical_needed"], r["mean_slash_needed"]
+    assert 0 < need_v["0.2"] < need_v["0.5"] < need_v["0.9"] < need_v["1"] <= S and need_s["1"] == S // 64
+    assert 1 <= need_s["0.2"] <= need_s["0.5"] <= need_s["0.9"] <= S // 64
     capped = cfg.replace(sparsity=dict(vertical_max=8, slash_max=1, vertical_min=0, last_q=64))
     rc = index_recall(capped, None, None, (0.9,), num_rows=128, qk=qk)
     assert rc["mean_window_recall"]["0.9"] < 0.9 and rc["mean_density"]["0.9"] < r["mean_density"]["0.9"]
+    assert rc["mean_vertical_capped"]["0.9"] == rc["mean_slash_capped"]["0.9"] == 1  # both caps bind ...
+    assert rc["mean_vertical_needed"]["0.9"] == need_v["0.9"]  # ... and the uncapped counts do not depend on them
+    slash_only = index_recall(cfg.replace(sparsity=dict(vertical_max=S, slash_max=1, vertical_min=0, last_q=64)),
+                              None, None, (0.9,), num_rows=128, qk=qk)  # only the slash cap binds: the window
+    assert (slash_only["mean_vertical_capped"]["0.9"], slash_only["mean_slash_capped"]["0.9"]) == (0, 1)
+    assert slash_only["mean_window_recall"]["0.9"] >= 0.9 - 2e-3  # ... is still covered through the verticals
     docs = cfg.replace(sparsity=dict(window="per_document", last_q=64))
     assert "window_recall" not in index_recall(docs, None, None, (0.9,), num_rows=64, qk=qk)
 

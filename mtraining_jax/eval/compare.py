@@ -53,6 +53,11 @@ def summary(res: dict) -> dict:
             out[f"index density p={p}"] = r["mean_density"][p]
             if p in (r.get("mean_window_recall") or {}):
                 out[f"index recall p={p} on its window's rows"] = r["mean_window_recall"][p]
+            if p in (r.get("mean_vertical_capped") or {}):
+                out[f"index p={p}: share of heads whose vertical / slash cap binds"] = (
+                    r["mean_vertical_capped"][p], r["mean_slash_capped"][p])
+                out[f"index p={p}: verticals / slashes the window asks for (uncapped)"] = (
+                    r["mean_vertical_needed"][p], r["mean_slash_needed"][p])
     return out
 
 

@@ -94,11 +94,16 @@ def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0
 
     Returns JSON: ``{"p": [...], "seq_len", "rows", "backends": [per layer], "recall": {p: [L][H]},
     "density": {p: [L][H]}, "mean_recall": {p}, "min_recall": {p}, "mean_density": {p},
-    "window_recall": {p: [L][H]}, "mean_window_recall": {p}}`` (``p`` keys formatted ``"%g"``; values
+    "window_recall": {p: [L][H]}, "mean_window_recall": {p}, "vertical_needed", "slash_needed", "vertical_capped", "slash_capped":
+    {p: [L][H]}, "mean_vertical_needed", ...: {p}}`` (``p`` keys formatted ``"%g"``; values
     averaged over the batch). ``window_recall``: the recall on the estimate's own observation window (the
     last ``last_q`` rows; ``window="sequence"`` only, else absent), which the top-p budgets cover to at least
     ``p`` unless a cap (``vertical_max``, ``slash_max``) binds: recall at ``p`` on the other rows below it is
-    the window's pattern not holding for them, not the budget. ``qk``: ``(qs, ks)`` of :func:`layer_qk`
+    the window's pattern not holding for them, not the budget. Which budget binds: the index is estimated
+    again without the caps (``vertical_max`` = S, ``slash_max`` = every block diagonal; the capped index
+    is a prefix of it), and ``vertical_needed`` / ``slash_needed`` ``{p: [L][H]}`` are its counts (the
+    lines the window's top-p asks for, batch mean), ``vertical_capped`` / ``slash_capped`` the share of
+    the batch where that exceeds the cap (means over layers and heads: ``mean_...``). ``qk``: ``(qs, ks)`` of :func:`layer_qk`
     already computed (then ``params``, ``tokens`` and ``mesh`` are not used). ``budgets``: other
     :class:`~mtraining_jax.sparsity.config.SparsityConfig` fields replaced in every estimate (e.g.
     ``{"vertical_max": 16384, "slash_max": 256, "last_q": 256}``: a budget sweep), recorded as
@@ -118,10 +123,21 @@ def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0
     for p in ps:
         sp = dataclasses.replace(sparsity_for(cfg, p), **budgets)
         window = np.arange(S - sp.last_q, S) if sp.window == "sequence" else None
+        H = qs[0].shape[2]
+        caps = (np.minimum(sp.per_head("vertical_max", H), sp.max_verticals(S)),
+                np.minimum(sp.per_head("slash_max", H), sp.max_slashes(S)))
+        uncapped = dataclasses.replace(sp, vertical_max=max(S, int(np.max(sp.vertical_min))),
+                                       slash_max=max(S // sp.block_size, int(np.max(sp.slash_min))))
         rec, den, win = [], [], []
+        need = {"vertical_needed": [], "slash_needed": [], "vertical_capped": [], "slash_capped": []}
         for q, k in zip(qs, ks):
             q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
             idx = _estimate(q32, k32, pos, sp)
+            free = _estimate(q32, k32, pos, uncapped)
+            for name, count, cap in (("vertical", free.v_count, caps[0]), ("slash", free.s_count, caps[1])):
+                count = np.asarray(count)
+                need[name + "_needed"].append(count.mean(0))
+                need[name + "_capped"].append((count > cap).mean(0))
             rec.append(np.asarray(recall(q32, k32, idx, rows=rows, block_size=sp.block_size,
                                          sm_scale=sp.sm_scale)).mean(0))
             den.append(density(idx, S, sp.block_size).mean(0))
@@ -133,6 +149,10 @@ def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0
         out["recall"][key], out["density"][key] = rec.tolist(), den.tolist()
         out["mean_recall"][key], out["min_recall"][key] = float(rec.mean()), float(rec.min())
         out["mean_density"][key] = float(den.mean())
+        for name, c in need.items():
+            c = np.stack(c)
+            out.setdefault(name, {})[key] = c.tolist()
+            out.setdefault("mean_" + name, {})[key] = float(c.mean())
         if win:
             out.setdefault("window_recall", {})[key] = np.stack(win).tolist()
             out.setdefault("mean_window_recall", {})[key] = float(np.mean(win))
