@@ -112,8 +112,9 @@ def _read(cfg, params, tok, spec, mesh, held, retrieval: bool, what: str, recall
                     + (f"; on the window's rows {rec['mean_window_recall'][p]:.3f}" if p in (rec.get(
                         "mean_window_recall") or {}) else "")
                     + (f"; caps bind (vertical / slash) {rec['mean_vertical_capped'][p]:.2f} / "
-                       f"{rec['mean_slash_capped'][p]:.2f}, uncapped it asks for {rec['mean_vertical_needed'][p]:.0f} / "
-                       f"{rec['mean_slash_needed'][p]:.1f}" if p in (rec.get("mean_vertical_capped") or {}) else "")
+                       f"{rec['mean_slash_capped'][p]:.2f}, uncapped it asks for "
+                       f"{rec['mean_vertical_needed'][p]:.0f} / {rec['mean_slash_needed'][p]:.1f}"
+                       if p in (rec.get("mean_vertical_capped") or {}) else "")
                     + ")"
                     for p, v in (rec.get("mean_recall") or {}).items()), flush=True)
     return res

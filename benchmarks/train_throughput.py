@@ -91,10 +91,10 @@ ROW_KEYS = (
 # ------------------------------------------------------------------------------ configuration
 
 
-def backend_overrides(backend: str, model_cfg, ranks: int = 1) -> list[str]:
-    """The overrides ``backend`` needs beyond ``model.attention_backend`` (module docstring);
-    ``model_cfg`` is the model config already built with that backend. On several context-parallel
-    ranks (``ranks > 1``) the dense layers run on the dense ring (cuDNN needs one rank)."""
+def backend_overrides(backend: str, ranks: int = 1) -> list[str]:
+    """The overrides ``backend`` needs beyond ``model.attention_backend`` (module docstring). On
+    several context-parallel ranks (``ranks > 1``) the dense layers run on the dense ring (cuDNN needs
+    one rank)."""
     if backend == "cudnn":
         if ranks > 1:
             raise ValueError(f"backend 'cudnn' runs on one device; on {ranks} ranks use 'ring' (the dense ring)")
@@ -135,7 +135,7 @@ def bench_config(config: str, sets: Sequence[str], seq_len: int, backend: str, b
         f"mesh.shape=[{n},{l}]", "mesh.data=1", f"model.attention_backend={backend}",
     ]
     user = dict(_key_value(item) for item in sets)
-    dense = [] if backend == "mtraining" and "model.dense_backend" in user else backend_overrides(backend, None, n * l)
+    dense = [] if backend == "mtraining" and "model.dense_backend" in user else backend_overrides(backend, n * l)
     for item in forced + dense:
         key, value = _key_value(item)
         if key in user and user[key] != value:

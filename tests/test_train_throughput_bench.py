@@ -149,9 +149,9 @@ def test_mesh_option_picks_the_dense_ring_on_several_ranks():
     for bad in ("4", "0x2", "ax2"):
         with pytest.raises(ValueError, match=repr(bad).replace("'", ".")):
             tt.parse_mesh(bad)
-    assert tt.backend_overrides("mtraining", None, 4) == ["model.dense_backend=ring"]
-    assert tt.backend_overrides("mtraining", None, 1) == ["model.dense_backend=cudnn"]
+    assert tt.backend_overrides("mtraining", 4) == ["model.dense_backend=ring"]
+    assert tt.backend_overrides("mtraining", 1) == ["model.dense_backend=cudnn"]
     with pytest.raises(ValueError, match="'cudnn' runs on one device"):
-        tt.backend_overrides("cudnn", None, 4)
+        tt.backend_overrides("cudnn", 4)
     cfg, overrides = tt.bench_config(CONFIG, TINY, S, "mtraining", mesh="1x2")
     assert list(cfg.mesh.shape) == [1, 2] and "model.dense_backend=ring" in overrides

@@ -94,8 +94,9 @@ def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0
 
     Returns JSON: ``{"p": [...], "seq_len", "rows", "backends": [per layer], "recall": {p: [L][H]},
     "density": {p: [L][H]}, "mean_recall": {p}, "min_recall": {p}, "mean_density": {p},
-    "window_recall": {p: [L][H]}, "mean_window_recall": {p}, "vertical_needed", "slash_needed", "vertical_capped", "slash_capped":
-    {p: [L][H]}, "mean_vertical_needed", ...: {p}}`` (``p`` keys formatted ``"%g"``; values
+    "window_recall": {p: [L][H]}, "mean_window_recall": {p}, "vertical_needed", "slash_needed",
+    "vertical_capped", "slash_capped": {p: [L][H]}, "mean_vertical_needed", ...: {p}}`` (``p`` keys
+    formatted ``"%g"``; values
     averaged over the batch). ``window_recall``: the recall on the estimate's own observation window (the
     last ``last_q`` rows; ``window="sequence"`` only, else absent), which the top-p budgets cover to at least
     ``p`` unless a cap (``vertical_max``, ``slash_max``) binds: recall at ``p`` on the other rows below it is
@@ -103,8 +104,8 @@ def index_recall(cfg: ModelConfig, params, tokens, ps: Sequence[float] = (0.9, 0
     again without the caps (``vertical_max`` = S, ``slash_max`` = every block diagonal; the capped index
     is a prefix of it), and ``vertical_needed`` / ``slash_needed`` ``{p: [L][H]}`` are its counts (the
     lines the window's top-p asks for, batch mean), ``vertical_capped`` / ``slash_capped`` the share of
-    the batch where that exceeds the cap (means over layers and heads: ``mean_...``). ``qk``: ``(qs, ks)`` of :func:`layer_qk`
-    already computed (then ``params``, ``tokens`` and ``mesh`` are not used). ``budgets``: other
+    the batch where that exceeds the cap (means over layers and heads: ``mean_...``). ``qk``: ``(qs, ks)``
+    of :func:`layer_qk` already computed (then ``params``, ``tokens`` and ``mesh`` are not used). ``budgets``: other
     :class:`~mtraining_jax.sparsity.config.SparsityConfig` fields replaced in every estimate (e.g.
     ``{"vertical_max": 16384, "slash_max": 256, "last_q": 256}``: a budget sweep), recorded as
     ``"budgets"``; ``ValueError`` naming a field SparsityConfig does not have or a bad value.
