@@ -148,18 +148,28 @@ def _params_of(cfg, params) -> dict:
 
 def budget_sweep(model_cfg, params, window, mesh, budgets, rows: int, p: float = 0.9) -> list:
     """Index recall / density at top-p ``p`` under each budget (SparsityConfig overrides) on the
-    trained model's q/k of one held-out ``window [1, S]`` (q/k captured once)."""
+    trained model's q/k of one held-out ``window [1, S]`` (q/k captured once); each entry also has the
+    recall on the estimate's own window and which cap binds (``mean_window_recall``, ``mean_vertical_capped``,
+    ``mean_slash_capped``, ``mean_vertical_needed``, ``mean_slash_needed`` and their ``layer_`` means:
+    :func:`mtraining_jax.eval.recall.index_recall`)."""
     from mtraining_jax.eval.recall import index_recall, layer_qk
 
     qs, ks, _ = layer_qk(model_cfg, params, window, mesh)
     out = []
+    key = f"{p:g}"
     for b in budgets:
         r = index_recall(model_cfg, None, None, (p,), num_rows=rows, qk=(qs, ks), budgets=b)
-        key = f"{p:g}"
-        out.append({"budget": b, "p": p, "mean_recall": r["mean_recall"][key], "min_recall": r["min_recall"][key],
-                    "mean_density": r["mean_density"][key],
-                    "layer_recall": [float(sum(h) / len(h)) for h in r["recall"][key]],
-                    "layer_density": [float(sum(h) / len(h)) for h in r["density"][key]]})
-        print(f"  recall p={p:g} {b or 'model budgets'}: mean {out[-1]['mean_recall']:.3f} "
-              f"min {out[-1]['min_recall']:.3f} density {out[-1]['mean_density']:.3f}", flush=True)
+        row = {"budget": b, "p": p, "mean_recall": r["mean_recall"][key], "min_recall": r["min_recall"][key],
+               "mean_density": r["mean_density"][key],
+               "layer_recall": [float(sum(h) / len(h)) for h in r["recall"][key]],
+               "layer_density": [float(sum(h) / len(h)) for h in r["density"][key]]}
+        for name in ("window_recall", "vertical_capped", "slash_capped", "vertical_needed", "slash_needed"):
+            if name in r:
+                row["mean_" + name] = r["mean_" + name][key]
+                row["layer_" + name] = [float(sum(h) / len(h)) for h in r[name][key]]
+        out.append(row)
+        caps = (f" window {row['mean_window_recall']:.3f}" if "mean_window_recall" in row else "") + (
+            f"; capped heads: vertical {row['mean_vertical_capped']:.2f}, slash {row['mean_slash_capped']:.2f}")
+        print(f"  recall p={p:g} {b or 'model budgets'}: mean {row['mean_recall']:.3f} "
+              f"min {row['min_recall']:.3f} density {row['mean_density']:.3f}{caps}", flush=True)
     return out

@@ -265,6 +265,10 @@ def test_quality_study_seeds_smoke(tmp_path):
     assert wide["budget"] == {"vertical_max": 512, "slash_max": 8}
     assert wide["mean_recall"] >= own["mean_recall"] - 1e-6 and wide["mean_density"] >= own["mean_density"] - 1e-6
     assert full["mean_recall"] > 0.999 and full["mean_density"] > 0.999 and len(full["layer_recall"]) == 2
+    # ... with which cap binds: keeping every column leaves no vertical cap to bind
+    assert full["mean_vertical_capped"] == 0 and len(full["layer_slash_capped"]) == 2
+    assert own["mean_vertical_capped"] == rec["eval"]["recall"]["mean_vertical_capped"]["0.9"]
+    assert own["mean_window_recall"] == rec["eval"]["recall"]["mean_window_recall"]["0.9"]
     # read with dense attention in every layer: a genuine second evaluation of the same parameters
     cross = rec["cross_eval"]
     assert cross["backend"] == "reference" and cross["eval"]["model"]["backends"] == ["reference", "reference"]
