@@ -35,8 +35,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out", "mt-slice", "mt-flat",
-            "mt-flat-slice")
+VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out", "mt-slice",
+            "mt-flat", "mt-flat-slice")
 GIB = 2 ** 30
 
 
