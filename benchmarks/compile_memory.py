@@ -12,9 +12,8 @@ with ``stream="auto"``, both streams' kernels compiled); ``mt-shared`` (``model.
 every forward / dQ call on the shared stream, one kernel each); ``-dqswitch`` (the dQ's shared stream
 walked with one loop, ``walk="switch"``: no config option, the kernel call is patched); ``mt-int2`` /
 ``mt-bf16out`` (the sparse layers' output residual as int2 codes / none, patched: what the int4 codes cost at
-the peak); ``mt-slice`` (a partial run of layers scans a slice of the stacked weights, as before dd34e74);
-``-flat`` (the checkpointed pieces of a ``save_attn`` layer take its input flattened, so the saved stack of layer
-inputs is ``[layers, B*S*D]``; patched).
+the peak); ``mt-slice`` (a partial run of layers scans a slice of the stacked weights, as before dd34e74).
+Variants measured and removed are in ``results/training/train_throughput.md`` with the commit that had them.
 ``--set KEY=VALUE ...`` overrides the config for every variant (e.g. ``'model.dense_layers=[]'``). ``--dump DIR``
 also writes XLA's dumps there and lists the largest values of the step's temporary allocation (what the peak
 holds; offsets show which cannot be live together).
@@ -35,8 +34,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out", "mt-slice",
-            "mt-flat", "mt-flat-slice")
+VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out", "mt-slice")
 GIB = 2 ** 30
 
 
@@ -89,43 +87,6 @@ def _patch_run_slices() -> None:
     qwen2._scan_layers = sliced
 
 
-def _patch_flat_inputs() -> None:
-    """``save_attn`` layers hand their checkpointed pieces the layer input flattened to one dimension, so the
-    stack a scan saves for the backward is ``[layers, B*S*D]`` (an XLA layout the backward's weight-gradient
-    dots cannot ask to transpose as a whole; a copy, if any, is one layer's inside the loop)."""
-    import jax
-    from flax import nnx
-
-    from mtraining_jax.model import qwen2
-
-    layer_fn = qwen2._layer_fn
-
-    def flat(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse):
-        if policy != "save_attn":
-            return layer_fn(graphdef, cos, sin, positions, attn_kwargs, policy, prevent_cse)
-        mesh, backend = attn_kwargs.get("mesh"), attn_kwargs["backend"]
-
-        def layer(st):
-            return nnx.merge(graphdef, qwen2.gather_layer_params(qwen2._layer_params(st), mesh))
-
-        def before(hf, st, shape):
-            return layer(st).attention_inputs(hf.reshape(shape), cos, sin, backend)
-
-        def after(hf, o, st, shape):
-            return layer(st).finish(hf.reshape(shape), o)
-
-        def split(h, layer_state):
-            hf = h.reshape(-1)
-            b = jax.checkpoint(before, prevent_cse=prevent_cse, static_argnums=(2,))
-            a = jax.checkpoint(after, prevent_cse=prevent_cse, static_argnums=(3,))
-            o, stats = qwen2.attend_inputs(b(hf, layer_state, h.shape), positions, **attn_kwargs)
-            return a(hf, o, layer_state, h.shape), stats
-
-        return split
-
-    qwen2._layer_fn = flat
-
-
 def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
     """One variant in this process: setup / lower / compile seconds, Mosaic kernel launches, memory."""
     import time
@@ -144,8 +105,6 @@ def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
     _patch_output_residual(variant)
     if variant.endswith("-slice"):
         _patch_run_slices()
-    if "-flat" in variant:
-        _patch_flat_inputs()
     sets = (["model.ring.kernel_stream=shared"] if "shared" in variant else []) + list(extra_sets)
     cfg, overrides = bench_config(config, sets, seq_len, "cudnn" if variant == "cudnn" else "mtraining", 1)
     t0 = time.perf_counter()

@@ -92,32 +92,3 @@ def test_slice_variant_scans_the_same_layers(monkeypatch):
     h3, _ = jax.jit(lambda f: qwen2._scan_layers(fn, x, stacked, f, 3))(jnp.int32(2))  # a traced first layer
     np.testing.assert_allclose(h3, want[2][0])
 
-
-def test_flat_variant_keeps_the_layer_inputs_flat_with_the_same_gradients(monkeypatch):
-    # mt-flat: save_attn layers hand their pieces the input flattened; the same loss and gradients, and the stack
-    # of layer inputs the backward keeps is [layers, B*S*D]
-    import chex
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax._src.ad_checkpoint import saved_residuals
-
-    from mtraining_jax.model import qwen2
-    from mtraining_jax.model.config import ModelConfig
-
-    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
-                      num_layers=4, remat="save_attn", dense_layers=(0,), attention_backend="reference",
-                      dense_backend="cudnn", param_dtype="float32", dtype="float32")
-    model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    t = jax.random.randint(jax.random.key(1), (1, 24), 0, 96)
-    pos = jnp.arange(24, dtype=jnp.int32)
-    loss = lambda st: nnx.merge(graphdef, st)(t, pos).astype(jnp.float32).std()  # noqa: E731
-    want = jax.value_and_grad(loss)(state)
-    monkeypatch.setattr(qwen2, "_layer_fn", qwen2._layer_fn)
-    compile_memory._patch_flat_inputs()
-    got = jax.value_and_grad(loss)(state)
-    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
-    shapes = {tuple(a.shape) for a, _ in saved_residuals(loss, state)}
-    assert (3, 24 * 32) in shapes  # the sparse run's three layer inputs, flat
-    assert (3, 1, 24, 32) not in shapes
