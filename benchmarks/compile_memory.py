@@ -12,7 +12,7 @@ with ``stream="auto"``, both streams' kernels compiled); ``mt-shared`` (``model.
 every forward / dQ call on the shared stream, one kernel each); ``-dqswitch`` (the dQ's shared stream
 walked with one loop, ``walk="switch"``: no config option, the kernel call is patched); ``mt-int2`` /
 ``mt-bf16out`` (the sparse layers' output residual as int2 codes / none, patched: what the int4 codes cost at
-the peak); ``mt-slice`` (a partial run of layers scans a slice of the stacked weights, as before dd34e74).
+the peak).
 Variants measured and removed are in ``results/training/train_throughput.md`` with the commit that had them.
 ``--set KEY=VALUE ...`` overrides the config for every variant (e.g. ``'model.dense_layers=[]'``). ``--dump DIR``
 also writes XLA's dumps there and lists the largest values of the step's temporary allocation (what the peak
@@ -34,7 +34,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out", "mt-slice")
+VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out")
 GIB = 2 ** 30
 
 
@@ -68,25 +68,6 @@ def _patch_output_residual(variant: str) -> None:
         attention.split_output = api.split_output = lambda out, dtype: (out.astype(dtype), None)
 
 
-def _patch_run_slices() -> None:
-    """Every run of layers that is not the whole stack scans a slice of the stacked weights (the model before
-    dd34e74) instead of reading its layers by index inside its checkpointed pieces."""
-    import jax
-
-    from mtraining_jax.model import qwen2
-
-    scan_layers = qwen2._scan_layers
-
-    def sliced(fn, x, stacked, first, length):
-        n = jax.tree.leaves(stacked)[0].shape[0]
-        if isinstance(first, int) and (first, length) == (0, n):
-            return scan_layers(fn, x, stacked, first, length)
-        part = jax.tree.map(lambda w: jax.lax.dynamic_slice_in_dim(w, first, length), stacked)
-        return jax.lax.scan(fn, x, part)
-
-    qwen2._scan_layers = sliced
-
-
 def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
     """One variant in this process: setup / lower / compile seconds, Mosaic kernel launches, memory."""
     import time
@@ -103,8 +84,6 @@ def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
     if "dqswitch" in variant:
         _patch_dq_walk()
     _patch_output_residual(variant)
-    if variant.endswith("-slice"):
-        _patch_run_slices()
     sets = (["model.ring.kernel_stream=shared"] if "shared" in variant else []) + list(extra_sets)
     cfg, overrides = bench_config(config, sets, seq_len, "cudnn" if variant == "cudnn" else "mtraining", 1)
     t0 = time.perf_counter()

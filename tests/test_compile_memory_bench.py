@@ -65,30 +65,3 @@ def test_output_residual_variants_patch_what_the_ring_saves(monkeypatch):
     assert lo is None and hi.dtype == jnp.bfloat16
     assert api.split_output(out, jnp.bfloat16)[1] is None  # the single-device op's too
 
-
-def test_slice_variant_scans_the_same_layers(monkeypatch):
-    # mt-slice's partial runs scan a slice of the stacked weights: the same layers, the same result
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from mtraining_jax.model import qwen2
-
-    monkeypatch.setattr(qwen2, "_scan_layers", qwen2._scan_layers)
-    stacked = {"w": jnp.arange(6 * 3, dtype=jnp.float32).reshape(6, 3) / 10}
-
-    def fn(h, st):
-        p = qwen2._layer_params(st)
-        return h * 0.5 + p["w"], p["w"].sum()
-
-    x = jnp.ones(3)
-    want = [qwen2._scan_layers(fn, x, stacked, first, n) for first, n in ((0, 6), (1, 4), (2, 3))]
-    compile_memory._patch_run_slices()
-    assert qwen2._scan_layers is not None
-    for (first, n), (h, st) in zip(((0, 6), (1, 4), (2, 3)), want):
-        h2, st2 = qwen2._scan_layers(fn, x, stacked, first, n)
-        np.testing.assert_allclose(h2, h)
-        np.testing.assert_allclose(st2, st)
-    h3, _ = jax.jit(lambda f: qwen2._scan_layers(fn, x, stacked, f, 3))(jnp.int32(2))  # a traced first layer
-    np.testing.assert_allclose(h3, want[2][0])
-

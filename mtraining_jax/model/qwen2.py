@@ -200,13 +200,47 @@ def gather_layer_params(layer_state, mesh):
     return jax.lax.with_sharding_constraint(layer_state, NamedSharding(mesh, PartitionSpec()))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _read_layer(n_layers: int, frozen, acc, i):
+    """Layer ``i`` of ``frozen`` (leaves ``[n_layers, ...]``, gradient stopped) whose gradient goes to
+    ``acc`` (the same stacked weights, carried from run to run): the backward adds the layer's gradient
+    into the one gradient buffer that every run of layers shares (a dynamic-update-slice), instead of
+    each run accumulating its own ``[n_layers, ...]`` buffer of zeros plus its layers, summed at the end
+    (two dense layers at 128K cost 2.6 GiB of such float32 buffers at the peak)."""
+    del n_layers, acc
+    return jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), frozen)
+
+
+def _read_layer_fwd(n_layers, frozen, acc, i):
+    return _read_layer(n_layers, frozen, acc, i), i
+
+
+def _read_layer_bwd(n_layers, i, g):
+    grad = jax.tree.map(
+        lambda t: jax.lax.dynamic_update_index_in_dim(jnp.zeros((n_layers, *t.shape), t.dtype), t, i, 0), g)
+    return None, grad, None
+
+
+_read_layer.defvjp(_read_layer_fwd, _read_layer_bwd)
+
+
+@jax.custom_vjp
+def _carry_through(acc):
+    """``acc`` unchanged, opaque to ``lax.scan``: a carry JAX sees forwarded unchanged becomes a loop
+    constant, whose gradient each loop would then accumulate from zeros (:func:`_read_layer`)."""
+    return acc
+
+
+_carry_through.defvjp(lambda acc: (acc, None), lambda _, g: (g,))
+
+
 def _layer_params(layer_state):
-    """One layer's state from ``layer_state``: the state itself, or ``(stacked, i)`` (layer ``i`` of the
-    stacked states, indexed where this is called: inside a checkpointed piece the backward indexes
-    again rather than keeping the layer; under ``remat: none`` the indexed layer is kept)."""
+    """One layer's state from ``layer_state``: the state itself, or ``(frozen, acc, i)`` (layer ``i`` of the
+    stacked states, :func:`_read_layer`, indexed where this is called: inside a checkpointed piece the
+    backward indexes again rather than keeping the layer; under ``remat: none`` the indexed layer is kept)."""
     if isinstance(layer_state, tuple):
-        stacked, i = layer_state
-        return jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), stacked)
+        frozen, acc, i = layer_state
+        return _read_layer(jax.tree.leaves(frozen)[0].shape[0], frozen, acc, i)
     return layer_state
 
 
@@ -249,50 +283,57 @@ def _rope_tables(head_dim: int, theta: float, scaling_items: tuple | None):
     return rope_parameters(head_dim, theta, None if scaling_items is None else dict(scaling_items))
 
 
-def _scan_layers(fn, x, stacked, first, length: int):
-    """``lax.scan(fn, x, layers first .. first + length - 1 of stacked)`` (leaves ``[n_layers, ...]``;
-    ``first`` may be traced). A run that is not the whole stack scans layer indices and reads each
-    layer from ``stacked`` inside the body (``fn`` gets ``(stacked, i)``, :func:`_layer_params`): a slice
-    ``stacked[a:b]`` is a copy that the backward keeps until it runs (the Qwen2.5-0.5B step kept 1.3 GiB
-    of float32 weights that way with two dense layers); the transpose adds each layer's gradient in place
-    (a dynamic-update-slice)."""
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    if isinstance(first, int) and (first, length) == (0, n):
-        return jax.lax.scan(fn, x, stacked)
+def _scan_layers(fn, carry, frozen, first, length: int):
+    """``lax.scan`` of ``fn`` over layers ``first .. first + length - 1`` (``first`` may be traced) of a run
+    that is not the whole stack. ``carry = (x, acc)``: the hidden state and the stacked weights whose
+    gradient every run shares; ``frozen``: the same weights, gradient stopped. The body reads each layer
+    inside its checkpointed pieces (``fn`` gets ``(frozen, acc, i)``, :func:`_layer_params`), so the
+    backward indexes again instead of keeping a copy of the run's weights (a slice ``stacked[a:b]`` is a
+    copy the backward keeps: 1.3 GiB of float32 weights with two dense layers in the Qwen2.5-0.5B step)."""
 
-    # the layer function indexes (stacked, i) inside its checkpointed pieces (:func:`_layer_params`), so
-    # the backward indexes again instead of keeping each iteration's layer
-    return jax.lax.scan(lambda h, i: fn(h, (stacked, i)), x, first + jnp.arange(length, dtype=jnp.int32))
+    def body(c, i):
+        h, acc = c
+        h, st = fn(h, (frozen, acc, i))
+        return (h, _carry_through(acc)), st
+
+    return jax.lax.scan(body, carry, first + jnp.arange(length, dtype=jnp.int32))
 
 
-def _scan_pattern(x, stacked, base, pattern, layer_fns):
+def _scan_pattern(carry, frozen, base, pattern, layer_fns):
     """Run one repeat's runs (``pattern``, :func:`~mtraining_jax.model.layer_plan.layer_blocks`: offsets
-    from layer ``base``, which may be traced) over ``stacked`` (leaves ``[n_layers, ...]``); stats
+    from layer ``base``, which may be traced; ``carry``, ``frozen``: :func:`_scan_layers`); stats
     ``{name: [period]}`` in layer order."""
     stats = []
     for offset, length, key in pattern:
-        x, st = _scan_layers(layer_fns(key), x, stacked, base + offset, length)
+        carry, st = _scan_layers(layer_fns(key), carry, frozen, base + offset, length)
         if st:
             stats.append(st)
-    return x, {k: jnp.concatenate([s[k] for s in stats]) for k in (stats[0] if stats else {})}
+    return carry, {k: jnp.concatenate([s[k] for s in stats]) for k in (stats[0] if stats else {})}
 
 
 def _scan_blocks(x, stacked, blocks, layer_fns):
     """``(x, [stats {name: [n]}])`` of the layers in ``blocks`` (``layer_fns(key)``: the layer body of a
     key); a block of ``repeats >= 2`` is one scan over its repeats whose body runs the pattern, so each
-    key's body is traced once. Every run reads its layers from ``stacked`` (:func:`_scan_layers`)."""
-    out = []
+    key's body is traced once. One run over the whole stack scans ``stacked`` as its ``xs``; otherwise
+    every run reads its layers by index and adds their gradients to one shared buffer
+    (:func:`_scan_layers`, :func:`_read_layer`)."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    if len(blocks) == 1 and blocks[0][1] == 1 and len(blocks[0][2]) == 1 and blocks[0][2][0][:2] == (0, n):
+        x, st = jax.lax.scan(layer_fns(blocks[0][2][0][2]), x, stacked)
+        return x, [st] if st else []
+    frozen, carry, out = jax.lax.stop_gradient(stacked), (x, stacked), []
     for start, reps, pattern in blocks:
         period = sum(length for _, length, _ in pattern)
         if reps == 1:
-            x, st = _scan_pattern(x, stacked, start, pattern, layer_fns)
+            carry, st = _scan_pattern(carry, frozen, start, pattern, layer_fns)
         else:
-            x, st = jax.lax.scan(lambda h, r: _scan_pattern(h, stacked, start + r * period, pattern, layer_fns), x,
-                                 jnp.arange(reps, dtype=jnp.int32))
+            carry, st = jax.lax.scan(
+                lambda c, r: _scan_pattern(c, frozen, start + r * period, pattern, layer_fns), carry,
+                jnp.arange(reps, dtype=jnp.int32))
             st = {k: v.reshape(-1) for k, v in st.items()}
         if st:
             out.append(st)
-    return x, out
+    return carry[0], out
 
 
 class Qwen2ForCausalLM(nnx.Module):
