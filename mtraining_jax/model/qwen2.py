@@ -20,7 +20,8 @@ Layers: ONE stacked module (every parameter has a leading ``[num_layers]`` axis,
 checkpoints and the HF mapping do not depend on how the layers run. ``cfg.scan_layers=True`` runs
 each run of consecutive layers with one (backend, remat policy) as one ``jax.lax.scan``, and a pattern
 of such runs repeated back to back (a dense layer every fourth layer) as one scan over its repeats
-(:mod:`.layer_plan`); ``False`` unrolls a Python loop. Each layer is wrapped in ``jax.checkpoint`` by ``cfg.remat``:
+(:mod:`.layer_plan`): the runs read their layers from the stack by index and add their weight gradients to
+one shared buffer (:func:`_read_layer`); ``False`` unrolls a Python loop. Each layer is wrapped in ``jax.checkpoint`` by ``cfg.remat``:
 
 * ``none``: keep every activation;
 * ``full``: save only the layer input;
@@ -200,28 +201,26 @@ def gather_layer_params(layer_state, mesh):
     return jax.lax.with_sharding_constraint(layer_state, NamedSharding(mesh, PartitionSpec()))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _read_layer(n_layers: int, frozen, acc, i):
-    """Layer ``i`` of ``frozen`` (leaves ``[n_layers, ...]``, gradient stopped) whose gradient goes to
-    ``acc`` (the same stacked weights, carried from run to run): the backward adds the layer's gradient
-    into the one gradient buffer that every run of layers shares (a dynamic-update-slice), instead of
-    each run accumulating its own ``[n_layers, ...]`` buffer of zeros plus its layers, summed at the end
-    (two dense layers at 128K cost 2.6 GiB of such float32 buffers at the peak)."""
-    del n_layers, acc
-    return jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), frozen)
+def _index_layer(stacked, i):
+    return jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), stacked)
 
 
-def _read_layer_fwd(n_layers, frozen, acc, i):
-    return _read_layer(n_layers, frozen, acc, i), i
+@jax.custom_jvp
+def _read_layer(frozen, acc, i):
+    """Layer ``i`` of ``frozen`` (leaves ``[n_layers, ...]``) whose tangent is layer ``i`` of ``acc``'s (the
+    same stacked weights, carried from run to run; ``frozen``'s tangent is ignored). So the backward adds
+    each layer's gradient into the one buffer every run of layers shares (a dynamic-update-slice) instead
+    of each run accumulating its own ``[n_layers, ...]`` gradient from zeros, summed at the end (two dense
+    layers at 128K held 2.6 GiB of such float32 buffers at the peak). The primal never reads ``acc``, so
+    a checkpointed piece that calls this does not save ``acc`` for its recomputation."""
+    del acc
+    return _index_layer(frozen, i)
 
 
-def _read_layer_bwd(n_layers, i, g):
-    grad = jax.tree.map(
-        lambda t: jax.lax.dynamic_update_index_in_dim(jnp.zeros((n_layers, *t.shape), t.dtype), t, i, 0), g)
-    return None, grad, None
-
-
-_read_layer.defvjp(_read_layer_fwd, _read_layer_bwd)
+@_read_layer.defjvp
+def _read_layer_jvp(primals, tangents):
+    frozen, _, i = primals  # neither output reads acc's value
+    return _index_layer(frozen, i), _index_layer(tangents[1], i)
 
 
 @jax.custom_vjp
@@ -239,14 +238,13 @@ def _layer_params(layer_state):
     stacked states, :func:`_read_layer`, indexed where this is called: inside a checkpointed piece the
     backward indexes again rather than keeping the layer; under ``remat: none`` the indexed layer is kept)."""
     if isinstance(layer_state, tuple):
-        frozen, acc, i = layer_state
-        return _read_layer(jax.tree.leaves(frozen)[0].shape[0], frozen, acc, i)
+        return _read_layer(*layer_state)
     return layer_state
 
 
 def _layer_fn(graphdef, cos, sin, positions, attn_kwargs: dict, policy: str, prevent_cse: bool):
     """``f(h, layer_state) -> (h, stats)`` for one decoder layer under the remat ``policy``;
-    ``layer_state``: the layer's state or ``(stacked, i)`` (:func:`_layer_params`).
+    ``layer_state``: the layer's state or ``(frozen, acc, i)`` (:func:`_layer_params`).
 
     ``save_attn`` checkpoints the parameter pieces before and after the attention core separately and
     leaves the core outside ``jax.checkpoint``: its custom VJP residuals (q, k, v, out, lse, the sparse
@@ -286,7 +284,7 @@ def _rope_tables(head_dim: int, theta: float, scaling_items: tuple | None):
 def _scan_layers(fn, carry, frozen, first, length: int):
     """``lax.scan`` of ``fn`` over layers ``first .. first + length - 1`` (``first`` may be traced) of a run
     that is not the whole stack. ``carry = (x, acc)``: the hidden state and the stacked weights whose
-    gradient every run shares; ``frozen``: the same weights, gradient stopped. The body reads each layer
+    gradient every run shares; ``frozen``: the same weights, read (their gradient goes to ``acc``). The body reads each layer
     inside its checkpointed pieces (``fn`` gets ``(frozen, acc, i)``, :func:`_layer_params`), so the
     backward indexes again instead of keeping a copy of the run's weights (a slice ``stacked[a:b]`` is a
     copy the backward keeps: 1.3 GiB of float32 weights with two dense layers in the Qwen2.5-0.5B step)."""
@@ -321,7 +319,7 @@ def _scan_blocks(x, stacked, blocks, layer_fns):
     if len(blocks) == 1 and blocks[0][1] == 1 and len(blocks[0][2]) == 1 and blocks[0][2][0][:2] == (0, n):
         x, st = jax.lax.scan(layer_fns(blocks[0][2][0][2]), x, stacked)
         return x, [st] if st else []
-    frozen, carry, out = jax.lax.stop_gradient(stacked), (x, stacked), []
+    frozen, carry, out = stacked, (x, stacked), []
     for start, reps, pattern in blocks:
         period = sum(length for _, length, _ in pattern)
         if reps == 1:
