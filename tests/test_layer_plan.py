@@ -167,7 +167,7 @@ def test_runs_share_one_weight_gradient_buffer():
     """Partial runs (two dense layers, then the rest; a dense layer every fourth) add their layers' weight
     gradients to one buffer: the compiled step's temporary memory stays within a quarter of the stacked
     weights of the one-run program's (a run accumulating its own ``[n_layers, ...]`` gradient from zeros,
-    summed at the end, held one more full float32 copy per run: 2.6 GiB at the Qwen2.5-0.5B step's peak),
+    summed at the end, held one more full float32 copy per run: 1.8 GiB of the Qwen2.5-0.5B step's peak),
     with the unrolled loop's gradients."""
     cfg = ModelConfig(vocab_size=128, hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2,
                       num_layers=8, remat="save_attn", attention_backend="reference", dense_backend="cudnn",

@@ -1,0 +1,40 @@
+"""``benchmarks/compile_memory_plot.py``: the committed rows give the peaks ``train_throughput.md`` run 20 quotes;
+series text and runs without a cuDNN row are refused by name."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks.compile_memory_plot import ROWS, cudnn_peak, main, parse_series, peaks, placement
+from benchmarks.kernels_report import load_rows
+
+
+def test_committed_runs_give_what_the_results_say(tmp_path):
+    rows = load_rows([ROWS])
+    base = cudnn_peak(rows, ("s37-shared-weight-gradient",))
+    assert round(base, 2) == 32.13
+    after = peaks(rows, ("s37-shared-weight-gradient",), "mt")
+    assert {k: round(v / base, 3) for k, v in after.items()} == {
+        "[0,1]": 1.034, "[0,4,8,12,16,20]": 1.204, "[0]": 1.05, "[22,23]": 1.031, "[]": 1.037}
+    before = peaks(rows, ("s34-compile-memory-structure", "s35-compile-memory-placements"), "mt")
+    assert round(before["[0,1]"], 2) == 34.98 and round(before["[0,4,8,12,16,20]"], 2) == 40.45
+    assert "[0]" in before and round(before["[0]"], 2) == 34.17  # the ring-backend row is not a placement
+    out = tmp_path / "p.png"
+    assert main(["--series", "a=s34-compile-memory-structure,s35-compile-memory-placements:mt",
+                 "--series", "b=s37-shared-weight-gradient:mt", "--out", str(out)]) == 0
+    assert os.path.getsize(out) > 10_000
+
+
+def test_bad_series_and_missing_cudnn_are_refused(tmp_path, capsys):
+    assert parse_series("x=r1,r2:mt") == ("x", ("r1", "r2"), "mt")
+    with pytest.raises(ValueError, match="LABEL=RUN"):
+        parse_series("no-variant=r1")
+    assert placement({"overrides": ["model.dense_layers=[0]", "model.dense_backend=ring"]}) is None
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"run": "x", "variant": "mt", "peak_gib": 1.0,
+                                "overrides": ["model.dense_layers=[]"]}) + "\n")
+    assert main(["--series", "a=x:mt", "--rows", str(path), "--out", str(tmp_path / "o.png")]) == 1
+    assert "no cudnn row" in capsys.readouterr().err
+    assert main(["--series", "a=s37-shared-weight-gradient:nope", "--out", str(tmp_path / "o.png")]) == 1
+    assert "no rows for series ['a']" in capsys.readouterr().err
