@@ -179,7 +179,7 @@ def test_runs_share_one_weight_gradient_buffer():
     for dense in ((), (0, 1), (0, 4)):
         c = cfg.replace(dense_layers=dense)
         graphdef = nnx.split(qwen2.Qwen2ForCausalLM(c, rngs=nnx.Rngs(0)))[0]
-        loss = lambda st, c=c, graphdef=graphdef: nnx.merge(graphdef, st)(t, pos).astype(jnp.float32).std()  # noqa: E731
+        loss = lambda st, g=graphdef: nnx.merge(g, st)(t, pos).astype(jnp.float32).std()  # noqa: E731
         step = jax.jit(jax.value_and_grad(loss))
         temp[dense] = step.lower(state0).compile().memory_analysis().temp_size_in_bytes
         if dense:

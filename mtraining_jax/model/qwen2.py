@@ -21,7 +21,8 @@ checkpoints and the HF mapping do not depend on how the layers run. ``cfg.scan_l
 each run of consecutive layers with one (backend, remat policy) as one ``jax.lax.scan``, and a pattern
 of such runs repeated back to back (a dense layer every fourth layer) as one scan over its repeats
 (:mod:`.layer_plan`): the runs read their layers from the stack by index and add their weight gradients to
-one shared buffer (:func:`_read_layer`); ``False`` unrolls a Python loop. Each layer is wrapped in ``jax.checkpoint`` by ``cfg.remat``:
+one shared buffer (:func:`_read_layer`); ``False`` unrolls a Python loop. Each layer is wrapped in
+``jax.checkpoint`` by ``cfg.remat``:
 
 * ``none``: keep every activation;
 * ``full``: save only the layer input;
@@ -284,10 +285,11 @@ def _rope_tables(head_dim: int, theta: float, scaling_items: tuple | None):
 def _scan_layers(fn, carry, frozen, first, length: int):
     """``lax.scan`` of ``fn`` over layers ``first .. first + length - 1`` (``first`` may be traced) of a run
     that is not the whole stack. ``carry = (x, acc)``: the hidden state and the stacked weights whose
-    gradient every run shares; ``frozen``: the same weights, read (their gradient goes to ``acc``). The body reads each layer
-    inside its checkpointed pieces (``fn`` gets ``(frozen, acc, i)``, :func:`_layer_params`), so the
-    backward indexes again instead of keeping a copy of the run's weights (a slice ``stacked[a:b]`` is a
-    copy the backward keeps: 1.3 GiB of float32 weights with two dense layers in the Qwen2.5-0.5B step)."""
+    gradient every run shares; ``frozen``: the same weights, read (their gradient goes to ``acc``). The
+    body reads each layer inside its checkpointed pieces (``fn`` gets ``(frozen, acc, i)``,
+    :func:`_layer_params`), so the backward indexes again instead of keeping a copy of the run's weights
+    (a slice ``stacked[a:b]`` is a copy the backward keeps: 1.3 GiB of float32 weights with two dense
+    layers in the Qwen2.5-0.5B step)."""
 
     def body(c, i):
         h, acc = c
