@@ -26,14 +26,16 @@ def cross_table(recs) -> str:
 
 def budget_table(recs) -> str:
     """Markdown: the recall budget sweep of each variant."""
-    lines = ["| variant | budget (SparsityConfig overrides) | p | mean recall | min head | mean density |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| variant | budget (SparsityConfig overrides) | p | mean recall | min head | mean density | window's "
+             "recall | heads vertical-capped | heads slash-capped |", "|---|---|---|---|---|---|---|---|---|"]
     multi = len({r.get("seed") for r in recs}) > 1
     for r in recs:
         for b in r.get("recall_budgets", []):
             name = ", ".join(f"{k}={v}" for k, v in b["budget"].items()) or "model's own"
+            caps = " | ".join(f"{b['mean_' + k]:.3f}" if "mean_" + k in b else "—"
+                              for k in ("window_recall", "vertical_capped", "slash_capped"))
             lines.append(f"| {_label(r, multi)} | {name} | {b['p']:g} | {b['mean_recall']:.3f} | {b['min_recall']:.3f} "
-                         f"| {b['mean_density']:.3f} |")
+                         f"| {b['mean_density']:.3f} | {caps} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
