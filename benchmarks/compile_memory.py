@@ -12,7 +12,7 @@ with ``stream="auto"``, both streams' kernels compiled); ``mt-shared`` (``model.
 every forward / dQ call on the shared stream, one kernel each); ``-dqswitch`` (the dQ's shared stream
 walked with one loop, ``walk="switch"``: no config option, the kernel call is patched); ``mt-int2`` /
 ``mt-bf16out`` (the sparse layers' output residual as int2 codes / none, patched: what the int4 codes cost at
-the peak).
+the peak); ``mt-flatrepeats`` (a repeated layer pattern run as one scan per run and repeat, patched).
 Variants measured and removed are in ``results/training/train_throughput.md`` with the commit that had them.
 ``--set KEY=VALUE ...`` overrides the config for every variant (e.g. ``'model.dense_layers=[]'``). ``--dump DIR``
 also writes XLA's dumps there and lists the largest values of the step's temporary allocation (what the peak
@@ -34,7 +34,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out")
+VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out", "mt-flatrepeats")
 GIB = 2 ** 30
 
 
@@ -50,6 +50,25 @@ def _patch_dq_walk() -> None:
         return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform)
 
     mosaic_bwd.run_stream = patched
+
+
+def _patch_flat_repeats() -> None:
+    """A repeated layer pattern (``layer_plan.layer_blocks``' ``repeats >= 2``, e.g. a dense layer every fourth)
+    runs as one scan per run and repeat instead of one scan over the repeats whose body scans each run: the
+    nested scan's inner residual stacks are copied into / out of the outer stack (``--dump`` of
+    ``[0,4,...,20]``). Every repeat's layer bodies are traced again."""
+    from mtraining_jax.model import qwen2
+
+    scan_blocks = qwen2._scan_blocks
+
+    def flat(x, stacked, blocks, layer_fns):
+        runs = []
+        for start, reps, pattern in blocks:
+            period = sum(length for _, length, _ in pattern)
+            runs += [(start + r * period, 1, pattern) for r in range(reps)]
+        return scan_blocks(x, stacked, tuple(runs), layer_fns)
+
+    qwen2._scan_blocks = flat
 
 
 def _patch_output_residual(variant: str) -> None:
@@ -83,6 +102,8 @@ def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
 
     if "dqswitch" in variant:
         _patch_dq_walk()
+    if variant == "mt-flatrepeats":
+        _patch_flat_repeats()
     _patch_output_residual(variant)
     sets = (["model.ring.kernel_stream=shared"] if "shared" in variant else []) + list(extra_sets)
     cfg, overrides = bench_config(config, sets, seq_len, "cudnn" if variant == "cudnn" else "mtraining", 1)

@@ -65,3 +65,30 @@ def test_output_residual_variants_patch_what_the_ring_saves(monkeypatch):
     assert lo is None and hi.dtype == jnp.bfloat16
     assert api.split_output(out, jnp.bfloat16)[1] is None  # the single-device op's too
 
+
+
+def test_flat_repeats_patch_runs_each_repeat_as_its_own_scans(monkeypatch):
+    """``mt-flatrepeats``: a dense layer every third layer (a pattern repeated twice) as four separate runs gives
+    the nested scan's loss and gradients; no repeated block reaches the scans."""
+    import chex
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from mtraining_jax.model import qwen2
+    from mtraining_jax.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
+                      num_layers=6, dense_layers=(0, 3), attention_backend="reference", dense_backend="cudnn",
+                      dtype="float32", param_dtype="float32")
+    graphdef, state = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    t, pos = jnp.asarray(np.random.RandomState(0).randint(0, 64, (1, 16)), jnp.int32), jnp.arange(16, dtype=jnp.int32)
+    f = jax.value_and_grad(lambda st: nnx.merge(graphdef, st)(t, pos).astype(jnp.float32).std())
+    want = f(state)
+    seen = []
+    monkeypatch.setattr(qwen2, "_scan_blocks", lambda x, s, blocks, fns, inner=qwen2._scan_blocks: (
+        seen.append(blocks), inner(x, s, blocks, fns))[1])
+    compile_memory._patch_flat_repeats()
+    chex.assert_trees_all_close(f(state), want, atol=1e-6, rtol=1e-5)
+    assert [b[:2] for b in seen[-1]] == [(0, 1), (3, 1)] and all(len(b[2]) == 2 for b in seen[-1])
