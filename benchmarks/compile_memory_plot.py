@@ -4,8 +4,9 @@ shape at 128K, one GPU): each series is a set of runs' rows of one variant, agai
 
     python benchmarks/compile_memory_plot.py \\
       --series "own gradient buffer per run (before 9397c14)=s34-compile-memory-structure,s35-compile-memory-placements:mt" \\
-      --series "weight slices per run (mt-slice, removed)=s34-compile-memory-structure,s35-compile-memory-placements:mt-slice" \\
-      --series "one shared gradient buffer (9397c14)=s37-shared-weight-gradient:mt" \\
+      --series "one shared gradient buffer (custom VJP, 9397c14)=s37-shared-weight-gradient:mt" \\
+      --series "the same, custom JVP (committed; 1c1907d)=s38-compile-memory-custom-jvp:mt" \\
+      --series "repeats as separate scans (mt-flatrepeats; 4d6174b)=s38-flat-repeats:mt-flatrepeats" \\
       --out results/training/compile_memory_placements.png
 """
 
