@@ -25,11 +25,17 @@ def budget_label(budget: dict) -> str:
 
 def sweeps(rows, run: str) -> dict:
     """``{(arm, seed): [entry, ...]}``: the budget sweep of every row of ``run`` that has one, each entry a
-    :func:`~benchmarks.quality_probes.budget_sweep` row plus its ``label``. ``ValueError`` when there is none."""
+    :func:`~benchmarks.quality_probes.budget_sweep` row plus its ``label``; a warm start's sweep (``--warm-start-eval``:
+    the dense run where the arms start) as arm ``"dense step W"``. ``ValueError`` when there is none."""
     out = {}
     for r in rows:
-        if r.get("run") == run and r.get("recall_budgets"):
-            out[(r["arm"], r["seed"])] = [dict(b, label=budget_label(b["budget"])) for b in r["recall_budgets"]]
+        if r.get("run") != run:
+            continue
+        warm = r.get("warm_start") or {}
+        found = [(r["arm"], r.get("recall_budgets")), (f"dense step {warm.get('steps')}", warm.get("recall_budgets"))]
+        for arm, sweep in found:
+            if sweep:
+                out[(arm, r["seed"])] = [dict(b, label=budget_label(b["budget"])) for b in sweep]
     if not out:
         raise ValueError(f"run {run!r}: no row with recall_budgets")
     return out
@@ -42,9 +48,9 @@ def plot(sw: dict, path: str, target: float = 0.9) -> str:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
-    styles = {"dense": "--", "mtraining": "-", "msa": ":"}
+    styles = {"dense": "--", "mtraining": "-", "msa": ":"}  # a warm start ("dense step W"): dash-dot
     for (arm, seed), entries in sorted(sw.items()):
-        ax.plot([e["mean_density"] for e in entries], [e["mean_recall"] for e in entries], styles.get(arm, "-"),
+        ax.plot([e["mean_density"] for e in entries], [e["mean_recall"] for e in entries], styles.get(arm, "-."),
                 marker="o", label=f"{arm}-trained, seed {seed}")
         for e in entries:
             ax.annotate(e["label"].replace(" ", "\n"), (e["mean_density"], e["mean_recall"]),
@@ -55,13 +61,14 @@ def plot(sw: dict, path: str, target: float = 0.9) -> str:
     ax.set_ylabel("index recall at p = 0.9 (mean over layers, heads)")
     ax.set_title("Recall against density, one point per budget", fontsize=10)
     ax.legend(fontsize=8)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors, named = plt.rcParams["axes.prop_cycle"].by_key()["color"], set()
     for (arm, seed), entries in sorted(sw.items()):
-        for i, e in enumerate(entries):
-            bx.plot(range(len(e["layer_recall"])), e["layer_recall"], styles.get(arm, "-"), marker=".",
-                    color=colors[i % len(colors)], label=e["label"] if arm == "mtraining" else None)
+        for i, e in enumerate(entries):  # colour = budget, line style = arm
+            bx.plot(range(len(e["layer_recall"])), e["layer_recall"], styles.get(arm, "-."), marker=".",
+                    color=colors[i % len(colors)], label=None if e["label"] in named else e["label"])
+            named.add(e["label"])
     bx.axhline(target, color="gray", lw=0.8)
-    bx.set_xlabel("layer (solid: MTraining-trained, dashed: dense-trained)")
+    bx.set_xlabel("layer (solid: MTraining-trained, dashed: dense-trained, dash-dot: the warm start)")
     bx.set_ylabel("index recall at p = 0.9 (mean over heads)")
     bx.set_title("By layer", fontsize=10)
     bx.legend(fontsize=7)

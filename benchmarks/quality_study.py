@@ -228,7 +228,9 @@ def _slices(run_dir: str, start: int | None = None) -> list:
 
 def evaluate_checkpoint(args, run_dir: str, step: int, heldout_path: str, label: str) -> dict:
     """The evaluator (NIAH, RULER, held-out loss, recall at ``args.recall_p``) on the parameters of
-    ``run_dir``'s checkpoint ``step`` with the run's own attention: ``{"eval", **eval_scalars}``."""
+    ``run_dir``'s checkpoint ``step`` with the run's own attention: ``{"eval", **eval_scalars}``; with
+    ``--recall-budgets`` also their sweep (``recall_budgets``, taken first: cheap, and printed before the
+    longer evaluation)."""
     import numpy as np
 
     from mtraining_jax.eval.api import evaluate_params
@@ -241,9 +243,15 @@ def evaluate_checkpoint(args, run_dir: str, step: int, heldout_path: str, label:
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
     _, model_cfg, params = load_model_params(os.path.join(run_dir, "checkpoints", str(step)))
     spec = eval_spec(args.smoke, cfg.data.seq_len, args.recall_ps, args.eval_haystack)
-    ev = evaluate_params(model_cfg, params, load_tokenizer(cfg.data.tokenizer), spec, mesh=build_mesh(cfg.mesh),
-                         heldout=np.asarray(token_file_stream(heldout_path)), label=label)
-    return {"eval": ev, **eval_scalars(ev, args.recall_p if args.recall_p in args.recall_ps else args.recall_ps[0])}
+    mesh, held, out = build_mesh(cfg.mesh), np.asarray(token_file_stream(heldout_path)), {}
+    if getattr(args, "recall_budgets", None):
+        print(f"[{label}] recall budgets:", flush=True)
+        probe(out, "recall_budgets", lambda: budget_sweep(model_cfg, params, held[None, :spec.perplexity_len], mesh,
+                                                          args.recall_budgets, spec.recall_rows))
+    ev = evaluate_params(model_cfg, params, load_tokenizer(cfg.data.tokenizer), spec, mesh=mesh, heldout=held,
+                         label=label)
+    return {"eval": ev, **eval_scalars(ev, args.recall_p if args.recall_p in args.recall_ps else args.recall_ps[0]),
+            **out}
 
 
 def run_variant(name: str, args, corpus, seed=None, pretrained: dict | None = None, warm: dict | None = None,

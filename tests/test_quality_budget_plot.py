@@ -19,6 +19,7 @@ def _rows(tmp_path):
         _entry({}, base, 0.17), _entry({"vertical_max": 32768}, base + 0.1, 0.3),
         _entry({"last_q": 1024, "slash_max": 512}, base + 0.15, 0.45)]}
         for arm, base in (("dense", 0.70), ("mtraining", 0.67))]
+    rows[0]["warm_start"] = {"steps": 400, "recall_budgets": [_entry({}, 0.66, 0.16)]}  # --warm-start-eval's sweep
     rows.append({"run": "r0", "arm": "dense", "seed": 4})
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -35,7 +36,8 @@ def test_sweeps_are_read_per_arm_and_drawn(tmp_path, capsys):
 
     path = _rows(tmp_path)
     sw = sweeps(read_rows([path]), "r1")
-    assert sorted(sw) == [("dense", 5), ("mtraining", 5)]
+    assert sorted(sw) == [("dense", 5), ("dense step 400", 5), ("mtraining", 5)]
+    assert [e["label"] for e in sw[("dense step 400", 5)]] == ["defaults"]
     assert [e["label"] for e in sw[("mtraining", 5)]] == ["defaults", "vertical_max=32768", "last_q=1024 slash_max=512"]
     assert [round(e["mean_recall"], 2) for e in sw[("mtraining", 5)]] == [0.67, 0.77, 0.82]
     out = tmp_path / "b.png"

@@ -59,9 +59,15 @@ def test_arms_continue_one_dense_run(tmp_path):
     assert "eval" not in again["warm_start"]
     # --warm-start-eval: the evaluator on the step-2 checkpoint (where the arms start), kept for later calls
     assert quality_study.main(["--out", str(tmp_path / "c"), "--variant", "dense", "--warm-start", "2",
-                               "--warm-start-eval", "--no-eval", *common]) == 0
+                               "--warm-start-eval", "--recall-budgets", ";vertical_max=512,slash_max=8", "--no-eval",
+                               *common]) == 0
     ev = _rows(tmp_path / "c")["dense"]["warm_start"]
     assert ev["reused"] and np.isfinite(ev["heldout_loss"]) and 0 <= ev["niah_accuracy"] <= 1
+    # ... and the budget sweep on the same parameters: the defaults' entry is the evaluation's recall
+    own, wide = ev["recall_budgets"]
+    assert own["budget"] == {} and wide["budget"] == {"vertical_max": 512, "slash_max": 8}
+    assert abs(own["mean_recall"] - ev["eval"]["recall"]["mean_recall"]["0.9"]) < 1e-6
+    assert wide["mean_recall"] >= own["mean_recall"] - 1e-6 and "mean_vertical_capped" in own
     assert ev["eval"]["label"] == "warm start seed 0, dense step 2"
     assert ev["heldout_loss"] != rows["dense"]["heldout_loss"]  # step 2's parameters, not step 4's
     _, notes = seed_values(read_rows([os.path.join(tmp_path / "c", "quality.jsonl")]))
