@@ -14,8 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
-from benchmarks.quality_gap_plot import rows_parser  # noqa: E402
-from benchmarks.quality_seeds import read_rows  # noqa: E402
+from benchmarks.quality_gap_plot import run_plot_args, save_figure  # noqa: E402
 
 
 def budget_label(budget: dict) -> str:
@@ -72,21 +71,12 @@ def plot(sw: dict, path: str, target: float = 0.9) -> str:
     bx.set_ylabel("index recall at p = 0.9 (mean over heads)")
     bx.set_title("By layer", fontsize=10)
     bx.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    ap = rows_parser(__doc__.split("\n")[0])
-    ap.add_argument("--run", required=True, help="a run tag whose rows carry recall_budgets")
-    ap.add_argument("--out", required=True, help="PNG path")
-    a = ap.parse_args(argv)
-    try:
-        sw = sweeps(read_rows(a.rows.split(",")), a.run)
-    except (ValueError, KeyError) as e:
-        print(f"quality_budget_plot: {e}", file=sys.stderr)
+    a, sw = run_plot_args(__doc__.split("\n")[0], "recall_budgets", sweeps, argv)
+    if sw is None:
         return 1
     for (arm, seed), entries in sorted(sw.items()):
         for e in entries:

@@ -76,6 +76,22 @@ def rows_parser(description: str):
     return ap
 
 
+def run_plot_args(description: str, rows_of: str, select, argv=None):
+    """The plots of one run's rows: ``--rows``, ``--run`` (a run tag whose rows carry ``rows_of``) and ``--out``
+    (PNG path) parsed, and ``select(rows, run)`` of the rows read. ``(args, None)`` after printing the
+    ``ValueError`` / ``KeyError`` of a run without them."""
+    ap = rows_parser(description)
+    ap.add_argument("--run", required=True, help=f"a run tag whose rows carry {rows_of}")
+    ap.add_argument("--out", required=True, help="PNG path")
+    a = ap.parse_args(argv)
+    try:
+        return a, select(read_rows(a.rows.split(",")), a.run)
+    except (ValueError, KeyError) as e:
+        prog = os.path.splitext(os.path.basename(select.__globals__["__file__"]))[0]
+        print(f"{prog}: {e}", file=sys.stderr)
+        return a, None
+
+
 def plot(pairs, path: str) -> str:
     """``pairs``: ``[(label, arm, base, gaps(...))]`` -> the two-panel PNG at ``path``."""
     import matplotlib

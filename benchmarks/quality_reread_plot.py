@@ -14,8 +14,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
-from benchmarks.quality_gap_plot import rows_parser  # noqa: E402
-from benchmarks.quality_seeds import read_rows, window_difference  # noqa: E402
+from benchmarks.quality_gap_plot import run_plot_args  # noqa: E402
+from benchmarks.quality_seeds import window_difference  # noqa: E402
 
 
 def points(rows, run: str, arm: str = "mtraining") -> list:
@@ -71,14 +71,8 @@ def plot(pts, path: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = rows_parser(__doc__.split("\n")[0])
-    ap.add_argument("--run", required=True, help="a run tag whose MTraining rows carry rereads")
-    ap.add_argument("--out", required=True, help="PNG path")
-    a = ap.parse_args(argv)
-    try:
-        pts = points(read_rows(a.rows.split(",")), a.run)
-    except (ValueError, KeyError) as e:
-        print(f"quality_reread_plot: {e}", file=sys.stderr)
+    a, pts = run_plot_args(__doc__.split("\n")[0], "MTraining rereads", points, argv)
+    if pts is None:
         return 1
     for seed, label, dens, loss, hw, dense in pts:
         print(f"seed {seed}: {label}: density {dens:.3f}, held-out {loss:.4f} ± {hw:.4f}"
