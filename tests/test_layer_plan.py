@@ -187,7 +187,8 @@ def test_runs_share_one_weight_gradient_buffer():
             assert len(blocks) >= 2 or blocks[0][1] >= 2  # partial runs: several blocks, or a repeated pattern
             unrolled = c.replace(scan_layers=False)
             g_loop = nnx.split(qwen2.Qwen2ForCausalLM(unrolled, rngs=nnx.Rngs(0)))[0]
-            want = jax.jit(jax.value_and_grad(lambda st: nnx.merge(g_loop, st)(t, pos).astype(jnp.float32).std()))(state0)
+            ref = jax.value_and_grad(lambda st: nnx.merge(g_loop, st)(t, pos).astype(jnp.float32).std())
+            want = jax.jit(ref)(state0)
             chex.assert_trees_all_close(step(state0), want, atol=2e-6, rtol=1e-4)
     for dense in ((0, 1), (0, 4)):
         assert temp[dense] <= temp[()] + weight_bytes / 4, (dense, temp, weight_bytes)
