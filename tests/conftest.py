@@ -158,6 +158,16 @@ _RESTORED_CONFIG = ("jax_platforms", "jax_enable_x64", "jax_default_matmul_preci
 _RESTORED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test module, drop JAX's in-process caches of traced and compiled programs: a CI worker runs
+    hundreds of modules, and what they leave behind grows until XLA's compiler fails (two segfaults inside
+    ``compile`` / the persistent cache's write, late in a worker's run). Programs shared across modules come
+    back from the persistent compilation cache."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def _restore_jax_config():
     """Undo what a test (or the CLI it calls in process) changed in JAX's platform config and the
