@@ -4,8 +4,8 @@ held-out window captured once, :func:`benchmarks.quality_probes.budget_sweep`), 
 under each budget. Recall is the share of each sampled query row's attention mass its index keeps (mean over
 layers and heads); density the share of the causal area the kernels compute.
 
-    python benchmarks/quality_budget_plot.py --run s38-warm-start-400-seed-5 \\
-      --out results/quality/quality_s38_budgets.png
+    python benchmarks/quality_budget_plot.py --run s39-warm-start-400-seed-5 \\
+      --out results/quality/quality_s39_budgets.png
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def plot(sw: dict, path: str, target: float = 0.9) -> str:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
     styles = {"dense": "--", "mtraining": "-", "msa": ":"}  # a warm start ("dense step W"): dash-dot
     for (arm, seed), entries in sorted(sw.items()):
+        who = f"the warm start ({arm})" if arm.startswith("dense step") else f"{arm}-trained"
         ax.plot([e["mean_density"] for e in entries], [e["mean_recall"] for e in entries], styles.get(arm, "-."),
-                marker="o", label=f"{arm}-trained, seed {seed}")
+                marker="o", label=f"{who}, seed {seed}")
         for e in entries:
             ax.annotate(e["label"].replace(" ", "\n"), (e["mean_density"], e["mean_recall"]),
                         textcoords="offset points", xytext=(5, -10), fontsize=6)
@@ -67,7 +68,7 @@ def plot(sw: dict, path: str, target: float = 0.9) -> str:
                     color=colors[i % len(colors)], label=None if e["label"] in named else e["label"])
             named.add(e["label"])
     bx.axhline(target, color="gray", lw=0.8)
-    bx.set_xlabel("layer (solid: MTraining-trained, dashed: dense-trained, dash-dot: the warm start)")
+    bx.set_xlabel("layer\n(solid: MTraining-trained, dashed: dense-trained, dash-dot: the warm start)")
     bx.set_ylabel("index recall at p = 0.9 (mean over heads)")
     bx.set_title("By layer", fontsize=10)
     bx.legend(fontsize=7)

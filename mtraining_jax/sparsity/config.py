@@ -11,7 +11,9 @@ Fields and defaults:
 * ``last_q = 64``: Algorithm 1's observation window (the public MTraining code's default).
 * ``vertical_p = slash_p = 0.9``: top-p coverage of the estimated attention mass (poster ``score_cover``).
 * ``vertical_min = 64``, ``vertical_max = 4096`` tokens (the public code's cap); ``slash_min = 1``
-  (diagonal 0 is always kept), ``slash_max = 64`` block diagonals (4096 tokens of band).
+  (diagonal 0 is always kept), ``slash_max = 64`` block diagonals (4096 tokens of band). The caps bound a
+  head's work (about ``vertical_max + slash_max * block_size`` keys per query row); where a head's attention is
+  diffuse they also bound the index's recall, so lifting them trades speed for recall (``docs/evaluation.md``).
 * ``max_cols``: static column slots per (query block, ring step) of the converted index (``None``:
   the exact bound; smaller trades exactness for memory, :mod:`mtraining_jax.sparsity.convert`).
 * ``sm_scale = None``: ``head_dim ** -0.5``; otherwise a finite number > 0.
