@@ -47,14 +47,17 @@ def plot(sw: dict, path: str, target: float = 0.9) -> str:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    annotated = set()
     styles = {"dense": "--", "mtraining": "-", "msa": ":"}  # a warm start ("dense step W"): dash-dot
     for (arm, seed), entries in sorted(sw.items()):
         who = f"the warm start ({arm})" if arm.startswith("dense step") else f"{arm}-trained"
         ax.plot([e["mean_density"] for e in entries], [e["mean_recall"] for e in entries], styles.get(arm, "-."),
                 marker="o", label=f"{who}, seed {seed}")
-        for e in entries:
-            ax.annotate(e["label"].replace(" ", "\n"), (e["mean_density"], e["mean_recall"]),
-                        textcoords="offset points", xytext=(5, -10), fontsize=6)
+        for e in entries:  # each budget named once (the models' points of a budget lie close together)
+            if e["label"] not in annotated:
+                annotated.add(e["label"])
+                ax.annotate(e["label"].replace(" ", "\n"), (e["mean_density"], e["mean_recall"]),
+                            textcoords="offset points", xytext=(5, -10), fontsize=6)
     ax.axhline(target, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("index density at p = 0.9 (share of the causal area computed)")
