@@ -66,11 +66,16 @@ def test_offloaded_state_lives_in_host_memory_and_trains_the_same(tokens, refere
     assert ref[-1] < ref[0] - 0.1  # it trains (and the clip is active: lr 1e-2, clip 0.5)
     np.testing.assert_allclose(off, ref, rtol=0, atol=1e-6)
     # parameters and moments: float32 rounding of differently fused updates. Adam moves an element by
-    # up to ~lr = 1e-2 a step; where |g| is near eps a last-bit change of g moves the update's last
-    # digits, seen up to 6.04e-6 on 1 of 32,768 elements (CI, 2 xdist workers). 2e-5 is 0.05 % of the
-    # four steps' movement bound (4e-2), while a skipped, doubled or stale update differs by ~1e-2.
+    # up to ~lr = 1e-2 a step; where |g| is near eps a last-bit change of g moves that element's update
+    # by more than its last digits: seen 6.04e-6 and 3.14e-5, each on 1 of 32,768 elements (CI, 2 xdist
+    # workers). A skipped, doubled or stale update moves nearly every element of a leaf by ~1e-2. So:
+    # every element within 1e-3 (a tenth of one step's bound), and at most 0.1 % of a leaf's elements
+    # beyond 2e-5 (0.05 % of the four steps' bound).
     for a, b in zip(jax.tree.leaves(off_state), jax.tree.leaves(ref_state), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-5)
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)
+        beyond = np.abs(a.astype(np.float64) - b) > 2e-5
+        assert beyond.mean() <= 1e-3, (a.shape, int(beyond.sum()), float(np.abs(a.astype(np.float64) - b).max()))
     # the moments (FSDP-sharded as before) and the step counts are in pinned_host memory, the
     # parameters in device memory; the shardings after steps are those of the abstract state
     for tree in (off_abs, off_state):
