@@ -75,7 +75,7 @@ def test_offloaded_state_lives_in_host_memory_and_trains_the_same(tokens, refere
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)
         beyond = np.abs(a.astype(np.float64) - b) > 2e-5
-        assert beyond.mean() <= 1e-3, (a.shape, int(beyond.sum()), float(np.abs(a.astype(np.float64) - b).max()))
+        assert beyond.mean() <= 1e-3, (a.shape, int(beyond.sum()))
     # the moments (FSDP-sharded as before) and the step counts are in pinned_host memory, the
     # parameters in device memory; the shardings after steps are those of the abstract state
     for tree in (off_abs, off_state):
