@@ -7,10 +7,12 @@ nothing allocated), times ``lower`` and ``compile`` separately, counts the Mosai
 lowered program and reads XLA's memory analysis (``peak = argument + output - alias + temp``, the
 number ``--plan`` prints and the trainer's peak matches to 0.02 %).
 
-Variants: ``cudnn`` (every layer cuDNN); ``mt`` (MTraining as configured: the Mosaic forward / dQ
-with ``stream="auto"``, both streams' kernels compiled); ``mt-shared`` (``model.ring.kernel_stream=shared``:
-every forward / dQ call on the shared stream, one kernel each); ``-dqswitch`` (the dQ's shared stream
-walked with one loop, ``walk="switch"``: no config option, the kernel call is patched); ``mt-int2`` /
+Variants: ``cudnn`` (every layer cuDNN); ``mt`` (MTraining as configured: ``stream="auto"``, the Mosaic
+forward's two streams' kernels compiled, the dQ's split one); ``mt-index`` (``model.ring.kernel_stream=index``:
+both passes choose per call, two kernels each; the default before 2026-12-03); ``mt-shared``
+(``model.ring.kernel_stream=shared``: every forward / dQ call on the shared stream, one kernel each);
+``-dqswitch`` (the dQ's shared stream walked with one loop, ``walk="switch"``: no config option, the
+kernel call is patched; with ``index`` or ``shared``); ``mt-int2`` /
 ``mt-bf16out`` (the sparse layers' output residual as int2 codes / none, patched: what the int4 codes cost at
 the peak); ``mt-flatrepeats`` (a repeated layer pattern run as one scan per run and repeat, patched).
 Variants measured and removed are in ``results/training/train_throughput.md`` with the commit that had them.
@@ -34,7 +36,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-VARIANTS = ("cudnn", "mt", "mt-shared", "mt-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out", "mt-flatrepeats")
+VARIANTS = ("cudnn", "mt", "mt-index", "mt-shared", "mt-index-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out",
+            "mt-flatrepeats")
 GIB = 2 ** 30
 
 
@@ -44,10 +47,11 @@ def _patch_dq_walk() -> None:
 
     run_stream = mosaic_stream.run_stream
 
-    def patched(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform=False):
+    def patched(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform=False,
+                kernel="fwd"):
         if "mosaic_dq" in launch.__qualname__:
             walk = "switch"
-        return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform)
+        return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, kernel)
 
     mosaic_bwd.run_stream = patched
 
@@ -105,7 +109,8 @@ def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
     if variant == "mt-flatrepeats":
         _patch_flat_repeats()
     _patch_output_residual(variant)
-    sets = (["model.ring.kernel_stream=shared"] if "shared" in variant else []) + list(extra_sets)
+    stream = next((s for s in ("shared", "index") if s in variant), None)
+    sets = ([f"model.ring.kernel_stream={stream}"] if stream else []) + list(extra_sets)
     cfg, overrides = bench_config(config, sets, seq_len, "cudnn" if variant == "cudnn" else "mtraining", 1)
     t0 = time.perf_counter()
     mesh = build_mesh(cfg.mesh)

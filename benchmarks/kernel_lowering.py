@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: (label, stream, walk, dQ kv_step): the defaults first (``None``: the kernels' own default)
-CASES = (("defaults", None, None, None), ("shared, loops", "shared", "loops", 64),
+#: (label, stream, walk, dQ kv_step): the defaults first (``None``: the kernels' own default; ``"auto"``:
+#: the forward per call from the index, the dQ split), then both kernels under one conditional
+CASES = (("defaults", None, None, None), ("index", "index", None, None), ("shared, loops", "shared", "loops", 64),
          ("shared, switch", "shared", "switch", 64), ("split, loops", "split", "loops", 128),
          ("split, switch", "split", "switch", 128))
 

@@ -198,8 +198,9 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
     ``acc``: ``None`` or ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` of the same queries over
     keys disjoint from this chunk's (earlier ring steps); the result is then the merged
     ``(out, lse)`` over both key sets. ``stream``: what the Mosaic kernel's CTAs stream
-    (:data:`pallas_kernels.registry.STREAMS`; ``"auto"`` compiles both streams' kernels and runs one,
-    a fixed choice compiles one); the other backends ignore it, and the result is the same."""
+    (:data:`pallas_kernels.registry.STREAMS`; ``"index"`` compiles both streams' kernels and runs one,
+    a fixed choice compiles one, ``"auto"`` is ``"index"`` in the forward and ``"split"`` in the dQ on a
+    listed index); the other backends ignore it, and the result is the same."""
     registry.validate_stream(stream)
     _check(q, k, v, q_pos, k_pos, index, block_size)
     segs = _check_segs(q, k, q_seg, k_seg)

@@ -42,8 +42,9 @@ def supports(problem) -> None:
 
 
 def _stream_options(stream: str) -> dict:
-    """The forward / dQ kernel options of a ``stream`` choice: ``"split"`` as ``"auto"`` runs it
-    (128-key steps, one loop per segment: what kernels.md run 13 measured fastest on it)."""
+    """The forward / dQ kernel options of a ``stream`` choice: ``"split"`` as ``"index"`` and
+    ``"auto"`` run it (128-key steps, one loop per segment: what kernels.md run 13 measured fastest
+    on it); ``"auto"`` is resolved per pass by the kernels (:func:`pallas_kernels.mosaic_stream.resolve_stream`)."""
     return {"stream": "split", "kv_step": 128, "walk": "loops"} if stream == "split" else {"stream": stream}
 
 

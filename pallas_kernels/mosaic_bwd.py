@@ -164,9 +164,11 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     in the kernel, and no float32 copy of dq is written).
     ``do`` in q's dtype (cast here), ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed
     documents (module docstring); ``kv_step`` / ``slots`` / ``walk`` / ``stream`` as in
-    :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd` (``stream="split"`` needs ``kv_step=128``; the default
-    ``"auto"`` walks its shared branch with segment loops in 64-key steps: one loop is 5-12 % slower
-    in the dQ, results/kernels/kernels.md run 13); ``uniform`` as in the forward."""
+    :func:`~pallas_kernels.mosaic_fwd.mosaic_fwd` (``stream="split"`` needs ``kv_step=128``;
+    ``"index"`` walks its shared branch with segment loops in 64-key steps: one loop is 5-12 % slower
+    in the dQ, results/kernels/kernels.md run 13; the default ``"auto"`` is the split stream in 128-key
+    steps on a listed index, ``"shared"`` on a uniform one,
+    :data:`pallas_kernels.mosaic_stream.AUTO_STREAM`); ``uniform`` as in the forward."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
@@ -197,7 +199,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
         return query_kernel(kernel, "mosaic_dq", jax.ShapeDtypeStruct((B, sq, H, d), out_dtype), scratch, args,
                             nqb // 2, H, B)
 
-    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform)
+    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, "dq")
 
 
 def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,

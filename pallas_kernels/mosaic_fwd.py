@@ -213,12 +213,13 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     ``kv_step``: keys per step (64 or 128: two 64-key tiles of the stream in one softmax step);
     ``slots``: depth of the CTA's shared K/V ring (default: as many as fit, 2-4); ``walk``: how the
     consumers walk the stream (:data:`pallas_kernels.mosaic_stream.WALKS`); ``stream``: what the CTA's
-    two consumers share (:data:`pallas_kernels.mosaic_stream.STREAMS`: the union of their tiles,
-    ``"split"``, each its own tiles in one half of every 128-key step, or ``"auto"``, one of the two
-    chosen per call from the index by :func:`pallas_kernels.mosaic_stream.run_stream`, whose split
-    branch always takes 128-key steps and segment loops; ``walk`` / ``kv_step`` apply to its shared
-    branch); ``uniform``: every (batch, head) row of ``index`` is the same, its operands are built once
-    (:func:`pallas_kernels.mosaic_stream.stream_operands`)."""
+    two consumers share (:data:`pallas_kernels.mosaic_stream.STREAMS`: ``"shared"``, the union of their
+    tiles, ``"split"``, each its own tiles in one half of every 128-key step, or ``"index"``, one of
+    the two chosen per call from the index by :func:`pallas_kernels.mosaic_stream.run_stream`, whose
+    split branch always takes 128-key steps and segment loops; ``walk`` / ``kv_step`` apply to its
+    shared branch; ``"auto"``: ``"index"`` on a listed index, ``"shared"`` on a uniform one,
+    :func:`pallas_kernels.mosaic_stream.resolve_stream`); ``uniform``: every (batch, head) row of
+    ``index`` is the same, its operands are built once (:func:`pallas_kernels.mosaic_stream.stream_operands`)."""
     B, sq, H, d = q.shape
     bs = block_size
     nqb = sq // bs
@@ -248,4 +249,4 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
         out_type = [jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)]
         return tuple(query_kernel(kernel, "mosaic_fwd", out_type, scratch, args, nqb // 2, H, B))
 
-    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform)
+    return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, "fwd")

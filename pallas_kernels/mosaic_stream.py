@@ -134,11 +134,20 @@ WALKS = ("loops", "switch")
 #: what a CTA's two consumers share: ``"shared"``, the union of their rows' block tiles
 #: (:func:`pallas_kernels.mosaic_index.pair_stream`; a tile both rows list is loaded once and used by
 #: both); ``"split"``, each its own tiles in one half of every 128-key step
-#: (:func:`pallas_kernels.mosaic_index.split_stream`; both consumers busy on every step); ``"auto"``,
-#: one of the two per call, chosen on the device from the index (:func:`prefer_split`)
+#: (:func:`pallas_kernels.mosaic_index.split_stream`; both consumers busy on every step); ``"index"``,
+#: one of the two per call, chosen on the device from the index (:func:`prefer_split`; both kernels
+#: are compiled); ``"auto"``, one of those three per pass (:func:`resolve_stream`)
 STREAMS = registry.STREAMS
 
-#: ``"auto"`` takes the split stream when the shared stream carries more than this share of the
+#: what ``"auto"`` resolves to per query-side pass on a listed index (:func:`resolve_stream`). The
+#: forward chooses per call: the split stream is 1.09-1.15x the shared one where adjacent query
+#: blocks share few tiles and 0.91x where they share most (results/kernels/kernels.md run 13). The dQ
+#: takes the split stream: 1.03-1.06x the shared one on every layer and budget of a trained model's
+#: index (run 16) and on spread / mixed slashes (1.05-1.09x), tied on verticals, 0.94x only on a pure
+#: local band (run 13), and one dQ kernel instead of two in the compiled step.
+AUTO_STREAM = {"fwd": "index", "dq": "split"}
+
+#: ``"index"`` takes the split stream when the shared stream carries more than this share of the
 #: tiles its two rows compute (:func:`stream_per_work`): 0.5 when the rows list the same tiles, 1.0
 #: when they share none. Run 13 (results/kernels/kernels.md, H200): band (0.51) and vert (0.54) are
 #: as fast or faster shared; spread and mixed (0.86) faster split.
@@ -271,21 +280,39 @@ def stream_per_work(ops, shared, halves: int):
 
 
 def prefer_split(ops, shared, halves: int):
-    """Whether ``stream="auto"`` takes the split stream (:data:`SPLIT_ABOVE`); a traced bool."""
+    """Whether ``stream="index"`` takes the split stream (:data:`SPLIT_ABOVE`); a traced bool."""
     return stream_per_work(ops, shared, halves) > SPLIT_ABOVE
 
 
-def run_stream(launch, index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None,
-               walk: str, stream: str, uniform: bool = False):
-    """Build a query-side kernel's stream operands and call ``launch(ops, walk_ops, null_info, halves,
-    slots, kv_step, walk, split)`` (the kernel). ``stream="auto"``: the operands once, then a
-    ``lax.cond`` on :func:`prefer_split` between the split stream (128-key steps, segment loops) and
-    the shared one (``kv_step``, ``walk``): both kernels are compiled, one runs. ``uniform``: as in
-    :func:`stream_operands`."""
-    check_walk(walk)
+def resolve_stream(stream: str, kernel: str, uniform: bool = False) -> str:
+    """The stream a query-side pass (``kernel``: ``"fwd"`` or ``"dq"``) walks for ``stream``
+    (:data:`STREAMS`): ``"auto"`` is :data:`AUTO_STREAM`'s choice on a listed index and ``"shared"``
+    on the uniform full index (every row lists the same tiles up to its diagonal, so the shared
+    stream carries about half a tile per tile of work and ``"index"`` would choose it:
+    ``tests/test_mosaic_kernels.py``); the others are themselves."""
     if stream not in STREAMS:
         raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+    if kernel not in AUTO_STREAM:
+        raise ValueError(f"kernel must be one of {tuple(AUTO_STREAM)}, got {kernel!r}")
     if stream != "auto":
+        return stream
+    return "shared" if uniform else AUTO_STREAM[kernel]
+
+
+def run_stream(launch, index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None,
+               walk: str, stream: str, uniform: bool = False, kernel: str = "fwd"):
+    """Build a query-side kernel's stream operands and call ``launch(ops, walk_ops, null_info, halves,
+    slots, kv_step, walk, split)`` (the kernel ``kernel``, ``"fwd"`` or ``"dq"``; ``stream="auto"``
+    resolved by :func:`resolve_stream`). ``stream="index"``: the operands once, then a ``lax.cond`` on
+    :func:`prefer_split` between the split stream (128-key steps, segment loops) and the shared one
+    (``kv_step``, ``walk``): both kernels are compiled, one runs. The split stream resolved from
+    ``"auto"`` takes 128-key steps and segment loops (a fixed ``"split"`` needs ``kv_step=128``).
+    ``uniform``: as in :func:`stream_operands`."""
+    check_walk(walk)
+    auto, stream = stream == "auto", resolve_stream(stream, kernel, uniform)
+    if stream == "split" and auto:
+        kv_step, walk = 2 * bs, "loops"
+    if stream != "index":
         ops, walk_ops, null_info, halves, slots = stream_operands(index, k, v, q_pos, k_pos, bs, segs, kv_step,
                                                                  slots, stream, uniform)
         return launch(ops, walk_ops, null_info, halves, slots, kv_step, walk, stream == "split")
@@ -326,8 +353,8 @@ def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step
     cost, ``results/kernels/kernels.md`` run 17), the column tiles per head as always."""
     if kv_step not in (bs, 2 * bs):
         raise ValueError(f"kv_step must be {bs} or {2 * bs}, got {kv_step!r}")
-    if stream not in STREAMS[:2]:
-        raise ValueError(f"stream must be one of {STREAMS[:2]} here ('auto': run_stream), got {stream!r}")
+    if stream not in ("shared", "split"):
+        raise ValueError(f"stream must be 'shared' or 'split' here ('index', 'auto': run_stream), got {stream!r}")
     if stream == "split" and kv_step != 2 * bs:
         raise ValueError(f"stream='split' needs kv_step={2 * bs} (one {bs}-key half per consumer), got {kv_step!r}")
     halves = kv_step // bs

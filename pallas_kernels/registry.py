@@ -28,10 +28,12 @@ BACKENDS = ("mosaic", "triton", "xla")
 ALIASES = {"pallas": "triton"}
 IMPLS = ("auto",) + BACKENDS + tuple(ALIASES)
 DIRECTIONS = ("fwd", "bwd")
-#: what the Mosaic forward / dQ kernels' CTAs stream (:mod:`pallas_kernels.mosaic_stream`): the
-#: union of two query blocks' tiles, each block its own, or one of the two per call from the index.
+#: what the Mosaic forward / dQ kernels' CTAs stream (:mod:`pallas_kernels.mosaic_stream`):
+#: ``"shared"``, the union of two query blocks' tiles; ``"split"``, each block its own;
+#: ``"index"``, one of the two per call from the index (both kernels compiled, one runs);
+#: ``"auto"``, per pass what was measured fastest (:func:`pallas_kernels.mosaic_stream.resolve_stream`).
 #: The other backends have one schedule and ignore it; every choice gives the same result.
-STREAMS = ("shared", "split", "auto")
+STREAMS = ("auto", "index", "shared", "split")
 
 
 def validate_stream(stream) -> str:

@@ -410,7 +410,8 @@ class TestMosaicGPU(_GPUSizes):
             np.testing.assert_allclose(np.asarray(lse3)[fin], np.asarray(lse)[fin], rtol=0, atol=1e-4)
             dq3 = mosaic_dq(q, k, v, q_pos, k_pos, index, do, lse, delta, walk=walk, stream="split", kv_step=128, **kw)
             assert _rel(dq3, dq["loops"]) < 5e-3
-        # stream="auto" (the defaults) runs the stream prefer_split picks, bit for bit
+        # stream="index" runs the stream prefer_split picks, bit for bit; the defaults (stream="auto")
+        # are "index" in the forward and the split stream (128-key steps, segment loops) in the dQ
         from pallas_kernels.mosaic_index import pair_stream, prepare
         from pallas_kernels.mosaic_stream import prefer_split
         ops = prepare(index, k, v, k_pos, BS, q_pos, segs)
@@ -419,9 +420,11 @@ class TestMosaicGPU(_GPUSizes):
             pick = dict(stream="split", walk="loops", kv_step=128) if split else dict(stream="shared", kv_step=kv_step)
             if f is mosaic_fwd and not split:
                 pick["walk"] = "switch"
-            for x, y in zip(jax.tree.leaves(f(q, k, v, q_pos, k_pos, index, *a, **kw)),
-                            jax.tree.leaves(f(q, k, v, q_pos, k_pos, index, *a, **pick, **kw))):
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            default = dict(stream="split", walk="loops", kv_step=128) if f is mosaic_dq else pick
+            for got, want in ((dict(stream="index"), pick), ({}, default)):
+                for x, y in zip(jax.tree.leaves(f(q, k, v, q_pos, k_pos, index, *a, **got, **kw)),
+                                jax.tree.leaves(f(q, k, v, q_pos, k_pos, index, *a, **want, **kw))):
+                    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 class TestValidation:

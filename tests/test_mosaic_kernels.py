@@ -402,8 +402,8 @@ def test_the_api_marks_only_its_own_full_index_uniform():
 
 
 def test_uniform_index_kernels_lower_for_cuda():
-    """With ``uniform_index`` the backend lowers the same Mosaic GPU kernels (only their operands' build
-    differs): the forward's two streams, the backward's four kernels."""
+    """With ``uniform_index`` the backend lowers the shared stream's forward and dQ kernels (the stream
+    the per-call choice takes on the full index) and builds their operands once."""
     from pallas_kernels import backend_mosaic
     from pallas_kernels.index_format import full_step_index
 
@@ -418,7 +418,9 @@ def test_uniform_index_kernels_lower_for_cuda():
                                                                     sm_scale=0.1, block_size=BS, uniform_index=u))
         texts = [h.trace(q, k, idx).lower(lowering_platforms=("cuda",)).as_text() for h in (f, g)]
         counts[uniform] = [t.count("custom_call @mosaic_gpu") for t in texts]
-    assert counts == {False: [2, 4], True: [2, 4]}
+    # stream "auto": on a listed index the forward's two streams and the dQ's split one; on the uniform
+    # full index the shared stream of each (what "index" would choose there: test_auto_stream_choice_per_family)
+    assert counts == {False: [2, 3], True: [1, 3]}
 
 
 def _lowering_inputs(seed):
@@ -432,21 +434,28 @@ def _lowering_inputs(seed):
 
 def test_backend_takes_the_stream_to_the_kernels():
     """``stream`` (``RingOptions.kernel_stream``) reaches the Mosaic forward and dQ through the
-    backend: ``"auto"`` lowers both streams' kernels under one conditional, a fixed stream one kernel
-    (the dK/dV passes, two kernels, have no stream)."""
+    backend: ``"index"`` lowers both streams' kernels under one conditional, a fixed stream one kernel,
+    ``"auto"`` the forward's conditional and the dQ's split kernel, the same program as ``"split"``'s
+    backward (the dK/dV passes, two kernels, have no stream)."""
     from pallas_kernels import backend_mosaic
 
     B, S, H, q, k, pos, idx = _lowering_inputs(3)
     lse = jnp.zeros((B, H, S))
     counts = {}
-    for stream in ("auto", "shared", "split"):
+    texts = {}
+    for stream in ("auto", "index", "shared", "split"):
         f = jax.jit(lambda q, k, idx, s=stream: backend_mosaic.fwd(q, k, k, pos, pos, idx, None, sm_scale=0.1,
                                                                    block_size=64, stream=s))
         g = jax.jit(lambda q, k, idx, s=stream: backend_mosaic.bwd(q, k, k, pos, pos, idx, q, lse, lse, None, None,
                                                                    sm_scale=0.1, block_size=64, stream=s))
-        texts = [h.trace(q, k, idx).lower(lowering_platforms=("cuda",)).as_text() for h in (f, g)]
-        counts[stream] = [(t.count("custom_call @mosaic_gpu"), t.count("stablehlo.case")) for t in texts]
-    assert counts == {"auto": [(2, 1), (4, 1)], "shared": [(1, 0), (3, 0)], "split": [(1, 0), (3, 0)]}
+        texts[stream] = [h.trace(q, k, idx).lower(lowering_platforms=("cuda",)).as_text() for h in (f, g)]
+        counts[stream] = [(t.count("custom_call @mosaic_gpu"), t.count("stablehlo.case")) for t in texts[stream]]
+    assert counts == {"auto": [(2, 1), (3, 0)], "index": [(2, 1), (4, 1)], "shared": [(1, 0), (3, 0)],
+                      "split": [(1, 0), (3, 0)]}
+    assert texts["auto"][0] == texts["index"][0] and texts["auto"][1] == texts["split"][1]
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        from pallas_kernels.mosaic_stream import resolve_stream
+        resolve_stream("auto", "dkv")
 
 
 @pytest.mark.parametrize("merge, documents", [(False, False), (True, False), (False, True), (True, True)])
@@ -464,9 +473,9 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
     text = f.trace(q, k, k, idx, acc, segs).lower(lowering_platforms=("cuda",)).as_text()
     # each pass is named (a profile tells them apart); an unnamed body would lower as "anonymous"
     assert "mosaic_gpu" in text and "mosaic_fwd" in text and "anonymous" not in text
-    # the default stream="auto": a conditional between the split and the shared stream's kernels
+    # the forward's default stream="auto" ("index"): a conditional between the split and the shared kernels
     assert text.count("stablehlo.case") == 1 and text.count("custom_call @mosaic_gpu") == 2, \
-        "stream='auto' lowers both kernels under one conditional"
+        "the forward's stream='auto' lowers both kernels under one conditional"
     lse = jnp.zeros((B, H, S))
     dq_acc = jnp.zeros(q.shape) if merge else None
     g = jax.jit(lambda q, k, v, idx, do, lse, delta, acc, segs: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta, acc,
@@ -479,7 +488,7 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
     t16 = g16.trace(q, k, k, idx, q, lse, lse, dq_acc, segs).lower(lowering_platforms=("cuda",)).as_text()
     dq_type = f"tensor<{B}x{S}x{H}x{D}x"
     calls = [line for line in t16.splitlines() if "custom_call @mosaic_gpu" in line]
-    assert len(calls) == 2 and all(f"-> {dq_type}bf16>" in line for line in calls), calls
+    assert len(calls) == 1 and all(f"-> {dq_type}bf16>" in line for line in calls), calls  # "auto": split
     assert all(f"-> {dq_type}f32>" in line for line in text.splitlines() if "custom_call @mosaic_gpu" in line)
     if not merge and not documents:  # the other step width of each query-side kernel
         sizes = {}
@@ -558,14 +567,39 @@ def test_auto_stream_choice_per_family(family, split):
         assert bool(prefer_split(ops, pair_stream(ops, halves), halves)) == split
 
 
+@pytest.mark.parametrize("S, shift", [(128, 0), (256, 0), (1024, 0), (1024, 2), (4096, 0), (4096, 64)])
+def test_full_index_takes_the_shared_stream(S, shift):
+    """On the full index (the API's ``index=None``, built once per call: ``uniform_index``) the
+    per-call choice is the shared stream at both step widths, so ``stream="auto"`` resolves to it
+    there without compiling the split kernel: causal (``shift`` 0) and a ring step whose queries lie
+    ``shift`` blocks after the keys' start (diagonal, partly and wholly visible blocks)."""
+    from pallas_kernels.index_format import full_step_index
+    from pallas_kernels.mosaic_index import pair_stream, prepare
+    from pallas_kernels.mosaic_stream import prefer_split, resolve_stream, stream_per_work
+
+    kp = jnp.arange(S, dtype=jnp.int32)
+    qp = kp + shift * BS
+    idx = full_step_index(1, 2, S, S, qp, kp, BS)
+    k = jnp.zeros((1, S, 1, 64), jnp.bfloat16)
+    ops = prepare(idx, k, k, kp, BS, qp)
+    for halves in (1, 2):
+        share = float(stream_per_work(ops, pair_stream(ops, halves), halves))
+        assert 0.5 <= share <= 0.7 and not bool(prefer_split(ops, pair_stream(ops, halves), halves)), (halves, share)
+    assert [resolve_stream("auto", p, uniform=True) for p in ("fwd", "dq")] == ["shared", "shared"]
+    assert [resolve_stream("auto", p) for p in ("fwd", "dq")] == ["index", "split"]
+
+
 def test_kernel_lowering_benchmark_reports_every_case():
-    """benchmarks/kernel_lowering.py: one row per case with both kernels' lowered sizes; the defaults
-    (stream "auto") hold both streams' kernels, so they are larger than any one stream's."""
+    """benchmarks/kernel_lowering.py: one row per case with both kernels' lowered sizes; stream
+    "index" holds both streams' kernels, so it is larger than any one stream's; the defaults (stream
+    "auto") are the forward's "index" and the dQ's split stream with segment loops."""
     from benchmarks.kernel_lowering import CASES, sizes
 
     rows = sizes()
     assert [r["case"] for r in rows] == [c[0] for c in CASES]
     by = {r["case"]: r for r in rows}
     for key in ("fwd_chars", "dq_chars"):
-        assert by["defaults"][key] > max(by[c][key] for c in ("split, loops", "shared, switch"))
+        assert by["index"][key] > max(by[c][key] for c in ("split, loops", "shared, switch"))
         assert by["shared, switch"][key] < by["shared, loops"][key]
+    assert by["defaults"]["fwd_chars"] == by["index"]["fwd_chars"]
+    assert by["defaults"]["dq_chars"] == by["split, loops"]["dq_chars"] < by["index"]["dq_chars"]

@@ -300,11 +300,11 @@ class TestMosaicGPU(TestTritonGPU):
     RING_CASES = [((1, 1), "hierarchical", ("zigzag",), dict(S=4096, Hq=8, Hkv=2, D=128, dtype="bfloat16"))]
     STEP_DTYPE = "bfloat16"
 
-    @pytest.mark.parametrize("stream", ["shared", "split"])
+    @pytest.mark.parametrize("stream", ["index", "shared", "split"])
     def test_step_index_random_sparse_every_kernel_stream(self, stream):
-        """``kernel_stream`` fixed (``model.ring.kernel_stream``): the ring passes it to the Mosaic
-        forward and dQ kernels (one kernel each instead of ``auto``'s two) and the result is still
-        dense attention under the index's union mask."""
+        """``kernel_stream`` other than the default ``auto`` (``model.ring.kernel_stream``): the ring
+        passes it to the Mosaic forward and dQ kernels (``index``: both passes chosen per call; a fixed
+        stream: one kernel each) and the result is still dense attention under the index's union mask."""
         mesh_shape, order, layout_name = self.STEP_CASES[0]
         make = functools.partial(_random_step_index, max_cols=5, empty_rows=True)
         lay, (q, k, v, cot), mask, out, grads = _run_step_index(mesh_shape, order, layout_name, make, 4, self.impl,

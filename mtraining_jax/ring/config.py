@@ -74,11 +74,12 @@ class RingOptions:
         Hopper, Triton on other GPUs, the XLA twin elsewhere), ``"mosaic"``, ``"triton"``,
         ``"pallas"``, ``"xla"``.
       kernel_stream: what the Mosaic forward / dQ kernels' CTAs stream
-        (:data:`pallas_kernels.registry.STREAMS`): ``"auto"`` (per call from the index: both
-        streams' kernels are compiled, one runs), ``"shared"`` or ``"split"`` (one kernel each: the
-        Qwen2.5-0.5B 128K step compiles in 17-19 s instead of 25-31 s,
-        results/training/train_throughput.md run 9). Every choice gives the same result; other
-        kernel backends ignore it.
+        (:data:`pallas_kernels.registry.STREAMS`): ``"auto"`` (the forward per call from the index,
+        both its streams' kernels compiled; the dQ on the split stream:
+        :data:`pallas_kernels.mosaic_stream.AUTO_STREAM`), ``"index"`` (both passes per call from the
+        index), ``"shared"`` or ``"split"`` (one kernel each: fewer kernels to compile,
+        results/training/train_throughput.md). Every choice gives the same result; other kernel
+        backends ignore it.
     """
 
     ring_order: str = "hierarchical"
