@@ -289,7 +289,7 @@ def resolve_stream(stream: str, kernel: str, uniform: bool = False) -> str:
     (:data:`STREAMS`): ``"auto"`` is :data:`AUTO_STREAM`'s choice on a listed index and ``"shared"``
     on the uniform full index (every row lists the same tiles up to its diagonal, so the shared
     stream carries about half a tile per tile of work and ``"index"`` would choose it:
-    ``tests/test_mosaic_kernels.py``); the others are themselves."""
+    ``tests/test_mosaic_streams.py``); the others are themselves."""
     if stream not in STREAMS:
         raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
     if kernel not in AUTO_STREAM:

@@ -162,3 +162,13 @@ def index_family(rng: np.random.Generator, family: str, batch: int, heads: int, 
         m = max(map(len, rows))
         offsets = np.array([r + [n] * (m - len(r)) for r in rows], np.int64)  # n: padding (no block)
     return diagonal_index(batch, heads, seq, offsets, _columns(rng, heads, seq, ncols), block_size=bs)
+
+
+def lowering_inputs(seed: int):
+    """``(B, S, H, q, k, pos, idx)`` for lowering the Mosaic kernels for CUDA on any host: zero bf16
+    ``q`` ``[1, 256, 4, 128]`` and ``k`` ``[1, 256, 2, 128]``, positions ``0..255`` and a random
+    :class:`StepIndex` (block size 64, up to 3 blocks and 70 columns per row) from ``seed``."""
+    B, S, H, Hkv, D = 1, 256, 4, 2, 128
+    pos = jnp.arange(S, dtype=jnp.int32)
+    idx = random_step_index(np.random.default_rng(seed), B, H, S, S, pos, pos, max_blocks=3, max_cols=70)
+    return B, S, H, jnp.zeros((B, S, H, D), jnp.bfloat16), jnp.zeros((B, S, Hkv, D), jnp.bfloat16), pos, idx
