@@ -46,7 +46,11 @@ def _stream_options(stream: str) -> dict:
     """The forward / dQ kernel options of a ``stream`` choice: ``"split"`` as ``"index"`` and
     ``"auto"`` run it (128-key steps, one loop per segment: what kernels.md run 13 measured fastest
     on it); ``"auto"`` is resolved per pass by the kernels (:func:`pallas_kernels.mosaic_stream.resolve_stream`)."""
-    return {"stream": "split", "kv_step": 128, "walk": "loops"} if stream == "split" else {"stream": stream}
+    if stream != "split":
+        return {"stream": stream}
+    from pallas_kernels.mosaic_stream import SPLIT_WALK  # imports Mosaic GPU only when used
+
+    return {"stream": "split", "kv_step": 128, "walk": SPLIT_WALK}
 
 
 def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto",
