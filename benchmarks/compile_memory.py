@@ -13,8 +13,7 @@ both passes choose per call, two kernels each; the default before 2026-12-03); `
 (``model.ring.kernel_stream=shared``: every forward / dQ call on the shared stream, one kernel each);
 ``-dqswitch`` (the dQ's shared stream walked with one loop, ``walk="switch"``: no config option, the
 kernel call is patched; with ``index`` or ``shared``); ``mt-split`` (``kernel_stream=split``: the forward
-too on the split stream, one kernel); ``-masked`` (every Mosaic pass's tiles through its masked body:
-``walk="*_masked"`` and the dK/dV block pass's ``fold``, patched); ``mt-int2`` /
+too on the split stream, one kernel); ``mt-int2`` /
 ``mt-bf16out`` (the sparse layers' output residual as int2 codes / none, patched: what the int4 codes cost at
 the peak); ``mt-flatrepeats`` (a repeated layer pattern run as one scan per run and repeat, patched).
 Variants measured and removed are in ``results/training/train_throughput.md`` with the commit that had them.
@@ -39,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 VARIANTS = ("cudnn", "mt", "mt-index", "mt-shared", "mt-index-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out",
-            "mt-flatrepeats", "mt-masked", "mt-split", "mt-split-masked")
+            "mt-flatrepeats", "mt-split")
 GIB = 2 ** 30
 
 
@@ -56,25 +55,6 @@ def _patch_dq_walk() -> None:
         return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, kernel)
 
     mosaic_bwd.run_stream = patched
-
-
-def _patch_masked_walks() -> None:
-    """Every Mosaic pass walks its tiles through the masked body only (``walk="*_masked"``,
-    ``mosaic_dkv_blocks(fold=True)``): one compute body per tile shape, fewer to compile."""
-    import functools
-
-    from pallas_kernels import mosaic_bwd, mosaic_fwd, mosaic_stream
-
-    mosaic_stream.SPLIT_WALK = "loops_masked"
-    run_stream = mosaic_stream.run_stream
-
-    def patched(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform=False,
-                kernel="fwd"):
-        walk = walk if walk.endswith("_masked") else walk + "_masked"
-        return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, kernel)
-
-    mosaic_fwd.run_stream = mosaic_bwd.run_stream = patched
-    mosaic_bwd.mosaic_dkv_blocks = functools.partial(mosaic_bwd.mosaic_dkv_blocks, fold=True)
 
 
 def _patch_flat_repeats() -> None:
@@ -127,8 +107,6 @@ def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
 
     if "dqswitch" in variant:
         _patch_dq_walk()
-    if variant.endswith("-masked"):
-        _patch_masked_walks()
     if variant == "mt-flatrepeats":
         _patch_flat_repeats()
     _patch_output_residual(variant)

@@ -22,9 +22,7 @@ import numpy as np
 #: the forward per call from the index, the dQ split), then both kernels under one conditional
 CASES = (("defaults", None, None, None), ("index", "index", None, None), ("shared, loops", "shared", "loops", 64),
          ("shared, switch", "shared", "switch", 64), ("split, loops", "split", "loops", 128),
-         ("split, switch", "split", "switch", 128), ("shared, switch_masked", "shared", "switch_masked", 64),
-         ("shared, loops_masked", "shared", "loops_masked", 64), ("split, loops_masked", "split", "loops_masked", 128),
-         ("split, switch_masked", "split", "switch_masked", 128))
+         ("split, switch", "split", "switch", 128))
 
 
 def sizes(seed: int = 2) -> list:

@@ -256,8 +256,7 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
     and stream (:data:`pallas_kernels.mosaic_stream.WALKS`, ``STREAMS``; impl e.g. ``mosaic[switch]``,
-    ``mosaic[split]``; the split dQ takes 128-key steps; a ``*_masked`` walk also times the dK/dV
-    block pass with ``fold=True``, ``mosaic[fold]``); ``names``: the passes to time (:data:`PASSES`);
+    ``mosaic[split]``; the split dQ takes 128-key steps); ``names``: the passes to time (:data:`PASSES`);
     ``model`` (as :func:`run`'s): also a trained model's indices (index ``model_L<layer>[_budget]``)
     (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
     block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
@@ -298,8 +297,6 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                  for w, st in variants],
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
-               *([("dkv_blocks", "mosaic[fold]", functools.partial(mosaic_bwd.mosaic_dkv_blocks, fold=True), args,
-                   4 * bp)] if any(w.endswith("_masked") for w in walks) else []),
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
                ("dkv_cols", "mosaic", mosaic_bwd.mosaic_dkv_cols, args + (zeros, zeros), 4 * cp)]
         for pname, impl, fn, a, matmul_pairs in fns:

@@ -208,8 +208,7 @@ def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, 
     resident in ``kres/vres[w]``; tile ``t`` in slot ``w * stages + t % stages``; tiles before
     ``n_free`` unmasked, the rest masked by ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]`` with the
     KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``); ``n_free``
-    ``None``: every tile through the masked body (no free loop; a free tile's mask keeps every pair, so
-    this is exact and compiles one body instead of two). Packed
+    ``None``: no free tiles (the column pass), so no free loop is compiled. Packed
     documents: ``kseg_smem [bs]`` holds the KV rows' segment ids, the tile's ``qinfo`` row 2 the
     queries'; masked pairs must match. Returns the float32 ``(dk * scale, dv)`` of the rows in the
     wgmma layout."""
@@ -316,7 +315,7 @@ def _resident(w, copies, bars):
 
 def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, k_ref, v_ref,
                        *refs, stages: int, g: int, bs: int, nqb: int, qk_scale: float, scale: float,
-                       segs: bool = False, fold: bool = False):
+                       segs: bool = False):
     kseg_ref, (dk_ref, dv_ref, smems, bars) = (refs[0], refs[1:]) if segs else (None, refs)
     kres, vres, kp_smem, *tile_smems = smems
     kv_bar, *tile_bars = bars
@@ -341,8 +340,7 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
             copies.append((kseg_ref.at[b, rows], kp_smem.at[2 + w]))
         _resident(w, copies, kv_bar)
         kpos_b = lax.broadcast_in_dim(load_smem(kp_smem.at[w], row_layout()), (bs, bs), [0])
-        dk, dv = _dkv_consumer(w, None if fold else n_free, n_all, kres, vres, kpos_b, None, tile_smems, tile_bars,
-                               stages=stages,
+        dk, dv = _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, None, tile_smems, tile_bars, stages=stages,
                                bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
                                kseg_smem=kp_smem.at[2 + w] if segs else None)
         dk_ref[b, rows, hk] = dk
@@ -446,16 +444,15 @@ def _launch(kernel, out_type, scratch, grid, grid_names, *args):
                         compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("uniform", "fold"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("uniform",))
 def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
-                      block_size: int = 64, stages: int = 2, segs=None, uniform: bool = False, fold: bool = False):
+                      block_size: int = 64, stages: int = 2, segs=None, uniform: bool = False):
     """Backward block pass: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks' pairs (causal,
     minus the listed columns of each row's prefix: :func:`mosaic_dkv_cols` has those), summed over
     each KV head's group of query heads. ``Sk`` a multiple of 128; ``do`` in q's dtype (cast here),
     ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed documents (module docstring);
     ``uniform``: every (batch, head) row of ``index`` alike, its schedule built once
-    (:func:`~pallas_kernels.mosaic_index.uniform_kv_schedule`); ``fold``: free tiles through the masked
-    body too (one compute body: a smaller kernel to compile, the mask's arithmetic on every tile)."""
+    (:func:`~pallas_kernels.mosaic_index.uniform_kv_schedule`)."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
@@ -463,7 +460,7 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
     sched, counts = (uniform_kv_schedule if uniform else kv_schedule)(index, sk, hkv, bs)
     rinfo, qinfo = _row_infos(q_pos, lse, delta, index.col_count, bs, segs[0] if sg else None)
     kernel = functools.partial(_dkv_blocks_kernel, stages=stages, g=H // hkv, bs=bs, nqb=sq // bs,
-                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), segs=sg, fold=fold)
+                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), segs=sg)
     out = jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)
     scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2 + 2 * sg, bs), jnp.int32), sg, resident=3 + sg)
     args = [counts, sched, k_pos.astype(jnp.int32), column_slots(index, sk), q, do.astype(q.dtype), rinfo, qinfo, k, v]

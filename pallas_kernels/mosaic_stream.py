@@ -66,14 +66,12 @@ def _runs(kinds) -> list:
     return runs
 
 
-def _shared_plan(fold: bool = False) -> tuple:
+def _shared_plan() -> tuple:
     """The shared stream's block loops for both consumers (static): ``((kind, run of consumer 0 or
     None, run of consumer 1 or None), ...)``, a shortest common supersequence of the two consumers'
     runs of equal class over :data:`STREAM_SEGMENTS` (consecutive segments of one class are one
-    loop): 7 loops where one per segment and consumer took 14. ``fold``: free segments count as
-    masked (the ``*_masked`` walks), 3 loops."""
-    cls = (lambda c: 1 if fold and c == 0 else c)
-    a, b = (_runs([cls(seg[w]) for seg in STREAM_SEGMENTS]) for w in (0, 1))
+    loop): 7 loops where one per segment and consumer took 14."""
+    a, b = (_runs([seg[w] for seg in STREAM_SEGMENTS]) for w in (0, 1))
     n, m = len(a), len(b)
     L = [[0] * (m + 1) for _ in range(n + 1)]  # L[i][j]: shortest supersequence of a[i:], b[j:]
     for i in range(n, -1, -1):
@@ -99,10 +97,9 @@ def _shared_plan(fold: bool = False) -> tuple:
 
 
 SHARED_PLAN = _shared_plan()
-SHARED_PLAN_FOLDED = _shared_plan(fold=True)
 
 
-def stream_segments(w, bounds, n_union, row, split: bool = False, fold: bool = False):
+def stream_segments(w, bounds, n_union, row, split: bool = False):
     """Consumer ``w``'s walk of the stream as ``(lo, hi, kind, col)`` loops in stream order; ``kind``
     0 free, 1 masked, 2 skipped (not in its row's walk); ``col``: a column tile (threshold
     ``1 - col_count``, else ``col_count``). The shared stream's block steps: the loops of
@@ -110,18 +107,13 @@ def stream_segments(w, bounds, n_union, row, split: bool = False, fold: bool = F
     whose walk has no run there). ``split``
     (:func:`~pallas_kernels.mosaic_index.split_stream`): block step ``t``'s own half is the row's
     ``t``-th tile, so the consumer's block steps are three loops from its own counts (free, masked,
-    past its list): 5 loops with the column ones (shared stream: 9). ``fold``: free steps are masked
-    steps (a free tile's mask keeps every key, :func:`~pallas_kernels.mosaic_index.prepare`), so
-    one compute body per tile shape: split 3 loops, shared 4 (:data:`SHARED_PLAN_FOLDED`) plus the
-    column loop."""
+    past its list): 5 loops with the column ones (shared stream: 9)."""
     if split:
         _, _, nct, ncf, n_free, n_blk = row
-        if fold:
-            return [(0, n_blk, 1, False), (n_blk, n_union, 2, False), (n_union, n_union + nct, 1, True)]
         return [(0, n_free, 0, False), (n_free, n_blk, 1, False), (n_blk, n_union, 2, False),
                 (n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
     loops = []
-    for kind, r0, r1 in (SHARED_PLAN_FOLDED if fold else SHARED_PLAN):
+    for kind, r0, r1 in SHARED_PLAN:
         lo0, hi0 = (bounds[r0[1]], bounds[r0[2] + 1]) if r0 else (0, 0)
         lo1, hi1 = (bounds[r1[1]], bounds[r1[2] + 1]) if r1 else (0, 0)
         if r0 == r1:  # the same segments for both consumers
@@ -129,18 +121,14 @@ def stream_segments(w, bounds, n_union, row, split: bool = False, fold: bool = F
         else:
             loops.append((jnp.where(w == 0, lo0, lo1), jnp.where(w == 0, hi0, hi1), kind, False))
     nct, ncf = row[2], row[3]
-    if fold:
-        return loops + [(n_union, n_union + nct, 1, True)]
-    return loops + [(n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
+    loops += [(n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
+    return loops
 
 
 #: how a consumer walks the stream: ``"loops"``, one loop per segment of :func:`stream_segments` (each
 #: its own copy of the step body: 10 on the shared stream, 6 on the split one); ``"switch"``, one loop whose body picks the
-#: free / masked / skip step per tile (:func:`step_kind`): one copy of each body, a smaller program;
-#: ``"loops_masked"`` / ``"switch_masked"``: the same with every computed tile through the masked body (a
-#: free tile's mask keeps every key), so each tile shape has one compute body: fewer copies to compile,
-#: the mask's arithmetic on free tiles too
-WALKS = ("loops", "switch", "loops_masked", "switch_masked")
+#: free / masked / skip step per tile (:func:`step_kind`): one copy of each body, a smaller program
+WALKS = ("loops", "switch")
 
 
 #: what a CTA's two consumers share: ``"shared"``, the union of their rows' block tiles
@@ -198,18 +186,6 @@ def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "
     ``own=True`` (the consumer's half of the step), the column steps shared as always."""
     check_walk(walk)
     ncol, nct = row[1], row[2]
-    fold = walk.endswith("_masked")
-    if walk.startswith("switch") and fold:
-        def step(t, carry):  # masked or skipped: one compute body per tile shape
-            kind, col = step_kind(t, w, bounds, n_union, row)
-            thr = jnp.where(col, 1 - ncol, ncol)
-            if split:  # block steps: the consumer's own half (0); column steps: both (1); skip 2
-                bodies = [lambda c: tile(t, c, masked=True, thr=thr, own=True),
-                          lambda c: tile(t, c, masked=True, thr=thr), lambda c: skip(t, c)]
-                return lax.switch(jnp.where(kind == 2, 2, col.astype(jnp.int32)), bodies, carry)
-            return lax.cond(kind == 2, lambda c: skip(t, c), lambda c: tile(t, c, masked=True, thr=thr), carry)
-
-        return lax.fori_loop(0, total, step, carry)
     if walk == "switch":
         def step(t, carry):
             kind, col = step_kind(t, w, bounds, n_union, row)
@@ -224,7 +200,7 @@ def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "
             return lax.switch(kind, bodies, carry)
 
         return lax.fori_loop(0, total, step, carry)
-    for lo, hi, kind, col in stream_segments(w, bounds, n_union, row, split, fold):
+    for lo, hi, kind, col in stream_segments(w, bounds, n_union, row, split):
         if kind == 2:
             body = skip
         else:
