@@ -30,9 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, key_limits, query_kernel, query_pair_ids, run_stream,
-                                          segment_ok, stream_barriers, stream_producer, stream_smem, stream_walk,
-                                          walk_stream)
+from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
+                                          stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
 from pallas_kernels.mosaic_index import (column_ids, column_operands, column_ranges, column_slots, kv_schedule,
                                          uniform_kv_schedule)
 from pallas_kernels.three_pass import add_column_grads
@@ -105,7 +104,9 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
                 plgpu.wgmma(acc_ref, do_smem.at[w], transposed(v_tile))
                 sm = s
                 if masked:
-                    ok = lax.broadcast_in_dim(key_limits(info_smem, slot, thr, keys), (bs, n), [1]) <= qpos_b
+                    pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
+                    aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
+                    ok = (pos <= qpos_b) & (aux >= thr)
                     if segs:
                         ok = ok & segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, n, *keys)
                     sm = jnp.where(ok, sm, NEG_INF)

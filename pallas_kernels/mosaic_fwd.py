@@ -27,10 +27,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_common import LOG2E, LN2, NEG_INF, load_smem, row_layout, tile_transforms, transposed
-from pallas_kernels.mosaic_stream import (consumer_row, key_limits, query_kernel, query_pair_ids, run_stream,
-                                          segment_ok, stream_barriers, stream_producer, stream_smem, stream_walk,
-                                          walk_stream)
+from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, col_layout, load_smem, row_layout, tile_transforms,
+                                          transposed)
+from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
+                                          stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
 
 
 def _online_softmax(carry, s, masked: bool, scale: float):
@@ -133,8 +133,9 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             s = pl.run_scoped(qk, plgpu.ACC((bs, n), jnp.float32))  # unscaled: qk_scale folds into FMAs
             plgpu.barrier_wait(i_bar.at[slot])
             if masked:
-                lim = lax.broadcast_in_dim(key_limits(info_smem, slot, thr, keys), (bs, n), [1])
-                ok = lim <= (qpos_b if n == kv else qpos_h)
+                pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
+                aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
+                ok = (pos <= (qpos_b if n == kv else qpos_h)) & (aux >= thr)
                 if segs:
                     ok = ok & segment_ok(info_smem, slot, row_smem.at[2 + w], bs, n, *keys)
                 s = jnp.where(ok, s, NEG_INF)

@@ -37,16 +37,6 @@ def segment_ok(info_smem, slot, qseg_smem, bs: int, kv: int | None = None, keys=
     return kseg == qseg
 
 
-def key_limits(info_smem, slot, thr, keys=()):
-    """``int32 [n]`` in the column layout: for each key of the step in ``slot`` (``keys``: a slice of
-    them), its position when ``aux >= thr`` and :data:`~pallas_kernels.mosaic_index.POS_PAD` otherwise.
-    The mask rule ``pos <= q_pos and aux >= thr`` (``mosaic_index``) is then ONE compare per pair,
-    ``limit <= q_pos`` (``q_pos < POS_PAD``), the threshold applied once per key."""
-    pos = load_smem(info_smem.at[(slot, 0, *keys)], col_layout())
-    aux = load_smem(info_smem.at[(slot, 1, *keys)], col_layout())
-    return jnp.where(aux >= thr, pos, POS_PAD)
-
-
 def stream_walk(bnd_ref, cnt_ref, b, h, pair, bs: int, halves: int = 1):
     """The CTA's shared tile stream (:func:`pallas_kernels.mosaic_index.pair_stream`): ``(bounds,
     n_union, total, rows)`` with ``bounds`` the 9 segment starts of the union's block tiles,
