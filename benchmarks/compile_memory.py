@@ -15,7 +15,9 @@ both passes choose per call, two kernels each; the default before 2026-12-03); `
 kernel call is patched; with ``index`` or ``shared``); ``mt-split`` (``kernel_stream=split``: the forward
 too on the split stream, one kernel); ``mt-int2`` /
 ``mt-bf16out`` (the sparse layers' output residual as int2 codes / none, patched: what the int4 codes cost at
-the peak); ``mt-flatrepeats`` (a repeated layer pattern run as one scan per run and repeat, patched).
+the peak); ``mt-flatrepeats`` (a repeated layer pattern run as one scan per run and repeat, patched);
+``-noprecompile`` (``MTRAINING_MOSAIC_PRECOMPILE=0``: every Mosaic kernel compiled inside the step's compile,
+as before :mod:`pallas_kernels.mosaic_precompile`; with ``mt`` or ``mt-split``).
 Variants measured and removed are in ``results/training/train_throughput.md`` with the commit that had them.
 ``--set KEY=VALUE ...`` overrides the config for every variant (e.g. ``'model.dense_layers=[]'``). ``--dump DIR``
 also writes XLA's dumps there and lists the largest values of the step's temporary allocation (what the peak
@@ -38,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 VARIANTS = ("cudnn", "mt", "mt-index", "mt-shared", "mt-index-dqswitch", "mt-shared-dqswitch", "mt-int2", "mt-bf16out",
-            "mt-flatrepeats", "mt-split")
+            "mt-flatrepeats", "mt-split", "mt-noprecompile", "mt-split-noprecompile")
 GIB = 2 ** 30
 
 
@@ -125,10 +127,15 @@ def measure(variant: str, config: str, seq_len: int, extra_sets=()) -> dict:
     ma = lowered.compile().memory_analysis()
     t3 = time.perf_counter()
     text = lowered.as_text()
+    from pallas_kernels import mosaic_precompile
+
+    early = mosaic_precompile.stats()
     peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     return {"variant": variant, "seq_len": seq_len, "config": config, "overrides": overrides,
             "setup_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
             "mosaic_calls": mosaic_calls(text), "mlir_chars": len(text),
+            "precompile": early["active"] or bool(early["errors"]), "precompiled": early["compiled"],
+            "precompile_errors": early["errors"],
             "temp_gib": ma.temp_size_in_bytes / GIB, "peak_gib": peak / GIB,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
@@ -180,6 +187,8 @@ def main(argv=None) -> int:
     prov, rows = provenance(argv), []
     for v in variants:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if "noprecompile" in v:
+            env["MTRAINING_MOSAIC_PRECOMPILE"] = "0"
         if a.dump:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={os.path.join(a.dump, v)}").strip()
         cmd = [sys.executable, "-m", "benchmarks.compile_memory", "--child", v, "--config", a.config,

@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_precompile
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
@@ -439,6 +440,7 @@ def _dkv_scratch(dtype, bs: int, d: int, stages: int, kv_info, segs: bool = Fals
 
 
 def _launch(kernel, out_type, scratch, grid, grid_names, *args):
+    mosaic_precompile.start()  # compiled as soon as lowered (issue 34: compile time)
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
                         num_threads=3, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(approx_math=True))(*args)

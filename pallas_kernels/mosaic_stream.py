@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import registry
+from pallas_kernels import mosaic_precompile, registry
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import col_layout, load_smem, named, row_layout, tile_transforms
 from pallas_kernels.mosaic_index import (NULL_BLOCK, POS_PAD, STREAM_SEGMENTS, PairStream, column_tiles, pair_stream,
@@ -331,7 +331,9 @@ def run_stream(launch, index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_s
 
 def query_kernel(kernel, name: str, out_type, scratch, args, npairs: int, heads: int, batch: int):
     """Launch a query-side kernel (forward, dQ): one CTA per (query-block pair, head, batch), three
-    warpgroups (two consumers, one producer), named ``name`` in profiles."""
+    warpgroups (two consumers, one producer), named ``name`` in profiles; compiled as soon as lowered
+    (:mod:`pallas_kernels.mosaic_precompile`)."""
+    mosaic_precompile.start()
     return plgpu.kernel(named(kernel, name), out_type=out_type, scratch_types=scratch, grid=(npairs, heads, batch),
                         grid_names=("p", "h", "b"), num_threads=3, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(approx_math=True))(*args)

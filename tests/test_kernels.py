@@ -369,6 +369,33 @@ class TestMosaicGPU(_GPUSizes):
         np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
         assert _rel(np.asarray(lse)[fin], np.asarray(ref_lse)[fin]) < 1e-5
 
+    def test_kernels_compile_early(self):
+        """``pallas_kernels.mosaic_precompile`` is on (the kernels' launch starts it): a program's new Mosaic
+        kernels are compiled on the worker as they are lowered, without failure, and the program that
+        holds them runs them (its result as the twin's)."""
+        from pallas_kernels import mosaic_precompile as mp
+        from pallas_kernels.mosaic_fwd import mosaic_fwd
+
+        rng = np.random.default_rng(50)
+        B, S, H, Hkv, D = 1, 2048, 4, 2, 64
+        q, k, v = _inputs(rng, B, S, S, H, Hkv, D, jnp.bfloat16)
+        pos = jnp.arange(S, dtype=jnp.int32)
+        index = random_step_index(rng, B, H, S, S, pos, pos, max_blocks=8, max_cols=100)
+        assert mp.wait(120)  # what earlier tests handed over
+        before = mp.stats()["compiled"]
+        f = jax.jit(lambda q, k, v, index: mosaic_fwd(q, k, v, pos, pos, index, sm_scale=0.0987654, stream="split",
+                                                      walk="loops", kv_step=128))  # a scale no other test uses
+        lowered = f.trace(q, k, v, index).lower()
+        assert mp.stats()["active"], "start() is called by the kernels' launch on a Hopper GPU"
+        assert mp.wait(120)
+        stats = mp.stats()
+        assert stats["errors"] == [] and stats["compiled"] == before + 1, stats
+        out, lse = lowered.compile()(q, k, v, index)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        ref_out, _ = api.block_sparse_attention_fwd(f32(q), f32(k), f32(v), pos, pos, index, impl="xla",
+                                                    sm_scale=0.0987654)
+        assert _rel(out, ref_out) < 1e-2 and float(jnp.abs(ref_out).max()) > 0
+
     @pytest.mark.parametrize("documents", [False, True])
     def test_walks_and_streams_equal_segment_loops(self, documents):
         """``walk="switch"`` (one loop, the step body chosen per tile) gives the forward's ``(out, lse)``

@@ -430,3 +430,53 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
         # the column pass has no free tiles, so one tile body (the block pass: free and masked):
         # 0.29 M characters against 0.38 M (with the empty free loop, 2026-12-04: the same size)
         assert len(text) < 0.85 * len(blocks), (len(text), len(blocks))
+
+
+def test_early_compile_program_carries_each_lowered_kernel():
+    """``mosaic_precompile``: every Mosaic kernel lowered is reported once (its hash is the SHA-256 of its
+    module, as Mosaic GPU keys its compile cache), and the one-custom-call program the worker compiles
+    carries the kernel's own ``kernel_hash`` / ``module`` attributes, so compiling it fills the cache entry
+    the real program's thunk looks up (the GPU run: ``TestMosaicGPU.test_kernels_compile_early``)."""
+    import hashlib
+    import re
+
+    from pallas_kernels import mosaic_precompile as mp
+    from pallas_kernels.mosaic_fwd import mosaic_fwd
+
+    B, S, H, q, k, pos, idx = lowering_inputs(5)
+    seen = []
+    # a scale no other test lowers: a kernel new to this process
+    f = jax.jit(lambda q, k, idx: mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.0123457, stream="split",
+                                             walk="loops", kv_step=128))
+    assert mp.watch(lambda h, m: seen.append((h, m)))
+    try:
+        text = f.trace(q, k, idx).lower(lowering_platforms=("cuda",)).as_text()
+        assert len(seen) == 1
+        f.trace(q, k, idx).lower(lowering_platforms=("cuda",))  # known now: not reported again
+        assert len(seen) == 1
+    finally:
+        mp.watch(None)
+    h, module = seen[0]
+    assert hashlib.sha256(module).digest() == h and len(module) > 10_000
+    early = mp.kernel_program(h, module).trace().lower(lowering_platforms=("cuda",)).as_text()
+
+    def attrs(t):
+        calls = re.findall(r'custom_call @(\w+)\(.*?kernel_hash = ("[^"]*"), module = ("[^"]*")', t)
+        assert len(calls) == 1, len(calls)
+        return calls[0]
+
+    assert attrs(early) == attrs(text) and attrs(early)[0] == mp.TARGET
+
+
+def test_early_compile_only_on_a_gpu(monkeypatch):
+    """On this CPU host :func:`start` stays off (no kernel compiles here); ``MTRAINING_MOSAIC_PRECOMPILE``
+    switches it off anywhere."""
+    from pallas_kernels import mosaic_precompile as mp
+
+    assert mp.start() is False and mp.stats()["active"] is False and mp.stats()["compiled"] == 0
+    assert mp.enabled_by_env()
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv(mp.ENV, off)
+        assert not mp.enabled_by_env()
+    monkeypatch.setenv(mp.ENV, "1")
+    assert mp.enabled_by_env()
