@@ -8,6 +8,12 @@ shape at 128K, one GPU): each series is a set of runs' rows of one variant, agai
       --series "the same, custom JVP (committed; 1c1907d)=s38-compile-memory-custom-jvp:mt" \\
       --series "repeats as separate scans (mt-flatrepeats; 4d6174b)=s38-flat-repeats:mt-flatrepeats" \\
       --out results/training/compile_memory_placements.png
+
+``--times RUN[,RUN...]``: instead, each process's lowering and XLA compile seconds in those runs, in run order
+(stacked bars coloured by variant), against issue 34's 20 s compile target:
+
+    python benchmarks/compile_memory_plot.py --times s43-compile-precompile \
+      --out results/training/compile_times_precompile.png
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from benchmarks.kernels_report import load_rows  # noqa: E402
 
 ROWS = os.path.join(ROOT, "results", "training", "compile_memory.jsonl")
 TARGET = 1.05
+COMPILE_TARGET_S = 20.0
 
 
 def placement(row) -> str | None:
@@ -86,12 +93,59 @@ def plot(series, base: float, path: str) -> str:
     return path
 
 
+def times(rows, runs) -> list:
+    """``[(variant, lower_s, compile_s)]`` of every process (row) in ``runs``, in file order; ``ValueError``
+    naming the runs if none has a row."""
+    got = [(r["variant"], r["lower_s"], r["compile_s"]) for r in rows if r.get("run") in runs and "error" not in r]
+    if not got:
+        raise ValueError(f"no rows in runs {sorted(set(runs))}")
+    return got
+
+
+def plot_times(procs, title: str, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(dict.fromkeys(v for v, _, _ in procs))
+    colors = {v: plt.get_cmap("tab10")(i) for i, v in enumerate(variants)}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, (v, lo, co) in enumerate(procs):
+        ax.bar(i, co, color=colors[v], label=v if v not in [p[0] for p in procs[:i]] else None)
+        ax.bar(i, lo, bottom=co, color=colors[v], alpha=0.35)
+        ax.annotate(f"{co:.1f}", (i, co), xytext=(0, -10), textcoords="offset points", ha="center", fontsize=8,
+                    color="white")
+    ax.axhline(COMPILE_TARGET_S, color="red", ls="--", lw=1, label=f"issue 34: XLA compile <= {COMPILE_TARGET_S:g} s")
+    ax.set_xticks(range(len(procs)), [str(i + 1) for i in range(len(procs))], fontsize=8)
+    ax.set_ylim(0, max(lo + co for _, lo, co in procs) * 1.3)
+    ax.set_xlabel("process, in run order (full colour: XLA compile, its seconds written in; pale above: lowering)")
+    ax.set_ylabel("seconds (lower is better)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--series", action="append", required=True, metavar="LABEL=RUN[,RUN...]:VARIANT")
+    p.add_argument("--series", action="append", metavar="LABEL=RUN[,RUN...]:VARIANT")
+    p.add_argument("--times", metavar="RUN[,RUN...]", help="plot each process's lowering / compile seconds instead")
     p.add_argument("--rows", default=ROWS)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.times:
+        try:
+            procs = times(load_rows([a.rows]), tuple(a.times.split(",")))
+        except ValueError as e:
+            print(f"compile_memory_plot: {e}", file=sys.stderr)
+            return 1
+        print(plot_times(procs, "Training step at 128K, Qwen2.5-0.5B shape, one H200: lowering and XLA compile",
+                         a.out))
+        return 0
+    if not a.series:
+        p.error("--series or --times is required")
     try:
         specs = [parse_series(s) for s in a.series]
         rows = load_rows([a.rows])

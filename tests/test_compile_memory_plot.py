@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from benchmarks.compile_memory_plot import ROWS, cudnn_peak, main, parse_series, peaks, placement
+from benchmarks.compile_memory_plot import ROWS, cudnn_peak, main, parse_series, peaks, placement, times
 from benchmarks.kernels_report import load_rows
 
 
@@ -38,3 +38,18 @@ def test_bad_series_and_missing_cudnn_are_refused(tmp_path, capsys):
     assert "no cudnn row" in capsys.readouterr().err
     assert main(["--series", "a=s37-shared-weight-gradient:nope", "--out", str(tmp_path / "o.png")]) == 1
     assert "no rows for series ['a']" in capsys.readouterr().err
+
+
+def test_compile_times_of_the_committed_precompile_runs(tmp_path, capsys):
+    """``--times``: the per-process seconds ``train_throughput.md`` run 26 quotes (Mosaic kernels compiled on the
+    worker thread or inside the step's compile), and a run with no rows refused by name."""
+    procs = times(load_rows([ROWS]), ("s43-compile-precompile",))
+    by = {}
+    for v, lower, comp in procs:
+        by.setdefault(v, []).append(round(comp, 1))
+    assert by["mt"] == [14.7, 12.8, 12.7, 12.3] and by["mt-noprecompile"] == [18.1, 18.4, 18.8, 19.6]
+    assert by["cudnn"] == [8.7] and by["mt-split"] == [11.4] and by["mt-split-noprecompile"] == [18.2]
+    out = tmp_path / "t.png"
+    assert main(["--times", "s43-compile-precompile", "--out", str(out)]) == 0 and os.path.getsize(out) > 10_000
+    assert main(["--times", "no-such-run", "--out", str(out)]) == 1
+    assert "no rows in runs ['no-such-run']" in capsys.readouterr().err
