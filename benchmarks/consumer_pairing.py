@@ -12,7 +12,10 @@ Per pairing of the CTA's two (head, query block) rows:
 
 ``stream_per_work`` = tiles the stream carries / tiles the two rows compute (0.5: every tile shared),
 ``paired_work`` = share of the rows' tiles computed in steps both consumers use. Block tiles only
-(column tiles are per row in every pairing).
+(column tiles are per row in every pairing). For ``blocks`` also per CTA: ``cta_q10`` / ``cta_q50`` /
+``cta_q90``, quantiles of each CTA's own ``stream_per_work`` (CTAs with work), and ``work_above_split``, the
+share of the work in CTAs above ``SPLIT_ABOVE`` (what a per-CTA stream choice, instead of the per-call one,
+would move to the other stream).
 
     python -m benchmarks.consumer_pairing --seq 131072 --densities 0.02,0.05 --json pairing.jsonl
 
@@ -53,7 +56,16 @@ def pairing_stats(sets, pairing: str) -> dict:
         stream, paired = work, sum(2 * min(len(a), len(b)) for a, b in pairs)
     else:
         stream, paired = sum(len(a | b) for a, b in pairs), sum(2 * len(a & b) for a, b in pairs)
-    return {"stream_per_work": stream / work, "paired_work": paired / work}
+    out = {"stream_per_work": stream / work, "paired_work": paired / work}
+    if pairing == "blocks":
+        from pallas_kernels.mosaic_stream import SPLIT_ABOVE
+
+        w = np.array([len(a) + len(b) for a, b in pairs if a or b], float)
+        r = np.array([len(a | b) for a, b in pairs if a or b]) / w
+        q = np.quantile(r, [0.1, 0.5, 0.9])
+        out.update(cta_q10=float(q[0]), cta_q50=float(q[1]), cta_q90=float(q[2]),
+                   work_above_split=float(w[r > SPLIT_ABOVE].sum() / w.sum()))
+    return out
 
 
 def measure(seq: int, densities, families=INDEX_FAMILIES, heads: int = 16, seed: int = 1):
@@ -84,14 +96,16 @@ def measure_model(path: str, heads: int = 16):
 
 
 def table(rows) -> str:
-    out = ["| family | density | stream / work: blocks / heads | paired work: blocks / heads / separate |",
-           "|---|---|---|---|"]
+    out = ["| family | density | stream / work: blocks / heads | paired work: blocks / heads / separate "
+           "| blocks, per CTA: stream / work q10 / q50 / q90 | work in CTAs above SPLIT_ABOVE |",
+           "|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["family"], r["density"]) for r in rows))
     for fam, dens in keys:
         by = {r["pairing"]: r for r in rows if (r["family"], r["density"]) == (fam, dens)}
         out.append(f"| {fam} | {dens:.0%} | {by['blocks']['stream_per_work']:.2f} / {by['heads']['stream_per_work']:.2f} "
                    f"| {by['blocks']['paired_work']:.2f} / {by['heads']['paired_work']:.2f} / "
-                   f"{by['separate']['paired_work']:.2f} |")
+                   f"{by['separate']['paired_work']:.2f} | {by['blocks']['cta_q10']:.2f} / {by['blocks']['cta_q50']:.2f} / "
+                   f"{by['blocks']['cta_q90']:.2f} | {by['blocks']['work_above_split']:.0%} |")
     return "\n".join(out)
 
 

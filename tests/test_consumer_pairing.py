@@ -10,6 +10,11 @@ def test_pairing_stats_on_known_rows():
     sets = [[{1, 2}, {2, 3}], [{1, 2}, {5}]]
     blocks = pairing_stats(sets, "blocks")
     assert np.isclose(blocks["stream_per_work"], (3 + 3) / 7) and np.isclose(blocks["paired_work"], 2 / 7)
+    # per CTA: head 0 carries 3 of 4 (0.75, above SPLIT_ABOVE 0.7), head 1 3 of 3 (1.0): all the work above
+    assert np.isclose(blocks["cta_q10"], 0.775) and np.isclose(blocks["cta_q90"], 0.975)
+    assert np.isclose(blocks["cta_q50"], 0.875) and blocks["work_above_split"] == 1.0
+    mixed = pairing_stats([[{1, 2}, {1, 2}], [{1, 2}, {5}]], "blocks")  # 0.5 (4 tiles) and 1.0 (3 tiles)
+    assert np.isclose(mixed["work_above_split"], 3 / 7)
     heads = pairing_stats(sets, "heads")  # (h0 row0, h1 row0) share {1,2}; (h0 row1, h1 row1) nothing
     assert np.isclose(heads["stream_per_work"], (2 + 3) / 7) and np.isclose(heads["paired_work"], 4 / 7)
     sep = pairing_stats(sets, "separate")
