@@ -26,18 +26,24 @@ def col_layout():
     return getattr(plgpu.Layout, "WGMMA_COL", None) or plgpu.Layout.WGMMA.reduce(0)
 
 
-_LOAD_HAS_OPTIMIZED = "optimized" in inspect.signature(plgpu.load).parameters
+_LOAD_PARAMS = inspect.signature(plgpu.load).parameters
+_LOAD_HAS_OPTIMIZED = "optimized" in _LOAD_PARAMS
+# JAX 0.10 takes the index as a required argument; later versions deprecate passing it (index the ref instead)
+_LOAD_IDX = () if "idx" in _LOAD_PARAMS and _LOAD_PARAMS["idx"].default is inspect.Parameter.empty else None
 
 
 def load_smem(ref, layout, optimized: bool = True):
+    """The whole of ``ref`` (shared memory) in registers with ``layout``."""
+    args = (ref,) if _LOAD_IDX is None else (ref, _LOAD_IDX)
     if _LOAD_HAS_OPTIMIZED and not optimized:
-        return plgpu.load(ref, (), layout=layout, optimized=False)
-    return plgpu.load(ref, (), layout=layout)
+        return plgpu.load(*args, layout=layout, optimized=False)
+    return plgpu.load(*args, layout=layout)
 
 
 def transposed(ref):
-    fn = getattr(plgpu, "transpose_ref", None)
-    return fn(ref, (1, 0)) if fn is not None else ref.transpose((1, 0))
+    """``ref`` (a 2-D shared-memory tile) viewed transposed, as a ``wgmma`` operand (``ref.transpose``: the
+    same lowering as JAX 0.10's ``plgpu.transpose_ref``, which later versions deprecate)."""
+    return ref.transpose((1, 0))
 
 
 def tile_transforms(dtype):

@@ -93,11 +93,14 @@ def kernel_program(kernel_hash: bytes, module: bytes):
 def _compile(kernel_hash: bytes, module: bytes) -> None:
     import contextlib
 
+    import jax
     from jax._src import config
 
-    # not written to a persistent compilation cache (thread-local: the run's own programs are cached as before)
+    # on this process's own first GPU (a multi-process run's jax.devices()[0] may be another process's), and not
+    # written to a persistent compilation cache (both settings thread-local: the run's own programs as before)
     no_cache = getattr(config, "enable_compilation_cache", None)
-    with no_cache(False) if no_cache is not None else contextlib.nullcontext():
+    with no_cache(False) if no_cache is not None else contextlib.nullcontext(), \
+            jax.default_device(jax.local_devices()[0]):
         kernel_program(kernel_hash, module).lower().compile()
 
 
