@@ -396,6 +396,33 @@ class TestMosaicGPU(_GPUSizes):
                                                     sm_scale=0.0987654)
         assert _rel(out, ref_out) < 1e-2 and float(jnp.abs(ref_out).max()) > 0
 
+    def test_kernels_compile_early_in_two_processes(self):
+        """Under ``jax.distributed`` (two processes on this machine's GPUs; on one GPU both share it) each
+        process's worker compiles its kernels on its own local device (``jax.devices()[0]`` belongs to process
+        0), without errors, and the kernels run."""
+        import json
+        import os
+        import subprocess
+        import sys
+
+        from _multiprocess import REPO, free_port
+
+        port = free_port()
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+        procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "_precompile_mp_worker.py"), str(port), str(i)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                 for i in (0, 1)]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+        got = [json.loads(line[len("RESULT "):]) for o in outs for line in o.splitlines() if line.startswith("RESULT ")]
+        assert sorted(r["pid"] for r in got) == [0, 1], outs
+        assert got[0]["local"] != got[1]["local"]
+        for r in got:
+            assert r["waited"] and r["stats"]["active"] and r["stats"]["errors"] == [], r
+            assert r["stats"]["compiled"] >= 1 and r["finite"] and r["absmax"] > 0, r
+
     @pytest.mark.parametrize("documents", [False, True])
     def test_walks_and_streams_equal_segment_loops(self, documents):
         """``walk="switch"`` (one loop, the step body chosen per tile) gives the forward's ``(out, lse)``
