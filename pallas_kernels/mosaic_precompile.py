@@ -15,7 +15,7 @@ Active on a GPU backend whose JAX keeps Mosaic GPU's registry of lowered kernels
 (``jax.experimental.mosaic.gpu.core.KNOWN_KERNELS``, JAX 0.10-0.11); elsewhere (CPU, a JAX without it)
 :func:`start` returns ``False`` and nothing changes. ``MTRAINING_MOSAIC_PRECOMPILE=0`` turns it off
 (``benchmarks.compile_memory``'s ``-noprecompile`` variants). A failed early compile is recorded
-(:func:`stats`), warned about once and stops the worker: XLA then compiles the kernel itself, as without it.
+(:func:`stats`), warned about once and ends the early compiles: XLA then compiles the kernels itself, as without it.
 """
 
 from __future__ import annotations
