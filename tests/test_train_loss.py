@@ -54,6 +54,32 @@ def test_chunked_float32_and_bfloat16_hidden():
     assert gb.dtype == jnp.bfloat16
 
 
+def test_bfloat16_gradients_scale_by_the_exact_cotangent():
+    """The gradients come from the forward's pass (unit cotangent) and are scaled in the backward:
+    the scale is applied in float32 (1.7 is not a bfloat16 number), dW keeps the weight's dtype."""
+    h, w, y, m = _inputs(dtype=jnp.float32, seed=5)
+    hb = h.astype(jnp.bfloat16)
+    ref = jax.grad(lambda h, w: 1.7 * cross_entropy_reference(h, w, y, m)[0], argnums=(0, 1))(hb.astype(jnp.float32), w)
+    got = jax.grad(lambda h, w: 1.7 * chunked_cross_entropy(h, w, y, m, 16)[0], argnums=(0, 1))(hb, w)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    for g, r in zip(got, ref):
+        err = float(jnp.abs(g.astype(jnp.float32) - r).max()) / float(jnp.abs(r).max())
+        assert err < 2e-2, err  # bf16 hidden and dz
+        # no bias in scale: 1.7 rounded to bfloat16 (1.703125) would put these at 1.0019-1.0020
+        proj = float(jnp.sum(g.astype(jnp.float32) * r)) / float(jnp.sum(r * r))
+        assert abs(proj - 1.0) < 6e-4, proj
+
+
+def test_a_tied_maximum_counts_as_correct():
+    """``num_correct``: the label's logit is the row's maximum; on an exact tie with another logit it counts."""
+    h = jnp.ones((1, 4, 2), jnp.float32)
+    w = jnp.array([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]], jnp.float32)  # logits (1, 1, 0) for every token
+    y = jnp.array([[0, 1, 2, 1]])
+    m = jnp.array([[1.0, 1.0, 1.0, 0.0]])
+    _, corr = chunked_cross_entropy(h, w, y, m, chunk_size=3)
+    assert float(corr) == 2.0  # labels 0 and 1 tie for the maximum; label 2 does not; the 4th is masked
+
+
 def test_sharded_matches_plain_on_mesh():
     mesh = make_mesh((2, 4))
     h, w, y, m = _inputs(B=2, S=64, dtype=jnp.float64, seed=3)

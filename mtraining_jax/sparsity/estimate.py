@@ -256,17 +256,20 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     else:  # rc rows at a time, each chunk inside one query block
         n = lq // rc
         per_chunk = lambda x: jnp.moveaxis(x.reshape((B, n, rc) + x.shape[2:]), 1, 0)  # noqa: E731
+        g0, g1 = first // bs, (seq_len - 1) // bs  # the window's (static) query blocks
 
-        def body(carry, xs):
-            cols, slash = carry
+        def body(per_block, xs):  # column sums per window query block: one slash scatter per block, after
             c, qc, sc = xs
             base = jnp.int32(first) + c * rc
             colsum = colsums(*digits(base + jnp.arange(rc, dtype=jnp.int32), qc, sc))
-            return (cols + colsum, add_slash(slash, colsum, base // bs)), None
+            return per_block.at[base // bs - g0].add(colsum), None
 
-        init = (jnp.zeros((2, B, Hq, k_pos.shape[0]), jnp.int32) + zero, slash)
+        init = jnp.zeros((g1 - g0 + 1, 2, B, Hq, k_pos.shape[0]), jnp.int32) + zero
         xs = (jnp.arange(n, dtype=jnp.int32), per_chunk(q_last), None if seg is None else per_chunk(last_seg))
-        (cols, slash), _ = jax.lax.scan(body, init, xs)
+        per_block, _ = jax.lax.scan(body, init, xs)
+        cols = per_block.sum(axis=0, dtype=jnp.int32)
+        for g in range(g0, g1 + 1):
+            slash = add_slash(slash, per_block[g - g0], jnp.int32(g))
     vert = cols[0] + (cols[1] >> G)  # [B, Hq, Sk]
     slash = reduce_sum(slash[..., :nb])
     return vert, slash[0] + (slash[1] >> G)

@@ -3,9 +3,11 @@
 For hidden states ``h [N, H]``, LM-head weight ``W [H, V]``, labels ``y`` and a mask ``m``, with
 logits ``z = h W``: ``loss_sum = sum_t m_t (logsumexp(z_t) - z_t[y_t])``.
 
-:func:`chunked_cross_entropy` walks the tokens in chunks of ``chunk_size`` (``lax.scan``): the
-forward keeps only the per-token ``logsumexp``; the custom VJP recomputes each chunk's logits
-(BurstEngine's fused LM head + cross-entropy, paper 004), so peak memory is ``chunk_size x V``.
+:func:`chunked_cross_entropy` walks the tokens in chunks of ``chunk_size`` (``lax.scan``), so
+peak memory is ``chunk_size x V`` (BurstEngine's fused LM head + cross-entropy, paper 004). Under
+differentiation the custom VJP's forward also computes each chunk's ``dh`` and adds its ``dW``
+from the same logits, for a unit cotangent; the backward scales them (the loss is linear in its
+cotangent). The LM head's logits are thus computed once per step, not again in the backward.
 Matmuls take the hidden dtype and accumulate in float32 (float64 for float64 inputs).
 :func:`sharded_cross_entropy` runs it per device under ``shard_map`` over ``("node", "local")``
 (batch over ``"data"``) and sums over the mesh.
@@ -56,61 +58,67 @@ def cross_entropy_reference(hidden, weight, labels, mask):
     return jnp.sum(m * (lse - tgt)), correct
 
 
-def _chunk_logits(h_c, w):
-    acc = _acc_dtype(h_c, w)
-    return jnp.dot(h_c, w.astype(h_c.dtype), preferred_element_type=acc,
-                   precision="highest" if acc == jnp.float64 else None)
+def _chunk_logits(h_c, w_c):
+    """``z = h_c w_c`` of one chunk, accumulated (and returned) in :func:`_acc_dtype`; ``w_c``
+    already in the hidden dtype (cast once per call, not per chunk)."""
+    acc = _acc_dtype(h_c, w_c)
+    return jnp.dot(h_c, w_c, preferred_element_type=acc, precision="highest" if acc == jnp.float64 else None)
 
 
-def _ce_fwd_chunks(h, w, y, m):
-    """h [C, c, H], y/m [C, c] -> (loss_sum, correct, lse [C, c])."""
+def _ce_chunks(h, w, y, m, grads: bool):
+    """h [C, c, H], y/m [C, c] -> ``(loss_sum, correct, grads)``; ``grads`` the gradients of
+    ``loss_sum`` for a unit cotangent, ``(dh [C, c, H] in h's dtype, dw [H, V] accumulated in
+    float32)``, computed from the same logits as the loss (``None`` unless ``grads``).
+
+    Per chunk the logits are read three times: their maximum, the sum of ``exp(z - max)``, and
+    (with ``grads``) ``dz = (softmax(z) - onehot(y)) m``; a token is correct when its label's
+    logit is the chunk row's maximum (on an exact tie with another logit it also counts)."""
+    acc = _acc_dtype(h, w)
+    w_c = w.astype(h.dtype)
 
     def body(carry, xs):
-        loss, corr = carry
+        loss, corr, dw = carry
         h_c, y_c, m_c = xs
-        z = _chunk_logits(h_c, w)
-        lse = jax.nn.logsumexp(z, axis=-1)
+        z = _chunk_logits(h_c, w_c)
+        zmax = z.max(axis=-1)
+        lse = zmax + jnp.log(jnp.sum(jnp.exp(z - zmax[:, None]), axis=-1))
         tgt = jnp.take_along_axis(z, y_c[:, None], axis=-1)[:, 0]
-        mm = m_c.astype(z.dtype)
+        mm = m_c.astype(acc)
         loss = loss + jnp.sum(mm * (lse - tgt))
-        corr = corr + jnp.sum(mm * (jnp.argmax(z, axis=-1) == y_c))
-        return (loss, corr), lse
+        corr = corr + jnp.sum(mm * (tgt >= zmax))
+        if not grads:
+            return (loss, corr, dw), None
+        dz = (jnp.exp(z - lse[:, None]) - jax.nn.one_hot(y_c, z.shape[-1], dtype=acc)) * mm[:, None]
+        dz = dz.astype(h.dtype)
+        dh_c = jnp.dot(dz, w_c.T, preferred_element_type=acc)
+        dw = dw + jnp.dot(h_c.T, dz, preferred_element_type=acc)
+        return (loss, corr, dw), dh_c.astype(h.dtype)
 
-    acc = _acc_dtype(h, w)
     zero = _varying_like(jnp.zeros((), acc), h)
-    (loss, corr), lse = jax.lax.scan(body, (zero, zero), (h, y, m))
-    return loss, corr, lse
+    dw0 = _varying_like(_varying_like(jnp.zeros(w.shape, acc), h), w) if grads else zero
+    (loss, corr, dw), dh = jax.lax.scan(body, (zero, zero, dw0), (h, y, m))
+    return loss, corr, (dh, dw) if grads else None
 
 
 @jax.custom_vjp
 def _ce_chunked(h, w, y, m):
-    loss, corr, _ = _ce_fwd_chunks(h, w, y, m)
+    loss, corr, _ = _ce_chunks(h, w, y, m, grads=False)
     return loss, corr
 
 
 def _ce_chunked_fwd(h, w, y, m):
-    loss, corr, lse = _ce_fwd_chunks(h, w, y, m)
-    return (loss, corr), (h, w, y, m, lse)
+    # The gradients are computed here, from the forward's own logits (Liger-kernel style): the
+    # loss is linear in its cotangent, so the backward only scales them; no second pass over the
+    # vocabulary (a [chunk, V] matmul and its logits) per chunk.
+    loss, corr, (dh, dw) = _ce_chunks(h, w, y, m, grads=True)
+    return (loss, corr), (dh, dw, jnp.zeros((0,), w.dtype))
 
 
 def _ce_chunked_bwd(res, cts):
-    h, w, y, m, lse = res
+    dh, dw, w_like = res
     g = cts[0]  # the count of correct predictions has no gradient
-    acc = _acc_dtype(h, w)
-    V = w.shape[1]
-
-    def body(dw, xs):
-        h_c, y_c, m_c, lse_c = xs
-        z = _chunk_logits(h_c, w)
-        dz = jnp.exp(z - lse_c[:, None]) - jax.nn.one_hot(y_c, V, dtype=z.dtype)
-        dz = dz * (m_c.astype(z.dtype) * g)[:, None]
-        dh_c = jnp.dot(dz.astype(h.dtype), w.astype(h.dtype).T, preferred_element_type=acc)
-        dw = dw + jnp.dot(h_c.T, dz.astype(h.dtype), preferred_element_type=acc)
-        return dw, dh_c.astype(h.dtype)
-
-    dw0 = _varying_like(_varying_like(jnp.zeros(w.shape, acc), h), w)
-    dw, dh = jax.lax.scan(body, dw0, (h, y, m, lse))
-    return dh, dw.astype(w.dtype), None, None
+    scale = lambda x: (x.astype(_acc_dtype(x, g)) * g).astype(x.dtype)  # noqa: E731
+    return scale(dh), scale(dw).astype(w_like.dtype), None, None
 
 
 _ce_chunked.defvjp(_ce_chunked_fwd, _ce_chunked_bwd)
@@ -128,7 +136,9 @@ def chunked_cross_entropy(hidden, weight, labels, mask, chunk_size: int = 1024):
 
     Returns:
       ``(loss_sum, num_correct)`` scalars in float32 (float64 for float64 inputs); differentiable
-      in ``hidden`` and ``weight`` (``num_correct`` has zero gradient).
+      in ``hidden`` and ``weight`` (``num_correct`` has zero gradient). A token is correct when its
+      label's logit is the largest (exact ties count). Under differentiation the gradients are
+      computed in the forward's pass over each chunk, so the backward reads no logits.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
