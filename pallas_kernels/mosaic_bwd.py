@@ -41,7 +41,7 @@ from pallas_kernels.three_pass import add_column_grads
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
             kinfo_ref, cinfo_ref, null_ref, *refs, accumulate: bool, slots: int, halves: int, g: int, bs: int,
             qk_scale: float, scale: float, npairs: int, segs: bool = False, walk: str = "loops",
-            split: bool = False, pingpong: int = 0):
+            split: bool = False, pingpong: bool = False):
     *ins, dq_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     dqacc_ref = ins[0] if accumulate else None
@@ -132,63 +132,6 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        def tile_pingpong2(t, dq, masked: bool, thr, own: bool = False):
-            # a turn = [dS K of the last tile, Q K^T of this one]; dO V^T issued at the start of the
-            # elementwise phase, P computed under it (as the three-wgmma step without turns)
-            slot = lax.rem(t, jnp.int32(slots))
-            n = bs if own else kv
-            keys = (pl.ds(pl.multiple_of(w * bs, bs), bs),) if own else ()
-            k_tile, v_tile = k_smem.at[(slot, *keys)], v_smem.at[(slot, *keys)]
-            qpos_b, lse2_b, delta_b = rows_b[n]
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[w], transposed(k_tile))
-                schedule()
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((bs, n), jnp.float32))
-            plgpu.barrier_wait(i_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-
-            def dov(acc_ref):
-                plgpu.wgmma(acc_ref, do_smem.at[w], transposed(v_tile))
-                sm = s
-                if masked:
-                    pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
-                    aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
-                    ok = (pos <= qpos_b) & (aux >= thr)
-                    if segs:
-                        ok = ok & segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, n, *keys)
-                    sm = jnp.where(ok, sm, NEG_INF)
-                return acc_ref[...], jnp.exp2(sm * qk_scale - lse2_b)
-
-            dp, p = pl.run_scoped(dov, plgpu.ACC((bs, n), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
-            ds = (p * (dp - delta_b)).astype(dtype)
-            dq, ds = lax.optimization_barrier((dq, ds))
-            plgpu.barrier_arrive(sched_bar)
-            plgpu.barrier_wait(sched_bar)
-
-            def dsk(acc_ref):
-                plgpu.wgmma(acc_ref, ds, k_tile)
-                wait_next_k(t)
-
-            dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
-            plgpu.barrier_arrive(k_free.at[slot])
-            return dq
-
-        def skip_pingpong2(t, dq):
-            slot = lax.rem(t, jnp.int32(slots))
-            schedule()
-            plgpu.barrier_wait(i_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            plgpu.barrier_arrive(sched_bar)
-            plgpu.barrier_wait(sched_bar)
-            wait_next_k(t)
-            plgpu.barrier_arrive(k_free.at[slot])
-            return dq
-
         def skip_pingpong(t, dq):  # the same waits, arrivals and turns, no math
             slot = lax.rem(t, jnp.int32(slots))
             plgpu.barrier_wait(v_bar.at[slot])
@@ -256,8 +199,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
 
         if pingpong:
             pl.when(w == 1)(schedule)  # consumer 0 goes first
-            bodies = (tile_pingpong, skip_pingpong) if pingpong == 1 else (tile_pingpong2, skip_pingpong2)
-            dq = walk_stream(w, bounds, n_union, total, row, *bodies, dq, walk, split)
+            dq = walk_stream(w, bounds, n_union, total, row, tile_pingpong, skip_pingpong, dq, walk, split)
             pl.when(w == 0)(schedule)
         else:
             dq = walk_stream(w, bounds, n_union, total, row, tile, skip, dq, walk, split)
@@ -277,10 +219,10 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
 _STATIC = ("sm_scale", "block_size", "stages")
 
 
-def DQ_PINGPONG() -> int:  # noqa: N802  (experiment switch, read at trace time)
+def DQ_PINGPONG() -> bool:  # noqa: N802  (experiment switch, read at trace time)
     import os
 
-    return int(os.environ.get("MTRAINING_DQ_PINGPONG", "0"))
+    return os.environ.get("MTRAINING_DQ_PINGPONG", "0") == "1"
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk", "stream",
