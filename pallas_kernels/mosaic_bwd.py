@@ -41,13 +41,12 @@ from pallas_kernels.three_pass import add_column_grads
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
             kinfo_ref, cinfo_ref, null_ref, *refs, accumulate: bool, slots: int, halves: int, g: int, bs: int,
             qk_scale: float, scale: float, npairs: int, segs: bool = False, walk: str = "loops",
-            split: bool = False, pingpong: bool = False):
+            split: bool = False):
     *ins, dq_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     dqacc_ref = ins[0] if accumulate else None
     q_smem, do_smem, k_smem, v_smem, info_smem, qpos_smem, lse_smem, delta_smem = smems
-    q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free, *sched = bars
-    sched_bar = sched[0] if pingpong else None
+    q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free = bars
     b, h, pair, wg = query_pair_ids(npairs)
     dtype = q_ref.dtype
     bounds, n_union, total, rows_w = stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
@@ -85,64 +84,6 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             @pl.when(t + 1 < total)
             def _():
                 plgpu.barrier_wait(k_bar.at[lax.rem(t + 1, jnp.int32(slots))])
-
-        def schedule():  # both consumers' turn-taking (as the forward's ping-pong)
-            plgpu.barrier_arrive(sched_bar)
-            plgpu.barrier_wait(sched_bar)
-
-        def tile_pingpong(t, dq, masked: bool, thr, own: bool = False):
-            # a turn on the tensor cores = [dS K of the last tile, Q K^T and dO V^T of this one]; the
-            # mask, P and dS run while the other consumer has its turn
-            slot = lax.rem(t, jnp.int32(slots))
-            n = bs if own else kv
-            keys = (pl.ds(pl.multiple_of(w * bs, bs), bs),) if own else ()
-            k_tile, v_tile = k_smem.at[(slot, *keys)], v_smem.at[(slot, *keys)]
-            qpos_b, lse2_b, delta_b = rows_b[n]
-            plgpu.barrier_wait(v_bar.at[slot])
-
-            def qk_dov(refs):
-                s_ref, dp_ref = refs
-                plgpu.wgmma(s_ref, q_smem.at[w], transposed(k_tile))
-                plgpu.wgmma(dp_ref, do_smem.at[w], transposed(v_tile))
-                schedule()  # the other consumer's elementwise work ran under these
-                return s_ref[...], dp_ref[...]
-
-            s, dp = pl.run_scoped(qk_dov, (plgpu.ACC((bs, n), jnp.float32), plgpu.ACC((bs, n), jnp.float32)))
-            plgpu.barrier_arrive(v_free.at[slot])
-            plgpu.barrier_wait(i_bar.at[slot])
-            sm = s
-            if masked:
-                pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
-                aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
-                ok = (pos <= qpos_b) & (aux >= thr)
-                if segs:
-                    ok = ok & segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, n, *keys)
-                sm = jnp.where(ok, sm, NEG_INF)
-            p = jnp.exp2(sm * qk_scale - lse2_b)
-            ds = (p * (dp - delta_b)).astype(dtype)
-            dq, ds = lax.optimization_barrier((dq, ds))
-            plgpu.barrier_arrive(sched_bar)  # dS done
-            plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
-
-            def dsk(acc_ref):
-                plgpu.wgmma(acc_ref, ds, k_tile)
-                wait_next_k(t)
-
-            dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
-            plgpu.barrier_arrive(k_free.at[slot])
-            return dq
-
-        def skip_pingpong(t, dq):  # the same waits, arrivals and turns, no math
-            slot = lax.rem(t, jnp.int32(slots))
-            plgpu.barrier_wait(v_bar.at[slot])
-            schedule()
-            plgpu.barrier_arrive(v_free.at[slot])
-            plgpu.barrier_wait(i_bar.at[slot])
-            plgpu.barrier_arrive(sched_bar)
-            plgpu.barrier_wait(sched_bar)
-            wait_next_k(t)
-            plgpu.barrier_arrive(k_free.at[slot])
-            return dq
 
         def tile(t, dq, masked: bool, thr, own: bool = False):
             # own: only this consumer's half of the step (split stream's block steps: 64 keys)
@@ -197,12 +138,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
         def _():  # the first step's K (each later one is waited for under the dS K before it)
             plgpu.barrier_wait(k_bar.at[0])
 
-        if pingpong:
-            pl.when(w == 1)(schedule)  # consumer 0 goes first
-            dq = walk_stream(w, bounds, n_union, total, row, tile_pingpong, skip_pingpong, dq, walk, split)
-            pl.when(w == 0)(schedule)
-        else:
-            dq = walk_stream(w, bounds, n_union, total, row, tile, skip, dq, walk, split)
+        dq = walk_stream(w, bounds, n_union, total, row, tile, skip, dq, walk, split)
         dq = dq * scale
         if accumulate:
             dq = dq + load_smem(dqacc_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False)
@@ -217,12 +153,6 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
 
 
 _STATIC = ("sm_scale", "block_size", "stages")
-
-
-def DQ_PINGPONG() -> bool:  # noqa: N802  (experiment switch, read at trace time)
-    import os
-
-    return os.environ.get("MTRAINING_DQ_PINGPONG", "0") == "1"
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk", "stream",
@@ -246,12 +176,10 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     accumulate = dq_acc is not None
     sg = segs is not None
 
-    pingpong = DQ_PINGPONG()
-
     def launch(ops, walk_ops, null_info, halves, slots, kv_step, walk, split):
         kernel = functools.partial(_kernel, accumulate=accumulate, slots=slots, halves=halves, g=H // k.shape[2],
                                    bs=bs, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2,
-                                   segs=sg, walk=walk, split=split, pingpong=pingpong)
+                                   segs=sg, walk=walk, split=split)
         tr = tile_transforms(q.dtype)
         scratch = [
             (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),
@@ -260,8 +188,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
              plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
              plgpu.SMEM((2, bs), jnp.float32),
              plgpu.SMEM((2, bs), jnp.float32)),
-            (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg), *stream_barriers(slots, halves, sg),
-             *((plgpu.Barrier(num_arrivals=2),) if pingpong else ())),
+            (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg), *stream_barriers(slots, halves, sg)),
         ]
         args = [ops.counts, walk_ops.bounds, walk_ops.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype),
                 lse.astype(jnp.float32), delta.astype(jnp.float32), k, v, ops.kc, ops.vc, ops.k_info, ops.c_info,
