@@ -239,30 +239,3 @@ def test_mtraining_config_errors():
 
 _TINY_FOR_ERRORS = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=32)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mlp_gate_and_up_as_one_matmul_equal_the_two_projections(dtype):
-    """``Qwen2MLP.gate_up`` (one matmul over the two kernels side by side) gives the two ``nnx.Linear``
-    projections' values bit for bit, and the same gradients (float32: to rounding)."""
-    from mtraining_jax.model.qwen2 import Qwen2MLP
-
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=32, dtype=dtype)
-    mlp = Qwen2MLP(cfg, rngs=nnx.Rngs(3))
-    x = jax.random.normal(jax.random.PRNGKey(4), (2, 7, 64))
-    g, u = mlp.gate_up(x)
-    assert g.dtype == u.dtype == jnp.dtype(dtype) and g.shape == u.shape == (2, 7, 96)
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(mlp.gate_proj(x), np.float32))
-    np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(mlp.up_proj(x), np.float32))
-    if dtype == "float32":
-        graph, params = nnx.split(mlp)
-
-        def loss(p, x, two):
-            m = nnx.merge(graph, p)
-            y = m.down_proj(jax.nn.silu(m.gate_proj(x)) * m.up_proj(x)) if two else m(x)
-            return jnp.sum(jnp.sin(y))
-
-        got = jax.grad(loss, argnums=(0, 1))(params, x, False)
-        ref = jax.grad(loss, argnums=(0, 1))(params, x, True)
-        chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -159,20 +159,7 @@ class Qwen2MLP(nnx.Module):
         self.down_proj = _linear(cfg, f, h, False, rngs)
 
     def __call__(self, x):
-        g, u = self.gate_up(x)
-        return self.down_proj(jax.nn.silu(g) * u)
-
-    def gate_up(self, x):
-        """``(gate(x), up(x))`` as ONE matmul with the two kernels side by side (the parameters stay
-        two ``nnx.Linear``, as Hugging Face names them): the SwiGLU's gradient then reaches XLA as one
-        ``[..., 2 * intermediate]`` array, written in one pass, and ``dx`` is one matmul."""
-        gp, up = self.gate_proj, self.up_proj
-        w = jnp.concatenate([gp.kernel[...], up.kernel[...]], axis=1)
-        dtype = gp.dtype if gp.dtype is not None else jnp.result_type(x, w)
-        x, w = x.astype(dtype), w.astype(dtype)  # what nnx.Linear computes in (its promote_dtype)
-        gu = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=gp.precision)
-        f = gp.kernel.shape[1]
-        return gu[..., :f], gu[..., f:]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen2DecoderLayer(nnx.Module):
