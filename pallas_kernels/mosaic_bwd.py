@@ -33,8 +33,8 @@ from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem,
                                           transposed)
 from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
                                           stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
-from pallas_kernels.mosaic_index import (column_free_from, column_ids, column_operands, column_ranges, column_slots,
-                                         kv_schedule, uniform_kv_schedule)
+from pallas_kernels.mosaic_index import (column_ids, column_operands, column_ranges, column_slots, kv_schedule,
+                                         uniform_kv_schedule)
 from pallas_kernels.three_pass import add_column_grads
 
 
@@ -203,13 +203,13 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, "dq")
 
 
-def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
+def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
                   qk_scale: float, scale: float, dtype, kseg_smem=None):
     """One consumer warpgroup's KV-stationary walk (both dK/dV passes): K, V of its 64 rows
-    resident in ``kres/vres[w]``; tile ``t`` in slot ``w * stages + t % stages``; ``loops`` the walk
-    as ``[(lo, hi, masked)]`` in tile order (block pass: free tiles, then masked; column pass: masked,
-    then free), masked tiles keeping ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]`` with the
-    KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``). Packed
+    resident in ``kres/vres[w]``; tile ``t`` in slot ``w * stages + t % stages``; tiles before
+    ``n_free`` unmasked, the rest masked by ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]`` with the
+    KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``); ``n_free``
+    ``None``: no free tiles (the column pass), so no free loop is compiled. Packed
     documents: ``kseg_smem [bs]`` holds the KV rows' segment ids, the tile's ``qinfo`` row 2 the
     queries'; masked pairs must match. Returns the float32 ``(dk * scale, dv)`` of the rows in the
     wgmma layout."""
@@ -264,9 +264,9 @@ def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: 
     d = kres.shape[-1]
     zeros = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros)
-    for lo, hi, masked in loops:
-        carry = lax.fori_loop(lo, hi, functools.partial(tile, masked=masked), carry)
-    dk, dv = carry
+    if n_free is not None:
+        carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False), carry)
+    dk, dv = lax.fori_loop(0 if n_free is None else n_free, n_all, functools.partial(tile, masked=True), carry)
     return dk * scale, dv
 
 
@@ -341,8 +341,8 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
             copies.append((kseg_ref.at[b, rows], kp_smem.at[2 + w]))
         _resident(w, copies, kv_bar)
         kpos_b = lax.broadcast_in_dim(load_smem(kp_smem.at[w], row_layout()), (bs, bs), [0])
-        dk, dv = _dkv_consumer(w, [(0, n_free, False), (n_free, n_all, True)], kres, vres, kpos_b, None, tile_smems,
-                               tile_bars, stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
+        dk, dv = _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, None, tile_smems, tile_bars, stages=stages,
+                               bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
                                kseg_smem=kp_smem.at[2 + w] if segs else None)
         dk_ref[b, rows, hk] = dk
         dv_ref[b, rows, hk] = dv
@@ -362,7 +362,7 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
         _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, kslot_ref, tile_smems, tile_bars)
 
 
-def _dkv_cols_kernel(first_ref, mend_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref,
+def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref,
                      smems, bars, *, stages: int, bs: int, nqb: int, nranges: int, range_blocks: int,
                      qk_scale: float, scale: float, segs: bool = False):
     kres, vres, ci_smem, *tile_smems = smems
@@ -384,15 +384,14 @@ def _dkv_cols_kernel(first_ref, mend_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, q
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        c, lo, n = walk(w)
-        n_mask = jnp.clip(mend_ref[b, h, c] - lo, 0, n)  # masked tiles first, then free ones
+        c, _, n = walk(w)
         rows = pl.ds(c * bs, bs)
         _resident(w, [(kc_ref.at[b, h, rows], kres.at[w]), (vc_ref.at[b, h, rows], vres.at[w]),
                       (cinfo_ref.at[b, h, c], ci_smem.at[w])], kv_bar)
         kpos_b = lax.broadcast_in_dim(load_smem(ci_smem.at[w, 0], row_layout()), (bs, bs), [0])
         kaux_b = lax.broadcast_in_dim(load_smem(ci_smem.at[w, 1], row_layout()), (bs, bs), [0])
-        dk, dv = _dkv_consumer(w, [(0, n_mask, True), (n_mask, n, False)], kres, vres, kpos_b, kaux_b, tile_smems,
-                               tile_bars, stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
+        dk, dv = _dkv_consumer(w, None, n, kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,
+                               stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
                                kseg_smem=ci_smem.at[w, 2] if segs else None)
         dk_ref[r, b, h, rows] = dk
         dv_ref[r, b, h, rows] = dv
@@ -488,7 +487,6 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     mcp = kc.shape[2]
     nch = mcp // bs
     first, nranges = column_ranges(index.col_count, nch, bs, range_blocks)
-    mend = column_free_from(c_info, index.col_count, q_pos, bs, segs[0] if sg else None)
     rinfo, qinfo = _row_infos(q_pos, lse, delta, 1 - index.col_count, bs, segs[0] if sg else None)
     kernel = functools.partial(_dkv_cols_kernel, stages=stages, bs=bs, nqb=sq // bs, nranges=nranges,
                                range_blocks=range_blocks, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale),
@@ -496,5 +494,5 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
     scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg)
     dkc, dvc = _launch(named(kernel, "mosaic_dkv_cols"), [out, out], scratch, (nch // 2, H, B * nranges),
-                       ("p", "h", "br"), first, mend, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
+                       ("p", "h", "br"), first, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
     return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), column_ids(index, sk, mcp), index.col_count)
