@@ -70,6 +70,33 @@ def test_bfloat16_gradients_scale_by_the_exact_cotangent():
         assert abs(proj - 1.0) < 6e-4, proj
 
 
+def test_confident_tokens_keep_their_small_gradients_in_bfloat16():
+    """A token predicted with ``p = 1 - eps`` has ``dz[y] = -eps``: with bf16 hidden states its
+    ``dh`` row and its label's ``dW`` column stay within bf16 precision of the float64 reference
+    per token (rounding ``p`` or ``m / s`` against an exact 1 would leave errors of ``2^-9``, i.e.
+    100 % at eps = 1e-3)."""
+    h, w, _, _ = _inputs(B=1, S=96, H=16, V=97, dtype=jnp.float32, seed=7)
+    hb = h.astype(jnp.bfloat16)
+    w = w * 10.0
+    z = hb.astype(jnp.float64) @ w.astype(jnp.bfloat16).astype(jnp.float64)
+    y = jnp.argmax(z, axis=-1)  # confident and correct
+    eps = 1.0 - jnp.max(jax.nn.softmax(z, axis=-1), axis=-1)[0]
+    m = jnp.ones(y.shape, jnp.float32)
+    ref = jax.grad(lambda h, w: cross_entropy_reference(h, w, y, m)[0], argnums=(0, 1))(
+        hb.astype(jnp.float64), w.astype(jnp.bfloat16).astype(jnp.float64))
+    got = jax.grad(lambda h, w: chunked_cross_entropy(h, w, y, m, 16)[0], argnums=(0, 1))(hb, w)
+    sel = np.nonzero((eps > 1e-5) & (eps < 1e-2))[0]
+    assert len(sel) >= 10, np.asarray(eps)
+    dh, dh_ref = np.asarray(got[0][0], np.float64), np.asarray(ref[0][0])
+    row_err = np.linalg.norm(dh - dh_ref, axis=-1) / np.linalg.norm(dh_ref, axis=-1)
+    assert row_err[sel].max() < 1.5e-2, row_err[sel]
+    # the label columns of dW: each a sum over the tokens of that label, all confident ones
+    cols = np.unique(np.asarray(y[0])[sel])
+    dw, dw_ref = np.asarray(got[1], np.float64)[:, cols], np.asarray(ref[1])[:, cols]
+    col_err = np.linalg.norm(dw - dw_ref, axis=0) / np.linalg.norm(dw_ref, axis=0)
+    assert col_err.max() < 1.5e-2, col_err
+
+
 def test_a_tied_maximum_counts_as_correct():
     """``num_correct``: the label's logit is the row's maximum; on an exact tie with another logit it counts."""
     h = jnp.ones((1, 4, 2), jnp.float32)
