@@ -73,8 +73,8 @@ def test_bfloat16_gradients_scale_by_the_exact_cotangent():
 def test_confident_tokens_keep_their_small_gradients_in_bfloat16():
     """A token predicted with ``p = 1 - eps`` has ``dz[y] = -eps``: with bf16 hidden states its
     ``dh`` row and its label's ``dW`` column stay within bf16 precision of the float64 reference
-    per token (rounding ``p`` or ``m / s`` against an exact 1 would leave errors of ``2^-9``, i.e.
-    100 % at eps = 1e-3)."""
+    per token (``exp(z - lse)`` in float32 loses ``ulp(z)`` of ``eps``: up to 9 % here; rounding
+    ``m / s`` to bf16 against an exact 1 would leave ``2^-9``, i.e. 100 % at eps = 1e-3)."""
     h, w, _, _ = _inputs(B=1, S=96, H=16, V=97, dtype=jnp.float32, seed=7)
     hb = h.astype(jnp.bfloat16)
     w = w * 10.0
