@@ -73,13 +73,66 @@ def run_child(cmd, cwd: str, timeout: float, fail: Callable) -> dict:
     return fail(f"child exited with status {proc.returncode}: " + "\n".join(tail))
 
 
+CODE_PACKAGES = ("mtraining_jax", "pallas_kernels", "benchmarks")
+
+
+def code_root() -> str:
+    """The tree this process's code comes from: the directory holding the imported ``mtraining_jax``."""
+    import mtraining_jax
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(mtraining_jax.__file__)))
+
+
+def code_digest(root: Optional[str] = None) -> str:
+    """12 hex digits of SHA-256 over the ``.py`` files of :data:`CODE_PACKAGES` under ``root``
+    (default :func:`code_root`), each as its relative path and bytes: two rows with one ``code`` ran
+    the same Python sources, whatever their ``commit`` says."""
+    import hashlib
+
+    root = root or code_root()
+    h = hashlib.sha256()
+    for pkg in CODE_PACKAGES:
+        files = []
+        for d, dirs, names in os.walk(os.path.join(root, pkg)):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            files += [os.path.join(d, n) for n in names if n.endswith(".py")]
+        for f in sorted(files):
+            h.update(os.path.relpath(f, root).encode() + b"\0")
+            with open(f, "rb") as fh:
+                h.update(fh.read() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def check_code_source(environ=None) -> str:
+    """:func:`code_root`, after checking it is the tree ``PYTHONPATH`` names: the first
+    ``PYTHONPATH`` entry holding an ``mtraining_jax`` folder must be the one imported. ``python -m``
+    puts the current directory ahead of ``PYTHONPATH``, so ``PYTHONPATH=other/tree python -m
+    benchmarks.x`` run from another checkout runs that checkout's code, not ``other/tree``'s: an A/B of
+    two trees would time one code twice (it did: ``results/training/train_throughput.md`` run 28).
+    Raises ``RuntimeError`` naming both trees."""
+    environ = os.environ if environ is None else environ
+    root = code_root()
+    for entry in environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and os.path.isdir(os.path.join(entry, "mtraining_jax")):
+            if os.path.realpath(entry) != os.path.realpath(root):
+                raise RuntimeError(
+                    f"PYTHONPATH names {entry!r} for mtraining_jax, but this process imported it from {root!r} "
+                    f"(`python -m` puts the current directory first): run the command from inside {entry!r}")
+            break
+    return root
+
+
 def provenance(argv=None) -> dict:
-    """``commit``, ``date``, ``command`` and (where JAX is imported) ``jax`` / ``device`` of a
-    results row. The commit is ``git rev-parse HEAD`` of the repository, with ``+dirty`` where tracked
+    """``commit``, ``code``, ``date``, ``command`` and (where JAX is imported) ``jax`` / ``device`` of
+    a results row. The commit is ``git rev-parse HEAD`` of the repository, with ``+dirty`` where tracked
     files differ from it (the row did not run that commit's code), or ``$MTRAINING_COMMIT`` where the
-    tree travels without its ``.git``: set it in the command line."""
+    tree travels without its ``.git``: set it in the command line. ``code`` is :func:`code_digest` of
+    the tree the code was imported from (:func:`check_code_source` first: a ``PYTHONPATH`` naming
+    another tree raises)."""
     import datetime
     import shlex
+
+    code = code_digest(check_code_source())
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = os.environ.get("MTRAINING_COMMIT")
@@ -94,7 +147,7 @@ def provenance(argv=None) -> dict:
         except (OSError, subprocess.SubprocessError):
             commit = None
     args = sys.argv if argv is None else [sys.argv[0], *argv]
-    row = {"commit": commit or "unknown",
+    row = {"commit": commit or "unknown", "code": code,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(shlex.quote(a) for a in args)}
     if "jax" in sys.modules:

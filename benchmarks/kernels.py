@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._driver import provenance
+from benchmarks._driver import check_code_source, provenance
 from benchmarks._timing import timeit
 from benchmarks.kernels_report import load_rows, passes_table, plot, plot_families, plot_passes, table
 from benchmarks.model_index import add_model_args, model_entries, model_options
@@ -399,6 +399,10 @@ def main():
                     "comma-separated (" + ",".join(PASSES) + ")")
     add_model_args(ap)
     a = ap.parse_args()
+    try:
+        check_code_source()  # the code PYTHONPATH names, not another checkout's (before any timing)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
     model = model_options(a, ap)
     bad = sorted(set(a.pass_names.split(",")) - set(PASSES))
     if bad:

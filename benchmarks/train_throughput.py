@@ -240,8 +240,10 @@ def run_one(config: str, sets: Sequence[str], seq_len: int, backend: str, *, bat
     peak = device_peak_bytes(mesh.devices.flat)  # the largest peak over the mesh's devices
     from benchmarks._driver import provenance
 
+    prov = provenance()
     return {
-        "commit": provenance()["commit"],
+        "commit": prov["commit"],
+        "code": prov["code"],
         "seq_len": cfg.data.seq_len,
         "backend": backend,
         "batch": cfg.data.batch_size,
@@ -430,6 +432,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _one_main(args)
     load_config(args.config, args.set)  # bad config / override: fail before spawning anything
     parse_mesh(args.mesh)
+    try:
+        _driver.check_code_source()  # the code PYTHONPATH names, not another checkout's
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(os.path.abspath(__file__), REPO)] +
                        list(sys.argv[1:] if argv is None else argv))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
