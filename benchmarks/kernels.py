@@ -58,11 +58,13 @@ def _time(fn, *args, reps=5, warmup=2):
     return float(timeit(fn, *args, warmup=warmup, repeat=reps)[0])
 
 
-def _inputs(S, seed, last_dtype):
-    """``q, k, v`` bf16 and the cotangent / dO (``last_dtype``), shapes of the benchmark."""
+def _inputs(S, seed, last_dtype, shape=(H, HKV, D)):
+    """``q, k, v`` bf16 and the cotangent / dO (``last_dtype``); ``shape``: (query heads, KV heads,
+    head_dim), the benchmark's by default."""
+    hq, hkv, d = shape
     kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
-    return (jax.random.normal(kq, (1, S, H, D), jnp.bfloat16), jax.random.normal(kk, (1, S, HKV, D), jnp.bfloat16),
-            jax.random.normal(kv, (1, S, HKV, D), jnp.bfloat16), jax.random.normal(kc, (1, S, H, D), last_dtype))
+    return (jax.random.normal(kq, (1, S, hq, d), jnp.bfloat16), jax.random.normal(kk, (1, S, hkv, d), jnp.bfloat16),
+            jax.random.normal(kv, (1, S, hkv, d), jnp.bfloat16), jax.random.normal(kc, (1, S, hq, d), last_dtype))
 
 
 def _fwd_bwd(f):
@@ -231,11 +233,11 @@ def sweep(S, sparsities, reps, seed=1):
     return rows
 
 
-def _family_index(rng, fam, S, sp, vert_cols):
+def _family_index(rng, fam, S, sp, vert_cols, heads=H):
     if fam == "full":
         pos = jnp.arange(S, dtype=jnp.int32)
-        return full_step_index(1, H, S, S, pos, pos, BS), "full"
-    idx = index_family(rng, fam, 1, H, S, 1 - sp, block_size=BS, vert_cols=vert_cols)
+        return full_step_index(1, heads, S, S, pos, pos, BS), "full"
+    idx = index_family(rng, fam, 1, heads, S, 1 - sp, block_size=BS, vert_cols=vert_cols)
     return idx, f"{'vs' if fam == 'slash' else fam}{int(round(sp * 100))}"
 
 
@@ -251,7 +253,7 @@ PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
 
 
 def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
-           model=None):
+           model=None, shape=(H, HKV, D)):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
@@ -260,20 +262,22 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     ``model`` (as :func:`run`'s): also a trained model's indices (index ``model_L<layer>[_budget]``)
     (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
     block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
-    active blocks from the block pass to the column pass, a small share of either)."""
+    active blocks from the block pass to the column pass, a small share of either). ``shape``: (query
+    heads, KV heads, head_dim), e.g. ``(14, 2, 64)``: the Qwen2.5-0.5B layers of the training step."""
     from pallas_kernels import mosaic_bwd, mosaic_fwd
     from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
 
+    hq, hkv, d = shape
     rng = np.random.default_rng(seed)
-    q, k, v, do = _inputs(S, seed, jnp.bfloat16)
+    q, k, v, do = _inputs(S, seed, jnp.bfloat16, shape)
     pos = jnp.arange(S, dtype=jnp.int32)
-    kw = dict(sm_scale=D**-0.5, block_size=BS)
+    kw = dict(sm_scale=d**-0.5, block_size=BS)
     rows = []
-    cases = [_family_index(rng, fam, S, sp, vert_cols)
+    cases = [_family_index(rng, fam, S, sp, vert_cols, hq)
              for fam in families for sp in (sparsities if fam != "full" else [0.0])]
     cases += [(idx, f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items()))
-              for layer, bud, idx, _ in (model_entries(S, H, BS, model) if model else [])]
+              for layer, bud, idx, _ in (model_entries(S, hq, BS, model) if model else [])]
     for idx, name in cases:
         idx = jax.tree.map(jnp.asarray, idx)
         bp, cp = _pairs(idx, S)
@@ -306,9 +310,10 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
             compiled = jax.jit(functools.partial(fn, **kw)).lower(*a).compile()
             compile_s = time.perf_counter() - t0
             ms, ts = timeit(compiled, *a, warmup=2, repeat=reps)
-            row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (H * S * (S + 1) / 2), pass_=pname, impl=impl,
+            row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (hq * S * (S + 1) / 2), pass_=pname, impl=impl,
+                       heads=hq, kv_heads=hkv, head_dim=d,
                        ms=ms * 1e3, spread_ms=[round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)],
-                       tflops=2 * D * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2))
+                       tflops=2 * d * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -366,6 +371,18 @@ def mha_sweep(S, reps, seed=2):
     return rows
 
 
+def _parse_shape(text: str, ap) -> tuple[int, int, int]:
+    """``--shape HQ,HKV,D``: three positive integers, ``HKV`` dividing ``HQ``, ``D`` 64 or 128 (the
+    kernels' head dims)."""
+    try:
+        hq, hkv, d = (int(x) for x in text.split(","))
+    except ValueError:
+        ap.error(f"--shape must be HQ,HKV,D (three integers), got {text!r}")
+    if min(hq, hkv, d) < 1 or hq % hkv or d not in (64, 128):
+        ap.error(f"--shape {text!r}: need HKV dividing HQ and D in (64, 128)")
+    return hq, hkv, d
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="32768,131072")
@@ -397,6 +414,8 @@ def main():
                     "comma-separated (pallas_kernels.mosaic_stream.STREAMS: shared,split)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
+    ap.add_argument("--shape", default=f"{H},{HKV},{D}", metavar="HQ,HKV,D",
+                    help="with --passes: query heads, KV heads, head_dim (14,2,64: the training step's layers)")
     add_model_args(ap)
     a = ap.parse_args()
     try:
@@ -404,6 +423,7 @@ def main():
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from None
     model = model_options(a, ap)
+    shape = _parse_shape(a.shape, ap)
     bad = sorted(set(a.pass_names.split(",")) - set(PASSES))
     if bad:
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
@@ -430,7 +450,7 @@ def main():
         pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x],
                             tuple(f for f in a.families.split(",") if f), a.vert_cols, a.reps,
                             walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")),
-                            names=tuple(a.pass_names.split(",")), model=model)
+                            names=tuple(a.pass_names.split(",")), model=model, shape=shape)
     if pass_rows:
         print(passes_table(pass_rows))
         sweeps += pass_rows

@@ -22,3 +22,26 @@ def test_ring_step_rows():
     # a visible step computes every pair, a diagonal one the causal half (plus the diagonal)
     vis, diag = by[("visible", "xla")], by[("diagonal", "xla")]
     assert vis["fwd_tflops"] * vis["fwd_ms"] / (diag["fwd_tflops"] * diag["fwd_ms"]) == pytest.approx(128 * 128 / (128 * 129 / 2))
+
+
+def test_passes_shape_option(capsys):
+    """``--shape HQ,HKV,D`` (the training step's 14,2,64): parsed and checked up front; the inputs and
+    the family indices take it."""
+    import argparse
+
+    import numpy as np
+
+    from benchmarks.kernels import _family_index, _inputs, _parse_shape
+
+    ap = argparse.ArgumentParser()
+    assert _parse_shape("14,2,64", ap) == (14, 2, 64)
+    for bad, msg in (("14,2", "three integers"), ("14,x,64", "three integers"), ("14,3,64", "HKV dividing HQ"),
+                     ("16,2,96", "D in"), ("0,2,64", "HKV dividing HQ")):
+        with pytest.raises(SystemExit):
+            _parse_shape(bad, ap)
+        err = capsys.readouterr().err
+        assert msg in err and repr(bad) in err, err
+    q, k, v, do = _inputs(256, 0, np.float32, (14, 2, 64))
+    assert q.shape == do.shape == (1, 256, 14, 64) and k.shape == v.shape == (1, 256, 2, 64)
+    idx, name = _family_index(np.random.default_rng(0), "band", 1024, 0.9, 64, heads=14)
+    assert idx.block_count.shape[:2] == (1, 14) and name == "band90"
