@@ -81,7 +81,8 @@ BASELINE = "cudnn"
 GIB = 2.0**30
 #: keys of a successful row (error rows: seq_len, backend, batch, error, + what the child knew)
 ROW_KEYS = (
-    "commit", "seq_len", "backend", "batch", "mesh", "gpus", "num_processes", "tokens_per_step", "step_ms", "step_ms_all", "tokens_per_s",
+    "commit", "code", "seq_len", "backend", "batch", "mesh", "gpus", "num_processes", "tokens_per_step", "step_ms",
+    "step_ms_all", "tokens_per_s",
     "compile_s", "peak_bytes", "peak_gib", "memory_analysis", "losses", "loss_finite", "metrics",
     "work_fraction", "num_params", "model", "layer_backends", "layout", "remat", "dtype",
     "loss_chunk_size", "overrides", "device_kind", "platform", "jax_version", "device", "jax", "profile", "error",
