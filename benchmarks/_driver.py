@@ -122,6 +122,19 @@ def check_code_source(environ=None) -> str:
     return root
 
 
+def git_commit(repo: str) -> Optional[str]:
+    """``git rev-parse --short=12 HEAD`` in ``repo``, with ``+dirty`` where tracked files differ from
+    it; ``None`` outside a git checkout (or without git)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + "+dirty" if commit and dirty else commit
+
+
 def provenance(argv=None) -> dict:
     """``commit``, ``code``, ``date``, ``command`` and (where JAX is imported) ``jax`` / ``device`` of
     a results row. The commit is ``git rev-parse HEAD`` of the repository, with ``+dirty`` where tracked
@@ -135,17 +148,7 @@ def provenance(argv=None) -> dict:
     code = code_digest(check_code_source())
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = os.environ.get("MTRAINING_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True,
-                                    text=True, timeout=10).stdout.strip() or None
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            if commit and dirty:
-                commit += "+dirty"
-        except (OSError, subprocess.SubprocessError):
-            commit = None
+    commit = os.environ.get("MTRAINING_COMMIT") or git_commit(repo)
     args = sys.argv if argv is None else [sys.argv[0], *argv]
     row = {"commit": commit or "unknown", "code": code,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
