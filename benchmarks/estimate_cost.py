@@ -4,10 +4,13 @@ the same shape in the same run: the price of a larger window (``quality.md``: ``
 sparse read's loss away on a trained model) at the lengths users train at.
 
     MTRAINING_COMMIT=<sha> python benchmarks/estimate_cost.py --seq 131072 --last-q 64,256,1024 --out rows.jsonl
+    python benchmarks/estimate_cost.py --seq 131072 --last-q 64 --heads 14,2 --head-dim 64 --impls xla,triton
 
-One JSON row per (S, last_q) and per cuDNN pass, printed as it is measured (``fn``, ``S``, ``last_q``, ``ms``
-median with ``ms_min`` / ``ms_max`` over ``--repeats``, ``compile_s``, and the run's ``commit``, ``date``,
-``device``, ``jax``, ``command``); B = 1, 16 query / 2 KV heads, d128, bf16, random q/k, default budgets.
+One JSON row per (S, last_q, impl) and per cuDNN pass, printed as it is measured (``fn``, ``S``, ``last_q``,
+``impl`` (``SparsityConfig.estimate_impl``), ``ms`` median with ``ms_min`` / ``ms_max`` over ``--repeats``,
+``compile_s``; with several impls, ``index_diff``: the entries of the index that differ from the first impl's;
+and the run's ``commit``, ``date``, ``device``, ``jax``, ``command``); B = 1, 16 query / 2 KV heads, d128, bf16,
+random q/k, default budgets. The impls alternate per repeat round so that drift affects them alike.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=positive_ints, default=[16, 2], help="query heads, KV heads")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--impls", default="xla", help="estimate impls, comma-separated (xla, triton)")
     ap.add_argument("--dense", choices=("cudnn", "xla", "none"), default="cudnn",
                     help="the dense attention timed beside it (xla on a CPU)")
     ap.add_argument("--out", help="also append the rows to this JSONL file")
@@ -48,9 +52,15 @@ def main(argv=None) -> int:
         for lq in a.last_q:
             if lq > S:
                 ap.error(f"--last-q {lq} is larger than --seq {S}")
+    from mtraining_jax.sparsity.config import ESTIMATE_IMPLS
+
+    impls = [x.strip() for x in a.impls.split(",") if x.strip()]
+    if not impls or any(x not in ESTIMATE_IMPLS for x in impls) or len(set(impls)) < len(impls):
+        ap.error(f"--impls: expected distinct names from {ESTIMATE_IMPLS}, got {a.impls!r}")
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from benchmarks._driver import provenance
     from benchmarks._timing import timeit
@@ -73,6 +83,22 @@ def main(argv=None) -> int:
         med, ts = timeit(fn, *args, warmup=1, repeat=a.repeats)
         return {"ms": med * 1e3, "ms_min": min(ts) * 1e3, "ms_max": max(ts) * 1e3, "compile_s": compile_s}
 
+    def measure_alternating(fns, *args):
+        """Each fn compiled, then ``--repeats`` rounds timing each once in turn (order rotated per round)."""
+        compile_s = {}
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            compile_s[name] = time.perf_counter() - t0
+            timeit(fn, *args, warmup=1, repeat=1)
+        ts = {name: [] for name in fns}
+        names = list(fns)
+        for r in range(a.repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                ts[name].append(timeit(fns[name], *args, warmup=0, repeat=1)[0])
+        return {name: {"ms": float(np.median(t)) * 1e3, "ms_min": min(t) * 1e3, "ms_max": max(t) * 1e3,
+                       "compile_s": compile_s[name]} for name, t in ts.items()}
+
     for S in a.seq:
         kq, kk, kv = jax.random.split(jax.random.key(S), 3)
         q = jax.random.normal(kq, (1, S, Hq, a.head_dim), jnp.bfloat16)
@@ -80,10 +106,16 @@ def main(argv=None) -> int:
         v = jax.random.normal(kv, (1, S, Hkv, a.head_dim), jnp.bfloat16)
         pos = jnp.arange(S, dtype=jnp.int32)
         for lq in a.last_q:
-            cfg = SparsityConfig(last_q=lq)
-            fn = jax.jit(lambda q, k, cfg=cfg: estimate_index(q, k, pos, cfg))
-            emit({"fn": "estimate_index", "S": S, "last_q": lq, "heads": [Hq, Hkv], "head_dim": a.head_dim,
-                  **measure(fn, q, k)})
+            fns = {impl: jax.jit(lambda q, k, cfg=SparsityConfig(last_q=lq, estimate_impl=impl):
+                                 estimate_index(q, k, pos, cfg)) for impl in impls}
+            first = jax.tree.map(np.asarray, fns[impls[0]](q, k))
+            for impl, m in measure_alternating(fns, q, k).items():
+                row = {"fn": "estimate_index", "impl": impl, "S": S, "last_q": lq, "heads": [Hq, Hkv],
+                       "head_dim": a.head_dim, **m}
+                if len(impls) > 1:
+                    got = jax.tree.map(np.asarray, fns[impl](q, k))
+                    row["index_diff"] = int(sum((x != y).sum() for x, y in zip(got, first)))
+                emit(row)
         if a.dense != "none":
             impl = None if a.dense == "xla" else a.dense
             att = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)  # noqa: E731

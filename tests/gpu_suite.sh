@@ -19,7 +19,7 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 groups=(
   "0.22 tests/test_kernels.py -k TestMosaicGPU and (merges or walks_and_streams or dense_index or fully_masked)"
   "0.22 tests/test_kernels.py -k TestMosaicGPU and not (merges or walks_and_streams or dense_index or fully_masked)"
-  "0.13 tests/test_kernels.py tests/test_index_programs.py -k not TestMosaicGPU"
+  "0.13 tests/test_kernels.py tests/test_index_programs.py tests/test_window_scores.py -k not TestMosaicGPU"
   "0.13 tests/test_ring.py tests/test_sparsity_fidelity.py"
   "0.13 tests/test_mtraining_attention.py tests/test_bf16_gradients.py"
 )

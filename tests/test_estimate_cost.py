@@ -23,7 +23,18 @@ def test_rows_at_toy_size(tmp_path, capsys):
     assert capsys.readouterr().out.count('"fn"') == 4
 
 
-@pytest.mark.parametrize("argv, msg", [(["--seq", "128", "--last-q", "256"], "--last-q 256 is larger than --seq 128"),
+def test_two_impls_alternate_and_report_their_index_difference(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    assert estimate_cost.main(["--seq", "512", "--last-q", "64", "--heads", "4,2", "--head-dim", "16", "--dense",
+                               "none", "--repeats", "2", "--impls", "xla,triton", "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["impl"] for r in rows] == ["xla", "triton"]
+    assert [r["index_diff"] for r in rows] == [0, 0]  # interpret mode: the same integers, the same index
+    assert all(0 < r["ms_min"] <= r["ms"] <= r["ms_max"] for r in rows)
+
+
+@pytest.mark.parametrize("argv, msg", [(["--impls", "xla,cuda"], "expected distinct names from"),
+                                       (["--impls", "xla,xla"], "got 'xla,xla'"),(["--seq", "128", "--last-q", "256"], "--last-q 256 is larger than --seq 128"),
                                        (["--heads", "16,3"], "KV dividing QUERY, got \\[16, 3\\]"),
                                        (["--seq", "1x"], "got '1x'"), (["--last-q", "0"], "got '0'")])
 def test_bad_sizes_are_refused(argv, msg, capsys):

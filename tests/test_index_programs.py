@@ -17,6 +17,7 @@ XLA, Triton and Mosaic kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -86,8 +87,9 @@ def _assert_same_index(got: dict, ref):
 # --------------------------------------------------------------------------------------------- CPU
 def test_index_is_bit_identical_in_every_program():
     """Eight programs (the estimate op by op, the estimate jitted, forward / forward+backward with
-    the XLA twin and with the Triton kernels in interpret mode, a ``jax.checkpoint`` recompute) on a
-    two-rank mesh: every field of every index equal, bit for bit."""
+    the XLA twin and with the Triton kernels in interpret mode, a ``jax.checkpoint`` recompute) and
+    three more with the estimate's Triton window kernels (``estimate_impl="triton"``, interpret mode)
+    on a two-rank mesh: every field of every index equal, bit for bit."""
     B, S, HQ, HKV, D = 1, 1024, 4, 2, 64
     q, k, v, cot = _inputs(0, B, S, HQ, HKV, D)
     mesh = make_mesh((1, 2), jax.devices()[:2])
@@ -101,6 +103,10 @@ def test_index_is_bit_identical_in_every_program():
     progs = _index_programs(mesh, ["xla", "triton"], CFG, lcot, remat_impls=["xla"])
     assert len(progs) == 5
     got.update({name: f(lq, lk, lv) for name, f in progs.items()})
+    # the estimate's window kernels (interpret mode) inside the attention's shard_map: the same integers
+    kcfg = dataclasses.replace(CFG, estimate_impl="triton")
+    kprogs = _index_programs(mesh, ["xla"], kcfg, lcot, remat_impls=["xla"])
+    got.update({f"{name}, estimate_impl=triton": f(lq, lk, lv) for name, f in kprogs.items()})
     _assert_same_index(got, ref)
     # a genuinely sparse index, and the comparison can fail: the index of the float32 values
     # (what a program whose casts XLA dropped would see without the storage rounding) differs
@@ -256,16 +262,18 @@ def test_remat_backward_uses_the_forward_index():
 
 # --------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("estimate_impl", ["xla", "triton"])
 @pytest.mark.parametrize("data", ["synthetic", "normal"])
 @pytest.mark.parametrize("B, S", [(2, 16384), (1, 131072)])
-def test_index_is_bit_identical_across_gpu_programs(B, S, data):
+def test_index_is_bit_identical_across_gpu_programs(B, S, data, estimate_impl):
     """Issue 35's case on one GPU: 12/4 heads, d64, vertical_p = slash_p = 0.8, float32 q/k/v cast
     to bf16 inside each program. The XLA, Triton and Mosaic programs, forward and forward +
     backward, a remat recompute and the estimate alone build the same index, bit for bit.
     ``normal``: i.i.d. normal q/k (diffuse attention, the caps bind: many near-tied lines at the
-    budget's edge, where a bf16-vs-float32 difference shows first)."""
+    budget's edge, where a bf16-vs-float32 difference shows first). Both estimate paths
+    (``estimate_impl``), each against itself."""
     HQ, HKV, D = 12, 4, 64
-    cfg = SparsityConfig(vertical_p=0.8, slash_p=0.8)
+    cfg = SparsityConfig(vertical_p=0.8, slash_p=0.8, estimate_impl=estimate_impl)
     q, k, v, cot = _inputs(35, B, S, HQ, HKV, D)
     if data == "normal":
         kq, kk = jax.random.split(jax.random.PRNGKey(36))

@@ -20,6 +20,11 @@ Fields and defaults:
 * ``window = "sequence"``: the last ``last_q`` queries of the sequence; ``"per_document"`` (packed
   documents): every document's own last ``last_q`` queries, in at most ``window_blocks`` query
   blocks (:mod:`mtraining_jax.sparsity.estimate`).
+* ``estimate_impl = "xla"``: how the estimate computes the window's statistics: ``"xla"`` (the
+  logits' partial products in memory, rows in chunks) or ``"triton"`` (Pallas Triton kernels that
+  keep the logits on chip, :mod:`pallas_kernels.window_scores`; interpret mode off a GPU; window
+  ``"sequence"``, ``last_q`` and ``head_dim`` powers of two >= 16). Same integers in interpret mode;
+  on a GPU the two may differ in the last bit of a probability (``exp``), each deterministic.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ _INT32_HEADROOM = 29
 
 #: observation windows of the index estimate (``SparsityConfig.window``)
 WINDOWS = ("sequence", "per_document")
+
+#: how the index estimate computes its window statistics (``SparsityConfig.estimate_impl``)
+ESTIMATE_IMPLS = ("xla", "triton")
 
 PER_HEAD_FIELDS = ("vertical_p", "slash_p", "vertical_min", "vertical_max", "slash_min", "slash_max")
 
@@ -80,6 +88,7 @@ class SparsityConfig:
     sm_scale: float | None = None
     window: str = "sequence"
     window_blocks: int = 64
+    estimate_impl: str = "xla"
 
     def __post_init__(self):
         for name in PER_HEAD_FIELDS:
@@ -116,6 +125,13 @@ class SparsityConfig:
             raise ValueError(f"window={self.window!r} is not one of {WINDOWS}")
         if not _is_int(self.window_blocks) or self.window_blocks < 1:
             raise ValueError(f"window_blocks must be a positive integer, got {self.window_blocks!r}")
+        if not isinstance(self.estimate_impl, str) or self.estimate_impl not in ESTIMATE_IMPLS:
+            raise ValueError(f"estimate_impl={self.estimate_impl!r} is not one of {ESTIMATE_IMPLS}")
+        if self.estimate_impl == "triton":
+            if self.window != "sequence":
+                raise ValueError(f"estimate_impl='triton' scores the window 'sequence' only, got window={self.window!r}")
+            if self.last_q < 16 or self.last_q & (self.last_q - 1):
+                raise ValueError(f"estimate_impl='triton' needs last_q a power of two >= 16, got {self.last_q}")
 
     # ----------------------------------------------------------------------------------------------
     def per_head(self, name: str, num_heads: int) -> np.ndarray:

@@ -48,7 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.inputs import check_qkv
+from pallas_kernels import window_scores
 from pallas_kernels.rounding import storage_round
+from pallas_kernels.window_scores import fixed_point_digits as _digits
 from mtraining_jax.sparsity.budgets import top_p_select
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.index import VerticalSlashIndex
@@ -66,6 +68,11 @@ def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
     check_positions(positions, S, name=name, permutation=num_ranks == 1, shape=(q.shape[1],))
     cfg.check(S, q.shape[2], num_ranks)
     _digit_plan(q.shape[3])  # a head_dim the exact logits can take
+    if cfg.estimate_impl == "triton":
+        try:
+            window_scores.supports(cfg.last_q, q.shape[1], q.shape[3])
+        except NotImplementedError as e:
+            raise ValueError(f"estimate_impl='triton': {e}") from None
 
 
 def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
@@ -81,22 +88,6 @@ def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
     buf = jnp.zeros((q.shape[0], last_q) + q.shape[2:], jnp.float32)
     buf = buf.at[:, slot].add(q.astype(jnp.float32), mode="drop", unique_indices=True)
     return reduce_sum(buf)
-
-
-def _digits(x, widths: Sequence[int]):
-    """Fixed-point digits of ``x`` in ``[0, 1]`` (float32): ``int32`` ``d_j`` with
-    ``x = sum_j d_j 2^-(w_0 + .. + w_j) + rest``, ``0 <= rest < 2^-sum(w)``, ``d_0 <= 2^w_0``.
-
-    Every step (a power-of-two scaling, a floor, the subtraction of the integer part) is exact in
-    floating point, so the digits are the exact truncation of ``x``, however the program is
-    compiled or fused."""
-    out, t = [], x
-    for w in widths:
-        t = t * np.float32(2.0**w)
-        d = jnp.floor(t)
-        out.append(d.astype(jnp.int32))
-        t = t - d
-    return out
 
 
 def fixed_point_bits(cfg: SparsityConfig) -> tuple[int, int]:
@@ -159,6 +150,22 @@ def _window_queries(q, k_pos, blocks, seq_len: int, bs: int, reduce_sum):
     return reduce_sum(buf.at[b_ix, slot].add(q.astype(jnp.float32), mode="drop", unique_indices=True))
 
 
+def _scale(head_dim: int, cfg: SparsityConfig):
+    return np.float32(head_dim ** -0.5 if cfg.sm_scale is None else cfg.sm_scale)
+
+
+def _denominator(sums):
+    """The softmax denominators from the integer sums of the six digits of ``e`` (``_E_DIGITS``:
+    ``e`` truncated to ``2^-47``, each digit summed over ``S <= 2^23`` keys in int32 without
+    overflow, digit 0 <= 2^7, the others < 2^8), combined in a fixed order, integers first: the same
+    bits on every rank."""
+    denom, shift = jnp.float32(0.0), 0
+    for w, part in zip(_E_DIGITS, sums):
+        shift += w
+        denom = denom + part.astype(jnp.float32) * np.float32(2.0**-shift)
+    return denom
+
+
 def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, padded: bool = False):
     """Fixed-point digits ``(hi, lo) int32 [B, Hq, R, S_local]`` of the window rows' exact softmax
     probabilities (:func:`fixed_point_bits`) under ``causal`` (``[R, Sk]`` or ``[B, 1, R, Sk]``);
@@ -170,16 +177,10 @@ def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, 
     m = reduce_max(z.max(axis=-1))  # exact in any order
     if padded:  # a padding row sees no key: keep it finite (it adds nothing)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
-    scale = np.float32(q_rows.shape[-1] ** -0.5 if cfg.sm_scale is None else cfg.sm_scale)
+    scale = _scale(q_rows.shape[-1], cfg)
     # the scale after the subtraction: (z - m) * scale has no multiply-add a compiler could contract
     e = jnp.where(causal, jnp.exp((z - m[..., None]) * scale), 0.0)  # (0, 1]; the row max contributes 1
-    # softmax denominator: e truncated to 2^-47 in six digits, each summed over S <= 2^23 keys
-    # in int32 without overflow (digit 0 <= 2^7, the others < 2^8)
-    sums = [reduce_sum(d.sum(axis=-1, dtype=jnp.int32)) for d in _digits(e, _E_DIGITS)]
-    denom, shift = jnp.float32(0.0), 0
-    for w, part in zip(_E_DIGITS, sums):  # fixed order, integers first: the same bits on every rank
-        shift += w
-        denom = denom + part.astype(jnp.float32) * np.float32(2.0**-shift)
+    denom = _denominator([reduce_sum(d.sum(axis=-1, dtype=jnp.int32)) for d in _digits(e, _E_DIGITS)])
     if padded:
         denom = jnp.where(denom > 0, denom, 1.0)
     a = e / denom[..., None]  # <= 1 (denom >= the row max's exact 1)
@@ -246,7 +247,12 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     zero = (k_pos[0] * 0).astype(jnp.int32)  # varies over the mesh axes like the body's results
     slash = jnp.zeros((2, B, Hq, nb + 1), jnp.int32) + zero
     first = seq_len - lq
-    if rc == lq:  # the whole window at once; its rows may span query blocks
+    if cfg.estimate_impl == "triton":  # the window's logits never in memory (pallas_kernels.window_scores)
+        per_block = _kernel_block_sums(q_last, k, k_pos, last_seg, seg, seq_len, cfg, reduce_sum, reduce_max)
+        cols = sum(per_block.values())
+        for g, colsum in per_block.items():
+            slash = add_slash(slash, colsum, jnp.int32(g))
+    elif rc == lq:  # the whole window at once; its rows may span query blocks
         qp = np.arange(first, seq_len)
         hi, lo = digits(jnp.asarray(qp, jnp.int32), q_last, last_seg)
         cols = colsums(hi, lo)
@@ -273,6 +279,47 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     vert = cols[0] + (cols[1] >> G)  # [B, Hq, Sk]
     slash = reduce_sum(slash[..., :nb])
     return vert, slash[0] + (slash[1] >> G)
+
+
+def _varying_axes(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside a ``shard_map`` with ``check_vma=True`` (empty
+    otherwise; ``manual_axis_type`` in JAX 0.10, ``vma`` in later versions)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _kernel_block_sums(q_last, k: "_Digits", k_pos, last_seg, seg, seq_len: int, cfg: SparsityConfig, reduce_sum,
+                       reduce_max) -> dict:
+    """``{g: int32 [2, B, Hq, S_local]}``: the (hi, lo) column sums of the window rows in query block
+    ``g``, from the Pallas Triton kernels (:mod:`pallas_kernels.window_scores`; interpret mode off a
+    GPU): the same integers as :func:`_row_digits`'s path where the platform's ``exp`` agrees (always
+    in interpret mode), the row statistics reduced over the mesh between the three passes."""
+    if _varying_axes(k_pos):
+        raise ValueError(f"estimate_impl='triton' inside jax.shard_map needs check_vma=False (its Pallas calls "
+                         f"declare no varying mesh axes; the inputs vary over {sorted(_varying_axes(k_pos))}); the "
+                         f"library's own shard_maps set it")
+    bs, lq = cfg.block_size, cfg.last_q
+    F, G = fixed_point_bits(cfg)
+    D = q_last.shape[-1]
+    w, _ = _digit_plan(D)
+    qd = _operand_digits(q_last)
+    ops = window_scores.WindowOperands(qd.digits, qd.row_scale, k.digits, k.row_scale, k_pos, last_seg,
+                                       None if last_seg is None else seg)
+    first = seq_len - lq
+    kw = dict(first=first, w=w, block_size=bs, interpret=jax.default_backend() != "gpu")
+    m = reduce_max(window_scores.row_max(ops, **kw))  # [B, Hq, lq]
+    scale = _scale(D, cfg)
+    sums = reduce_sum(window_scores.exp_digit_sums(ops, m, scale=scale, widths=_E_DIGITS, **kw))
+    denom = _denominator(list(sums))
+    hi, lo = window_scores.column_digit_sums(ops, m, denom, scale=scale, widths=(F, G), **kw)  # [B, Hq, nrt, Sk]
+    tr = window_scores.row_tile(lq, bs)
+    per_block: dict = {}
+    for t in range(lq // tr):  # static: each row tile lies in one query block
+        g = (first + t * tr) // bs
+        part = jnp.stack([hi[:, :, t], lo[:, :, t]])
+        per_block[g] = part if g not in per_block else per_block[g] + part
+    return per_block
 
 
 def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg):

@@ -1,0 +1,280 @@
+"""Pallas Triton kernels of the index estimate's window statistics (MTraining Algorithm 1, steps 2-3;
+:mod:`mtraining_jax.sparsity.estimate`, ``SparsityConfig.estimate_impl = "triton"``).
+
+The estimate scores the ``R = last_q`` observation-window queries against every local key. Its XLA
+path writes the exact logits' ``J`` partial products (``[B, Hq, R, J, Sk]`` float32) to memory and
+reads them back for the row max and again for the probabilities. These kernels compute the same
+logits tile by tile from the operands' integer digits and never store them, in three passes over the
+keys (each its own ``pallas_call``, so that a caller can ``pmax`` / ``psum`` the row statistics over a
+mesh between them):
+
+1. :func:`row_max`: ``m = max_k z[r, k]`` over the causal (and same-document) keys;
+2. :func:`exp_digit_sums`: the fixed-point digits of ``e = exp((z - m) * scale)``, summed over keys
+   (the softmax denominator as exact integers);
+3. :func:`column_digit_sums`: the fixed-point digits of ``a = e / denom``, summed over the window rows
+   of each row tile (the vertical and slash scores as exact integers).
+
+Logits: ``z = (sum_l 2^(-w l) L_l) * q_scale * k_scale`` with ``L_l = sum_{a + b = l} q_a . k_b``
+over the operands' balanced digits (``bf16`` integers, ``|d| <= 2^(w-1)``): every ``L_l`` is an
+integer below ``2^24``, exact in float32 in any summation order, so the bits of ``z`` are those of
+the XLA path's ``_window_logits`` whatever the tiling. Every later step is one elementwise operation
+in the XLA path's order (``exp`` and an IEEE division, ``div.rn.f32`` on the GPU), and every sum is of
+integers. In interpret mode (CPU) the results are the XLA path's bit for bit (``tests/test_window_scores.py``);
+on a GPU the kernels' ``exp`` is libdevice's, so the two paths may differ in the last bit of a
+probability: each path is deterministic and layout / mesh / program invariant on its own, and a model
+uses one.
+
+Shapes (the estimate's own; no transposes): query digits ``bf16 [B, R, Hq, J, D]`` with row scales
+``f32 [B, R, Hq]``, key digits ``bf16 [B, Sk, Hkv, J, D]`` with ``f32 [B, Sk, Hkv]``, key positions
+``int32 [Sk]`` (any order), window rows at global positions ``first .. first + R - 1``; optional
+document ids ``int32 [B, R]`` / ``[B, Sk]``. Supported (:func:`supports`): ``R`` and ``D`` powers of
+two >= 16, ``Sk`` a multiple of 16.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._compat import dot, triton_compiler_params
+
+#: keys per program (a power of two dividing ``Sk``, at most this) and per inner tile
+KEY_CHUNK, KEY_TILE = 2048, 128
+#: window rows per program
+ROW_TILE = 64
+
+
+class WindowOperands(NamedTuple):
+    """The estimate's operands of the window logits (module docstring for shapes)."""
+
+    q_digits: jax.Array
+    q_scale: jax.Array
+    k_digits: jax.Array
+    k_scale: jax.Array
+    k_pos: jax.Array
+    q_seg: jax.Array | None = None
+    k_seg: jax.Array | None = None
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def supports(rows: int, keys: int, head_dim: int) -> None:
+    """``NotImplementedError`` naming the value these kernels cannot take (the window rows
+    ``last_q``, the local keys, the head dimension)."""
+    if not _pow2(rows):
+        raise NotImplementedError(f"the Triton window kernels need last_q a power of two >= 16, got {rows}")
+    if not _pow2(head_dim):
+        raise NotImplementedError(f"the Triton window kernels need head_dim a power of two >= 16, got {head_dim}")
+    if keys % 16:
+        raise NotImplementedError(f"the Triton window kernels need the local keys a multiple of 16, got {keys}")
+
+
+def row_tile(rows: int, block_size: int) -> int:
+    """Window rows per program: ``min(ROW_TILE, rows, block_size)``, so that a row tile never
+    straddles a query block (the window starts at a multiple of it)."""
+    return min(ROW_TILE, rows, block_size)
+
+
+def _key_chunk(keys: int) -> tuple[int, int]:
+    kc = KEY_CHUNK
+    while keys % kc:
+        kc //= 2
+    return kc, min(KEY_TILE, kc)
+
+
+def _grid_specs(ops: WindowOperands, tr: int):
+    """``(grid, in_specs, nrt, nkc, kc, tk)``: grid ``(key chunk c, query head h, b * nrt + row tile)``."""
+    B, R, Hq, J, D = ops.q_digits.shape
+    Sk, Hkv = ops.k_digits.shape[1], ops.k_digits.shape[2]
+    g = Hq // Hkv
+    nrt = R // tr
+    kc, tk = _key_chunk(Sk)
+    nkc = Sk // kc
+
+    specs = [pl.BlockSpec((None, tr, None, None, D), lambda c, h, i, j=j: (i // nrt, i % nrt, h, j, 0))
+             for j in range(J)]
+    specs.append(pl.BlockSpec((None, tr, None), lambda c, h, i: (i // nrt, i % nrt, h)))
+    specs += [pl.BlockSpec((None, kc, None, None, D), lambda c, h, i, j=j: (i // nrt, c, h // g, j, 0))
+              for j in range(J)]
+    specs.append(pl.BlockSpec((None, kc, None), lambda c, h, i: (i // nrt, c, h // g)))
+    specs.append(pl.BlockSpec((kc,), lambda c, h, i: (c,)))
+    if ops.q_seg is not None:
+        specs += [pl.BlockSpec((None, tr), lambda c, h, i: (i // nrt, i % nrt)),
+                  pl.BlockSpec((None, kc), lambda c, h, i: (i // nrt, c))]
+    return (nkc, Hq, B * nrt), specs, nrt, nkc, kc, tk
+
+
+def _operands(ops: WindowOperands, J: int):
+    args = [ops.q_digits] * J + [ops.q_scale] + [ops.k_digits] * J + [ops.k_scale, ops.k_pos]
+    if ops.q_seg is not None:
+        args += [ops.q_seg.astype(jnp.int32), ops.k_seg.astype(jnp.int32)]
+    return args
+
+
+def _tile_logits(refs, J: int, w: int, first: int, tr: int, nrt: int, segs: bool):
+    """``logits(rows) -> (z [tr, tk] f32, ok [tr, tk] bool)`` of the keys ``rows`` (a ``pl.ds``)."""
+    q_refs, qs_ref = refs[:J], refs[J]
+    k_refs, ks_ref, kpos_ref = refs[J + 1:2 * J + 1], refs[2 * J + 1], refs[2 * J + 2]
+    qseg_ref, kseg_ref = (refs[2 * J + 3], refs[2 * J + 4]) if segs else (None, None)
+    qd = [r[...] for r in q_refs]
+    sq = qs_ref[...]
+    t = pl.program_id(2) % nrt
+    qpos = first + t * tr + jnp.arange(tr, dtype=jnp.int32)
+    qseg = qseg_ref[...] if segs else None
+
+    def logits(rows):
+        kd = [r[rows, :] for r in k_refs]
+        z = None
+        for lw in range(J):  # L_l = sum_{a+b=l} q_a . k_b: integers < 2^24, exact in any order
+            part = None
+            for a in range(lw + 1):
+                p = dot(qd[a], kd[lw - a], trans_b=True)
+                part = p if part is None else part + p
+            z = part if z is None else z + part * np.float32(2.0 ** (-w * lw))
+        z = z * sq[:, None] * ks_ref[rows][None, :]
+        ok = kpos_ref[rows][None, :] <= qpos[:, None]
+        if segs:
+            ok = ok & (kseg_ref[rows][None, :] == qseg[:, None])
+        return z, ok
+
+    return logits
+
+
+def _n_fixed(J: int, segs: bool) -> int:
+    return 2 * J + 3 + (2 if segs else 0)
+
+
+def _call(kernel, ops, out_shape, out_specs, extra_args, extra_specs, interpret, grid, specs):
+    return pl.pallas_call(kernel, grid=grid, in_specs=specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
+                          compiler_params=triton_compiler_params(num_warps=4, num_stages=2),
+                          interpret=interpret)(*_operands(ops, ops.q_digits.shape[3]), *extra_args)
+
+
+def row_max(ops: WindowOperands, *, first: int, w: int, block_size: int, interpret: bool = False):
+    """``f32 [B, Hq, R]``: each window row's largest logit over the local causal (same-document) keys
+    (``-inf`` where it has none); ``pmax`` it over a mesh."""
+    B, R, Hq, J, _ = ops.q_digits.shape
+    segs = ops.q_seg is not None
+    tr = row_tile(R, block_size)
+    grid, specs, nrt, nkc, kc, tk = _grid_specs(ops, tr)
+    nf = _n_fixed(J, segs)
+
+    def kernel(*refs):
+        logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+
+        def body(i, mx):
+            z, ok = logits(pl.ds(pl.multiple_of(i * tk, tk), tk))
+            return jnp.maximum(mx, jnp.max(jnp.where(ok, z, -jnp.inf), axis=1))
+
+        refs[nf][...] = lax.fori_loop(0, kc // tk, body, jnp.full((tr,), -jnp.inf, jnp.float32))
+
+    out = _call(kernel, ops, jax.ShapeDtypeStruct((B, Hq, nkc, R), jnp.float32),
+                pl.BlockSpec((None, None, None, tr), lambda c, h, i: (i // nrt, h, c, i % nrt)), [], [], interpret, grid,
+                specs)
+    return out.max(axis=2)
+
+
+def fixed_point_digits(x, widths: Sequence[int]):
+    """Fixed-point digits of ``x`` in ``[0, 1]`` (float32): ``int32`` ``d_j`` with
+    ``x = sum_j d_j 2^-(w_0 + .. + w_j) + rest``, ``0 <= rest < 2^-sum(w)``, ``d_0 <= 2^w_0``.
+
+    Every step (a power-of-two scaling, a floor, the subtraction of the integer part) is exact in
+    floating point, so the digits are the exact truncation of ``x``, however the program is
+    compiled or fused (the estimate's XLA path uses this function too)."""
+    out, t = [], x
+    for wd in widths:
+        t = t * np.float32(2.0**wd)
+        d = jnp.floor(t)
+        out.append(d.astype(jnp.int32))
+        t = t - d
+    return out
+
+
+def _row_spec(nrt: int, tr: int):
+    return pl.BlockSpec((None, None, tr), lambda c, h, i: (i // nrt, h, i % nrt))
+
+
+def _probabilities(z, ok, m, scale):
+    return jnp.where(ok, jnp.exp((z - m[:, None]) * np.float32(scale)), np.float32(0.0))
+
+
+def exp_digit_sums(ops: WindowOperands, m, *, first: int, w: int, block_size: int, scale: float,
+                   widths: Sequence[int], interpret: bool = False):
+    """``int32 [len(widths), B, Hq, R]``: per window row, the sums over the local keys of the digits
+    (``widths`` bits each) of ``e = exp((z - m) * scale)`` (zero off the causal keys); ``m`` the rows'
+    global max ``f32 [B, Hq, R]``. ``psum`` it over a mesh."""
+    B, R, Hq, J, _ = ops.q_digits.shape
+    segs = ops.q_seg is not None
+    tr = row_tile(R, block_size)
+    grid, specs, nrt, nkc, kc, tk = _grid_specs(ops, tr)
+    nf, nd = _n_fixed(J, segs) + 1, len(widths)
+
+    def kernel(*refs):
+        logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+        mrow = refs[nf - 1][...]
+
+        def body(i, sums):
+            z, ok = logits(pl.ds(pl.multiple_of(i * tk, tk), tk))
+            ds = fixed_point_digits(_probabilities(z, ok, mrow, scale), widths)
+            return tuple(s + d.sum(axis=1, dtype=jnp.int32) for s, d in zip(sums, ds))
+
+        sums = lax.fori_loop(0, kc // tk, body, tuple(jnp.zeros((tr,), jnp.int32) for _ in range(nd)))
+        for j in range(nd):
+            refs[nf + j][...] = sums[j]
+
+    shape = jax.ShapeDtypeStruct((B, Hq, nkc, R), jnp.int32)
+    spec = pl.BlockSpec((None, None, None, tr), lambda c, h, i: (i // nrt, h, c, i % nrt))
+    outs = _call(kernel, ops, (shape,) * nd, (spec,) * nd, [m], [_row_spec(nrt, tr)], interpret, grid, specs)
+    return jnp.stack([o.sum(axis=2, dtype=jnp.int32) for o in outs])
+
+
+def _div_rn(x, y, interpret: bool):
+    """IEEE ``x / y`` (round to nearest): Triton's own ``/`` on float32 is ``div.full.f32``, an
+    approximation within 2 ulp."""
+    if interpret:
+        return x / y
+    return plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+def column_digit_sums(ops: WindowOperands, m, denom, *, first: int, w: int, block_size: int, scale: float,
+                      widths: tuple[int, int], interpret: bool = False):
+    """``(hi, lo) int32 [B, Hq, R // row_tile, Sk]``: per row tile and local key, the sums over the
+    tile's window rows of the two fixed-point digits (``widths``) of ``a = e / denom`` (``denom``
+    ``f32 [B, Hq, R]``, the rows' global softmax denominators)."""
+    B, R, Hq, J, _ = ops.q_digits.shape
+    Sk = ops.k_digits.shape[1]
+    segs = ops.q_seg is not None
+    tr = row_tile(R, block_size)
+    grid, specs, nrt, nkc, kc, tk = _grid_specs(ops, tr)
+    nf = _n_fixed(J, segs) + 2
+
+    def kernel(*refs):
+        logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+        mrow, drow = refs[nf - 2][...], refs[nf - 1][...]
+        hi_ref, lo_ref = refs[nf], refs[nf + 1]
+
+        def body(i, carry):
+            rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
+            z, ok = logits(rows)
+            e = _probabilities(z, ok, mrow, scale)
+            a = _div_rn(e, jnp.broadcast_to(drow[:, None], e.shape), interpret)
+            hi, lo = fixed_point_digits(a, widths)
+            hi_ref[rows] = hi.sum(axis=0, dtype=jnp.int32)
+            lo_ref[rows] = lo.sum(axis=0, dtype=jnp.int32)
+            return carry
+
+        lax.fori_loop(0, kc // tk, body, 0)
+
+    shape = jax.ShapeDtypeStruct((B, Hq, nrt, Sk), jnp.int32)
+    spec = pl.BlockSpec((None, None, None, kc), lambda c, h, i: (i // nrt, h, i % nrt, c))
+    return _call(kernel, ops, (shape, shape), (spec, spec), [m, denom], [_row_spec(nrt, tr)] * 2, interpret, grid,
+                 specs)

@@ -1,0 +1,197 @@
+"""The index estimate's Pallas Triton window kernels (``SparsityConfig.estimate_impl = "triton"``,
+:mod:`pallas_kernels.window_scores`) against the XLA path: the same integer vertical and slash
+scores, bit for bit, in interpret mode on the CPU (GQA, packed documents, windows of one, two and a
+quarter query block, head_dim 16-64); the sharded estimate on a 2x4 mesh equal to the XLA
+single-device index; the kernels lower for CUDA with an IEEE division; bad settings named up front.
+On a GPU (``pytest -m gpu``): the two paths' scores at 16K / 128K differ by at most the last bit of a
+probability per entry, and the index of each path is the same in every program
+(``tests/test_index_programs.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as Ps
+
+from mtraining_jax.layouts import Layout
+from mtraining_jax.mesh import CP_AXES, make_mesh
+from mtraining_jax.sparsity import SparsityConfig, estimate_index, estimate_index_shard
+from mtraining_jax.sparsity import estimate as est
+from pallas_kernels import window_scores as ws
+
+CFG = SparsityConfig(vertical_min=4, vertical_max=64, slash_max=8, vertical_p=0.8, slash_p=0.8)
+
+
+@functools.lru_cache(None)
+def _qk(B, S, HQ, HKV, D, seed=0):
+    kq, kk = jax.random.split(jax.random.PRNGKey(seed))
+    q = jax.random.normal(kq, (B, S, HQ, D), jnp.float32) * 2.0
+    k = jax.random.normal(kk, (B, S, HKV, D), jnp.float32) * 2.0
+    k = k.at[:, 3].mul(4.0)  # a heavy key: a vertical line
+    return q, k
+
+
+def _segments(B, S, n):
+    return jnp.asarray(np.repeat(np.arange(n), S // n)[None].repeat(B, 0), jnp.int32)
+
+
+def _scores(q, k, pos, cfg, seg):
+    ident = lambda x: x  # noqa: E731
+    return jax.tree.map(np.asarray, est._local_scores(q, k, pos, q.shape[1], cfg, ident, ident, seg))
+
+
+@pytest.mark.parametrize("last_q, segments, D, heads", [
+    (64, False, 16, (4, 2)),  # one query block
+    (128, True, 32, (4, 1)),  # two query blocks, packed documents, one KV head
+    (16, False, 64, (2, 2)),  # a quarter of a block, no GQA
+])
+def test_kernel_scores_equal_the_xla_scores(last_q, segments, D, heads):
+    B, S = 2, 1024
+    q, k = _qk(B, S, *heads, D)
+    cfg = dataclasses.replace(CFG, last_q=last_q)
+    seg = _segments(B, S, 4) if segments else None
+    lay = Layout("zigzag", S, 4)  # keys in a layout order: the kernels take positions in any order
+    pos = jnp.asarray(lay.perm)
+    args = (lay.permute(q), lay.permute(k), pos)
+    lseg = None if seg is None else lay.permute(seg[..., None])[..., 0]
+    kcfg = dataclasses.replace(cfg, estimate_impl="triton")
+    ref = _scores(*args, cfg, lseg)
+    got = _scores(*args, kcfg, lseg)
+    ident = lambda x: x  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(lambda *a: est._local_scores(*a, S, kcfg, ident, ident, lseg))(*args))
+    assert jaxpr.count("pallas_call") == 3  # the kernels ran: max, denominators, column sums
+    for name, a, b in zip(("vertical", "slash"), got, ref):
+        assert a.dtype == b.dtype == np.int32 and a.shape == b.shape
+        n = int((a != b).sum())
+        assert n == 0, f"{name} scores differ in {n} entries"
+    # real scores: every window row's probabilities sum to one (2^F units each), truncated below
+    F, _ = est.fixed_point_bits(cfg)
+    total = ref[0].astype(np.int64).sum(-1)
+    assert np.all(total <= last_q * 2**F) and np.all(total > last_q * 2**F * (1 - 1e-4))
+    # the slashes hold the same mass, up to the flooring of the low digits' sums (per key, per diagonal)
+    assert np.all(np.abs(ref[1].astype(np.int64).sum(-1) - total) <= S)
+    assert (ref[0] > 0).sum() > last_q  # many keys carry mass
+
+
+def test_sharded_kernel_estimate_equals_the_xla_index():
+    """``estimate_index_shard`` with the kernels on a 2x4 mesh (zigzag layout, packed documents, a
+    window over two query blocks; ``check_vma=False`` as the library's shard_maps, else a named
+    error): every rank's index equal to the XLA single-device one."""
+    B, S, HQ, HKV, D = 2, 1024, 4, 2, 16
+    q, k = _qk(B, S, HQ, HKV, D)
+    seg = _segments(B, S, 2)
+    cfg = dataclasses.replace(CFG, last_q=128, vertical_max=512, vertical_p=(0.2, 0.4, 0.6, 0.8))
+    ref = jax.tree.map(np.asarray, estimate_index(q, k, jnp.arange(S), cfg, segment_ids=seg))
+    kcfg = dataclasses.replace(cfg, estimate_impl="triton")
+    mesh = make_mesh((2, 4))
+    seq = Ps(None, CP_AXES)
+
+    def body(ql, kl, pos, sl):
+        return jax.tree.map(lambda x: x[None], estimate_index_shard(ql, kl, pos, kcfg, CP_AXES, segment_ids=sl))
+
+    lay = Layout("zigzag", S, 8)
+    args = (lay.permute(q), lay.permute(k), jnp.asarray(lay.perm), lay.permute(seg[..., None])[..., 0])
+    specs = dict(mesh=mesh, in_specs=(seq, seq, Ps(CP_AXES), seq), out_specs=Ps(CP_AXES))
+    with pytest.raises(ValueError, match="check_vma=False"):  # its Pallas calls carry no varying-axes types
+        jax.jit(jax.shard_map(body, **specs))(*args)
+    out = jax.jit(jax.shard_map(body, check_vma=False, **specs))(*args)
+    for field, a, b in zip(ref._fields, out, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(b[None], a.shape), err_msg=field)
+    counts = ref.v_count
+    assert counts.min() >= 4 and counts.max() < 512 and len(set(counts.ravel().tolist())) > 1  # a real index
+
+
+def _operands(B, S, HQ, HKV, D, R):
+    q = jnp.zeros((B, R, HQ, D), jnp.float32)
+    k = jnp.zeros((B, S, HKV, D), jnp.float32)
+    qd, kd = est._operand_digits(q), est._operand_digits(k)
+    return ws.WindowOperands(qd.digits, qd.row_scale, kd.digits, kd.row_scale, jnp.arange(S, dtype=jnp.int32))
+
+
+def test_kernels_lower_for_cuda_with_an_ieee_division():
+    """The three passes lower to Triton for CUDA (at the training shape: 14/2 heads, d64, 64 rows,
+    a 4K-key shard); the probabilities divide with ``div.rn.f32`` (Triton's own ``/`` is
+    ``div.full.f32``, 2 ulp)."""
+    ops = _operands(1, 4096, 14, 2, 64, 64)
+    m = jnp.zeros((1, 14, 64), jnp.float32)
+    kw = dict(first=4096 - 64, w=8, block_size=64, interpret=False)
+    fns = {
+        "row_max": lambda o: ws.row_max(o, **kw),
+        "exp_digit_sums": lambda o, m: ws.exp_digit_sums(o, m, scale=0.125, widths=est._E_DIGITS, **kw),
+        "column_digit_sums": lambda o, m: ws.column_digit_sums(o, m, m, scale=0.125, widths=(23, 7), **kw),
+    }
+    for name, f in fns.items():
+        args = (ops,) if name == "row_max" else (ops, m)
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text, name
+        assert text.count("div.rn.f32") == (name == "column_digit_sums"), name
+
+
+def test_tiles_and_supported_shapes():
+    assert ws.row_tile(64, 64) == 64 and ws.row_tile(1024, 64) == 64 and ws.row_tile(16, 64) == 16
+    assert ws.row_tile(64, 32) == 32  # a row tile never straddles a query block
+    assert ws._key_chunk(131072) == (2048, 128) and ws._key_chunk(3 * 64) == (64, 64)
+    ws.supports(64, 131072, 64)
+    for args, what in [((48, 1024, 64), "last_q"), ((64, 1024, 80), "head_dim"), ((64, 1000, 64), "keys")]:
+        with pytest.raises(NotImplementedError, match=what):
+            ws.supports(*args)
+
+
+def test_bad_estimate_impl_settings_are_named_up_front():
+    with pytest.raises(ValueError, match="estimate_impl='cuda'"):
+        SparsityConfig(estimate_impl="cuda")
+    with pytest.raises(ValueError, match="window='per_document'"):
+        SparsityConfig(estimate_impl="triton", window="per_document")
+    with pytest.raises(ValueError, match="last_q a power of two >= 16, got 48"):
+        SparsityConfig(estimate_impl="triton", last_q=48)
+    q, k = _qk(1, 1024, 2, 1, 16)
+    cfg = dataclasses.replace(CFG, estimate_impl="triton")
+    with pytest.raises(ValueError, match="head_dim a power of two >= 16, got 24"):
+        estimate_index(q[..., :24].repeat(2, -1)[..., :24], k[..., :24].repeat(2, -1)[..., :24], jnp.arange(1024), cfg)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [16384, 131072])
+def test_kernel_scores_against_the_xla_scores_on_a_gpu(S):
+    """On a GPU the kernels' ``exp`` is libdevice's and XLA's may differ in the last bit: the
+    integer scores of the two paths then differ by at most one unit per window row and key (the
+    last fixed-point bit of a probability) and the index in few entries; both paths are deterministic
+    (two runs equal)."""
+    HQ, HKV, D, lq = 14, 2, 64, 64
+    q, k = _qk(1, S, HQ, HKV, D, seed=3)
+    q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    cfg = dataclasses.replace(SparsityConfig(), last_q=lq)
+    run = lambda c: jax.jit(lambda a, b: est._local_scores(a, b, pos, S, c, lambda x: x, lambda x: x, None))  # noqa: E731
+    ref = jax.tree.map(np.asarray, run(cfg)(q, k))
+    kern = run(dataclasses.replace(cfg, estimate_impl="triton"))
+    got = jax.tree.map(np.asarray, kern(q, k))
+    again = jax.tree.map(np.asarray, kern(q, k))
+    for a, b in zip(got, again):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(got[0].astype(np.int64) - ref[0]).max() <= lq
+    assert np.abs(got[1].astype(np.int64) - ref[1]).max() <= lq * cfg.block_size
+    F, _ = est.fixed_point_bits(cfg)
+    total = got[0].astype(np.int64).sum(-1)
+    assert np.all(total <= lq * 2**F) and np.all(total > lq * 2**F * (1 - 1e-4))
+
+
+def test_estimate_impl_is_reachable_from_a_config():
+    """``model.sparsity.estimate_impl`` in a YAML or an override selects the kernels; a bad value is
+    named when the model config is built."""
+    from mtraining_jax.train.config import load_config
+    from mtraining_jax.train.state import build_model_config
+
+    def impl(*overrides):
+        return build_model_config(load_config("configs/tiny_cpu.yaml", list(overrides)).model, "configs")[1] \
+            .mtraining_config().sparsity.estimate_impl
+
+    assert impl("model.sparsity.estimate_impl=triton") == "triton" and impl() == "xla"
+    with pytest.raises(ValueError, match="estimate_impl='cuda'"):
+        impl("model.sparsity.estimate_impl=cuda")
