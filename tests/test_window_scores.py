@@ -142,6 +142,17 @@ def test_tiles_and_supported_shapes():
             ws.supports(*args)
 
 
+def test_auto_picks_the_kernels_on_a_gpu_only(monkeypatch):
+    cfg = dataclasses.replace(CFG, estimate_impl="auto")
+    assert est.estimate_impl(cfg, 4096, 64) == "xla"  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert est.estimate_impl(cfg, 4096, 64) == "triton"
+    assert est.estimate_impl(cfg, 4096, 80) == "xla"  # a head_dim the kernels do not take
+    assert est.estimate_impl(dataclasses.replace(cfg, last_q=48), 4096, 64) == "xla"
+    assert est.estimate_impl(dataclasses.replace(cfg, window="per_document"), 4096, 64) == "xla"
+    assert est.estimate_impl(dataclasses.replace(cfg, estimate_impl="xla"), 4096, 64) == "xla"
+
+
 def test_bad_estimate_impl_settings_are_named_up_front():
     with pytest.raises(ValueError, match="estimate_impl='cuda'"):
         SparsityConfig(estimate_impl="cuda")

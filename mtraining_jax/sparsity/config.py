@@ -21,10 +21,11 @@ Fields and defaults:
   documents): every document's own last ``last_q`` queries, in at most ``window_blocks`` query
   blocks (:mod:`mtraining_jax.sparsity.estimate`).
 * ``estimate_impl = "xla"``: how the estimate computes the window's statistics: ``"xla"`` (the
-  logits' partial products in memory, rows in chunks) or ``"triton"`` (Pallas Triton kernels that
+  logits' partial products in memory, rows in chunks), ``"triton"`` (Pallas Triton kernels that
   keep the logits on chip, :mod:`pallas_kernels.window_scores`; interpret mode off a GPU; window
-  ``"sequence"``, ``last_q`` and ``head_dim`` powers of two >= 16). Same integers in interpret mode;
-  on a GPU the two may differ in the last bit of a probability (``exp``), each deterministic.
+  ``"sequence"``, ``last_q`` and ``head_dim`` powers of two >= 16) or ``"auto"`` (``"triton"`` on a
+  GPU where it applies, else ``"xla"``). Same integers in interpret mode; on a GPU the two may
+  differ in the last bit of a probability (``exp``), each deterministic.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ _INT32_HEADROOM = 29
 WINDOWS = ("sequence", "per_document")
 
 #: how the index estimate computes its window statistics (``SparsityConfig.estimate_impl``)
-ESTIMATE_IMPLS = ("xla", "triton")
+ESTIMATE_IMPLS = ("auto", "xla", "triton")
 
 PER_HEAD_FIELDS = ("vertical_p", "slash_p", "vertical_min", "vertical_max", "slash_min", "slash_max")
 

@@ -75,6 +75,21 @@ def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
             raise ValueError(f"estimate_impl='triton': {e}") from None
 
 
+def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int) -> str:
+    """The implementation ``cfg.estimate_impl`` resolves to for ``keys`` local keys: ``"auto"`` is
+    ``"triton"`` on a GPU where :func:`pallas_kernels.window_scores.supports` the problem and the
+    window is ``"sequence"``, else ``"xla"``."""
+    if cfg.estimate_impl != "auto":
+        return cfg.estimate_impl
+    if jax.default_backend() != "gpu" or cfg.window != "sequence":
+        return "xla"
+    try:
+        window_scores.supports(cfg.last_q, keys, head_dim)
+    except NotImplementedError:
+        return "xla"
+    return "triton"
+
+
 def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
     """``[B, last_q, Hq, D]``: the queries at global positions ``S - last_q ..`` in natural order.
 
@@ -247,7 +262,7 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     zero = (k_pos[0] * 0).astype(jnp.int32)  # varies over the mesh axes like the body's results
     slash = jnp.zeros((2, B, Hq, nb + 1), jnp.int32) + zero
     first = seq_len - lq
-    if cfg.estimate_impl == "triton":  # the window's logits never in memory (pallas_kernels.window_scores)
+    if estimate_impl(cfg, k_pos.shape[0], D) == "triton":  # the logits never in memory (pallas_kernels.window_scores)
         per_block = _kernel_block_sums(q_last, k, k_pos, last_seg, seg, seq_len, cfg, reduce_sum, reduce_max)
         cols = sum(per_block.values())
         for g, colsum in per_block.items():
