@@ -44,10 +44,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._compat import dot, triton_compiler_params
 
-#: keys per program (a power of two dividing ``Sk``, at most this) and per inner tile
-KEY_CHUNK, KEY_TILE = 2048, 128
-#: window rows per program
-ROW_TILE = 64
+#: keys per program (a power of two dividing ``Sk``, at most this) and per inner tile; window rows
+#: per program; Triton's warps and pipeline stages per program (``benchmarks/window_tiles.py`` times
+#: other choices: read at trace time)
+KEY_CHUNK, KEY_TILE, ROW_TILE = 2048, 128, 64
+NUM_WARPS, NUM_STAGES = 4, 2
 
 
 class WindowOperands(NamedTuple):
@@ -154,7 +155,7 @@ def _n_fixed(J: int, segs: bool) -> int:
 
 def _call(kernel, ops, out_shape, out_specs, extra_args, extra_specs, interpret, grid, specs):
     return pl.pallas_call(kernel, grid=grid, in_specs=specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
-                          compiler_params=triton_compiler_params(num_warps=4, num_stages=2),
+                          compiler_params=triton_compiler_params(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
                           interpret=interpret)(*_operands(ops, ops.q_digits.shape[3]), *extra_args)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -206,3 +207,25 @@ def test_estimate_impl_is_reachable_from_a_config():
     assert impl("model.sparsity.estimate_impl=triton") == "triton" and impl() == "xla"
     with pytest.raises(ValueError, match="estimate_impl='cuda'"):
         impl("model.sparsity.estimate_impl=cuda")
+
+
+def test_window_tiles_benchmark_rows(tmp_path, capsys):
+    """``benchmarks/window_tiles.py`` at toy size: a row per (tiling, pass) and the XLA estimate, every
+    tiling's index the XLA path's (interpret mode), the module's tiling restored; bad tilings named."""
+    from benchmarks import window_tiles
+
+    out = tmp_path / "rows.jsonl"
+    before = (ws.KEY_TILE, ws.KEY_CHUNK, ws.NUM_WARPS, ws.NUM_STAGES)
+    assert window_tiles.main(["--seq", "512", "--heads", "2,1", "--head-dim", "16", "--last-q", "32", "--tiles",
+                              "128:256:4:2,64:512:8:3", "--rounds", "1", "--repeats", "1", "--out", str(out)]) == 0
+    assert (ws.KEY_TILE, ws.KEY_CHUNK, ws.NUM_WARPS, ws.NUM_STAGES) == before
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["fn"], r["tiling"]) for r in rows][:2] == [("estimate", None), ("row_max", "128:256:4:2")]
+    assert len(rows) == 9 and all(r["S"] == 512 and r["device"] == "cpu" and r["ms"] > 0 for r in rows)
+    assert [r["index_diff"] for r in rows if r["fn"] == "estimate"] == [0, 0, 0]
+    for argv, msg in [(["--tiles", "100:256:4:2"], "powers of two"), (["--tiles", "128:4096:4:2", "--seq", "2048"],
+                                                                      "KEY_CHUNK 4096 does not divide"),
+                      (["--last-q", "48"], "last_q"), (["--heads", "3,2"], "KV dividing QUERY")]:
+        with pytest.raises(SystemExit):
+            window_tiles.main(argv)
+        assert msg in capsys.readouterr().err
