@@ -242,7 +242,7 @@ def _div_rn(x, y, interpret: bool):
     approximation within 2 ulp."""
     if interpret:
         return x / y
-    return plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
+    return plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=f,f,f", pack=1,
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
