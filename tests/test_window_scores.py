@@ -101,6 +101,14 @@ def test_sharded_kernel_estimate_equals_the_xla_index():
     with pytest.raises(ValueError, match="check_vma=False"):  # its Pallas calls carry no varying-axes types
         jax.jit(jax.shard_map(body, **specs))(*args)
     out = jax.jit(jax.shard_map(body, check_vma=False, **specs))(*args)
+    # "auto" (here as on a GPU) inside a check_vma=True shard_map takes the XLA path instead of failing
+    acfg = dataclasses.replace(cfg, estimate_impl="auto")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax, "default_backend", lambda: "gpu")
+        auto = jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda x: x[None], estimate_index_shard(
+            *a[:3], acfg, CP_AXES, segment_ids=a[3])), **specs))(*args)
+    for field, a, b in zip(ref._fields, auto, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(b[None], a.shape), err_msg=field)
     for field, a, b in zip(ref._fields, out, ref):
         np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(b[None], a.shape), err_msg=field)
     counts = ref.v_count
@@ -152,6 +160,7 @@ def test_auto_picks_the_kernels_on_a_gpu_only(monkeypatch):
     assert est.estimate_impl(dataclasses.replace(cfg, last_q=48), 4096, 64) == "xla"
     assert est.estimate_impl(dataclasses.replace(cfg, window="per_document"), 4096, 64) == "xla"
     assert est.estimate_impl(dataclasses.replace(cfg, estimate_impl="xla"), 4096, 64) == "xla"
+    assert est.estimate_impl(cfg, 4096, 64, varying=True) == "xla"  # in a shard_map with check_vma=True
 
 
 def test_bad_estimate_impl_settings_are_named_up_front():

@@ -33,7 +33,10 @@ attention the kernels run). ``cfg.window = "per_document"``: the window is every
 last ``last_q`` queries (:func:`_document_window`), and the threshold comes from the floored total.
 
 Cost per head: ``last_q x S`` logits (``last_q / S`` of dense), as one bf16 matmul of ``J^2`` times
-the flops (:func:`_window_logits`).
+the flops (:func:`_window_logits`). ``cfg.estimate_impl``: the XLA path writes that matmul's ``J``
+partial products to memory and reads them back per pass; ``"triton"`` computes the same integers
+tile by tile in three Pallas Triton passes that never store the logits
+(:mod:`pallas_kernels.window_scores`, :func:`_kernel_block_sums`).
 """
 
 from __future__ import annotations
@@ -75,13 +78,14 @@ def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
             raise ValueError(f"estimate_impl='triton': {e}") from None
 
 
-def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int) -> str:
+def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int, varying: bool = False) -> str:
     """The implementation ``cfg.estimate_impl`` resolves to for ``keys`` local keys: ``"auto"`` is
-    ``"triton"`` on a GPU where :func:`pallas_kernels.window_scores.supports` the problem and the
-    window is ``"sequence"``, else ``"xla"``."""
+    ``"triton"`` on a GPU where :func:`pallas_kernels.window_scores.supports` the problem, the
+    window is ``"sequence"`` and the inputs are not ``varying`` (inside a ``shard_map`` with
+    ``check_vma=True``), else ``"xla"``."""
     if cfg.estimate_impl != "auto":
         return cfg.estimate_impl
-    if jax.default_backend() != "gpu" or cfg.window != "sequence":
+    if jax.default_backend() != "gpu" or cfg.window != "sequence" or varying:
         return "xla"
     try:
         window_scores.supports(cfg.last_q, keys, head_dim)
@@ -262,7 +266,7 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     zero = (k_pos[0] * 0).astype(jnp.int32)  # varies over the mesh axes like the body's results
     slash = jnp.zeros((2, B, Hq, nb + 1), jnp.int32) + zero
     first = seq_len - lq
-    if estimate_impl(cfg, k_pos.shape[0], D) == "triton":  # the logits never in memory (pallas_kernels.window_scores)
+    if estimate_impl(cfg, k_pos.shape[0], D, bool(_varying_axes(k_pos))) == "triton":  # the logits never in memory (pallas_kernels.window_scores)
         per_block = _kernel_block_sums(q_last, k, k_pos, last_seg, seg, seq_len, cfg, reduce_sum, reduce_max)
         cols = sum(per_block.values())
         for g, colsum in per_block.items():
