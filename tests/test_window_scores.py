@@ -3,8 +3,8 @@
 scores, bit for bit, in interpret mode on the CPU (GQA, packed documents, windows of one, two and a
 quarter query block, head_dim 16-64); the sharded estimate on a 2x4 mesh equal to the XLA
 single-device index; the kernels lower for CUDA with an IEEE division; bad settings named up front.
-On a GPU (``pytest -m gpu``): the two paths' scores at 16K / 128K differ by at most the last bit of a
-probability per entry, and the index of each path is the same in every program
+On a GPU (``pytest -m gpu``): the two paths' scores at 16K / 128K differ by at most a few fixed-point units
+per window row (the platforms' ``exp``), and the index of each path is the same in every program
 (``tests/test_index_programs.py``)."""
 
 from __future__ import annotations
@@ -180,10 +180,10 @@ def test_bad_estimate_impl_settings_are_named_up_front():
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [16384, 131072])
 def test_kernel_scores_against_the_xla_scores_on_a_gpu(S):
-    """On a GPU the kernels' ``exp`` is libdevice's and XLA's may differ in the last bit: the
-    integer scores of the two paths then differ by at most one unit per window row and key (the
-    last fixed-point bit of a probability) and the index in few entries; both paths are deterministic
-    (two runs equal)."""
+    """On a GPU the kernels' ``exp`` is libdevice's and XLA's may differ in its last bits (each within
+    2 ulp): a probability ``a <= 1`` then moves by a few ``2^-24 a``, a few units of the ``2^-23``
+    fixed point per window row, so the integer scores of the two paths differ by at most ``4 last_q``
+    per key (``4 last_q block_size`` per slash); the kernel path is deterministic (two runs equal)."""
     HQ, HKV, D, lq = 14, 2, 64, 64
     q, k = _qk(1, S, HQ, HKV, D, seed=3)
     q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
@@ -196,8 +196,10 @@ def test_kernel_scores_against_the_xla_scores_on_a_gpu(S):
     again = jax.tree.map(np.asarray, kern(q, k))
     for a, b in zip(got, again):
         np.testing.assert_array_equal(a, b)
-    assert np.abs(got[0].astype(np.int64) - ref[0]).max() <= lq
-    assert np.abs(got[1].astype(np.int64) - ref[1]).max() <= lq * cfg.block_size
+    diff_v, diff_s = (np.abs(a.astype(np.int64) - b) for a, b in zip(got, ref))
+    print(f"S={S}: vertical scores differ in {(diff_v > 0).sum()} of {diff_v.size} (max {diff_v.max()}), "
+          f"slash in {(diff_s > 0).sum()} of {diff_s.size} (max {diff_s.max()})")
+    assert diff_v.max() <= 4 * lq and diff_s.max() <= 4 * lq * cfg.block_size
     F, _ = est.fixed_point_bits(cfg)
     total = got[0].astype(np.int64).sum(-1)
     assert np.all(total <= lq * 2**F) and np.all(total > lq * 2**F * (1 - 1e-4))
