@@ -107,6 +107,35 @@ def test_a_tied_maximum_counts_as_correct():
     assert float(corr) == 2.0  # labels 0 and 1 tie for the maximum; label 2 does not; the 4th is masked
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_one_pass_max_and_sum_exp_on_extreme_rows(dtype):
+    """The loss's single-pass ``(max, sum exp(z - max))`` equals the two-pass values on rows with
+    logits far apart (1e4), all equal, a lone maximum, huge negative values and finfo's extremes:
+    no overflow, no NaN from the identity, the maximum exact."""
+    from mtraining_jax.train.loss import _max_and_sum_exp
+
+    big = float(jnp.finfo(dtype).max) / 4
+    rows = np.array([
+        [0.0, 1e4, -1e4, 3.0, 2.0, -5.0, 1e4 - 1, 0.5],
+        [7.0] * 8,
+        [-1e30, -1e30, -1e30, 55.0, -1e30, -1e30, -1e30, -1e30],
+        [-big, -big, -3.0, -big, -big, -big, -big, -big],
+        [big, 0.0, -big, 1.0, 2.0, 3.0, 4.0, 5.0],
+        np.linspace(-40, 40, 8),
+    ])
+    z = jnp.asarray(rows, dtype)
+    m, s = jax.jit(_max_and_sum_exp)(z)
+    ref_m = np.max(rows, axis=-1)
+    ref_s = np.sum(np.exp(rows - ref_m[:, None]), axis=-1)
+    np.testing.assert_array_equal(np.asarray(m), ref_m.astype(dtype))
+    np.testing.assert_allclose(np.asarray(s), ref_s, rtol=4 * float(jnp.finfo(dtype).eps))
+    # wide rows in many orders: the same as logsumexp
+    zz = jax.random.normal(jax.random.PRNGKey(1), (5, 3001), dtype) * 30
+    m2, s2 = _max_and_sum_exp(zz)
+    chex.assert_trees_all_close(m2 + jnp.log(s2), jax.nn.logsumexp(zz, axis=-1),
+                                rtol=20 * float(jnp.finfo(dtype).eps))
+
+
 def test_sharded_matches_plain_on_mesh():
     mesh = make_mesh((2, 4))
     h, w, y, m = _inputs(B=2, S=64, dtype=jnp.float64, seed=3)

@@ -65,13 +65,36 @@ def _chunk_logits(h_c, w_c):
     return jnp.dot(h_c, w_c, preferred_element_type=acc, precision="highest" if acc == jnp.float64 else None)
 
 
+def _max_and_sum_exp(z):
+    """``(max_j z_ij, sum_j exp(z_ij - max_i))`` of ``z [c, V]`` in ONE pass over ``z``.
+
+    A variadic reduction over ``(z, 1)`` pairs carrying ``(m, s)`` with the online-softmax
+    rescale ``s_big + s_small exp(m_small - m_big)`` (one ``exp`` per combine), so XLA reads the
+    float32 logits once for both, not once for the maximum and again for the sum. ``m`` is the
+    exact row maximum (a maximum of inputs); ``s`` differs from the two-pass sum by float32
+    rounding only. The identity is ``(finfo.min, 0)``: finite, so combining two identities gives
+    no ``-inf - -inf``."""
+    lo = jnp.asarray(jnp.finfo(z.dtype).min, z.dtype)
+
+    def combine(a, b):
+        (ma, sa), (mb, sb) = a, b
+        a_big = ma >= mb
+        m_big = jnp.where(a_big, ma, mb)
+        m_small = jnp.where(a_big, mb, ma)
+        s_big = jnp.where(a_big, sa, sb)
+        s_small = jnp.where(a_big, sb, sa)
+        return m_big, s_big + s_small * jnp.exp(m_small - m_big)
+
+    return jax.lax.reduce((z, jnp.ones_like(z)), (lo, jnp.zeros((), z.dtype)), combine, (z.ndim - 1,))
+
+
 def _ce_chunks(h, w, y, m, grads: bool):
     """h [C, c, H], y/m [C, c] -> ``(loss_sum, correct, grads)``; ``grads`` the gradients of
     ``loss_sum`` for a unit cotangent, ``(dh [C, c, H] in h's dtype, dw [H, V] accumulated in
     float32)``, computed from the same logits as the loss (``None`` unless ``grads``).
 
-    Per chunk the logits are read three times: their maximum, the sum ``s`` of ``e = exp(z - max)``,
-    and (with ``grads``) ``dz = (e / s - onehot(y)) m``: a confident label's ``e`` is exactly 1, so
+    Per chunk the logits are read twice: their maximum with the sum ``s`` of ``e = exp(z - max)``
+    (:func:`_max_and_sum_exp`, one pass), and (with ``grads``) ``dz = (e / s - onehot(y)) m``: a confident label's ``e`` is exactly 1, so
     its ``dz = 1 / s - 1`` keeps ``1 - p`` to float32's relative precision (``exp(z - lse)`` loses
     ``ulp(z)`` of it: 9 % of a row's ``dh`` at ``1 - p = 1e-5``, logits near 55, in
     ``tests/test_train_loss.py``). A token is correct when its label's logit is the chunk row's
@@ -83,9 +106,7 @@ def _ce_chunks(h, w, y, m, grads: bool):
         loss, corr, dw = carry
         h_c, y_c, m_c = xs
         z = _chunk_logits(h_c, w_c)
-        zmax = z.max(axis=-1)
-        e = jnp.exp(z - zmax[:, None])  # the row's maximum exactly 1
-        s = jnp.sum(e, axis=-1)
+        zmax, s = _max_and_sum_exp(z)
         lse = zmax + jnp.log(s)
         tgt = jnp.take_along_axis(z, y_c[:, None], axis=-1)[:, 0]
         mm = m_c.astype(acc)
@@ -94,6 +115,7 @@ def _ce_chunks(h, w, y, m, grads: bool):
         if not grads:
             return (loss, corr, dw), None
         # softmax as e / s, not exp(z - lse): z - lse loses ulp(z) of a confident label's 1 - p
+        e = jnp.exp(z - zmax[:, None])  # the row's maximum exactly 1
         dz = (e / s[:, None] - jax.nn.one_hot(y_c, z.shape[-1], dtype=acc)) * mm[:, None]
         dz = dz.astype(h.dtype)
         dh_c = jnp.dot(dz, w_c.T, preferred_element_type=acc)
