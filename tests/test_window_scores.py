@@ -215,7 +215,7 @@ def test_estimate_impl_is_reachable_from_a_config():
         return build_model_config(load_config("configs/tiny_cpu.yaml", list(overrides)).model, "configs")[1] \
             .mtraining_config().sparsity.estimate_impl
 
-    assert impl("model.sparsity.estimate_impl=triton") == "triton" and impl() == "xla"
+    assert impl("model.sparsity.estimate_impl=triton") == "triton" and impl() == "auto"
     with pytest.raises(ValueError, match="estimate_impl='cuda'"):
         impl("model.sparsity.estimate_impl=cuda")
 

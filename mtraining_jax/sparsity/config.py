@@ -20,7 +20,7 @@ Fields and defaults:
 * ``window = "sequence"``: the last ``last_q`` queries of the sequence; ``"per_document"`` (packed
   documents): every document's own last ``last_q`` queries, in at most ``window_blocks`` query
   blocks (:mod:`mtraining_jax.sparsity.estimate`).
-* ``estimate_impl = "xla"``: how the estimate computes the window's statistics: ``"xla"`` (the
+* ``estimate_impl = "auto"``: how the estimate computes the window's statistics: ``"xla"`` (the
   logits' partial products in memory, rows in chunks), ``"triton"`` (Pallas Triton kernels that
   keep the logits on chip, :mod:`pallas_kernels.window_scores`; interpret mode off a GPU; window
   ``"sequence"``, ``last_q`` and ``head_dim`` powers of two >= 16) or ``"auto"`` (``"triton"`` on a
@@ -89,7 +89,7 @@ class SparsityConfig:
     sm_scale: float | None = None
     window: str = "sequence"
     window_blocks: int = 64
-    estimate_impl: str = "xla"
+    estimate_impl: str = "auto"
 
     def __post_init__(self):
         for name in PER_HEAD_FIELDS:
