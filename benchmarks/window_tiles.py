@@ -10,7 +10,10 @@ estimate, printed as measured: ``fn`` (``row_max``, ``exp_digit_sums``, ``column
 ``impl``, ``tiling``, ``ms`` (median over ``--rounds`` rounds of ``--repeats`` calls; tilings rotated per
 round), ``ms_min``, ``ms_max``, ``compile_s``, ``index_diff`` (entries of the estimate's index that differ
 from the XLA path's: 0 wherever the platform's ``exp`` agrees), the shape, and the run's ``commit``,
-``code``, ``date``, ``device``, ``jax``, ``command``. B = 1, bf16 random q/k, default budgets.
+``code``, ``date``, ``device``, ``jax``, ``command``; ``key_tile``: the key tile the kernels used (``KEY_TILE``,
+halved where it would need more shared memory than ``window_scores.SMEM_BYTES``). A tiling that fails to
+compile gets one row with its ``error`` and the others go on (exit 1 only if every tiling failed).
+B = 1, bf16 random q/k, default budgets.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="14,2", help="QUERY,KV heads")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--last-q", type=int, default=64)
-    ap.add_argument("--tiles", default="128:2048:4:2", help="comma-separated KEY_TILE:KEY_CHUNK:NUM_WARPS:NUM_STAGES")
+    ap.add_argument("--tiles", default="64:1024:4:2", help="comma-separated KEY_TILE:KEY_CHUNK:NUM_WARPS:NUM_STAGES")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", help="also append the rows to this JSONL file")
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
     q = jax.random.normal(kq, (1, S, hq, a.head_dim), jnp.bfloat16)
     k = jax.random.normal(kk, (1, S, hkv, a.head_dim), jnp.bfloat16)
     pos = jnp.arange(S, dtype=jnp.int32)
-    cfg = SparsityConfig(last_q=lq)
+    cfg = SparsityConfig(last_q=lq, estimate_impl="xla")
     kcfg = dataclasses.replace(cfg, estimate_impl="triton")
     F, G = est.fixed_point_bits(cfg)
     w, _ = est._digit_plan(a.head_dim)
@@ -129,23 +132,28 @@ def main(argv=None) -> int:
     def set_tiling(t):
         ws.KEY_TILE, ws.KEY_CHUNK, ws.NUM_WARPS, ws.NUM_STAGES = t
 
-    progs, compile_s, diffs = {}, {}, {}
+    progs, compile_s, diffs, key_tile, errors = {}, {}, {}, {}, {}
     default = (ws.KEY_TILE, ws.KEY_CHUNK, ws.NUM_WARPS, ws.NUM_STAGES)
     for t in tilings:
         try:
             set_tiling(t)
             jax.clear_caches()
             progs[t] = {}
+            key_tile[t] = ws._key_chunk(S, ws.row_tile(lq, cfg.block_size), qd.digits.shape[-2], a.head_dim)[1]
             for fn, (f, args) in programs().items():
                 exe, compile_s[t, fn] = compile_(f, args)
                 progs[t][fn] = (exe, args)
                 if fn == "estimate":
                     diffs[t] = int(sum((np.asarray(x) != y).sum() for x, y in zip(exe(*args), ref)))
+        except jax.errors.JaxRuntimeError as e:  # e.g. more shared memory than the GPU has: report it, go on
+            errors[t] = str(e).splitlines()[0][:300]
+            progs[t] = {}
         finally:
             set_tiling(default)
             jax.clear_caches()  # nothing traced with this tiling is reused by a later program
-        print(f"compiled {':'.join(map(str, t))}: " + ", ".join(f"{fn} {compile_s[t, fn]:.1f} s" for fn in progs[t]),
-              file=sys.stderr, flush=True)
+        print(f"compiled {':'.join(map(str, t))} (key tile {key_tile[t]}): "
+              + ", ".join(f"{fn} {compile_s[t, fn]:.1f} s" for fn in progs[t]) + (f"; FAILED: {errors[t]}" if t in errors
+                                                                                  else ""), file=sys.stderr, flush=True)
     samples: dict = {}
     for r in range(a.rounds):
         order = tilings[r % len(tilings):] + tilings[:r % len(tilings)]
@@ -160,10 +168,13 @@ def main(argv=None) -> int:
     emit({"fn": "estimate", "impl": "xla", "tiling": None, **stats(samples["xla"]), "compile_s": xla_compile,
           "index_diff": 0})
     for t in tilings:
+        name = ":".join(map(str, t))
+        if t in errors:
+            emit({"fn": "estimate", "impl": "triton", "tiling": name, "key_tile": key_tile[t], "error": errors[t]})
         for fn in progs[t]:
-            emit({"fn": fn, "impl": "triton", "tiling": ":".join(map(str, t)), **stats(samples[t, fn]),
+            emit({"fn": fn, "impl": "triton", "tiling": name, "key_tile": key_tile[t], **stats(samples[t, fn]),
                   "compile_s": compile_s[t, fn], **({"index_diff": diffs[t]} if fn == "estimate" else {})})
-    return 0
+    return 1 if len(errors) == len(tilings) else 0
 
 
 if __name__ == "__main__":

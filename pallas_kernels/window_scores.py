@@ -46,9 +46,12 @@ from pallas_kernels._compat import dot, triton_compiler_params
 
 #: keys per program (a power of two dividing ``Sk``, at most this) and per inner tile; window rows
 #: per program; Triton's warps and pipeline stages per program (``benchmarks/window_tiles.py`` times
-#: other choices: read at trace time)
-KEY_CHUNK, KEY_TILE, ROW_TILE = 2048, 128, 64
+#: other choices; results/training/estimate.md; read at trace time)
+KEY_CHUNK, KEY_TILE, ROW_TILE = 1024, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 2
+#: shared memory one program may take (Hopper's opt-in maximum per block, 227 KiB): a key tile that
+#: would need more is halved (:func:`smem_bytes`)
+SMEM_BYTES = 232448
 
 
 class WindowOperands(NamedTuple):
@@ -84,11 +87,25 @@ def row_tile(rows: int, block_size: int) -> int:
     return min(ROW_TILE, rows, block_size)
 
 
-def _key_chunk(keys: int) -> tuple[int, int]:
+def smem_bytes(key_tile: int, rows: int, digits: int, head_dim: int) -> int:
+    """Shared memory of one program's pipelined operands, an upper bound of Triton's request:
+    ``NUM_STAGES`` key tiles and the row tile, each ``digits`` bf16 planes of ``head_dim`` plus a
+    float32 scale and an int32 position or document id per row (on an H200 the compiler asked for
+    246,272 bytes at key tile 128, 2 stages, 64 rows, 3 digits, d128; this gives 248,320)."""
+    n = NUM_STAGES * key_tile + rows
+    return n * digits * head_dim * 2 + n * 8
+
+
+def _key_chunk(keys: int, rows: int = 0, digits: int = 0, head_dim: int = 0) -> tuple[int, int]:
+    """``(kc, tk)``: keys per program (the largest power of two <= ``KEY_CHUNK`` dividing ``keys``)
+    and per inner tile (``KEY_TILE``, halved while :func:`smem_bytes` exceeds ``SMEM_BYTES``)."""
     kc = KEY_CHUNK
     while keys % kc:
         kc //= 2
-    return kc, min(KEY_TILE, kc)
+    tk = min(KEY_TILE, kc)
+    while tk > 16 and smem_bytes(tk, rows, digits, head_dim) > SMEM_BYTES:
+        tk //= 2
+    return kc, tk
 
 
 def _grid_specs(ops: WindowOperands, tr: int):
@@ -97,7 +114,7 @@ def _grid_specs(ops: WindowOperands, tr: int):
     Sk, Hkv = ops.k_digits.shape[1], ops.k_digits.shape[2]
     g = Hq // Hkv
     nrt = R // tr
-    kc, tk = _key_chunk(Sk)
+    kc, tk = _key_chunk(Sk, tr, J, D)
     nkc = Sk // kc
 
     specs = [pl.BlockSpec((None, tr, None, None, D), lambda c, h, i, j=j: (i // nrt, i % nrt, h, j, 0))

@@ -141,10 +141,37 @@ def test_kernels_lower_for_cuda_with_an_ieee_division():
         assert text.count("div.rn.f32") == text.count("=f,f,f") == (name == "column_digit_sums"), name
 
 
-def test_tiles_and_supported_shapes():
+def test_bf16_operands_score_as_their_float32_values():
+    """The estimate's digits of a bf16 operand are those of its float32 value (a bf16 row max's bits
+    were once read as a narrower integer and broke the broadcast): both score paths, bit for bit."""
+    S = 512
+    q, k = _qk(1, S, 4, 2, 16, seed=5)
+    q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    for impl in ("xla", "triton"):
+        cfg = dataclasses.replace(CFG, estimate_impl=impl)
+        got = _scores(q, k, pos, cfg, None)
+        want = _scores(q.astype(jnp.float32), k.astype(jnp.float32), pos, cfg, None)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        assert got[0].sum() > 0
+
+
+def test_tiles_and_supported_shapes(monkeypatch):
     assert ws.row_tile(64, 64) == 64 and ws.row_tile(1024, 64) == 64 and ws.row_tile(16, 64) == 16
     assert ws.row_tile(64, 32) == 32  # a row tile never straddles a query block
-    assert ws._key_chunk(131072) == (2048, 128) and ws._key_chunk(3 * 64) == (64, 64)
+    assert ws._key_chunk(131072, 64, 3, 64) == (1024, 64) and ws._key_chunk(3 * 64, 64, 3, 64) == (64, 64)
+    assert ws._key_chunk(131072, 64, 3, 128) == (1024, 64)
+    # the shared memory the H200's compiler asked for (RESOURCE_EXHAUSTED messages): key tile 128, 2 stages,
+    # d128 -> 246,272 bytes; key tile 256, 3 stages, d64 -> 323,584: the bound is at most 1 % above
+    monkeypatch.setattr(ws, "KEY_TILE", 128)
+    monkeypatch.setattr(ws, "KEY_CHUNK", 2048)
+    assert 246272 <= ws.smem_bytes(128, 64, 3, 128) <= 246272 * 1.01
+    assert ws._key_chunk(131072, 64, 3, 128) == (2048, 64) and ws._key_chunk(131072, 64, 3, 64) == (2048, 128)
+    monkeypatch.setattr(ws, "NUM_STAGES", 3)
+    assert 323584 <= ws.smem_bytes(256, 64, 3, 64) <= 323584 * 1.01
+    monkeypatch.setattr(ws, "KEY_TILE", 256)
+    assert ws.smem_bytes(256, 64, 3, 64) > ws.SMEM_BYTES and ws._key_chunk(131072, 64, 3, 64) == (2048, 128)
     ws.supports(64, 131072, 64)
     for args, what in [((48, 1024, 64), "last_q"), ((64, 1024, 80), "head_dim"), ((64, 1000, 64), "keys")]:
         with pytest.raises(NotImplementedError, match=what):
@@ -188,7 +215,7 @@ def test_kernel_scores_against_the_xla_scores_on_a_gpu(S):
     q, k = _qk(1, S, HQ, HKV, D, seed=3)
     q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
     pos = jnp.arange(S, dtype=jnp.int32)
-    cfg = dataclasses.replace(SparsityConfig(), last_q=lq)
+    cfg = SparsityConfig(last_q=lq, estimate_impl="xla")
     run = lambda c: jax.jit(lambda a, b: est._local_scores(a, b, pos, S, c, lambda x: x, lambda x: x, None))  # noqa: E731
     ref = jax.tree.map(np.asarray, run(cfg)(q, k))
     kern = run(dataclasses.replace(cfg, estimate_impl="triton"))
@@ -234,6 +261,36 @@ def test_window_tiles_benchmark_rows(tmp_path, capsys):
     assert [(r["fn"], r["tiling"]) for r in rows][:2] == [("estimate", None), ("row_max", "128:256:4:2")]
     assert len(rows) == 9 and all(r["S"] == 512 and r["device"] == "cpu" and r["ms"] > 0 for r in rows)
     assert [r["index_diff"] for r in rows if r["fn"] == "estimate"] == [0, 0, 0]
+    assert [r["key_tile"] for r in rows if r["fn"] == "estimate" and r["tiling"]] == [128, 64]
+
+
+def test_window_tiles_reports_a_tiling_that_fails_and_goes_on(tmp_path, monkeypatch):
+    """A tiling whose kernels do not compile (on a GPU: more shared memory than it has) gets a row with
+    the error; the other tilings are still timed; every tiling failing exits 1."""
+    from benchmarks import window_tiles
+
+    real = ws.row_max
+
+    def row_max(*args, **kw):
+        if ws.NUM_STAGES == 3:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 9")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ws, "row_max", row_max)
+    out = tmp_path / "rows.jsonl"
+    argv = ["--seq", "512", "--heads", "2,1", "--head-dim", "16", "--last-q", "32", "--rounds", "1", "--repeats", "1",
+            "--out", str(out)]
+    assert window_tiles.main(argv + ["--tiles", "64:256:4:3,64:256:4:2"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    bad = [r for r in rows if r["tiling"] == "64:256:4:3"]
+    assert len(bad) == 1 and "RESOURCE_EXHAUSTED" in bad[0]["error"] and "ms" not in bad[0]
+    assert len([r for r in rows if r["tiling"] == "64:256:4:2" and r["ms"] > 0]) == 4
+    assert window_tiles.main(argv + ["--tiles", "64:256:4:3"]) == 1
+
+
+def test_window_tiles_rejects_bad_arguments(capsys):
+    from benchmarks import window_tiles
+
     for argv, msg in [(["--tiles", "100:256:4:2"], "powers of two"), (["--tiles", "128:4096:4:2", "--seq", "2048"],
                                                                       "KEY_CHUNK 4096 does not divide"),
                       (["--last-q", "48"], "last_q"), (["--heads", "3,2"], "KV dividing QUERY")]:

@@ -414,7 +414,9 @@ def _operand_digits(x) -> _Digits:
     With ``2^e > max|x_row|`` (from the bits of the row max), ``u = x 2^(1-w-e)`` lies in
     ``(-2^(w-1), 2^(w-1))``; ``d_0 = round(u)``, ``d_j = round(2^w (previous remainder))``.
     Power-of-two scalings, rounding to an integer and subtracting it are exact, so the digits are
-    a function of the bits of ``x`` alone, however the program is fused."""
+    a function of the bits of ``x`` alone, however the program is fused. A narrower float ``x``
+    (bf16, float16) is cast to float32 first, exactly (the row max's bits are read as float32's)."""
+    x = x.astype(jnp.float32)
     w, J = _digit_plan(x.shape[-1])
     amax = jnp.max(jnp.abs(x), axis=-1)
     biased = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
