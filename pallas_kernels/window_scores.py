@@ -46,7 +46,7 @@ from pallas_kernels._compat import dot, triton_compiler_params
 
 #: keys per program (a power of two dividing ``Sk``, at most this) and per inner tile; window rows
 #: per program; Triton's warps and pipeline stages per program (``benchmarks/window_tiles.py`` times
-#: other choices; results/training/estimate.md; read at trace time)
+#: other choices: results/training/train_throughput.md run 29; read at trace time)
 KEY_CHUNK, KEY_TILE, ROW_TILE = 1024, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 2
 #: shared memory one program may take (Hopper's opt-in maximum per block, 227 KiB): a key tile that
