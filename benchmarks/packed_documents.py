@@ -9,7 +9,8 @@ seeded log-uniform mix; q/k by default synthetic per document, ``--qk``), with t
 ``SparsityConfig(window="per_document")``). Reports per (impl, mode) the executed work fraction (``stats_scalars``),
 forward and forward+backward time, the block-level density of the document mask itself, and the
 relative difference of the output and gradients from the first impl's (a cross-check of the
-kernels at full size); one JSON line each to ``--out``.
+kernels at full size); one JSON line each to ``--out``, with the run's provenance. ``--estimate-impls xla auto``
+times the index estimate's two paths (``SparsityConfig.estimate_impl``) on the same inputs.
 
     python benchmarks/packed_documents.py --seq 131072 --impls mosaic triton --out $OUT/packed_documents.jsonl
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -27,10 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _driver import append_rows, provenance  # noqa: E402
 from _timing import timeit  # noqa: E402
 
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars  # noqa: E402
 from mtraining_jax.mesh import make_mesh  # noqa: E402
+from mtraining_jax.sparsity import estimate as est  # noqa: E402
+from mtraining_jax.sparsity.config import ESTIMATE_IMPLS  # noqa: E402
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk  # noqa: E402
 from pallas_kernels import registry  # noqa: E402
 
@@ -66,12 +71,15 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["stream", "documents", "documents_per_doc"])
     ap.add_argument("--window-blocks", type=int, default=64, help="per-document window: query blocks")
+    ap.add_argument("--estimate-impls", nargs="+", default=["auto"], choices=ESTIMATE_IMPLS,
+                    help="the index estimate's paths to time (SparsityConfig.estimate_impl)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--qk", choices=("synthetic", "random"), default="synthetic",
                     help="q/k: packed synthetic documents (sparsity.synthetic) or i.i.d. normal (diffuse "
                          "attention: the budgets saturate)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    prov = provenance(argv)
     S, H, HK, D = a.seq, a.heads, a.kv_heads, a.head_dim
     ks = jax.random.split(jax.random.PRNGKey(a.seed), 4)
     q = jax.random.normal(ks[0], (1, S, H, D), jnp.bfloat16)
@@ -92,13 +100,14 @@ def main(argv=None):
     mask_blocks = sum((e - s + 1) * (e - s + 2) / 2 for s, e in zip(starts, (np.cumsum(lens) - 1) // bs))
     cot = jax.random.normal(ks[3], (1, S, H, D), jnp.float32)
     records, first = [], {}
-    for impl in a.impls:
-        icfg = dataclasses.replace(cfg, impl=impl)
+    for impl, est_impl in itertools.product(a.impls, a.estimate_impls):
+        icfg = dataclasses.replace(cfg, ring=dataclasses.replace(cfg.ring, impl=impl), sparsity=dataclasses.replace(cfg.sparsity, estimate_impl=est_impl))
         pdcfg = dataclasses.replace(icfg, sparsity=dataclasses.replace(icfg.sparsity, window="per_document",
                                                                        window_blocks=a.window_blocks))
         for mode, sg, mcfg in (("stream", None, icfg), ("documents", seg, icfg), ("documents_per_doc", seg, pdcfg)):
             if mode not in a.modes:
                 continue
+            estimate = est.estimate_impl(mcfg.sparsity, S, D, rows=est.window_rows(mcfg.sparsity, S))
             fwd = jax.jit(lambda q, k, v, sg=sg, c=mcfg: mtraining_attention(q, k, v, mesh, c, segment_ids=sg,
                                                                              return_stats=True))
             grad = jax.jit(jax.grad(lambda q, k, v, sg=sg, c=mcfg: jnp.sum(
@@ -111,7 +120,7 @@ def main(argv=None):
             if mode not in first:
                 first[mode] = res
             diff = {f"rel_diff_{n}": _rel(x, y) for n, x, y in zip(("out", "dq", "dk", "dv"), res, first[mode])}
-            rec = {"impl": impl, "mode": mode, "qk": a.qk, "seq": S, "heads": H, "kv_heads": HK, "head_dim": D,
+            rec = {"impl": impl, "mode": mode, "estimate_impl": est_impl, "estimate": estimate, "qk": a.qk, "seq": S, "heads": H, "kv_heads": HK, "head_dim": D,
                    "documents": int(len(lens)) if sg is not None else 1,
                    "doc_len_min_median_max": [int(lens.min()), int(np.median(lens)), int(lens.max())]
                    if sg is not None else [S, S, S],
@@ -120,13 +129,11 @@ def main(argv=None):
                    "fwd_ms": t_fwd * 1e3, "fwd_bwd_ms": t_bwd * 1e3, **diff,
                    "kernel_fwd": registry.resolve(impl, "fwd", q, bs, S, sg is not None),
                    "kernel_bwd": registry.resolve(impl, "bwd", q, bs, S, sg is not None),
-                   "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+                   **prov}
             print(json.dumps(rec), flush=True)
             records.append(rec)
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+    append_rows(a.out, records, {})
+    return records
 
 
 if __name__ == "__main__":

@@ -19,15 +19,18 @@ over the operands' balanced digits (``bf16`` integers, ``|d| <= 2^(w-1)``): ever
 integer below ``2^24``, exact in float32 in any summation order, so the bits of ``z`` are those of
 the XLA path's ``_window_logits`` whatever the tiling. Every later step is one elementwise operation
 in the XLA path's order (``exp`` and an IEEE division, ``div.rn.f32`` on the GPU), and every sum is of
-integers. In interpret mode (CPU) the results are the XLA path's bit for bit (``tests/test_window_scores.py``);
-on a GPU the kernels' ``exp`` is libdevice's, so the two paths may differ in the last bit of a
-probability: each path is deterministic and layout / mesh / program invariant on its own, and a model
-uses one.
+integers. Op by op (interpret mode on the CPU, not jitted) the results are the XLA path's bit for bit
+(``tests/test_window_scores.py``). Compiled, the two paths' ``exp`` may round differently: on a GPU
+the kernels' is libdevice's, and XLA's CPU ``exp`` inside a fusion is not its ``exp`` alone (jitted at
+2K, 14/2 heads, the XLA path's own scores move in 14 of 28,672 vertical entries by one unit; the
+kernels' do not move). So the two may differ in the last bit of a probability: each path is
+deterministic and layout / mesh / program invariant on its own, and a model uses one.
 
 Shapes (the estimate's own; no transposes): query digits ``bf16 [B, R, Hq, J, D]`` with row scales
 ``f32 [B, R, Hq]``, key digits ``bf16 [B, Sk, Hkv, J, D]`` with ``f32 [B, Sk, Hkv]``, key positions
-``int32 [Sk]`` (any order), window rows at global positions ``first .. first + R - 1``; optional
-document ids ``int32 [B, R]`` / ``[B, Sk]``. Supported (:func:`supports`): ``R`` and ``D`` powers of
+``int32 [Sk]`` (any order), window rows at global positions ``first .. first + R - 1`` or, for a
+window of scattered rows (every document's own last queries), ``q_pos int32 [B, R]`` (``-1``: a
+padding row, which sees no key); optional document ids ``int32 [B, R]`` / ``[B, Sk]``. Supported (:func:`supports`): ``R`` and ``D`` powers of
 two >= 16, ``Sk`` a multiple of 16.
 """
 
@@ -43,15 +46,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._compat import dot, triton_compiler_params
+from pallas_kernels.registry import compute_capability
 
 #: keys per program (a power of two dividing ``Sk``, at most this) and per inner tile; window rows
 #: per program; Triton's warps and pipeline stages per program (``benchmarks/window_tiles.py`` times
 #: other choices: results/training/train_throughput.md run 29; read at trace time)
 KEY_CHUNK, KEY_TILE, ROW_TILE = 1024, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 2
-#: shared memory one program may take (Hopper's opt-in maximum per block, 227 KiB): a key tile that
-#: would need more is halved (:func:`smem_bytes`)
+#: shared memory one program may take (Hopper's opt-in maximum per block, 227 KiB; other GPUs:
+#: :data:`SMEM_BY_CAPABILITY`): a key tile that would need more is halved (:func:`smem_bytes`)
 SMEM_BYTES = 232448
+#: opt-in shared memory per block by CUDA compute capability (CUDA programming guide, "Technical
+#: Specifications per Compute Capability"); a capability not listed gets the smallest of them
+SMEM_BY_CAPABILITY = {"7.0": 98304, "7.5": 65536, "8.0": 166912, "8.6": 101376, "8.7": 166912, "8.9": 101376,
+                      "9.0": SMEM_BYTES, "10.0": SMEM_BYTES, "12.0": 101376}
+
+
+def smem_limit() -> int:
+    """Shared memory a program may take on this platform: :data:`SMEM_BY_CAPABILITY` of the first
+    device's compute capability on a CUDA GPU, :data:`SMEM_BYTES` elsewhere (interpret mode)."""
+    cc = compute_capability()
+    if cc is None:
+        return SMEM_BYTES
+    return min(SMEM_BY_CAPABILITY.get(str(cc), min(SMEM_BY_CAPABILITY.values())), SMEM_BYTES)
 
 
 class WindowOperands(NamedTuple):
@@ -64,6 +81,7 @@ class WindowOperands(NamedTuple):
     k_pos: jax.Array
     q_seg: jax.Array | None = None
     k_seg: jax.Array | None = None
+    q_pos: jax.Array | None = None
 
 
 def _pow2(n: int) -> bool:
@@ -74,7 +92,8 @@ def supports(rows: int, keys: int, head_dim: int) -> None:
     """``NotImplementedError`` naming the value these kernels cannot take (the window rows
     ``last_q``, the local keys, the head dimension)."""
     if not _pow2(rows):
-        raise NotImplementedError(f"the Triton window kernels need last_q a power of two >= 16, got {rows}")
+        raise NotImplementedError(f"the Triton window kernels need the window rows (last_q, or window_blocks x "
+                                  f"block_size) a power of two >= 16, got {rows}")
     if not _pow2(head_dim):
         raise NotImplementedError(f"the Triton window kernels need head_dim a power of two >= 16, got {head_dim}")
     if keys % 16:
@@ -98,12 +117,13 @@ def smem_bytes(key_tile: int, rows: int, digits: int, head_dim: int) -> int:
 
 def _key_chunk(keys: int, rows: int = 0, digits: int = 0, head_dim: int = 0) -> tuple[int, int]:
     """``(kc, tk)``: keys per program (the largest power of two <= ``KEY_CHUNK`` dividing ``keys``)
-    and per inner tile (``KEY_TILE``, halved while :func:`smem_bytes` exceeds ``SMEM_BYTES``)."""
+    and per inner tile (``KEY_TILE``, halved while :func:`smem_bytes` exceeds :func:`smem_limit`)."""
     kc = KEY_CHUNK
     while keys % kc:
         kc //= 2
     tk = min(KEY_TILE, kc)
-    while tk > 16 and smem_bytes(tk, rows, digits, head_dim) > SMEM_BYTES:
+    limit = smem_limit()
+    while tk > 16 and smem_bytes(tk, rows, digits, head_dim) > limit:
         tk //= 2
     return kc, tk
 
@@ -127,6 +147,8 @@ def _grid_specs(ops: WindowOperands, tr: int):
     if ops.q_seg is not None:
         specs += [pl.BlockSpec((None, tr), lambda c, h, i: (i // nrt, i % nrt)),
                   pl.BlockSpec((None, kc), lambda c, h, i: (i // nrt, c))]
+    if ops.q_pos is not None:
+        specs.append(pl.BlockSpec((None, tr), lambda c, h, i: (i // nrt, i % nrt)))
     return (nkc, Hq, B * nrt), specs, nrt, nkc, kc, tk
 
 
@@ -134,18 +156,24 @@ def _operands(ops: WindowOperands, J: int):
     args = [ops.q_digits] * J + [ops.q_scale] + [ops.k_digits] * J + [ops.k_scale, ops.k_pos]
     if ops.q_seg is not None:
         args += [ops.q_seg.astype(jnp.int32), ops.k_seg.astype(jnp.int32)]
+    if ops.q_pos is not None:
+        args.append(ops.q_pos.astype(jnp.int32))
     return args
 
 
-def _tile_logits(refs, J: int, w: int, first: int, tr: int, nrt: int, segs: bool):
-    """``logits(rows) -> (z [tr, tk] f32, ok [tr, tk] bool)`` of the keys ``rows`` (a ``pl.ds``)."""
+def _tile_logits(refs, J: int, w: int, first: int | None, tr: int, nrt: int, segs: bool):
+    """``logits(rows) -> (z [tr, tk] f32, ok [tr, tk] bool)`` of the keys ``rows`` (a ``pl.ds``);
+    ``first=None``: the rows' positions are the ``q_pos`` operand."""
     q_refs, qs_ref = refs[:J], refs[J]
     k_refs, ks_ref, kpos_ref = refs[J + 1:2 * J + 1], refs[2 * J + 1], refs[2 * J + 2]
     qseg_ref, kseg_ref = (refs[2 * J + 3], refs[2 * J + 4]) if segs else (None, None)
     qd = [r[...] for r in q_refs]
     sq = qs_ref[...]
-    t = pl.program_id(2) % nrt
-    qpos = first + t * tr + jnp.arange(tr, dtype=jnp.int32)
+    if first is None:
+        qpos = refs[_n_fixed(J, segs, False)][...]
+    else:
+        t = pl.program_id(2) % nrt
+        qpos = first + t * tr + jnp.arange(tr, dtype=jnp.int32)
     qseg = qseg_ref[...] if segs else None
 
     def logits(rows):
@@ -166,8 +194,16 @@ def _tile_logits(refs, J: int, w: int, first: int, tr: int, nrt: int, segs: bool
     return logits
 
 
-def _n_fixed(J: int, segs: bool) -> int:
-    return 2 * J + 3 + (2 if segs else 0)
+def _n_fixed(J: int, segs: bool, rows: bool) -> int:
+    """Operands before the pass's own: digits and scales, key positions, document ids, row positions."""
+    return 2 * J + 3 + (2 if segs else 0) + (1 if rows else 0)
+
+
+def _first(ops: WindowOperands, first: int | None) -> int | None:
+    """The static first window position, or ``None`` where the rows' positions are ``ops.q_pos``."""
+    if (first is None) == (ops.q_pos is None):
+        raise ValueError(f"give the window rows either as first={first!r} or as q_pos, exactly one of them")
+    return first
 
 
 def _call(kernel, ops, out_shape, out_specs, extra_args, extra_specs, interpret, grid, specs):
@@ -176,14 +212,15 @@ def _call(kernel, ops, out_shape, out_specs, extra_args, extra_specs, interpret,
                           interpret=interpret)(*_operands(ops, ops.q_digits.shape[3]), *extra_args)
 
 
-def row_max(ops: WindowOperands, *, first: int, w: int, block_size: int, interpret: bool = False):
+def row_max(ops: WindowOperands, *, first: int | None, w: int, block_size: int, interpret: bool = False):
     """``f32 [B, Hq, R]``: each window row's largest logit over the local causal (same-document) keys
     (``-inf`` where it has none); ``pmax`` it over a mesh."""
     B, R, Hq, J, _ = ops.q_digits.shape
     segs = ops.q_seg is not None
+    first = _first(ops, first)
     tr = row_tile(R, block_size)
     grid, specs, nrt, nkc, kc, tk = _grid_specs(ops, tr)
-    nf = _n_fixed(J, segs)
+    nf = _n_fixed(J, segs, ops.q_pos is not None)
 
     def kernel(*refs):
         logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
@@ -224,16 +261,17 @@ def _probabilities(z, ok, m, scale):
     return jnp.where(ok, jnp.exp((z - m[:, None]) * np.float32(scale)), np.float32(0.0))
 
 
-def exp_digit_sums(ops: WindowOperands, m, *, first: int, w: int, block_size: int, scale: float,
+def exp_digit_sums(ops: WindowOperands, m, *, first: int | None, w: int, block_size: int, scale: float,
                    widths: Sequence[int], interpret: bool = False):
     """``int32 [len(widths), B, Hq, R]``: per window row, the sums over the local keys of the digits
     (``widths`` bits each) of ``e = exp((z - m) * scale)`` (zero off the causal keys); ``m`` the rows'
     global max ``f32 [B, Hq, R]``. ``psum`` it over a mesh."""
     B, R, Hq, J, _ = ops.q_digits.shape
     segs = ops.q_seg is not None
+    first = _first(ops, first)
     tr = row_tile(R, block_size)
     grid, specs, nrt, nkc, kc, tk = _grid_specs(ops, tr)
-    nf, nd = _n_fixed(J, segs) + 1, len(widths)
+    nf, nd = _n_fixed(J, segs, ops.q_pos is not None) + 1, len(widths)
 
     def kernel(*refs):
         logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
@@ -263,7 +301,7 @@ def _div_rn(x, y, interpret: bool):
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
-def column_digit_sums(ops: WindowOperands, m, denom, *, first: int, w: int, block_size: int, scale: float,
+def column_digit_sums(ops: WindowOperands, m, denom, *, first: int | None, w: int, block_size: int, scale: float,
                       widths: tuple[int, int], interpret: bool = False):
     """``(hi, lo) int32 [B, Hq, R // row_tile, Sk]``: per row tile and local key, the sums over the
     tile's window rows of the two fixed-point digits (``widths``) of ``a = e / denom`` (``denom``
@@ -271,9 +309,10 @@ def column_digit_sums(ops: WindowOperands, m, denom, *, first: int, w: int, bloc
     B, R, Hq, J, _ = ops.q_digits.shape
     Sk = ops.k_digits.shape[1]
     segs = ops.q_seg is not None
+    first = _first(ops, first)
     tr = row_tile(R, block_size)
     grid, specs, nrt, nkc, kc, tk = _grid_specs(ops, tr)
-    nf = _n_fixed(J, segs) + 2
+    nf = _n_fixed(J, segs, ops.q_pos is not None) + 2
 
     def kernel(*refs):
         logits = _tile_logits(refs, J, w, first, tr, nrt, segs)

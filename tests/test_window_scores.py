@@ -1,10 +1,11 @@
 """The index estimate's Pallas Triton window kernels (``SparsityConfig.estimate_impl = "triton"``,
 :mod:`pallas_kernels.window_scores`) against the XLA path: the same integer vertical and slash
-scores, bit for bit, in interpret mode on the CPU (GQA, packed documents, windows of one, two and a
+scores, bit for bit, op by op in interpret mode on the CPU (GQA, packed documents, windows of one, two and a
 quarter query block, head_dim 16-64); the sharded estimate on a 2x4 mesh equal to the XLA
 single-device index; the kernels lower for CUDA with an IEEE division; bad settings named up front.
-On a GPU (``pytest -m gpu``): the two paths' scores at 16K / 128K differ by at most a few fixed-point units
-per window row (the platforms' ``exp``), and the index of each path is the same in every program
+On a GPU (``pytest -m gpu``): the two paths' scores at 16K / 128K (a sequence and a per-document
+window) differ by at most a few fixed-point units per window row (the platforms' ``exp``; jitted on a
+CPU too: XLA's ``exp`` rounds differently inside a fusion), and the index of each path is the same in every program
 (``tests/test_index_programs.py``)."""
 
 from __future__ import annotations
@@ -79,14 +80,62 @@ def test_kernel_scores_equal_the_xla_scores(last_q, segments, D, heads):
     assert (ref[0] > 0).sum() > last_q  # many keys carry mass
 
 
-def test_sharded_kernel_estimate_equals_the_xla_index():
+def _documents(B, S, lengths):
+    """``int32 [B, S]`` document ids from per-row ``lengths`` (``-1``: padding after the documents)."""
+    out = np.full((B, S), -1, np.int32)
+    for b, ls in enumerate(lengths):
+        out[b, :sum(ls)] = np.repeat(np.arange(len(ls)), ls)
+    return jnp.asarray(out)
+
+
+@pytest.mark.parametrize("window_blocks, lengths", [
+    # more documents than window blocks: the window keeps the last 4 blocks holding a document's end
+    (4, [[100, 300, 50, 400, 174], [64, 64, 128, 200, 500, 68]]),
+    # fewer: padding window blocks (-1) and padding rows; padding tokens after the documents
+    (8, [[700, 300], [1000]]),
+])
+def test_kernel_scores_equal_the_xla_scores_per_document(window_blocks, lengths):
+    """``window="per_document"``: the kernels take the window's scattered rows with their positions
+    (padding rows see no key) and give the XLA path's integer scores bit for bit."""
+    B, S = 2, 1024
+    q, k = _qk(B, S, 4, 2, 16, seed=1)
+    seg = _documents(B, S, lengths)
+    cfg = dataclasses.replace(CFG, last_q=32, window="per_document", window_blocks=window_blocks)
+    lay = Layout("zigzag", S, 4)
+    args = (lay.permute(q), lay.permute(k), jnp.asarray(lay.perm))
+    lseg = lay.permute(seg[..., None])[..., 0]
+    kcfg = dataclasses.replace(cfg, estimate_impl="triton")
+    ref = _scores(*args, cfg, lseg)
+    got = _scores(*args, kcfg, lseg)
+    ident = lambda x: x  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(lambda *a: est._local_scores(*a, S, kcfg, ident, ident, lseg))(*args))
+    assert jaxpr.count("pallas_call") == 3
+    for name, a, b in zip(("vertical", "slash"), got, ref):
+        assert a.dtype == b.dtype == np.int32 and a.shape == b.shape
+        n = int((a != b).sum())
+        assert n == 0, f"{name} scores differ in {n} entries"
+    # real scores: each document's window rows (min(last_q, its length) of them, within the last
+    # window_blocks blocks) carry one unit of probability each
+    F, _ = est.fixed_point_bits(cfg)
+    blocks, rows, _ = est._document_window(lseg, args[2], S, cfg, lambda x: x)
+    n_rows = np.asarray(rows).sum(-1)  # [B]
+    assert n_rows.min() >= 32
+    total = ref[0].astype(np.int64).sum(-1)  # [B, Hq]
+    assert np.all(total <= n_rows[:, None] * 2**F) and np.all(total > n_rows[:, None] * 2**F * (1 - 1e-4))
+    if window_blocks == 8:
+        assert (np.asarray(blocks) < 0).any()  # the padding window blocks were exercised
+
+
+@pytest.mark.parametrize("window", ["sequence", "per_document"])
+def test_sharded_kernel_estimate_equals_the_xla_index(window):
     """``estimate_index_shard`` with the kernels on a 2x4 mesh (zigzag layout, packed documents, a
-    window over two query blocks; ``check_vma=False`` as the library's shard_maps, else a named
-    error): every rank's index equal to the XLA single-device one."""
+    window over two query blocks or every document's own last queries; ``check_vma=False`` as the
+    library's shard_maps, else a named error): every rank's index equal to the XLA single-device one."""
     B, S, HQ, HKV, D = 2, 1024, 4, 2, 16
     q, k = _qk(B, S, HQ, HKV, D)
-    seg = _segments(B, S, 2)
-    cfg = dataclasses.replace(CFG, last_q=128, vertical_max=512, vertical_p=(0.2, 0.4, 0.6, 0.8))
+    seg = _segments(B, S, 2) if window == "sequence" else _documents(B, S, [[300, 200, 524], [1000]])
+    cfg = dataclasses.replace(CFG, last_q=128 if window == "sequence" else 32, vertical_max=512,
+                              vertical_p=(0.2, 0.4, 0.6, 0.8), window=window, window_blocks=4)
     ref = jax.tree.map(np.asarray, estimate_index(q, k, jnp.arange(S), cfg, segment_ids=seg))
     kcfg = dataclasses.replace(cfg, estimate_impl="triton")
     mesh = make_mesh((2, 4))
@@ -178,6 +227,19 @@ def test_tiles_and_supported_shapes(monkeypatch):
             ws.supports(*args)
 
 
+def test_key_tile_fits_each_gpus_shared_memory(monkeypatch):
+    """The key tile is halved to fit the device's opt-in shared memory per block, looked up by compute
+    capability (an A100 163 KiB, an RTX 4090 / L40 99 KiB, Hopper 227 KiB; unknown: the smallest)."""
+    assert ws.smem_limit() == ws.SMEM_BYTES  # this CPU (interpret mode)
+    for cc, limit, d64, d128 in [("9.0", 232448, 64, 64), ("8.0", 166912, 64, 64), ("8.9", 101376, 64, 32),
+                                 ("11.0", 65536, 32, 16)]:
+        monkeypatch.setattr(ws, "compute_capability", lambda cc=cc: cc)
+        assert ws.smem_limit() == limit, cc
+        assert ws._key_chunk(131072, 64, 3, 64) == (1024, d64) and ws._key_chunk(131072, 64, 3, 128)[1] == d128, cc
+        if d128 > 16:
+            assert ws.smem_bytes(d128, 64, 3, 128) <= limit < ws.smem_bytes(2 * d128, 64, 3, 128) or d128 == ws.KEY_TILE
+
+
 def test_auto_picks_the_kernels_on_a_gpu_only(monkeypatch):
     cfg = dataclasses.replace(CFG, estimate_impl="auto")
     assert est.estimate_impl(cfg, 4096, 64) == "xla"  # this CPU
@@ -185,7 +247,9 @@ def test_auto_picks_the_kernels_on_a_gpu_only(monkeypatch):
     assert est.estimate_impl(cfg, 4096, 64) == "triton"
     assert est.estimate_impl(cfg, 4096, 80) == "xla"  # a head_dim the kernels do not take
     assert est.estimate_impl(dataclasses.replace(cfg, last_q=48), 4096, 64) == "xla"
-    assert est.estimate_impl(dataclasses.replace(cfg, window="per_document"), 4096, 64) == "xla"
+    doc = dataclasses.replace(cfg, window="per_document", window_blocks=64)
+    assert est.estimate_impl(doc, 4096, 64) == "xla"  # the per-document window: when asked for, until timed
+    assert est.estimate_impl(dataclasses.replace(doc, estimate_impl="triton"), 4096, 64) == "triton"
     assert est.estimate_impl(dataclasses.replace(cfg, estimate_impl="xla"), 4096, 64) == "xla"
     assert est.estimate_impl(cfg, 4096, 64, varying=True) == "xla"  # in a shard_map with check_vma=True
 
@@ -193,30 +257,39 @@ def test_auto_picks_the_kernels_on_a_gpu_only(monkeypatch):
 def test_bad_estimate_impl_settings_are_named_up_front():
     with pytest.raises(ValueError, match="estimate_impl='cuda'"):
         SparsityConfig(estimate_impl="cuda")
-    with pytest.raises(ValueError, match="window='per_document'"):
-        SparsityConfig(estimate_impl="triton", window="per_document")
+    SparsityConfig(estimate_impl="triton", window="per_document")  # 64 x 64 window rows
+    with pytest.raises(ValueError, match="window_blocks x block_size a power of two, got 3 x 64"):
+        SparsityConfig(estimate_impl="triton", window="per_document", window_blocks=3)
     with pytest.raises(ValueError, match="last_q a power of two >= 16, got 48"):
         SparsityConfig(estimate_impl="triton", last_q=48)
     q, k = _qk(1, 1024, 2, 1, 16)
     cfg = dataclasses.replace(CFG, estimate_impl="triton")
+    q3, k3 = _qk(1, 192, 2, 1, 16)  # 3 query blocks: a per-document window of 3 x 64 rows
+    with pytest.raises(ValueError, match=r"window rows \(last_q, or window_blocks x block_size\) a power of two >= 16, "
+                                         r"got 192"):
+        estimate_index(q3, k3, jnp.arange(192), dataclasses.replace(cfg, window="per_document", last_q=32),
+                       segment_ids=jnp.zeros((1, 192), jnp.int32))
     with pytest.raises(ValueError, match="head_dim a power of two >= 16, got 24"):
         estimate_index(q[..., :24].repeat(2, -1)[..., :24], k[..., :24].repeat(2, -1)[..., :24], jnp.arange(1024), cfg)
 
 
-# --------------------------------------------------------------------------------------------- GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("S", [16384, 131072])
-def test_kernel_scores_against_the_xla_scores_on_a_gpu(S):
-    """On a GPU the kernels' ``exp`` is libdevice's and XLA's may differ in its last bits (each within
-    2 ulp): a probability ``a <= 1`` then moves by a few ``2^-24 a``, a few units of the ``2^-23``
-    fixed point per window row, so the integer scores of the two paths differ by at most ``4 last_q``
-    per key (``4 last_q block_size`` per slash); the kernel path is deterministic (two runs equal)."""
-    HQ, HKV, D, lq = 14, 2, 64, 64
+def _compare_compiled(S, window, heads=(14, 2)):
+    """The two score paths jitted, at ``S`` with bf16 q/k, head_dim 64, ``last_q`` 64 (``per_document``:
+    24 documents, window of ``min(64, S / 64)`` blocks of 64 rows). Compiled, the platforms' ``exp``
+    may round differently (on a GPU the kernels' is libdevice's; XLA's CPU ``exp`` inside a fusion is
+    not its ``exp`` alone): a probability ``a <= 1`` then moves by a few ``2^-24 a``, a few units of
+    the ``2^-F`` fixed point per window row, so the integer scores of the two paths differ by at most
+    ``4`` units per window row and key (``4 block_size`` per row and slash); the kernel path is
+    deterministic (two runs equal) and its row masses are exact."""
+    HQ, HKV = heads
+    D, lq = 64, 64
     q, k = _qk(1, S, HQ, HKV, D, seed=3)
     q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
     pos = jnp.arange(S, dtype=jnp.int32)
-    cfg = SparsityConfig(last_q=lq, estimate_impl="xla")
-    run = lambda c: jax.jit(lambda a, b: est._local_scores(a, b, pos, S, c, lambda x: x, lambda x: x, None))  # noqa: E731
+    seg = None if window == "sequence" else jnp.asarray(np.repeat(np.arange(24), -(-S // 24))[None, :S], jnp.int32)
+    cfg = SparsityConfig(last_q=lq, estimate_impl="xla", window=window)
+    rows = est.window_rows(cfg, S)
+    run = lambda c: jax.jit(lambda a, b: est._local_scores(a, b, pos, S, c, lambda x: x, lambda x: x, seg))  # noqa: E731
     ref = jax.tree.map(np.asarray, run(cfg)(q, k))
     kern = run(dataclasses.replace(cfg, estimate_impl="triton"))
     got = jax.tree.map(np.asarray, kern(q, k))
@@ -224,12 +297,27 @@ def test_kernel_scores_against_the_xla_scores_on_a_gpu(S):
     for a, b in zip(got, again):
         np.testing.assert_array_equal(a, b)
     diff_v, diff_s = (np.abs(a.astype(np.int64) - b) for a, b in zip(got, ref))
-    print(f"S={S}: vertical scores differ in {(diff_v > 0).sum()} of {diff_v.size} (max {diff_v.max()}), "
+    print(f"S={S} {window}: vertical scores differ in {(diff_v > 0).sum()} of {diff_v.size} (max {diff_v.max()}), "
           f"slash in {(diff_s > 0).sum()} of {diff_s.size} (max {diff_s.max()})")
-    assert diff_v.max() <= 4 * lq and diff_s.max() <= 4 * lq * cfg.block_size
+    assert diff_v.max() <= 4 * rows and diff_s.max() <= 4 * rows * cfg.block_size
     F, _ = est.fixed_point_bits(cfg)
     total = got[0].astype(np.int64).sum(-1)
-    assert np.all(total <= lq * 2**F) and np.all(total > lq * 2**F * (1 - 1e-4))
+    n = lq if seg is None else 24 * lq  # window rows that see keys: every document's last 64
+    assert np.all(total <= n * 2**F) and np.all(total > n * 2**F * (1 - 1e-4))
+
+
+def test_compiled_paths_differ_at_most_in_the_last_bit_on_the_cpu():
+    """Jitted on this CPU the XLA path's ``exp`` rounds differently inside its fusion (not op by op):
+    the bound the GPU test checks holds here too."""
+    _compare_compiled(1024, "sequence", heads=(4, 2))
+
+
+# --------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("S, window", [(16384, "sequence"), (131072, "sequence"), (131072, "per_document")])
+def test_kernel_scores_against_the_xla_scores_on_a_gpu(S, window):
+    """:func:`_compare_compiled` on a GPU (``per_document``: 24 documents, 64 window blocks)."""
+    _compare_compiled(S, window)
 
 
 def test_estimate_impl_is_reachable_from_a_config():

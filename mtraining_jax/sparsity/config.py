@@ -22,10 +22,10 @@ Fields and defaults:
   blocks (:mod:`mtraining_jax.sparsity.estimate`).
 * ``estimate_impl = "auto"``: how the estimate computes the window's statistics: ``"xla"`` (the
   logits' partial products in memory, rows in chunks), ``"triton"`` (Pallas Triton kernels that
-  keep the logits on chip, :mod:`pallas_kernels.window_scores`; interpret mode off a GPU; window
-  ``"sequence"``, ``last_q`` and ``head_dim`` powers of two >= 16) or ``"auto"`` (``"triton"`` on a
-  GPU where it applies, else ``"xla"``). Same integers in interpret mode; on a GPU the two may
-  differ in the last bit of a probability (``exp``), each deterministic.
+  keep the logits on chip, :mod:`pallas_kernels.window_scores`; interpret mode off a GPU; the
+  window's rows and ``head_dim`` powers of two >= 16) or ``"auto"`` (``"triton"`` on a
+  GPU where it applies, else ``"xla"``). Same integers op by op in interpret mode; compiled the
+  two may differ in the last bit of a probability (``exp``), each deterministic.
 """
 
 from __future__ import annotations
@@ -129,10 +129,12 @@ class SparsityConfig:
         if not isinstance(self.estimate_impl, str) or self.estimate_impl not in ESTIMATE_IMPLS:
             raise ValueError(f"estimate_impl={self.estimate_impl!r} is not one of {ESTIMATE_IMPLS}")
         if self.estimate_impl == "triton":
-            if self.window != "sequence":
-                raise ValueError(f"estimate_impl='triton' scores the window 'sequence' only, got window={self.window!r}")
-            if self.last_q < 16 or self.last_q & (self.last_q - 1):
+            if self.window == "sequence" and (self.last_q < 16 or self.last_q & (self.last_q - 1)):
                 raise ValueError(f"estimate_impl='triton' needs last_q a power of two >= 16, got {self.last_q}")
+            rows = self.window_blocks * self.block_size
+            if self.window == "per_document" and rows & (rows - 1):
+                raise ValueError(f"estimate_impl='triton' with window='per_document' needs window_blocks x block_size "
+                                 f"a power of two, got {self.window_blocks} x {self.block_size}")
 
     # ----------------------------------------------------------------------------------------------
     def per_head(self, name: str, num_heads: int) -> np.ndarray:

@@ -36,7 +36,8 @@ Cost per head: ``last_q x S`` logits (``last_q / S`` of dense), as one bf16 matm
 the flops (:func:`_window_logits`). ``cfg.estimate_impl``: the XLA path writes that matmul's ``J``
 partial products to memory and reads them back per pass; ``"triton"`` computes the same integers
 tile by tile in three Pallas Triton passes that never store the logits
-(:mod:`pallas_kernels.window_scores`, :func:`_kernel_block_sums`).
+(:mod:`pallas_kernels.window_scores`, :func:`_kernel_column_sums`), for either window (the
+per-document window's scattered rows carry their positions into the kernels, all at once).
 """
 
 from __future__ import annotations
@@ -73,22 +74,33 @@ def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
     _digit_plan(q.shape[3])  # a head_dim the exact logits can take
     if cfg.estimate_impl == "triton":
         try:
-            window_scores.supports(cfg.last_q, q.shape[1], q.shape[3])
+            window_scores.supports(window_rows(cfg, S), q.shape[1], q.shape[3])
         except NotImplementedError as e:
             raise ValueError(f"estimate_impl='triton': {e}") from None
 
 
-def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int, varying: bool = False) -> str:
-    """The implementation ``cfg.estimate_impl`` resolves to for ``keys`` local keys: ``"auto"`` is
-    ``"triton"`` on a GPU where :func:`pallas_kernels.window_scores.supports` the problem, the
-    window is ``"sequence"`` and the inputs are not ``varying`` (inside a ``shard_map`` with
-    ``check_vma=True``), else ``"xla"``."""
+def window_rows(cfg: SparsityConfig, seq_len: int) -> int:
+    """Rows of the observation window at ``seq_len``: ``last_q`` (``"sequence"``) or
+    ``min(window_blocks, S / block_size) * block_size`` (``"per_document"``, padding rows included)."""
+    if cfg.window == "sequence":
+        return cfg.last_q
+    return min(cfg.window_blocks, seq_len // cfg.block_size) * cfg.block_size
+
+
+def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int, varying: bool = False, rows: int | None = None) -> str:
+    """The implementation ``cfg.estimate_impl`` resolves to for ``keys`` local keys and a window of
+    ``rows`` rows (:func:`window_rows`; ``None``: ``cfg.window_rows``): ``"auto"`` is ``"triton"``
+    on a GPU where :func:`pallas_kernels.window_scores.supports` the problem, the window is
+    ``"sequence"`` and the inputs are not ``varying`` (inside a ``shard_map`` with ``check_vma=True``),
+    else ``"xla"``. (The per-document window takes the kernels when asked for, ``"triton"``; not
+    under ``"auto"`` until they are timed on a GPU against XLA's path: ``benchmarks/packed_documents.py
+    --estimate-impls xla triton``.)"""
     if cfg.estimate_impl != "auto":
         return cfg.estimate_impl
-    if jax.default_backend() != "gpu" or cfg.window != "sequence" or varying:
+    if jax.default_backend() != "gpu" or varying or cfg.window != "sequence":
         return "xla"
     try:
-        window_scores.supports(cfg.last_q, keys, head_dim)
+        window_scores.supports(cfg.window_rows if rows is None else rows, keys, head_dim)
     except NotImplementedError:
         return "xla"
     return "triton"
@@ -308,31 +320,42 @@ def _varying_axes(x) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
-def _kernel_block_sums(q_last, k: "_Digits", k_pos, last_seg, seg, seq_len: int, cfg: SparsityConfig, reduce_sum,
-                       reduce_max) -> dict:
-    """``{g: int32 [2, B, Hq, S_local]}``: the (hi, lo) column sums of the window rows in query block
-    ``g``, from the Pallas Triton kernels (:mod:`pallas_kernels.window_scores`; interpret mode off a
-    GPU): the same integers as :func:`_row_digits`'s path where the platform's ``exp`` agrees (always
-    in interpret mode), the row statistics reduced over the mesh between the three passes."""
+def _kernel_column_sums(q_rows, k: "_Digits", k_pos, ops_kw: dict, cfg: SparsityConfig, reduce_sum, reduce_max,
+                        first: int | None):
+    """``(hi, lo) int32 [B, Hq, R // tr, S_local]`` and ``tr``: per row tile of ``tr`` window rows, the
+    column sums of the rows' probability digits, from the Pallas Triton kernels
+    (:mod:`pallas_kernels.window_scores`; interpret mode off a GPU), the row statistics reduced over
+    the mesh between the three passes: the integers of :func:`_row_digits` where the platform's
+    ``exp`` agrees (always in interpret mode), padding rows (no visible key) zero as there.
+    ``ops_kw``: the document ids / row positions of :class:`~pallas_kernels.window_scores.WindowOperands`."""
     if _varying_axes(k_pos):
         raise ValueError(f"estimate_impl='triton' inside jax.shard_map needs check_vma=False (its Pallas calls "
                          f"declare no varying mesh axes; the inputs vary over {sorted(_varying_axes(k_pos))}); the "
                          f"library's own shard_maps set it")
-    bs, lq = cfg.block_size, cfg.last_q
     F, G = fixed_point_bits(cfg)
-    D = q_last.shape[-1]
+    D = q_rows.shape[-1]
     w, _ = _digit_plan(D)
-    qd = _operand_digits(q_last)
-    ops = window_scores.WindowOperands(qd.digits, qd.row_scale, k.digits, k.row_scale, k_pos, last_seg,
-                                       None if last_seg is None else seg)
-    first = seq_len - lq
-    kw = dict(first=first, w=w, block_size=bs, interpret=jax.default_backend() != "gpu")
-    m = reduce_max(window_scores.row_max(ops, **kw))  # [B, Hq, lq]
+    qd = _operand_digits(q_rows)
+    ops = window_scores.WindowOperands(qd.digits, qd.row_scale, k.digits, k.row_scale, k_pos, **ops_kw)
+    kw = dict(first=first, w=w, block_size=cfg.block_size, interpret=jax.default_backend() != "gpu")
+    m = reduce_max(window_scores.row_max(ops, **kw))  # [B, Hq, R]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a padding row sees no key: keep it finite (it adds nothing)
     scale = _scale(D, cfg)
     sums = reduce_sum(window_scores.exp_digit_sums(ops, m, scale=scale, widths=_E_DIGITS, **kw))
     denom = _denominator(list(sums))
-    hi, lo = window_scores.column_digit_sums(ops, m, denom, scale=scale, widths=(F, G), **kw)  # [B, Hq, nrt, Sk]
-    tr = window_scores.row_tile(lq, bs)
+    denom = jnp.where(denom > 0, denom, 1.0)
+    hi, lo = window_scores.column_digit_sums(ops, m, denom, scale=scale, widths=(F, G), **kw)
+    return hi, lo, window_scores.row_tile(q_rows.shape[1], cfg.block_size)
+
+
+def _kernel_block_sums(q_last, k: "_Digits", k_pos, last_seg, seg, seq_len: int, cfg: SparsityConfig, reduce_sum,
+                       reduce_max) -> dict:
+    """``{g: int32 [2, B, Hq, S_local]}``: the (hi, lo) column sums of the sequence window's rows in
+    query block ``g`` (:func:`_kernel_column_sums`)."""
+    bs, lq = cfg.block_size, cfg.last_q
+    first = seq_len - lq
+    segs = dict(q_seg=last_seg, k_seg=None if last_seg is None else seg)
+    hi, lo, tr = _kernel_column_sums(q_last, k, k_pos, segs, cfg, reduce_sum, reduce_max, first)
     per_block: dict = {}
     for t in range(lq // tr):  # static: each row tile lies in one query block
         g = (first + t * tr) // bs
@@ -357,6 +380,22 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
     per_block = lambda x: jnp.moveaxis(x.reshape((B, W, bs) + x.shape[2:]), 1, 0)  # noqa: E731
     kblk = k_pos // bs
     b_ix, h_ix = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    if estimate_impl(cfg, k_pos.shape[0], q.shape[3], bool(_varying_axes(k_pos)), W * bs) == "triton":
+        # every window row at once, its global position (-1: a padding row) an operand of the kernels
+        pos = jnp.maximum(blocks, 0)[:, :, None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [B, W, bs]
+        q_pos = jnp.where(row_ok, pos.reshape(B, W * bs), -1)
+        hi, lo, tr = _kernel_column_sums(q_win, k, k_pos, dict(q_seg=row_seg, k_seg=seg, q_pos=q_pos), cfg,
+                                         reduce_sum, reduce_max, None)
+        sk = hi.shape[-1]
+        cols = jnp.stack([x.reshape(B, H, W, bs // tr, sk).sum(axis=3, dtype=jnp.int32) for x in (hi, lo)])
+        d = blocks[:, :, None] - kblk[None, None, :]  # [B, W, Sk]: each window block's diagonal per key
+        d = jnp.where((d >= 0) & (blocks[:, :, None] >= 0), d, nb)
+        zero = (k_pos[0] * 0).astype(jnp.int32)
+        slash = (jnp.zeros((2, B, H, nb + 1), jnp.int32) + zero).at[:, b_ix[..., None], h_ix[..., None],
+                                                                     d[:, None]].add(cols)
+        v = cols.sum(axis=3, dtype=jnp.int32)  # [2, B, Hq, Sk]
+        slash = reduce_sum(slash[..., :nb])
+        return v[0] + (v[1] >> G), slash[0] + (slash[1] >> G)
 
     def block(carry, xs):
         v_hi, v_lo, slash = carry
