@@ -43,12 +43,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from packed_documents import length_mix  # noqa: E402
+from benchmarks.packed_documents import length_mix  # noqa: E402
 
 from mtraining_jax.sparsity import SparsityConfig, estimate_index  # noqa: E402
 from mtraining_jax.sparsity.convert import convert_step  # noqa: E402

@@ -18,6 +18,7 @@ JAX platform config and the environment it reads are restored after every test.
 """
 
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -118,6 +119,10 @@ def pytest_collection_modifyitems(config, items):
         slow = item.get_closest_marker("slow")
         return 0.0 if slow is None else -float(slow.kwargs.get("seconds", 1))
     items.sort(key=key)
+    shadowing = [p for p in sys.path if os.path.basename(os.path.normpath(p or ".")) == "benchmarks"]
+    if shadowing:  # benchmarks/kernels.py would shadow the `kernels` package transformers imports
+        raise pytest.UsageError(f"collecting the tests put a benchmarks folder on sys.path: {shadowing} (import "
+                                f"benchmarks as `benchmarks.<name>` from the repository root)")
 
 
 def _gpu_missing_reason():
@@ -170,11 +175,13 @@ def _release_compiled_programs():
 
 @pytest.fixture(autouse=True)
 def _restore_jax_config():
-    """Undo what a test (or the CLI it calls in process) changed in JAX's platform config and the
-    environment JAX and subprocesses read."""
+    """Undo what a test (or the CLI it calls in process) changed in JAX's platform config, the
+    environment JAX and subprocesses read, and ``sys.path``."""
     config = {k: getattr(jax.config, k) for k in _RESTORED_CONFIG}
     env = {k: os.environ.get(k) for k in _RESTORED_ENV}
+    path = list(sys.path)
     yield
+    sys.path[:] = path
     for k, v in config.items():
         if getattr(jax.config, k) != v:
             jax.config.update(k, v)
