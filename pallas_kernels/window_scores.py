@@ -30,7 +30,8 @@ Shapes (the estimate's own; no transposes): query digits ``bf16 [B, R, Hq, J, D]
 ``f32 [B, R, Hq]``, key digits ``bf16 [B, Sk, Hkv, J, D]`` with ``f32 [B, Sk, Hkv]``, key positions
 ``int32 [Sk]`` (any order), window rows at global positions ``first .. first + R - 1`` or, for a
 window of scattered rows (every document's own last queries), ``q_pos int32 [B, R]`` (``-1``: a
-padding row, which sees no key); optional document ids ``int32 [B, R]`` / ``[B, Sk]``. Supported (:func:`supports`): ``R`` and ``D`` powers of
+padding row, which sees no key; a key tile that no row of the program sees is skipped, exactly:
+:func:`_skipping`); optional document ids ``int32 [B, R]`` / ``[B, Sk]``. Supported (:func:`supports`): ``R`` and ``D`` powers of
 two >= 16, ``Sk`` a multiple of 16.
 """
 
@@ -162,8 +163,9 @@ def _operands(ops: WindowOperands, J: int):
 
 
 def _tile_logits(refs, J: int, w: int, first: int | None, tr: int, nrt: int, segs: bool):
-    """``logits(rows) -> (z [tr, tk] f32, ok [tr, tk] bool)`` of the keys ``rows`` (a ``pl.ds``);
-    ``first=None``: the rows' positions are the ``q_pos`` operand."""
+    """``(visible, logits)``: ``visible(rows) -> ok [tr, tk] bool`` (causal, same document) and
+    ``logits(rows) -> z [tr, tk] f32`` of the keys ``rows`` (a ``pl.ds``); ``first=None``: the rows'
+    positions are the ``q_pos`` operand."""
     q_refs, qs_ref = refs[:J], refs[J]
     k_refs, ks_ref, kpos_ref = refs[J + 1:2 * J + 1], refs[2 * J + 1], refs[2 * J + 2]
     qseg_ref, kseg_ref = (refs[2 * J + 3], refs[2 * J + 4]) if segs else (None, None)
@@ -176,6 +178,12 @@ def _tile_logits(refs, J: int, w: int, first: int | None, tr: int, nrt: int, seg
         qpos = first + t * tr + jnp.arange(tr, dtype=jnp.int32)
     qseg = qseg_ref[...] if segs else None
 
+    def visible(rows):
+        ok = kpos_ref[rows][None, :] <= qpos[:, None]
+        if segs:
+            ok = ok & (kseg_ref[rows][None, :] == qseg[:, None])
+        return ok
+
     def logits(rows):
         kd = [r[rows, :] for r in k_refs]
         z = None
@@ -185,13 +193,22 @@ def _tile_logits(refs, J: int, w: int, first: int | None, tr: int, nrt: int, seg
                 p = dot(qd[a], kd[lw - a], trans_b=True)
                 part = p if part is None else part + p
             z = part if z is None else z + part * np.float32(2.0 ** (-w * lw))
-        z = z * sq[:, None] * ks_ref[rows][None, :]
-        ok = kpos_ref[rows][None, :] <= qpos[:, None]
-        if segs:
-            ok = ok & (kseg_ref[rows][None, :] == qseg[:, None])
-        return z, ok
+        return z * sq[:, None] * ks_ref[rows][None, :]
 
-    return logits
+    return visible, logits
+
+
+def _skipping(skip_tiles: bool, ok, compute, skip, carry):
+    """``compute(carry)`` where some pair of the tile is visible, else ``skip(carry)`` (what an
+    all-masked tile gives: exactly the same result), when ``skip_tiles``: a window of scattered rows
+    (``q_pos``, the per-document window), whose rows see their own documents' keys alone, so that
+    most key tiles are other documents' (about 2 % of the tiles visible on the packed-documents
+    benchmark's 47 documents at 128K). Otherwise the loop stays branch-free as tuned (a sequence
+    window sees every key tile but the last; with documents, the last document's alone, but the
+    branch is not yet timed there on a GPU)."""
+    if not skip_tiles:
+        return compute(carry)
+    return lax.cond(jnp.max(ok.astype(jnp.int32)) > 0, compute, skip, carry)
 
 
 def _n_fixed(J: int, segs: bool, rows: bool) -> int:
@@ -223,11 +240,13 @@ def row_max(ops: WindowOperands, *, first: int | None, w: int, block_size: int, 
     nf = _n_fixed(J, segs, ops.q_pos is not None)
 
     def kernel(*refs):
-        logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+        visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
 
         def body(i, mx):
-            z, ok = logits(pl.ds(pl.multiple_of(i * tk, tk), tk))
-            return jnp.maximum(mx, jnp.max(jnp.where(ok, z, -jnp.inf), axis=1))
+            rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
+            ok = visible(rows)
+            return _skipping(first is None, ok, lambda mx: jnp.maximum(mx, jnp.max(jnp.where(ok, logits(rows), -jnp.inf), axis=1)),
+                             lambda mx: mx, mx)
 
         refs[nf][...] = lax.fori_loop(0, kc // tk, body, jnp.full((tr,), -jnp.inf, jnp.float32))
 
@@ -274,13 +293,18 @@ def exp_digit_sums(ops: WindowOperands, m, *, first: int | None, w: int, block_s
     nf, nd = _n_fixed(J, segs, ops.q_pos is not None) + 1, len(widths)
 
     def kernel(*refs):
-        logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+        visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
         mrow = refs[nf - 1][...]
 
         def body(i, sums):
-            z, ok = logits(pl.ds(pl.multiple_of(i * tk, tk), tk))
-            ds = fixed_point_digits(_probabilities(z, ok, mrow, scale), widths)
-            return tuple(s + d.sum(axis=1, dtype=jnp.int32) for s, d in zip(sums, ds))
+            rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
+            ok = visible(rows)
+
+            def add(sums):
+                ds = fixed_point_digits(_probabilities(logits(rows), ok, mrow, scale), widths)
+                return tuple(s + d.sum(axis=1, dtype=jnp.int32) for s, d in zip(sums, ds))
+
+            return _skipping(first is None, ok, add, lambda sums: sums, sums)
 
         sums = lax.fori_loop(0, kc // tk, body, tuple(jnp.zeros((tr,), jnp.int32) for _ in range(nd)))
         for j in range(nd):
@@ -315,19 +339,28 @@ def column_digit_sums(ops: WindowOperands, m, denom, *, first: int | None, w: in
     nf = _n_fixed(J, segs, ops.q_pos is not None) + 2
 
     def kernel(*refs):
-        logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+        visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
         mrow, drow = refs[nf - 2][...], refs[nf - 1][...]
         hi_ref, lo_ref = refs[nf], refs[nf + 1]
 
         def body(i, carry):
             rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
-            z, ok = logits(rows)
-            e = _probabilities(z, ok, mrow, scale)
-            a = _div_rn(e, jnp.broadcast_to(drow[:, None], e.shape), interpret)
-            hi, lo = fixed_point_digits(a, widths)
-            hi_ref[rows] = hi.sum(axis=0, dtype=jnp.int32)
-            lo_ref[rows] = lo.sum(axis=0, dtype=jnp.int32)
-            return carry
+            ok = visible(rows)
+
+            def write(carry):
+                e = _probabilities(logits(rows), ok, mrow, scale)
+                a = _div_rn(e, jnp.broadcast_to(drow[:, None], e.shape), interpret)
+                hi, lo = fixed_point_digits(a, widths)
+                hi_ref[rows] = hi.sum(axis=0, dtype=jnp.int32)
+                lo_ref[rows] = lo.sum(axis=0, dtype=jnp.int32)
+                return carry
+
+            def zeros(carry):
+                hi_ref[rows] = jnp.zeros((tk,), jnp.int32)
+                lo_ref[rows] = jnp.zeros((tk,), jnp.int32)
+                return carry
+
+            return _skipping(first is None, ok, write, zeros, carry)
 
         lax.fori_loop(0, kc // tk, body, 0)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
+
 from benchmarks import packed_documents
 
 
@@ -30,3 +32,16 @@ def test_packed_documents_rows_per_estimate_impl(tmp_path):
     xla, tri = written
     assert tri["work_fraction"] == xla["work_fraction"]
     assert all(tri[f"rel_diff_{n}"] == 0.0 for n in ("out", "dq", "dk", "dv"))
+
+
+def test_visible_tiles_of_the_per_document_window():
+    """The tiles the per-document window's kernels compute, against a hand count."""
+    # two documents, tokens 0-99 and 100-255; their last 64 rows: 36-99 (blocks 0-1) and 192-255 (block 3);
+    # the fourth window block is padding (walked, every tile skipped)
+    got = packed_documents.visible_tile_fraction(np.array([100, 156]), 256, window_blocks=4)
+    # block 3: doc 1's key tiles 1-3; block 1 (rows 64-99; 100-127 are outside doc 1's window): doc 0's 0-1;
+    # block 0 (rows 36-63): tile 0
+    assert got["window_blocks_used"] == 3 and got["tiles"] == 16
+    assert got["visible_tiles"] == 3 + 2 + 1 and got["visible_fraction"] == 6 / 16
+    rows = packed_documents.main(["--seq", "131072", "--visible-tiles-only"])
+    assert rows[0]["documents"] == 47 and 0.01 < rows[0]["visible_fraction"] < 0.03

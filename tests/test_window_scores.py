@@ -67,6 +67,7 @@ def test_kernel_scores_equal_the_xla_scores(last_q, segments, D, heads):
     ident = lambda x: x  # noqa: E731
     jaxpr = str(jax.make_jaxpr(lambda *a: est._local_scores(*a, S, kcfg, ident, ident, lseg))(*args))
     assert jaxpr.count("pallas_call") == 3  # the kernels ran: max, denominators, column sums
+    assert jaxpr.count("cond[") == 0  # the sequence window's loops stay branch-free
     for name, a, b in zip(("vertical", "slash"), got, ref):
         assert a.dtype == b.dtype == np.int32 and a.shape == b.shape
         n = int((a != b).sum())
@@ -110,6 +111,7 @@ def test_kernel_scores_equal_the_xla_scores_per_document(window_blocks, lengths)
     ident = lambda x: x  # noqa: E731
     jaxpr = str(jax.make_jaxpr(lambda *a: est._local_scores(*a, S, kcfg, ident, ident, lseg))(*args))
     assert jaxpr.count("pallas_call") == 3
+    assert jaxpr.count("cond[") == 3  # each pass skips the key tiles no window row sees (other documents')
     for name, a, b in zip(("vertical", "slash"), got, ref):
         assert a.dtype == b.dtype == np.int32 and a.shape == b.shape
         n = int((a != b).sum())
@@ -171,13 +173,20 @@ def _operands(B, S, HQ, HKV, D, R):
     return ws.WindowOperands(qd.digits, qd.row_scale, kd.digits, kd.row_scale, jnp.arange(S, dtype=jnp.int32))
 
 
-def test_kernels_lower_for_cuda_with_an_ieee_division():
+@pytest.mark.parametrize("documents", [False, True])
+def test_kernels_lower_for_cuda_with_an_ieee_division(documents):
     """The three passes lower to Triton for CUDA (at the training shape: 14/2 heads, d64, 64 rows,
-    a 4K-key shard); the probabilities divide with ``div.rn.f32`` on float registers (Triton's own
-    ``/`` is ``div.full.f32``, 2 ulp)."""
+    a 4K-key shard; with documents: the per-document window's row positions, document ids and the
+    branch that skips key tiles no row sees); the probabilities divide with ``div.rn.f32`` on float
+    registers (Triton's own ``/`` is ``div.full.f32``, 2 ulp)."""
     ops = _operands(1, 4096, 14, 2, 64, 64)
+    first = 4096 - 64
+    if documents:
+        ids = jnp.zeros((1, 4096), jnp.int32)
+        ops = ops._replace(q_seg=ids[:, :64], k_seg=ids, q_pos=jnp.arange(64, dtype=jnp.int32)[None] * 64)
+        first = None
     m = jnp.zeros((1, 14, 64), jnp.float32)
-    kw = dict(first=4096 - 64, w=8, block_size=64, interpret=False)
+    kw = dict(first=first, w=8, block_size=64, interpret=False)
     fns = {
         "row_max": lambda o: ws.row_max(o, **kw),
         "exp_digit_sums": lambda o, m: ws.exp_digit_sums(o, m, scale=0.125, widths=est._E_DIGITS, **kw),
