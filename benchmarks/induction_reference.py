@@ -10,6 +10,7 @@ training dynamics (the induction plateau).
 
 Prints, every 100 steps, the training loss and the held-out nll on the copied tokens and on the rest
 (chance: ln ALPHABET)."""
+import argparse
 import os
 import sys
 import time
@@ -68,10 +69,14 @@ def fwd(p, x, pos_kind="rope"):
 
 
 def main(argv):
-    alphabet = int(argv[0]) if len(argv) > 0 else 256
-    steps = int(argv[1]) if len(argv) > 1 else 1000
-    lr = float(argv[2]) if len(argv) > 2 else 1e-3
-    pos_kind = argv[3] if len(argv) > 3 else "rope"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="IND_S / IND_B in the environment: "
+                                 "window length / batch")
+    ap.add_argument("alphabet", nargs="?", type=int, default=256)
+    ap.add_argument("steps", nargs="?", type=int, default=1000)
+    ap.add_argument("lr", nargs="?", type=float, default=1e-3)
+    ap.add_argument("pos_kind", nargs="?", choices=("rope", "learned"), default="rope")
+    a = ap.parse_args(argv)
+    alphabet, steps, lr, pos_kind = a.alphabet, a.steps, a.lr, a.pos_kind
     opt = optax.adamw(optax.warmup_cosine_decay_schedule(0, lr, 50, steps, lr * 0.1), weight_decay=0.1)
 
     def loss_fn(p, x):

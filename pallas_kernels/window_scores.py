@@ -245,8 +245,11 @@ def row_max(ops: WindowOperands, *, first: int | None, w: int, block_size: int, 
         def body(i, mx):
             rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
             ok = visible(rows)
-            return _skipping(first is None, ok, lambda mx: jnp.maximum(mx, jnp.max(jnp.where(ok, logits(rows), -jnp.inf), axis=1)),
-                             lambda mx: mx, mx)
+
+            def fold(mx):
+                return jnp.maximum(mx, jnp.max(jnp.where(ok, logits(rows), -jnp.inf), axis=1))
+
+            return _skipping(first is None, ok, fold, lambda mx: mx, mx)
 
         refs[nf][...] = lax.fori_loop(0, kc // tk, body, jnp.full((tr,), -jnp.inf, jnp.float32))
 
