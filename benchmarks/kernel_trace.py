@@ -23,7 +23,9 @@ import jax.numpy as jnp
 
 from benchmarks._driver import provenance
 from benchmarks._timing import timeit
-from benchmarks.kernels import BS, H, _fwd_bwd, _inputs
+import numpy as np
+
+from benchmarks.kernels import BS, H, _family_index, _fwd_bwd, _inputs
 from benchmarks.model_index import add_model_args, model_entries, model_options
 from benchmarks.trace_summary import summarize_dir
 from pallas_kernels import api
@@ -54,20 +56,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=131072, help="sequence length of the model-index cases")
     ap.add_argument("--full-seq", type=int, default=0, help="also the full causal index (and cuDNN) at this length")
+    ap.add_argument("--families", default="", help="also these synthetic index families at --seq (benchmarks/kernels.py's: "
+                    "band, slash, spread, vert, mixed), comma-separated")
+    ap.add_argument("--sparsity", type=float, default=0.95, help="with --families: the families' sparsity")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", default=None)
     add_model_args(ap)
     a = ap.parse_args(argv)
     model = model_options(a, ap)
+    families = [f for f in a.families.split(",") if f]
+    if not 0 < a.sparsity < 1:
+        ap.error(f"--sparsity must be in (0, 1), got {a.sparsity}")
     rows = []
-    if model:
+    if model or families:
         q, k, v, ct = _inputs(a.seq, a.seq, jnp.float32)
         pos = jnp.arange(a.seq, dtype=jnp.int32)
-        for layer, bud, idx, _ in model_entries(a.seq, H, BS, model):
+        rng = np.random.default_rng(0)  # benchmarks/kernels.py's seed: its family indices, in its order
+        cases = [_family_index(rng, fam, a.seq, a.sparsity, 4096) for fam in families]
+        cases += [(idx, f"model_L{layer}" + "".join(f"_{kk}{vv}" for kk, vv in bud.items()))
+                  for layer, bud, idx, _ in (model_entries(a.seq, H, BS, model) if model else [])]
+        for idx, tag in cases:
             idx = jax.tree.map(jnp.asarray, idx)
             f = functools.partial(lambda q, k, v, idx: api.block_sparse_attention(q, k, v, pos, pos, idx), idx=idx)
-            tag = f"model_L{layer}" + "".join(f"_{kk}{vv}" for kk, vv in bud.items())
             rows.append(trace_case(f"{tag}_fb", _fwd_bwd(f), (q, k, v, ct), a.reps, a.top))
     if a.full_seq:
         S = a.full_seq

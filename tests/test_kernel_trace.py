@@ -15,3 +15,19 @@ def test_every_case_is_timed_traced_and_written(tmp_path):
         assert len(r["ms"]) == 2 and all(t > 0 for t in r["ms"]) and r["ms"] == sorted(r["ms"])
         assert set(r["per_call"]) == {"pallas", "library", "xla", "idle", "span"}
         assert r["command"] and r["commit"] and "jax" in r
+
+
+def test_family_cases_trace_the_benchmark_families(tmp_path):
+    out = tmp_path / "trace.json"
+    assert main(["--families", "spread,vert", "--seq", "1024", "--sparsity", "0.8", "--reps", "2",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["case"] for r in rows] == ["spread80_fb", "vert80_fb"]
+    assert all(len(r["ms"]) == 2 and r["ms"][0] > 0 for r in rows)
+
+
+def test_sparsity_outside_the_unit_interval_is_refused(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        main(["--families", "spread", "--sparsity", "95"])
+    assert "--sparsity must be in (0, 1), got 95.0" in capsys.readouterr().err
