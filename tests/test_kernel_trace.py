@@ -19,10 +19,9 @@ def test_every_case_is_timed_traced_and_written(tmp_path):
 
 def test_family_cases_trace_the_benchmark_families(tmp_path):
     out = tmp_path / "trace.json"
-    assert main(["--families", "spread,vert", "--seq", "1024", "--sparsity", "0.8", "--reps", "2",
-                 "--json", str(out)]) == 0
+    assert main(["--families", "vert", "--seq", "512", "--sparsity", "0.75", "--reps", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["case"] for r in rows] == ["spread80_fb", "vert80_fb"]
+    assert [r["case"] for r in rows] == ["vert75_fb"]
     assert all(len(r["ms"]) == 2 and r["ms"][0] > 0 for r in rows)
 
 
