@@ -1,11 +1,13 @@
 """Where an operator call's GPU time goes: ``jax.profiler`` traces of ``block_sparse_attention`` (forward, or
-forward + backward) on a trained model's index and on the full causal index, with cuDNN on the same inputs,
+forward + backward) on a trained model's index, on ``benchmarks/kernels.py``'s synthetic index families
+(``--families``, its indices: same seed and order) and on the full causal index, with cuDNN on the same inputs,
 summarised by :mod:`benchmarks.trace_summary` (kernel time by source: ``pallas`` kernels, the XLA work each
 source line of the library adds, ``library`` cuBLAS / cuDNN, idle gaps). The question it answers: of a call's
 milliseconds, how many are the kernels and how many the index operands, ``delta`` and casts around them.
 
     python -m benchmarks.kernel_trace --model-index results/kernels/model_index_mt_s0_128k.npz --model-layers 1 \\
         --full-seq 32768 --json trace.json
+    python -m benchmarks.kernel_trace --families spread,mixed,vert --sparsity 0.95 --json trace.json
 
 Shapes as ``benchmarks/kernels.py`` (B=1, 16 / 2 heads, d128, bf16); each case: 3 warm calls, ``--reps``
 timed calls (wall clock), then 3 traced calls (trace sums are over those 3).
