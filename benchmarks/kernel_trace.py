@@ -22,15 +22,15 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks._driver import provenance
 from benchmarks._timing import timeit
-import numpy as np
-
 from benchmarks.kernels import BS, H, _family_index, _fwd_bwd, _inputs
 from benchmarks.model_index import add_model_args, model_entries, model_options
 from benchmarks.trace_summary import summarize_dir
 from pallas_kernels import api
+from pallas_kernels.testing import INDEX_FAMILIES
 
 
 def trace_case(name: str, fn, args, reps: int, top: int) -> dict:
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=131072, help="sequence length of the model-index cases")
     ap.add_argument("--full-seq", type=int, default=0, help="also the full causal index (and cuDNN) at this length")
     ap.add_argument("--families", default="", help="also these synthetic index families at --seq (benchmarks/kernels.py's: "
-                    "band, slash, spread, vert, mixed), comma-separated")
+                    f"{', '.join(INDEX_FAMILIES)}), comma-separated")
     ap.add_argument("--sparsity", type=float, default=0.95, help="with --families: the families' sparsity")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     model = model_options(a, ap)
     families = [f for f in a.families.split(",") if f]
+    bad = [f for f in families if f not in INDEX_FAMILIES]
+    if bad:
+        ap.error(f"--families: unknown {', '.join(bad)} (known: {', '.join(INDEX_FAMILIES)})")
     if not 0 < a.sparsity < 1:
         ap.error(f"--sparsity must be in (0, 1), got {a.sparsity}")
     rows = []

@@ -25,8 +25,11 @@ def test_family_cases_trace_the_benchmark_families(tmp_path):
     assert all(len(r["ms"]) == 2 and r["ms"][0] > 0 for r in rows)
 
 
-def test_sparsity_outside_the_unit_interval_is_refused(capsys):
+def test_bad_family_or_sparsity_is_refused_naming_it(capsys):
     import pytest
     with pytest.raises(SystemExit):
         main(["--families", "spread", "--sparsity", "95"])
     assert "--sparsity must be in (0, 1), got 95.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--families", "spread,diag"])
+    assert "--families: unknown diag (known: band, slash, spread, vert, mixed)" in capsys.readouterr().err
