@@ -229,6 +229,20 @@ def _call(kernel, ops, out_shape, out_specs, extra_args, extra_specs, interpret,
                           interpret=interpret)(*_operands(ops, ops.q_digits.shape[3]), *extra_args)
 
 
+
+def _key_tile(i, tk: int):
+    """The ``i``-th ``tk``-row tile of a key chunk, its start marked a multiple of ``tk`` (a loop index;
+    ``pl.multiple_of`` on a constant fails in JAX 0.11's Triton lowering, which folds a one-trip
+    ``fori_loop``'s index to a constant: ``'TypedInt' object has no attribute 'owner'``)."""
+    if isinstance(i, (int, np.integer)):
+        return pl.ds(int(i) * tk, tk)
+    return pl.ds(pl.multiple_of(i * tk, tk), tk)
+
+
+def _over_tiles(n: int, body, init):
+    """``lax.fori_loop(0, n, body, init)``; one tile: ``body(0, init)`` (a Python index, see :func:`_key_tile`)."""
+    return body(0, init) if n == 1 else lax.fori_loop(0, n, body, init)
+
 def row_max(ops: WindowOperands, *, first: int | None, w: int, block_size: int, interpret: bool = False):
     """``f32 [B, Hq, R]``: each window row's largest logit over the local causal (same-document) keys
     (``-inf`` where it has none); ``pmax`` it over a mesh."""
@@ -243,7 +257,7 @@ def row_max(ops: WindowOperands, *, first: int | None, w: int, block_size: int, 
         visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
 
         def body(i, mx):
-            rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
+            rows = _key_tile(i, tk)
             ok = visible(rows)
 
             def fold(mx):
@@ -251,7 +265,7 @@ def row_max(ops: WindowOperands, *, first: int | None, w: int, block_size: int, 
 
             return _skipping(first is None, ok, fold, lambda mx: mx, mx)
 
-        refs[nf][...] = lax.fori_loop(0, kc // tk, body, jnp.full((tr,), -jnp.inf, jnp.float32))
+        refs[nf][...] = _over_tiles(kc // tk, body, jnp.full((tr,), -jnp.inf, jnp.float32))
 
     out = _call(kernel, ops, jax.ShapeDtypeStruct((B, Hq, nkc, R), jnp.float32),
                 pl.BlockSpec((None, None, None, tr), lambda c, h, i: (i // nrt, h, c, i % nrt)), [], [], interpret, grid,
@@ -300,7 +314,7 @@ def exp_digit_sums(ops: WindowOperands, m, *, first: int | None, w: int, block_s
         mrow = refs[nf - 1][...]
 
         def body(i, sums):
-            rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
+            rows = _key_tile(i, tk)
             ok = visible(rows)
 
             def add(sums):
@@ -309,7 +323,7 @@ def exp_digit_sums(ops: WindowOperands, m, *, first: int | None, w: int, block_s
 
             return _skipping(first is None, ok, add, lambda sums: sums, sums)
 
-        sums = lax.fori_loop(0, kc // tk, body, tuple(jnp.zeros((tr,), jnp.int32) for _ in range(nd)))
+        sums = _over_tiles(kc // tk, body, tuple(jnp.zeros((tr,), jnp.int32) for _ in range(nd)))
         for j in range(nd):
             refs[nf + j][...] = sums[j]
 
@@ -347,7 +361,7 @@ def column_digit_sums(ops: WindowOperands, m, denom, *, first: int | None, w: in
         hi_ref, lo_ref = refs[nf], refs[nf + 1]
 
         def body(i, carry):
-            rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
+            rows = _key_tile(i, tk)
             ok = visible(rows)
 
             def write(carry):
@@ -365,7 +379,7 @@ def column_digit_sums(ops: WindowOperands, m, denom, *, first: int | None, w: in
 
             return _skipping(first is None, ok, write, zeros, carry)
 
-        lax.fori_loop(0, kc // tk, body, 0)
+        _over_tiles(kc // tk, body, 0)
 
     shape = jax.ShapeDtypeStruct((B, Hq, nrt, Sk), jnp.int32)
     spec = pl.BlockSpec((None, None, None, kc), lambda c, h, i: (i // nrt, h, i % nrt, c))
