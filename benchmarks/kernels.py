@@ -462,8 +462,9 @@ def main():
                   f"{r['fb_ms']:8.2f} ms, {r['fb_tflops']:5.0f} TFLOP/s, x cuDNN {r['x_cudnn_fb']:.2f}")
         sweeps += rs
     if sweeps and a.json:
+        prov = provenance()  # commit, code, date, device, jax, command on every row
         with open(a.json.replace(".json", "_sweep.json"), "w") as f:
-            json.dump(sweeps, f, indent=1)
+            json.dump([{**r, **prov} for r in sweeps], f, indent=1)
     if a.only_sweeps:
         return
     seqs = [int(s) for s in a.seqs.split(",")]

@@ -45,3 +45,24 @@ def test_passes_shape_option(capsys):
     assert q.shape == do.shape == (1, 256, 14, 64) and k.shape == v.shape == (1, 256, 2, 64)
     idx, name = _family_index(np.random.default_rng(0), "band", 1024, 0.9, 64, heads=14)
     assert idx.block_count.shape[:2] == (1, 14) and name == "band90"
+
+
+def test_sweep_json_rows_carry_provenance(tmp_path, monkeypatch):
+    """``--passes ... --json out.json`` writes ``out_sweep.json`` whose every row names its commit, code,
+    date, device, JAX version and command (run 25's pass rows came back without them)."""
+    import json
+    import sys
+
+    from benchmarks import kernels
+
+    rows = [{"seq": 256, "index": "band90", "pass_": "dkv_cols", "impl": "mosaic", "ms": 1.0}]
+    monkeypatch.setattr(kernels, "passes", lambda *a, **k: [dict(r) for r in rows])
+    monkeypatch.setattr(kernels, "passes_table", lambda r: "table")
+    out = tmp_path / "cols.json"
+    monkeypatch.setattr(sys, "argv", ["kernels.py", "--passes", "256", "--families", "band", "--pass-names",
+                                      "dkv_cols", "--only-sweeps", "--reps", "1", "--json", str(out)])
+    kernels.main()
+    got = json.loads((tmp_path / "cols_sweep.json").read_text())
+    assert [r["index"] for r in got] == ["band90"] and got[0]["ms"] == 1.0
+    assert {"commit", "code", "date", "device", "jax", "command"} <= set(got[0])
+    assert "--passes 256" in got[0]["command"]
