@@ -33,6 +33,9 @@ declare -A used=()
 pids=()
 ran=()
 status=0
+# a suite stopped by a signal stops its groups too (`timeout` signals the whole process group; a plain
+# `kill` of this script left its groups running, holding the GPU under whatever ran next)
+trap 'kill "${pids[@]}" 2>/dev/null; exit 143' TERM INT
 finish() {  # wait for the running groups, print their summaries
   for j in "${!pids[@]}"; do
     local i=${ran[$j]}
