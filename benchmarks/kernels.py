@@ -253,7 +253,7 @@ PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
 
 
 def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
-           model=None, shape=(H, HKV, D)):
+           model=None, shape=(H, HKV, D), col_walks=("masked",)):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
@@ -263,7 +263,10 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
     block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
     active blocks from the block pass to the column pass, a small share of either). ``shape``: (query
-    heads, KV heads, head_dim), e.g. ``(14, 2, 64)``: the Qwen2.5-0.5B layers of the training step."""
+    heads, KV heads, head_dim), e.g. ``(14, 2, 64)``: the Qwen2.5-0.5B layers of the training step.
+    ``col_walks``: the Mosaic column pass once per entry, in order (:data:`pallas_kernels.mosaic_bwd.COL_WALKS`;
+    impl ``mosaic`` / ``mosaic[free]``; repeat entries, e.g. ``masked,free,free,masked``, to time an A/B
+    both ways round in one process)."""
     from pallas_kernels import mosaic_bwd, mosaic_fwd
     from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
@@ -302,7 +305,9 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
-               ("dkv_cols", "mosaic", mosaic_bwd.mosaic_dkv_cols, args + (zeros, zeros), 4 * cp)]
+               *[("dkv_cols", "mosaic" if cw == "masked" else f"mosaic[{cw}]",
+                  functools.partial(mosaic_bwd.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp)
+                 for cw in col_walks]]
         for pname, impl, fn, a, matmul_pairs in fns:
             if pname not in names or (pname == "dkv_cols" and cp == 0):
                 continue
@@ -412,6 +417,9 @@ def main():
                     "time, comma-separated (pallas_kernels.mosaic_stream.WALKS: loops,switch)")
     ap.add_argument("--streams", default="shared", help="with --passes: the Mosaic forward / dQ streams to time, "
                     "comma-separated (pallas_kernels.mosaic_stream.STREAMS: shared,split)")
+    ap.add_argument("--col-walks", default="masked", help="with --passes: the Mosaic column dK/dV pass's walks "
+                    "to time, comma-separated, in order, repeats allowed (pallas_kernels.mosaic_bwd.COL_WALKS: "
+                    "masked,free; e.g. masked,free,free,masked)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
     ap.add_argument("--shape", default=f"{H},{HKV},{D}", metavar="HQ,HKV,D",
@@ -427,6 +435,12 @@ def main():
     bad = sorted(set(a.pass_names.split(",")) - set(PASSES))
     if bad:
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
+    from pallas_kernels.mosaic_bwd import COL_WALKS
+
+    col_walks = tuple(a.col_walks.split(","))
+    bad = sorted(set(col_walks) - set(COL_WALKS))
+    if bad:
+        ap.error(f"--col-walks: unknown walk(s) {bad}; expected some of {list(COL_WALKS)}")
     if a.plot_from:
         rows = load_rows(a.plot_from.split(","), [x for x in a.runs.split(",") if x])
         if not any("fwd_tflops" in r for r in rows):  # --passes rows
@@ -450,7 +464,7 @@ def main():
         pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x],
                             tuple(f for f in a.families.split(",") if f), a.vert_cols, a.reps,
                             walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")),
-                            names=tuple(a.pass_names.split(",")), model=model, shape=shape)
+                            names=tuple(a.pass_names.split(",")), model=model, shape=shape, col_walks=col_walks)
     if pass_rows:
         print(passes_table(pass_rows))
         sweeps += pass_rows

@@ -33,8 +33,8 @@ from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem,
                                           transposed)
 from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
                                           stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
-from pallas_kernels.mosaic_index import (column_ids, column_operands, column_ranges, column_slots, kv_schedule,
-                                         uniform_kv_schedule)
+from pallas_kernels.mosaic_index import (column_free_from, column_ids, column_operands, column_ranges, column_slots,
+                                         kv_schedule, uniform_kv_schedule)
 from pallas_kernels.three_pass import add_column_grads
 
 
@@ -203,13 +203,14 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, "dq")
 
 
-def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
+def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
                   qk_scale: float, scale: float, dtype, kseg_smem=None):
     """One consumer warpgroup's KV-stationary walk (both dK/dV passes): K, V of its 64 rows
-    resident in ``kres/vres[w]``; tile ``t`` in slot ``w * stages + t % stages``; tiles before
-    ``n_free`` unmasked, the rest masked by ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]`` with the
-    KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``); ``n_free``
-    ``None``: no free tiles (the column pass), so no free loop is compiled. Packed
+    resident in ``kres/vres[w]``; tile ``t`` in slot ``w * stages + t % stages``; ``loops`` the walk
+    as ``[(lo, hi, masked)]`` in tile order (one tile body compiled per entry: the block pass free
+    tiles, then masked ones; the column pass masked ones, then, with ``col_walk="free"``, free ones), masked
+    tiles keeping ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]`` with the KV rows' ``kpos_b`` and
+    ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``). Packed
     documents: ``kseg_smem [bs]`` holds the KV rows' segment ids, the tile's ``qinfo`` row 2 the
     queries'; masked pairs must match. Returns the float32 ``(dk * scale, dv)`` of the rows in the
     wgmma layout."""
@@ -264,9 +265,9 @@ def _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, kaux_b, smems, bars, *, 
     d = kres.shape[-1]
     zeros = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros)
-    if n_free is not None:
-        carry = lax.fori_loop(0, n_free, functools.partial(tile, masked=False), carry)
-    dk, dv = lax.fori_loop(0 if n_free is None else n_free, n_all, functools.partial(tile, masked=True), carry)
+    for lo, hi, masked in loops:
+        carry = lax.fori_loop(lo, hi, functools.partial(tile, masked=masked), carry)
+    dk, dv = carry
     return dk * scale, dv
 
 
@@ -341,8 +342,8 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
             copies.append((kseg_ref.at[b, rows], kp_smem.at[2 + w]))
         _resident(w, copies, kv_bar)
         kpos_b = lax.broadcast_in_dim(load_smem(kp_smem.at[w], row_layout()), (bs, bs), [0])
-        dk, dv = _dkv_consumer(w, n_free, n_all, kres, vres, kpos_b, None, tile_smems, tile_bars, stages=stages,
-                               bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
+        dk, dv = _dkv_consumer(w, [(0, n_free, False), (n_free, n_all, True)], kres, vres, kpos_b, None, tile_smems,
+                               tile_bars, stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
                                kseg_smem=kp_smem.at[2 + w] if segs else None)
         dk_ref[b, rows, hk] = dk
         dv_ref[b, rows, hk] = dv
@@ -362,9 +363,14 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
         _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, kslot_ref, tile_smems, tile_bars)
 
 
-def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref,
-                     smems, bars, *, stages: int, bs: int, nqb: int, nranges: int, range_blocks: int,
-                     qk_scale: float, scale: float, segs: bool = False):
+#: the column dK/dV pass's tile walks (:func:`mosaic_dkv_cols`)
+COL_WALKS = ("masked", "free")
+
+
+def _dkv_cols_kernel(first_ref, *refs, stages: int, bs: int, nqb: int, nranges: int, range_blocks: int,
+                     qk_scale: float, scale: float, segs: bool = False, free_tiles: bool = False):
+    mend_ref, refs = (refs[0], refs[1:]) if free_tiles else (None, refs)
+    cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref, smems, bars = refs
     kres, vres, ci_smem, *tile_smems = smems
     kv_bar, *tile_bars = bars
     br = lax.axis_index("br")
@@ -384,13 +390,17 @@ def _dkv_cols_kernel(first_ref, cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, 
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        c, _, n = walk(w)
+        c, lo, n = walk(w)
+        loops = [(0, n, True)]
+        if free_tiles:  # masked tiles first, then free ones from column_free_from's block on
+            n_mask = jnp.clip(mend_ref[b, h, c] - lo, 0, n)
+            loops = [(0, n_mask, True), (n_mask, n, False)]
         rows = pl.ds(c * bs, bs)
         _resident(w, [(kc_ref.at[b, h, rows], kres.at[w]), (vc_ref.at[b, h, rows], vres.at[w]),
                       (cinfo_ref.at[b, h, c], ci_smem.at[w])], kv_bar)
         kpos_b = lax.broadcast_in_dim(load_smem(ci_smem.at[w, 0], row_layout()), (bs, bs), [0])
         kaux_b = lax.broadcast_in_dim(load_smem(ci_smem.at[w, 1], row_layout()), (bs, bs), [0])
-        dk, dv = _dkv_consumer(w, None, n, kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,
+        dk, dv = _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,
                                stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
                                kseg_smem=ci_smem.at[w, 2] if segs else None)
         dk_ref[r, b, h, rows] = dk
@@ -472,13 +482,20 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
                          ("p", "h", "b"), *args))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks", "col_walk"))
 def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
-                    block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None):
+                    block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None, col_walk: str = "masked"):
     """Backward column pass: adds the listed columns' dK/dV (every row's prefix columns, causal)
     into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
     chunk, summed in XLA, then one scatter-add by list slot
-    (:func:`pallas_kernels.triton_backward.add_column_grads`)."""
+    (:func:`pallas_kernels.triton_backward.add_column_grads`). ``col_walk`` (:data:`COL_WALKS`):
+    ``"masked"`` masks every tile; ``"free"`` skips the mask on each chunk's query blocks from
+    :func:`~pallas_kernels.mosaic_index.column_free_from` on (all of their pairs kept; a second tile
+    body). ``"masked"`` stays the default until ``"free"`` is timed against it in one process
+    (``benchmarks/kernels.py --col-walks``; results/kernels/kernels.md run 25)."""
+    if col_walk not in COL_WALKS:
+        raise ValueError(f"col_walk must be one of {COL_WALKS}, got {col_walk!r}")
+    free_tiles = col_walk == "free"
     B, sq, H, d = q.shape
     sk = k.shape[1]
     bs = block_size
@@ -488,11 +505,12 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     nch = mcp // bs
     first, nranges = column_ranges(index.col_count, nch, bs, range_blocks)
     rinfo, qinfo = _row_infos(q_pos, lse, delta, 1 - index.col_count, bs, segs[0] if sg else None)
+    mend = [column_free_from(c_info, index.col_count, q_pos, bs, segs[0] if sg else None)] if free_tiles else []
     kernel = functools.partial(_dkv_cols_kernel, stages=stages, bs=bs, nqb=sq // bs, nranges=nranges,
                                range_blocks=range_blocks, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale),
-                               segs=sg)
+                               segs=sg, free_tiles=free_tiles)
     out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
     scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg)
     dkc, dvc = _launch(named(kernel, "mosaic_dkv_cols"), [out, out], scratch, (nch // 2, H, B * nranges),
-                       ("p", "h", "br"), first, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
+                       ("p", "h", "br"), first, *mend, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
     return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), column_ids(index, sk, mcp), index.col_count)

@@ -353,6 +353,30 @@ def column_ranges(col_count, nchunks: int, bs: int, range_blocks: int):
     return first, max(1, -(-nqb // range_blocks))
 
 
+def column_free_from(c_info, col_count, q_pos, bs: int, q_seg=None):
+    """``int32 [B, H, nchunks]``: the query block from which on chunk ``c`` of the column tiles
+    (``c_info [B, H, nchunks, 2 (+1), bs]`` of :func:`column_operands`) needs no mask in the column
+    dK/dV pass: for that block and every later one, all 64 columns are in the row's prefix
+    (``col_count >= (c + 1) * bs``, so no padding either) and at or before every query of the block
+    (``q_pos [Sq]``), and with packed documents (``q_seg [B, Sq]``) the chunk and the block lie in
+    one document. The latest block that needs the mask, plus one (0 if none): a conservative suffix,
+    exact for any ``col_count`` and ``q_pos`` order."""
+    B, H, nch = c_info.shape[:3]
+    nqb = col_count.shape[-1]
+    qmin = q_pos.astype(jnp.int32).reshape(nqb, bs).min(-1)  # [nQB]
+    ends = (jnp.arange(nch, dtype=jnp.int32) + 1) * bs
+    free = (col_count[..., None, :] >= ends[:, None]) & (c_info[:, :, :, 0].max(-1)[..., None] <= qmin)
+    if q_seg is not None:  # [B, H, nch, nQB] &= one document for both
+        cseg = c_info[:, :, :, 2]
+        qs = q_seg.astype(jnp.int32).reshape(B, nqb, bs)
+        one_c = (cseg.min(-1) == cseg.max(-1))[..., None]
+        one_q = (qs.min(-1) == qs.max(-1))[:, None, None, :]
+        free = free & one_c & one_q & (cseg[..., 0][..., None] == qs[:, None, None, :, 0])
+    masked = ~free
+    last = nqb - 1 - jnp.argmax(masked[..., ::-1], axis=-1)
+    return jnp.where(masked.any(-1), last + 1, 0).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_size"))
 def emulate_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
                        block_size: int, segs=None):

@@ -66,3 +66,23 @@ def test_sweep_json_rows_carry_provenance(tmp_path, monkeypatch):
     assert [r["index"] for r in got] == ["band90"] and got[0]["ms"] == 1.0
     assert {"commit", "code", "date", "device", "jax", "command"} <= set(got[0])
     assert "--passes 256" in got[0]["command"]
+
+
+def test_col_walks_option(tmp_path, monkeypatch, capsys):
+    """``--col-walks`` reaches :func:`passes` in order with repeats (an A/B both ways round in one
+    process); an unknown walk is refused up front, naming it and the known ones."""
+    import sys
+
+    from benchmarks import kernels
+
+    seen = {}
+    monkeypatch.setattr(kernels, "passes", lambda *a, **k: seen.update(k) or [])
+    argv = ["kernels.py", "--passes", "256", "--pass-names", "dkv_cols", "--only-sweeps"]
+    monkeypatch.setattr(sys, "argv", argv + ["--col-walks", "masked,free,free,masked"])
+    kernels.main()
+    assert seen["col_walks"] == ("masked", "free", "free", "masked")
+    monkeypatch.setattr(sys, "argv", argv + ["--col-walks", "masked,loose"])
+    with pytest.raises(SystemExit):
+        kernels.main()
+    err = capsys.readouterr().err
+    assert "--col-walks: unknown walk(s) ['loose']" in err and "'masked', 'free'" in err, err
