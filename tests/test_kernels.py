@@ -429,6 +429,43 @@ class TestMosaicGPU(_GPUSizes):
             assert r["stats"]["compiled"] >= 1 and r["finite"] and r["absmax"] > 0, r
 
     @pytest.mark.parametrize("documents", [False, True])
+    def test_column_walks_agree(self, documents):
+        """The column dK/dV pass's ``col_walk="free"`` (no mask on each chunk's query blocks from
+        ``column_free_from`` on, where the mask keeps every pair) gives the masked walk's dK/dV: the
+        same tiles in the same order (equal to float32 rounding of the instruction schedule). On
+        position-ordered columns most of the walk is free; with packed documents here none is (each
+        chunk's 64 columns span documents), so that case checks the extra operand only."""
+        from pallas_kernels.index_format import apply_segments
+        from pallas_kernels.mosaic_bwd import COL_WALKS, mosaic_dkv_cols
+        from pallas_kernels.mosaic_index import column_free_from, column_operands, column_ranges
+        from pallas_kernels.testing import vertical_slash_index
+
+        rng = np.random.default_rng(50 + documents)
+        B, S, H, Hkv, D = 1, 8192, 8, 2, 128
+        q, k, v = _inputs(rng, B, S, S, H, Hkv, D, jnp.bfloat16)
+        pos = jnp.arange(S, dtype=jnp.int32)
+        index = jax.tree.map(jnp.asarray, vertical_slash_index(rng, B, H, S, 0.9, block_size=BS, far_slashes=1,
+                                                               max_cols=300))
+        segs = None
+        if documents:
+            segs = (pos[None] // 3000, pos[None] // 3000)
+            index = apply_segments(index, *segs, BS)
+        _, _, c_info = column_operands(index, k, v, pos, BS, segs=segs)
+        mend = np.asarray(column_free_from(c_info, index.col_count, pos, BS, segs[0] if documents else None))
+        first = np.asarray(column_ranges(index.col_count, mend.shape[-1], BS, 512)[0])
+        free, walked = (S // BS - mend).sum(), (S // BS - first).sum()
+        assert free == 0 if documents else free > 0.5 * walked, (free, walked)
+        out, lse = api.block_sparse_attention_fwd(q, k, v, pos, pos, index, impl="auto",
+                                                  **(dict(q_seg=segs[0], k_seg=segs[1]) if documents else {}))
+        do = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+        delta = api.attention_delta(out, do)
+        z = jnp.zeros(k.shape, jnp.float32)
+        got = {w: mosaic_dkv_cols(q, k, v, pos, pos, index, do, lse, delta, z, z, sm_scale=D ** -0.5, segs=segs,
+                                  col_walk=w) for w in COL_WALKS}
+        for a, b in zip(got["free"], got["masked"]):
+            assert float(jnp.abs(b).max()) > 0 and _rel(a, b) < 1e-6
+
+    @pytest.mark.parametrize("documents", [False, True])
     def test_walks_and_streams_equal_segment_loops(self, documents):
         """``walk="switch"`` (one loop, the step body chosen per tile) gives the forward's ``(out, lse)``
         and the dQ pass's ``dq`` of the segment loops (the same tiles in the same order: equal to
