@@ -433,8 +433,9 @@ class TestMosaicGPU(_GPUSizes):
         """The column dK/dV pass's ``col_walk="free"`` (no mask on each chunk's query blocks from
         ``column_free_from`` on, where the mask keeps every pair) gives the masked walk's dK/dV: the
         same tiles in the same order (equal to float32 rounding of the instruction schedule). On
-        position-ordered columns most of the walk is free; with packed documents here none is (each
-        chunk's 64 columns span documents), so that case checks the extra operand only."""
+        position-ordered columns most of the walk is free; with packed documents here none is (the free
+        part is a suffix of each chunk's query blocks, and every chunk's columns lie before the last
+        document, whose rows must mask them), so that case checks the extra operand only."""
         from pallas_kernels.index_format import apply_segments
         from pallas_kernels.mosaic_bwd import COL_WALKS, mosaic_dkv_cols
         from pallas_kernels.mosaic_index import column_free_from, column_operands, column_ranges
