@@ -484,15 +484,15 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks", "col_walk"))
 def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
-                    block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None, col_walk: str = "masked"):
+                    block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None, col_walk: str = "free"):
     """Backward column pass: adds the listed columns' dK/dV (every row's prefix columns, causal)
     into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
     chunk, summed in XLA, then one scatter-add by list slot
     (:func:`pallas_kernels.triton_backward.add_column_grads`). ``col_walk`` (:data:`COL_WALKS`):
-    ``"masked"`` masks every tile; ``"free"`` skips the mask on each chunk's query blocks from
+    ``"free"`` (the default) skips the mask on each chunk's query blocks from
     :func:`~pallas_kernels.mosaic_index.column_free_from` on (all of their pairs kept; a second tile
-    body). ``"masked"`` stays the default until ``"free"`` is timed against it in one process
-    (``benchmarks/kernels.py --col-walks``; results/kernels/kernels.md run 25)."""
+    body); ``"masked"`` masks every tile (one body, less to compile). Timed against each other in one
+    process: results/kernels/kernels.md run 26."""
     if col_walk not in COL_WALKS:
         raise ValueError(f"col_walk must be one of {COL_WALKS}, got {col_walk!r}")
     free_tiles = col_walk == "free"

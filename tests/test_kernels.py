@@ -432,7 +432,9 @@ class TestMosaicGPU(_GPUSizes):
     def test_column_walks_agree(self, documents):
         """The column dK/dV pass's ``col_walk="free"`` (no mask on each chunk's query blocks from
         ``column_free_from`` on, where the mask keeps every pair) gives the masked walk's dK/dV: the
-        same tiles in the same order (equal to float32 rounding of the instruction schedule). On
+        same tiles in the same order, within bf16 rounding of P (the two tile bodies compile to different
+        instruction schedules, so a score can differ in its last float32 bit and a P on a bf16 rounding
+        boundary round the other way: 1.3e-5 relative on an H100, 2026-12-05). On
         position-ordered columns most of the walk is free; with packed documents here none is (the free
         part is a suffix of each chunk's query blocks, and every chunk's columns lie before the last
         document, whose rows must mask them), so that case checks the extra operand only."""
@@ -464,7 +466,7 @@ class TestMosaicGPU(_GPUSizes):
         got = {w: mosaic_dkv_cols(q, k, v, pos, pos, index, do, lse, delta, z, z, sm_scale=D ** -0.5, segs=segs,
                                   col_walk=w) for w in COL_WALKS}
         for a, b in zip(got["free"], got["masked"]):
-            assert float(jnp.abs(b).max()) > 0 and _rel(a, b) < 1e-6
+            assert float(jnp.abs(b).max()) > 0 and _rel(a, b) < 1e-4
 
     @pytest.mark.parametrize("documents", [False, True])
     def test_walks_and_streams_equal_segment_loops(self, documents):
