@@ -253,7 +253,7 @@ PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
 
 
 def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
-           model=None, shape=(H, HKV, D), col_walks=("masked",)):
+           model=None, shape=(H, HKV, D), col_walks=None):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
@@ -265,13 +265,15 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     active blocks from the block pass to the column pass, a small share of either). ``shape``: (query
     heads, KV heads, head_dim), e.g. ``(14, 2, 64)``: the Qwen2.5-0.5B layers of the training step.
     ``col_walks``: the Mosaic column pass once per entry, in order (:data:`pallas_kernels.mosaic_bwd.COL_WALKS`;
-    impl ``mosaic`` / ``mosaic[free]``; repeat entries, e.g. ``masked,free,free,masked``, to time an A/B
-    both ways round in one process)."""
+    default: the operator's, :data:`~pallas_kernels.mosaic_bwd.DEFAULT_COL_WALK`; impl ``mosaic`` for the
+    default walk, ``mosaic[<walk>]`` for another, and every column-pass row says its ``col_walk``; repeat
+    entries, e.g. ``masked,free,free,masked``, to time an A/B both ways round in one process)."""
     from pallas_kernels import mosaic_bwd, mosaic_fwd
     from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
 
     hq, hkv, d = shape
+    col_walks = col_walks or (mosaic_bwd.DEFAULT_COL_WALK,)
     rng = np.random.default_rng(seed)
     q, k, v, do = _inputs(S, seed, jnp.bfloat16, shape)
     pos = jnp.arange(S, dtype=jnp.int32)
@@ -305,10 +307,11 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
-               *[("dkv_cols", "mosaic" if cw == "masked" else f"mosaic[{cw}]",
-                  functools.partial(mosaic_bwd.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp)
+               *[("dkv_cols", "mosaic" if cw == mosaic_bwd.DEFAULT_COL_WALK else f"mosaic[{cw}]",
+                  functools.partial(mosaic_bwd.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp,
+                  {"col_walk": cw})
                  for cw in col_walks]]
-        for pname, impl, fn, a, matmul_pairs in fns:
+        for pname, impl, fn, a, matmul_pairs, *extra in fns:
             if pname not in names or (pname == "dkv_cols" and cp == 0):
                 continue
             t0 = time.perf_counter()
@@ -318,7 +321,7 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
             row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (hq * S * (S + 1) / 2), pass_=pname, impl=impl,
                        heads=hq, kv_heads=hkv, head_dim=d,
                        ms=ms * 1e3, spread_ms=[round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)],
-                       tflops=2 * d * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2))
+                       tflops=2 * d * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2), **(extra or [{}])[0])
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -417,9 +420,9 @@ def main():
                     "time, comma-separated (pallas_kernels.mosaic_stream.WALKS: loops,switch)")
     ap.add_argument("--streams", default="shared", help="with --passes: the Mosaic forward / dQ streams to time, "
                     "comma-separated (pallas_kernels.mosaic_stream.STREAMS: shared,split)")
-    ap.add_argument("--col-walks", default="masked", help="with --passes: the Mosaic column dK/dV pass's walks "
+    ap.add_argument("--col-walks", default="", help="with --passes: the Mosaic column dK/dV pass's walks "
                     "to time, comma-separated, in order, repeats allowed (pallas_kernels.mosaic_bwd.COL_WALKS: "
-                    "masked,free; e.g. masked,free,free,masked)")
+                    "masked,free; e.g. masked,free,free,masked; default: the operator's, DEFAULT_COL_WALK)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
     ap.add_argument("--shape", default=f"{H},{HKV},{D}", metavar="HQ,HKV,D",
@@ -437,8 +440,8 @@ def main():
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
     from pallas_kernels.mosaic_bwd import COL_WALKS
 
-    col_walks = tuple(a.col_walks.split(","))
-    bad = sorted(set(col_walks) - set(COL_WALKS))
+    col_walks = tuple(a.col_walks.split(",")) if a.col_walks else None
+    bad = sorted(set(col_walks or ()) - set(COL_WALKS))
     if bad:
         ap.error(f"--col-walks: unknown walk(s) {bad}; expected some of {list(COL_WALKS)}")
     if a.plot_from:

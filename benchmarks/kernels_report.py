@@ -25,34 +25,44 @@ def _save(fig, title: str, path: str, dpi: int) -> None:
 def passes_table(rows):
     out = ["| seq | index | pass | impl | ms (min-max) | TFLOP/s | compile s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['seq']} | {r['index']} | {r['pass_']} | {r['impl']} | {r['ms']:.2f} "
+        out.append(f"| {r['seq']} | {r['index']} | {r['pass_']} | {_pass_label(r)} | {r['ms']:.2f} "
                    f"({r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}) | {r['tflops']:.0f} | "
                    f"{r.get('compile_s', float('nan')):.1f} |")
     return "\n".join(out)
 
 
+def _pass_label(r) -> str:
+    """A pass row's bar label: its impl, or for a Mosaic column-pass row its walk (``col_walk``: rows
+    before run 26 call the masked walk ``mosaic``, later ones the free walk)."""
+    return f"mosaic, {r['col_walk']} walk" if r.get("col_walk") and r["impl"] != "triton" else r["impl"]
+
+
 def plot_passes(rows, path):
-    """Bar chart of :func:`passes` rows: ms per pass, Triton vs Mosaic, one panel per index."""
+    """Bar chart of :func:`passes` rows: ms per pass (min-max bars, labelled with active TFLOP/s), one
+    panel per index, one bar per row in the rows' order (an A/B's repeated entries side by side), one
+    colour per impl (or column-pass walk)."""
     plt = _pyplot()
 
     indices = list(dict.fromkeys((r["seq"], r["index"]) for r in rows))
     order = list(dict.fromkeys(r["pass_"] for r in rows))
+    colours = {lab: f"C{i}" for i, lab in enumerate(dict.fromkeys(_pass_label(r) for r in rows))}
     fig, axes = plt.subplots(1, len(indices), figsize=(5.5 * len(indices), 4), squeeze=False)
     for ax, (seq, name) in zip(axes[0], indices):
-        for j, impl in enumerate(("triton", "mosaic")):
-            got = {r["pass_"]: r for r in rows if (r["seq"], r["index"]) == (seq, name) and r["impl"] == impl}
-            xs = [i + (j - 0.5) * 0.4 for i, p in enumerate(order) if p in got]
-            ms = [got[p]["ms"] for p in order if p in got]
-            err = [[got[p]["ms"] - got[p]["spread_ms"][0] for p in order if p in got],
-                   [got[p]["spread_ms"][1] - got[p]["ms"] for p in order if p in got]]
-            bars = ax.bar(xs, ms, 0.4, yerr=err, capsize=2, label=impl, color="C0" if impl == "triton" else "C1")
-            for b, p in zip(bars, [p for p in order if p in got]):
-                ax.annotate(f"{got[p]['tflops']:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                            ha="center", va="bottom", fontsize=7)
+        seen = set()
+        for i, p in enumerate(order):
+            got = [r for r in rows if (r["seq"], r["index"], r["pass_"]) == (seq, name, p)]
+            w = 0.8 / max(len(got), 1)
+            for j, r in enumerate(got):
+                lab = _pass_label(r)
+                b = ax.bar(i - 0.4 + (j + 0.5) * w, r["ms"], w, color=colours[lab], label=None if lab in seen else lab,
+                           yerr=[[r["ms"] - r["spread_ms"][0]], [r["spread_ms"][1] - r["ms"]]], capsize=2)[0]
+                seen.add(lab)
+                ax.annotate(f"{r['tflops']:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(order)), order)
         ax.set_ylabel("ms (label: active TFLOP/s)")
-        ax.set_title(f"{seq // 1024}K tokens, index {name}")
-        ax.legend(fontsize=8)
+        ax.set_title(f"{seq // 1024}K tokens, index {name}", fontsize=9)
+        ax.legend(fontsize=7)
     _save(fig, "kernel passes alone, min-max bars", path, dpi=110)
 
 

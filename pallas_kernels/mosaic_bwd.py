@@ -365,6 +365,7 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
 
 #: the column dK/dV pass's tile walks (:func:`mosaic_dkv_cols`)
 COL_WALKS = ("masked", "free")
+DEFAULT_COL_WALK = "free"  # results/kernels/kernels.md run 26
 
 
 def _dkv_cols_kernel(first_ref, *refs, stages: int, bs: int, nqb: int, nranges: int, range_blocks: int,
@@ -484,7 +485,8 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks", "col_walk"))
 def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
-                    block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None, col_walk: str = "free"):
+                    block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None,
+                    col_walk: str = DEFAULT_COL_WALK):
     """Backward column pass: adds the listed columns' dK/dV (every row's prefix columns, causal)
     into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
     chunk, summed in XLA, then one scatter-add by list slot

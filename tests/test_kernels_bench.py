@@ -78,6 +78,9 @@ def test_col_walks_option(tmp_path, monkeypatch, capsys):
     seen = {}
     monkeypatch.setattr(kernels, "passes", lambda *a, **k: seen.update(k) or [])
     argv = ["kernels.py", "--passes", "256", "--pass-names", "dkv_cols", "--only-sweeps"]
+    monkeypatch.setattr(sys, "argv", argv)
+    kernels.main()
+    assert seen["col_walks"] is None  # passes() then times the operator's walk, DEFAULT_COL_WALK
     monkeypatch.setattr(sys, "argv", argv + ["--col-walks", "masked,free,free,masked"])
     kernels.main()
     assert seen["col_walks"] == ("masked", "free", "free", "masked")
@@ -86,3 +89,15 @@ def test_col_walks_option(tmp_path, monkeypatch, capsys):
         kernels.main()
     err = capsys.readouterr().err
     assert "--col-walks: unknown walk(s) ['loose']" in err and "'masked', 'free'" in err, err
+
+
+def test_default_col_walk_is_the_operators():
+    """The column pass's default walk is defined once (``mosaic_bwd.DEFAULT_COL_WALK``, one of
+    ``COL_WALKS``) and is what ``mosaic_dkv_cols`` (the operator's column pass) runs when not told."""
+    import inspect
+
+    from pallas_kernels import mosaic_bwd
+
+    assert mosaic_bwd.DEFAULT_COL_WALK in mosaic_bwd.COL_WALKS
+    sig = inspect.signature(mosaic_bwd.mosaic_dkv_cols)  # through jax.jit's __wrapped__
+    assert sig.parameters["col_walk"].default == mosaic_bwd.DEFAULT_COL_WALK == "free"

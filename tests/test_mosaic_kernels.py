@@ -471,16 +471,17 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
 
         z = jnp.zeros(k.shape, jnp.float32)
         f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_cols(
-            q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs))
+            q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs,
+            col_walk="masked"))
         text = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and "mosaic_dkv_cols" in text and "anonymous" not in text
-        # the column pass's default walk has no free tiles, so one tile body (the block pass: free and masked):
+        # col_walk="masked" has no free tiles, so one tile body (the block pass: free and masked):
         # 0.29 M characters against 0.38 M (with the empty free loop, 2026-12-04: the same size)
         assert len(text) < 0.85 * len(blocks), (len(text), len(blocks))
-        # col_walk="free": masked tiles first, then free ones (column_free_from's block on): a second tile body,
-        # about the block pass's size (0.39 M characters against 0.38 M; off: 0.29 M)
+        # col_walk="free" (the default): masked tiles first, then free ones (column_free_from's block on): a
+        # second tile body, about the block pass's size (0.39 M characters against 0.38 M; masked: 0.29 M)
         f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_cols(
-            q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs, col_walk="free"))
+            q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs))
         free = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_dkv_cols" in free and 0.9 * len(blocks) < len(free) < 1.1 * len(blocks), (len(free), len(blocks))
         with pytest.raises(ValueError, match="col_walk must be one of .* got 'loose'"):
