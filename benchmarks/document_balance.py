@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import platform
@@ -27,6 +26,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._driver import provenance  # noqa: E402
 from benchmarks.packed_documents import length_mix  # noqa: E402
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars  # noqa: E402
 from mtraining_jax.mesh import make_mesh  # noqa: E402
@@ -78,8 +78,7 @@ def main(argv=None) -> int:
             recs.append(r)
             print(f"{layout:13s} {mode:18s} worker {r['worker_imbalance']:.3f}  step {r['step_imbalance']:.3f}  "
                   f"work {r['work_fraction']:.4f}  busiest worker {r['max_worker_share']:.3f}x mean", flush=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "platform": platform.platform(), "seq": a.seq, "mesh": a.mesh,
+    meta = {**provenance(argv), "platform": platform.platform(), "seq": a.seq, "mesh": a.mesh,
             "documents": int(len(lens)), "doc_len_min_median_max": [int(min(lens)), int(np.median(lens)), int(max(lens))],
             "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "seed": a.seed}
     if a.out:

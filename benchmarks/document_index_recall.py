@@ -38,16 +38,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from benchmarks._driver import provenance  # noqa: E402
 from benchmarks.packed_documents import length_mix  # noqa: E402
 
 from mtraining_jax.sparsity import SparsityConfig, estimate_index  # noqa: E402
@@ -208,8 +207,7 @@ def main(argv=None):
                    "slashes_mean": float(np.asarray(idx.s_count).mean()), "p": p, "sharpness": a.sharpness}
             print(json.dumps(rec), flush=True)
             records.append(rec)
-    meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-            "command": "python benchmarks/document_index_recall.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    meta = provenance(argv)  # commit, code, date, command, jax, device
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)

@@ -40,6 +40,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from benchmarks._driver import provenance
 from benchmarks._timing import timeit
 from mtraining_jax.attention.msa import MSAConfig, msa_attention
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars
@@ -137,10 +138,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "msa_bench.jsonl")
+    prov = provenance(argv)
     for S in args.lengths:
         for i, pooling in enumerate(args.pooling):
             args.skip_baselines = i > 0  # cuDNN / MTraining once per length
-            rec = run(S, args, pooling)
+            rec = {**run(S, args, pooling), **prov}
             print(json.dumps(rec), flush=True)
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")

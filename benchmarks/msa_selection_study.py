@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._driver import provenance
 from mtraining_jax.sparsity.msa_select import (block_summaries, row_topk_union, select_blocks,
                                                selection_block_map)
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk
@@ -138,7 +139,8 @@ def main(argv=None):
     ap.add_argument("--sharpness", type=float, nargs="+", default=[1.0, 2.0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rows = [r for s in args.sharpness for r in study(args.seq_len, args.top_k, args.seed, s)]
+    prov = provenance(argv)
+    rows = [{**r, **prov} for s in args.sharpness for r in study(args.seq_len, args.top_k, args.seed, s)]
     print("| indexer | sharpness | top_k | mass recall (a) | mass recall (b) block_mean | (b) causal | (b) previous 64 rows | "
           "(b) max-pooled | oracle | block recall b vs a | work (a) | work (b) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
