@@ -321,6 +321,9 @@ def main(argv=None) -> int:
               f"{h['step_imbalance_replicated']:.3f}; pays: {h['pays']}")
     result["exchange"] = exchange
     if a.out:
+        from benchmarks._driver import provenance
+
+        result["meta"] = provenance(argv)  # the code and command that fitted it (its inputs: --records)
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "comm_model.json"), "w") as f:
             json.dump(result, f, indent=1)

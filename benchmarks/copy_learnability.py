@@ -154,6 +154,9 @@ def evaluate(a):
         mk = [make_example("multikey", tok, S, float(d), 4242, c, s, stream=held).tokens
               for c, d in enumerate(np.linspace(0, 1, 5)) for s in range(a.eval_windows // 5)]
     results = []
+    from benchmarks._driver import provenance
+
+    prov = provenance()  # on every row of copy_eval.json
     first = load_for_eval(os.path.join(ck, str(steps[0])))
     from mtraining_jax.train.loop import build_mesh
 
@@ -172,7 +175,7 @@ def evaluate(a):
         else:
             r["pairs_whole"], r["pairs_digit"], r["pairs_n"], r["pairs_digit_nll"] = score(pr, pairs)
             r["multikey_whole"], r["multikey_digit"], r["multikey_n"], r["multikey_digit_nll"] = score(pr, mk)
-        results.append(r)
+        results.append({**r, **prov})
         print(json.dumps(r), flush=True)
     with open(os.path.join(a.work, "copy_eval.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -367,6 +367,7 @@ def test_main_defaults_to_the_traced_records(tmp_path):
     assert sparse[(524288, "2x4", "flat")]["inter"] == "NVLink"
     assert (tmp_path / "comm_model.png").stat().st_size > 0
     assert "| v14 | 512K | 2x2 flat | held out |" in (tmp_path / "comm_model_current.md").read_text()
+    assert {"commit", "code", "date", "command"} <= set(res["meta"]) and "--earlier-records" in res["meta"]["command"]
 
 
 def test_main_keeps_the_older_records_usable(tmp_path):
