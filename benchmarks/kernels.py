@@ -312,6 +312,7 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                   {"col_walk": cw})
                  for cw in col_walks]]
         for pname, impl, fn, a, matmul_pairs, *extra in fns:
+            fields = extra[0] if extra else {}  # the row's own fields (a column pass's col_walk)
             if pname not in names or (pname == "dkv_cols" and cp == 0):
                 continue
             t0 = time.perf_counter()
@@ -321,7 +322,7 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
             row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (hq * S * (S + 1) / 2), pass_=pname, impl=impl,
                        heads=hq, kv_heads=hkv, head_dim=d,
                        ms=ms * 1e3, spread_ms=[round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)],
-                       tflops=2 * d * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2), **(extra or [{}])[0])
+                       tflops=2 * d * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2), **fields)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
