@@ -37,7 +37,9 @@ from mtraining_jax.mesh import make_mesh  # noqa: E402
 from mtraining_jax.sparsity import SparsityConfig  # noqa: E402
 from mtraining_jax.sparsity import estimate as est  # noqa: E402
 from mtraining_jax.sparsity.config import ESTIMATE_IMPLS  # noqa: E402
+from mtraining_jax.sparsity.convert import convert_step  # noqa: E402
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk  # noqa: E402
+from pallas_kernels.index_format import apply_segments  # noqa: E402
 from pallas_kernels import registry  # noqa: E402
 
 
@@ -83,6 +85,39 @@ def visible_tile_fraction(lens, seq: int, window_blocks: int, block_size: int = 
             "tiles": total, "visible_fraction": visible / total}
 
 
+def column_waste(lens, heads: int, kv_heads: int, head_dim: int, seed: int, window: str,
+                 window_blocks: int = 64, block_size: int = 64) -> dict:
+    """Of the pairs the kernels compute on one packed row (``lens``: document lengths), how many are column
+    slots of OTHER documents, masked per token (CPU). The index is the library's: ``estimate_index``
+    (``SparsityConfig(window=...)``) on :func:`~mtraining_jax.sparsity.synthetic.packed_documents_qk`'s q/k,
+    ``convert_step``, ``apply_segments``. Verticals are one position-sorted list per head and every query
+    block computes a PREFIX of it (``col_count`` slots), so a vertical of an early document is also
+    computed, then masked, by every later query block of other documents. ``col_tiles_row_start``: the
+    column tiles left if each row started at the tile holding its first same-document slot (exact)."""
+    bs = block_size
+    seq = int(np.sum(lens))
+    seg_np = np.repeat(np.arange(len(lens)), lens).astype(np.int32)
+    q, k, _ = packed_documents_qk(lens, SyntheticAttention(num_q_heads=heads, num_kv_heads=kv_heads,
+                                                            head_dim=head_dim), seed)
+    pos, seg = jnp.arange(seq, dtype=jnp.int32), jnp.asarray(seg_np[None])
+    cfg = SparsityConfig(window=window, window_blocks=window_blocks, block_size=bs)
+    vs = est.estimate_index(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), pos, cfg, segment_ids=seg)
+    idx = apply_segments(convert_step(vs, pos, pos, seq_len=seq, block_size=bs), seg, seg, bs)
+    cc, ci = np.asarray(idx.col_count)[0], np.asarray(idx.col_idx)[0]  # [H, nQB], [H, MC] (key of each slot)
+    rows = seg_np.reshape(-1, bs)
+    kseg = seg_np[np.clip(ci, 0, seq - 1)][:, None, :]  # [H, 1, MC]
+    in_prefix = np.arange(ci.shape[-1])[None, None, :] < cc[..., None]  # [H, nQB, MC]
+    same = in_prefix & (kseg >= rows.min(1)[None, :, None]) & (kseg <= rows.max(1)[None, :, None])
+    col, useful = int(in_prefix.sum()) * bs, int(same.sum()) * bs  # each slot: 64 query rows
+    block = int(np.asarray(idx.block_count).sum()) * bs * bs
+    first_same = np.where(same.any(-1), np.argmax(same, axis=-1), cc)
+    tiles = -(-cc // bs)
+    return {"window": window, "documents": int(len(lens)), "verticals_per_head": float(np.asarray(vs.v_count).mean()),
+            "block_pairs": block, "column_pairs": col, "column_pairs_same_document": useful,
+            "other_document_share_of_work": (col - useful) / max(block + col, 1),
+            "col_tiles": int(tiles.sum()), "col_tiles_row_start": int((tiles - first_same // bs).sum())}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=131072)
@@ -101,9 +136,23 @@ def main(argv=None):
                          "attention: the budgets saturate)")
     ap.add_argument("--visible-tiles-only", action="store_true",
                     help="only count the key tiles the per-document window's kernels compute (no timing; CPU)")
+    ap.add_argument("--column-waste-only", action="store_true",
+                    help="only the share of the kernels' work that is other documents' columns (CPU; column_waste), "
+                         "per window, --seeds")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="with --column-waste-only: length mixes")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     prov = provenance(argv)
+    if a.column_waste_only:
+        recs = []
+        for seed, window in itertools.product(a.seeds or [a.seed], ("per_document", "sequence")):
+            rec = {"what": "column_waste", "seq": a.seq, "seed": seed, "heads": a.heads, "kv_heads": a.kv_heads,
+                   "head_dim": a.head_dim, **column_waste(length_mix(a.seq, seed), a.heads, a.kv_heads, a.head_dim,
+                                                          seed, window, a.window_blocks), **prov}
+            print(json.dumps(rec), flush=True)
+            recs.append(rec)
+        append_rows(a.out, recs, {})
+        return recs
     if a.visible_tiles_only:
         rec = {"what": "per_document_visible_tiles", "seq": a.seq, "seed": a.seed, "window_blocks": a.window_blocks,
                **visible_tile_fraction(length_mix(a.seq, a.seed), a.seq, a.window_blocks), **prov}

@@ -45,3 +45,42 @@ def test_visible_tiles_of_the_per_document_window():
     assert got["visible_tiles"] == 3 + 2 + 1 and got["visible_fraction"] == 6 / 16
     rows = packed_documents.main(["--seq", "131072", "--visible-tiles-only"])
     assert rows[0]["documents"] == 47 and 0.01 < rows[0]["visible_fraction"] < 0.03
+
+
+def test_column_waste_counts_other_documents_columns(tmp_path):
+    """``--column-waste-only``: the pairs the kernels compute on other documents' columns, against a
+    token-level count on the same index: every reported other-document slot is masked for all 64 rows of
+    its query block (so at most the token-level count of other-document column pairs), and a per-row
+    start drops only whole tiles before the row's first same-document slot."""
+    import jax.numpy as jnp
+
+    from mtraining_jax.sparsity import SparsityConfig
+    from mtraining_jax.sparsity.convert import convert_step
+    from mtraining_jax.sparsity.estimate import estimate_index
+    from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk
+    from pallas_kernels.index_format import apply_segments
+
+    lens, bs = np.array([700, 300, 500, 548]), 64
+    got = packed_documents.column_waste(lens, 2, 1, 32, 0, "per_document", window_blocks=8)
+    seg = np.repeat(np.arange(4), lens).astype(np.int32)
+    q, k, _ = packed_documents_qk(lens, SyntheticAttention(num_q_heads=2, num_kv_heads=1, head_dim=32), 0)
+    pos = jnp.arange(2048, dtype=jnp.int32)
+    vs = estimate_index(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), pos,
+                        SparsityConfig(window="per_document", window_blocks=8), segment_ids=jnp.asarray(seg[None]))
+    idx = apply_segments(convert_step(vs, pos, pos, seq_len=2048, block_size=bs), seg[None], seg[None], bs)
+    cc, ci = np.asarray(idx.col_count)[0], np.asarray(idx.col_idx)[0]
+    other = total = 0
+    for h in range(2):
+        for b in range(2048 // bs):
+            keys = ci[h, :cc[h, b]]
+            qs = seg[b * bs:(b + 1) * bs]
+            total += keys.size * bs
+            other += int((seg[keys][None, :] != qs[:, None]).sum())
+    assert got["column_pairs"] == total > 0
+    waste = got["column_pairs"] - got["column_pairs_same_document"]
+    assert 0 < waste <= other  # the documents' verticals do reach later documents' rows here
+    assert got["other_document_share_of_work"] == waste / (got["block_pairs"] + total)
+    assert 0 < got["col_tiles_row_start"] < got["col_tiles"] == int((-(-cc // bs)).sum())
+    rows = packed_documents.main(["--seq", "2048", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+                                  "--window-blocks", "8", "--column-waste-only", "--out", str(tmp_path / "w.jsonl")])
+    assert [r["window"] for r in rows] == ["per_document", "sequence"] and rows[0]["commit"] and rows[0]["command"]
