@@ -118,6 +118,30 @@ def column_waste(lens, heads: int, kv_heads: int, head_dim: int, seed: int, wind
             "col_tiles": int(tiles.sum()), "col_tiles_row_start": int((tiles - first_same // bs).sum())}
 
 
+def plot_column_waste(rows, path: str) -> None:
+    """Bar chart of ``column_waste`` rows (``what == "column_waste"``): per length and seed, the share of the
+    computed pairs that are other documents' columns, and the column tiles with / without a per-row start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("what") == "column_waste" and r["window"] == "per_document"]
+    labels = [f"{r['seq'] // 1024}K s{r['seed']}\n{r['documents']} docs" for r in rows]
+    x = np.arange(len(rows))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a1.bar(x, [100 * r["other_document_share_of_work"] for r in rows], color="tab:red")
+    a1.set_ylabel("% of computed pairs"), a1.set_title("other documents' columns (masked per token)")
+    a2.bar(x - 0.2, [r["col_tiles"] for r in rows], 0.4, label="now: each row's prefix of the column list")
+    a2.bar(x + 0.2, [r["col_tiles_row_start"] for r in rows], 0.4, label="with a per-row column start")
+    a2.set_yscale("log"), a2.set_ylabel("column tiles (64 rows x 64 slots)"), a2.legend(fontsize=8)
+    for a in (a1, a2):
+        a.set_xticks(x, labels, fontsize=8)
+    fig.suptitle("Packed documents, per-document window (SparsityConfig defaults; 14 / 2 heads, d64)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=131072)
@@ -140,8 +164,15 @@ def main(argv=None):
                     help="only the share of the kernels' work that is other documents' columns (CPU; column_waste), "
                          "per window, --seeds")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="with --column-waste-only: length mixes")
+    ap.add_argument("--plot-from", default=None,
+                    help="with --plot: draw the column_waste rows of this JSONL file (no run)")
+    ap.add_argument("--plot", default=None, help="PNG path for --plot-from's chart")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.plot_from:
+        with open(a.plot_from) as f:
+            plot_column_waste([json.loads(line) for line in f if line.strip()], a.plot)
+        return []
     prov = provenance(argv)
     if a.column_waste_only:
         recs = []

@@ -84,3 +84,6 @@ def test_column_waste_counts_other_documents_columns(tmp_path):
     rows = packed_documents.main(["--seq", "2048", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
                                   "--window-blocks", "8", "--column-waste-only", "--out", str(tmp_path / "w.jsonl")])
     assert [r["window"] for r in rows] == ["per_document", "sequence"] and rows[0]["commit"] and rows[0]["command"]
+    png = tmp_path / "w.png"
+    packed_documents.main(["--plot-from", str(tmp_path / "w.jsonl"), "--plot", str(png)])
+    assert png.stat().st_size > 0
