@@ -69,7 +69,7 @@ def _dq_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v_
         ids, valid = col_rows(cidx_ref, c, n_col, cc)
         return masked(ids, dq, valid & outside_blocks(ids, bidx_ref[...], n_blk, bs))
 
-    dq = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, dq) * scale
+    dq = lax.fori_loop(cnt_ref[3] // cc, (n_col + cc - 1) // cc, col_body, dq) * scale  # from column_start
     if accumulate:
         dq = dq + dq_prev_ref[...]
     dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -310,7 +310,7 @@ def dq_pass(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
     q_pos, k_pos, do, lse, delta = _bwd_inputs(q, q_pos, k_pos, do, lse, delta)
-    bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
+    bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk, segs)
     sp = query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
     accumulate = dq_acc is not None
     args = [q_pos, k_pos, bidx, cnt, cidx, q, k, v, do, lse, delta]

@@ -71,7 +71,7 @@ def query_specs(H, g, sq, sk, d, bs, mbp, mcp):
         qpos=pl.BlockSpec((bs,), lambda i, h, b: (r(i),)),
         kpos=pl.BlockSpec((sk,), lambda i, h, b: (0,)),
         bidx=pl.BlockSpec((None, None, None, mbp), lambda i, h, b: (b, h, r(i), 0)),
-        cnt=pl.BlockSpec((None, None, None, 3), lambda i, h, b: (b, h, r(i), 0)),
+        cnt=pl.BlockSpec((None, None, None, 4), lambda i, h, b: (b, h, r(i), 0)),
         cidx=pl.BlockSpec((None, None, mcp), lambda i, h, b: (b, h, 0)),
         q=pl.BlockSpec((None, bs, None, d), lambda i, h, b: (b, r(i), h, 0)),
         kv=pl.BlockSpec((None, sk, None, d), lambda i, h, b: (b, 0, h // g, 0)),

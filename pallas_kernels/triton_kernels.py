@@ -24,20 +24,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import dot, triton_compiler_params
-from pallas_kernels.index_format import StepIndex, scatter_last, stable_partition
+from pallas_kernels.index_format import StepIndex, column_start, scatter_last, stable_partition
 from pallas_kernels.triton_common import (LN2, LOG2E, STATIC, add_seg_operands, col_rows, for_blocks, outside_blocks,
                                           pair_ok, pow2, query_specs, split_seg_refs)
 
 
-def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
+def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int, segs=None):
     """Kernel-ready index: each row's active blocks reordered free-first, slots padded.
 
-    Returns ``(block_idx int32 [B,H,nQB,MBp], counts int32 [B,H,nQB,3], col_idx int32 [B,H,MCp])``:
+    Returns ``(block_idx int32 [B,H,nQB,MBp], counts int32 [B,H,nQB,4], col_idx int32 [B,H,MCp])``:
     ``block_idx`` holds first the ``counts[..., 0]`` blocks whose tile needs no mask
     (``block_causal == 0``), then the masked ones up to ``counts[..., 1]`` (= ``block_count``),
     each group in index order; ``counts[..., 2] = col_count`` (the row's prefix of the head's
-    column list ``col_idx``). Padding is in range (block 0 / token 0) and never read as active;
-    ``MBp`` is a power of two, ``MCp`` a multiple of ``col_chunk``.
+    column list ``col_idx``), ``counts[..., 3]`` the slot its column walk may start from: with packed
+    documents (``segs = (q_seg, k_seg)``) :func:`~pallas_kernels.index_format.column_start` (the earlier
+    slots are other documents' columns), else 0. Padding is in range (block 0 / token 0) and never read
+    as active; ``MBp`` is a power of two, ``MCp`` a multiple of ``col_chunk``.
     """
     mb, mc = index.max_blocks, index.max_cols
     mbp = pow2(mb)
@@ -48,7 +50,9 @@ def prepare_index(index: StepIndex, sk: int, bs: int, col_chunk: int):
     bidx = scatter_last(jnp.clip(jnp.where(valid, index.block_idx, 0), 0, sk // bs - 1).astype(jnp.int32),
                          dst, mbp)
     cidx = jnp.pad(jnp.clip(index.col_idx, 0, sk - 1).astype(jnp.int32), [(0, 0), (0, 0), (0, mcp - mc)])
-    counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32)], axis=-1).astype(jnp.int32)
+    start = (jnp.zeros_like(n_free) if segs is None
+             else column_start(index, segs[0], segs[1], bs))
+    counts = jnp.stack([n_free, n_blk, index.col_count.astype(jnp.int32), start], axis=-1).astype(jnp.int32)
     return bidx, counts, cidx
 
 
@@ -115,7 +119,7 @@ def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v
     block_at = lambda j: bidx_ref[j]  # noqa: E731
     carry = for_blocks(block_at, 0, n_free, bs, free, carry)
     carry = for_blocks(block_at, n_free, n_blk, bs, masked, carry)
-    carry = lax.fori_loop(0, (n_col + cc - 1) // cc, col_body, carry)
+    carry = lax.fori_loop(cnt_ref[3] // cc, (n_col + cc - 1) // cc, col_body, carry)  # from column_start
     acc, m, l = carry
     if merge:
         out, lse = _merge_rows(acc, m, l, oprev_ref[...], lprev_ref[...])
@@ -140,7 +144,7 @@ def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
-    bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk)
+    bidx, cnt, cidx = prepare_index(index, sk, bs, col_chunk, segs)
     sp = query_specs(H, H // hkv, sq, sk, d, bs, bidx.shape[-1], cidx.shape[-1])
     merge = acc is not None
     kernel = functools.partial(_fwd_kernel, qk_scale=sm_scale * LOG2E, bs=bs, cc=col_chunk, merge=merge,

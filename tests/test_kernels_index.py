@@ -85,7 +85,7 @@ def test_prepare_index_puts_free_blocks_first_pads_and_clips(seed):
             n = bcnt[0, h, i]
             blocks, flags = src[0, h, i, :n], caus[0, h, i, :n]
             want = blocks[flags == 0].tolist() + blocks[flags != 0].tolist()
-            assert cnt[0, h, i].tolist() == [int((flags == 0).sum()), n, int(index.col_count[0, h, i])]
+            assert cnt[0, h, i].tolist() == [int((flags == 0).sum()), n, int(index.col_count[0, h, i]), 0]
             assert bidx[0, h, i, :n].tolist() == want
 
 
@@ -146,3 +146,40 @@ def test_stable_partition_is_a_permutation_that_keeps_each_group_in_order(flags)
     out = np.asarray(scatter_last(jnp.asarray(x), jnp.asarray(dst), len(f) + 3))
     want = np.concatenate([x[f == 0], x[f == 1], x[f == 2], np.zeros(3, np.int32)])
     np.testing.assert_array_equal(out, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), ndocs=st.integers(1, 6), shuffled=st.booleans())
+def test_column_start_skips_only_other_documents_columns(seed, ndocs, shuffled):
+    """``column_start``: every slot of a row's column prefix before it holds a key of another document than
+    every query of the block (so skipping those slots is exact), for any segment ids (``shuffled``: ids not
+    in position order); with documents numbered in position order and the columns in position order (as
+    ``convert_step`` lists them) it skips exactly the keys of the documents before the block's first one;
+    and ``prepare_index`` passes it to the column walks."""
+    from pallas_kernels.index_format import apply_segments, column_start
+
+    index, sq, sk = _index(seed, 6, 8, 2, 9)
+    rng = np.random.default_rng(seed)
+    n = sq + sk  # documents are runs of global positions (a ring step's chunks take their positions' ids)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=ndocs - 1, replace=False))
+    ids = np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
+    if shuffled:
+        ids = rng.permutation(ndocs).astype(np.int32)[ids]
+    perm = np.random.default_rng(seed).permutation(n)  # _index's positions
+    q_pos, k_pos = np.sort(perm[:sq]), np.sort(perm[sq:])
+    qseg, kseg = ids[q_pos], ids[k_pos]
+    segs = (jnp.asarray(qseg[None]), jnp.asarray(kseg[None]))
+    index = apply_segments(index, *segs, BS)
+    got = np.asarray(column_start(index, *segs, BS))
+    cc, ci = np.asarray(index.col_count), np.asarray(index.col_idx)
+    for h in range(2):
+        for b in range(sq // BS):
+            qs = set(qseg[b * BS:(b + 1) * BS].tolist())
+            ks = [int(kseg[ci[0, h, s]]) for s in range(cc[0, h, b])]
+            start = got[0, h, b]
+            assert 0 <= start <= cc[0, h, b]
+            assert not qs & set(ks[:start]), (h, b, start)  # exact: only other documents' keys skipped
+            if not shuffled and ks == sorted(ks):
+                assert start == sum(x < min(qs) for x in ks)  # ... and all of the earlier documents' keys
+    _, cnt, _ = tk.prepare_index(index, sk, BS, col_chunk=BS, segs=segs)
+    np.testing.assert_array_equal(np.asarray(cnt)[..., 3], got)
