@@ -146,14 +146,16 @@ def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
     return dk + dot(dst.astype(q.dtype), q), dv
 
 
-def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref, ncol_ref, q_ref, k_ref, v_ref,
-                    do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, nqb, splits, interpret, segs=False):
+def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref, ncol_ref, cstart_ref, q_ref, k_ref,
+                    v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, nqb, splits, interpret, segs=False):
     """One program per (query head and batch, chunk ``c`` of ``bs`` slots of the head's column
     list, range ``r`` of at most ``ceil(nQB / splits)`` query blocks): gather the chunk's K/V rows
     once, walk the range's query blocks whose prefix reaches the chunk (from ``first_ref[c]`` on)
     from the LAST one down, and store (one range) or atomically add (several) the chunk's dK/dV
     into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
-    query rows at the same time (they share them in L2); ranges go heaviest (last) first."""
+    query rows at the same time (they share them in L2); ranges go heaviest (last) first. A query block
+    whose column walk starts past the chunk (``cstart_ref``: packed documents' ``column_start``, the
+    chunk all other documents' columns) is skipped."""
     seg_refs, refs = split_seg_refs(refs, segs)
     dk_ref, dv_ref = refs[-2:]  # with several ranges, refs[:2] are the zero buffers aliased to them
     c = pl.program_id(1)
@@ -182,7 +184,7 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref,
                 ok = ok & (ks[:, None] == seg_refs[0][rows][None, :])
             return _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta)
 
-        return lax.cond(off < n_col, tile, lambda carry: carry, carry)
+        return lax.cond((off < n_col) & (off + bs > cstart_ref[i]), tile, lambda carry: carry, carry)
 
     def walk():
         zeros = jnp.zeros(k.shape, jnp.float32)
@@ -228,7 +230,7 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g, nqb = H // hkv, sq // bs
-    bidx, cnt, cidx = prepare_index(index, sk, bs, bs)
+    bidx, cnt, cidx = prepare_index(index, sk, bs, bs, segs)
     mbp, mcp = bidx.shape[-1], cidx.shape[-1]
     nch = mcp // bs
     splits = col_splits or col_row_splits(nqb)
@@ -239,9 +241,10 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
     full_q = pl.BlockSpec((None, sq, None, d), lambda i, c, r: (i // H, 0, i % H, 0))
     full_kv = pl.BlockSpec((None, sk, None, d), lambda i, c, r: (i // H, 0, (i % H) // g, 0))
     slots = pl.BlockSpec((None, None, mcp, d), lambda i, c, r: (*bh(i), 0, 0))
-    args = [q_pos, k_pos, cidx, first, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, q, k, v, do, lse, delta]
+    args = [q_pos, k_pos, cidx, first, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, cnt[..., 3], q, k, v, do,
+            lse, delta]
     in_specs = [pl.BlockSpec((sq,), lambda i, c, r: (0,)), pl.BlockSpec((sk,), lambda i, c, r: (0,)),
-                per_head(mcp), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb),
+                per_head(mcp), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb), per_head(nqb),
                 full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq)]
     add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda i, c, r: (i // H, 0)),
                                                  kseg=pl.BlockSpec((None, sk), lambda i, c, r: (i // H, 0))))

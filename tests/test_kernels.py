@@ -290,9 +290,9 @@ class TestPallasInterpret(_KernelSuite):
 
     def test_documents_column_walk_starts_past_earlier_documents(self):
         """Packed documents with position-sorted columns: the forward's and dQ's column walks start at
-        ``column_start`` (the second document's rows skip the first document's columns, a whole 64-column
-        chunk and more here), and out, lse and every gradient equal the float32 reference under the
-        document mask."""
+        ``column_start`` and the column dK/dV pass skips a row's chunks before it (the second document's
+        rows skip the first document's columns, a whole 64-column chunk and more here), and out, lse and
+        every gradient equal the float32 reference under the document mask."""
         from pallas_kernels.index_format import StepIndex, apply_segments, column_start
 
         rng = np.random.default_rng(11)
