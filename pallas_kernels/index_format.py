@@ -154,8 +154,8 @@ def column_start(index: StepIndex, q_seg, k_seg, block_size: int = DEFAULT_BLOCK
     the block's (a running maximum of the slots' ids below the block's smallest id), so all its pairs are
     masked and a kernel may start its column walk there, exactly, for any segment ids (with documents
     numbered in position order, as packing gives, it is the first column of the block's first document).
-    Without it each query block computes, then masks, every earlier document's verticals (33-61 % of the
-    computed pairs with the per-document index window: ``results/documents/packed_documents.md``)."""
+    Without it each query block computes, then masks, every earlier document's verticals (how much:
+    ``results/documents/packed_documents.md``)."""
     B, H, nqb, _ = index.block_idx.shape
     sk = k_seg.shape[1]
     qmin, _ = segment_ranges(q_seg.astype(jnp.int32), block_size)  # [B, nQB]
