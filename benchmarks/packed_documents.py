@@ -39,7 +39,7 @@ from mtraining_jax.sparsity import estimate as est  # noqa: E402
 from mtraining_jax.sparsity.config import ESTIMATE_IMPLS  # noqa: E402
 from mtraining_jax.sparsity.convert import convert_step  # noqa: E402
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, packed_documents_qk  # noqa: E402
-from pallas_kernels.index_format import apply_segments  # noqa: E402
+from pallas_kernels.index_format import apply_segments, column_start  # noqa: E402
 from pallas_kernels import registry  # noqa: E402
 
 
@@ -93,7 +93,8 @@ def column_waste(lens, heads: int, kv_heads: int, head_dim: int, seed: int, wind
     ``convert_step``, ``apply_segments``. Verticals are one position-sorted list per head and every query
     block computes a PREFIX of it (``col_count`` slots), so a vertical of an early document is also
     computed, then masked, by every later query block of other documents. ``col_tiles_row_start``: the
-    column tiles left if each row started at the tile holding its first same-document slot (exact)."""
+    column tiles left when each row starts at the tile holding its
+    :func:`~pallas_kernels.index_format.column_start` (as the Triton kernels do)."""
     bs = block_size
     seq = int(np.sum(lens))
     seg_np = np.repeat(np.arange(len(lens)), lens).astype(np.int32)
@@ -110,12 +111,12 @@ def column_waste(lens, heads: int, kv_heads: int, head_dim: int, seed: int, wind
     same = in_prefix & (kseg >= rows.min(1)[None, :, None]) & (kseg <= rows.max(1)[None, :, None])
     col, useful = int(in_prefix.sum()) * bs, int(same.sum()) * bs  # each slot: 64 query rows
     block = int(np.asarray(idx.block_count).sum()) * bs * bs
-    first_same = np.where(same.any(-1), np.argmax(same, axis=-1), cc)
+    start = np.asarray(column_start(idx, seg, seg, bs))[0]  # [H, nQB]: what the kernels skip up to
     tiles = -(-cc // bs)
     return {"window": window, "documents": int(len(lens)), "verticals_per_head": float(np.asarray(vs.v_count).mean()),
             "block_pairs": block, "column_pairs": col, "column_pairs_same_document": useful,
             "other_document_share_of_work": (col - useful) / max(block + col, 1),
-            "col_tiles": int(tiles.sum()), "col_tiles_row_start": int((tiles - first_same // bs).sum())}
+            "col_tiles": int(tiles.sum()), "col_tiles_row_start": int((tiles - start // bs).sum())}
 
 
 def plot_column_waste(rows, path: str) -> None:
