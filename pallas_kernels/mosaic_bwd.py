@@ -28,12 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_precompile
-from pallas_kernels.index_format import StepIndex
+from pallas_kernels.index_format import StepIndex, column_start
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
 from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
                                           stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
-from pallas_kernels.mosaic_index import (column_free_from, column_ids, column_operands, column_ranges, column_slots,
+from pallas_kernels.mosaic_index import (column_free_range, column_ids, column_operands, column_ranges, column_slots,
                                          kv_schedule, uniform_kv_schedule)
 from pallas_kernels.three_pass import add_column_grads
 
@@ -49,7 +49,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free = bars
     b, h, pair, wg = query_pair_ids(npairs)
     dtype = q_ref.dtype
-    bounds, n_union, total, rows_w = stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
+    bounds, n_union, total, rows_w, col0 = stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
     kv = bs * halves  # keys per step
 
     @pl.when(wg < 2)
@@ -147,9 +147,9 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        stream_producer(b, h, lax.div(h, jnp.array(g, h.dtype)), pair, bs, halves, slots, n_union, total, sidx_ref,
-                         k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem,
-                         k_bar, v_bar, i_bar, k_free, v_free)
+        stream_producer(b, h, lax.div(h, jnp.array(g, h.dtype)), pair, bs, halves, slots, n_union, total, col0,
+                        sidx_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem,
+                        info_smem, k_bar, v_bar, i_bar, k_free, v_free)
 
 
 _STATIC = ("sm_scale", "block_size", "stages")
@@ -368,9 +368,9 @@ COL_WALKS = ("masked", "free")
 DEFAULT_COL_WALK = "free"  # results/kernels/kernels.md run 26
 
 
-def _dkv_cols_kernel(first_ref, *refs, stages: int, bs: int, nqb: int, nranges: int, range_blocks: int,
+def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: int, range_blocks: int,
                      qk_scale: float, scale: float, segs: bool = False, free_tiles: bool = False):
-    mend_ref, refs = (refs[0], refs[1:]) if free_tiles else (None, refs)
+    (flo_ref, fhi_ref), refs = (refs[:2], refs[2:]) if free_tiles else ((None, None), refs)
     cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref, smems, bars = refs
     kres, vres, ci_smem, *tile_smems = smems
     kv_bar, *tile_bars = bars
@@ -382,20 +382,30 @@ def _dkv_cols_kernel(first_ref, *refs, stages: int, bs: int, nqb: int, nranges: 
     wg = lax.axis_index("wg")
 
     def walk(w):
+        """Chunk ``c``'s query blocks in range ``r``: ``(c, n, n_free, at)``, tile ``t`` of the walk at
+        query block ``at(t)``: the free blocks ``[f_lo, f_hi)`` first, then the masked ones before and
+        after them (:func:`~pallas_kernels.mosaic_index.column_free_range`; no free ones: ascending)."""
         c = 2 * pair + w
         lo = jnp.maximum(first_ref[b, h, c], r * range_blocks)
-        hi = jnp.minimum(jnp.int32(nqb), (r + 1) * range_blocks)
-        return c, lo, jnp.maximum(hi - lo, 0)
+        hi = jnp.maximum(jnp.minimum(end_ref[b, h, c], (r + 1) * range_blocks), lo)
+        f_lo = f_hi = lo
+        if free_tiles:
+            f_lo = jnp.clip(flo_ref[b, h, c], lo, hi)
+            f_hi = jnp.clip(fhi_ref[b, h, c], f_lo, hi)
+        n_free, before = f_hi - f_lo, f_lo - lo
+
+        def at(t):
+            u = t - n_free
+            return jnp.where(t < n_free, f_lo + t, jnp.where(u < before, lo + u, f_hi + u - before))
+
+        return c, hi - lo, n_free, at
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        c, lo, n = walk(w)
-        loops = [(0, n, True)]
-        if free_tiles:  # masked tiles first, then free ones from column_free_from's block on
-            n_mask = jnp.clip(mend_ref[b, h, c] - lo, 0, n)
-            loops = [(0, n_mask, True), (n_mask, n, False)]
+        c, n, n_free, _ = walk(w)
+        loops = [(0, n_free, False), (n_free, n, True)] if free_tiles else [(0, n, True)]
         rows = pl.ds(c * bs, bs)
         _resident(w, [(kc_ref.at[b, h, rows], kres.at[w]), (vc_ref.at[b, h, rows], vres.at[w]),
                       (cinfo_ref.at[b, h, c], ci_smem.at[w])], kv_bar)
@@ -411,10 +421,10 @@ def _dkv_cols_kernel(first_ref, *refs, stages: int, bs: int, nqb: int, nranges: 
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def at(lo):
-            return lambda t: (h, lo + t, None)
+        def tile_at(at):
+            return lambda t: (h, at(t), None)
 
-        walks = [(walk(w)[2], at(walk(w)[1])) for w in range(2)]
+        walks = [(walk(w)[1], tile_at(walk(w)[3])) for w in range(2)]
         _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, None, tile_smems, tile_bars)
 
 
@@ -490,11 +500,13 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     """Backward column pass: adds the listed columns' dK/dV (every row's prefix columns, causal)
     into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
     chunk, summed in XLA, then one scatter-add by list slot
-    (:func:`pallas_kernels.triton_backward.add_column_grads`). ``col_walk`` (:data:`COL_WALKS`):
-    ``"free"`` (the default) skips the mask on each chunk's query blocks from
-    :func:`~pallas_kernels.mosaic_index.column_free_from` on (all of their pairs kept; a second tile
-    body); ``"masked"`` masks every tile (one body, less to compile). Timed against each other in one
-    process: results/kernels/kernels.md run 26."""
+    (:func:`pallas_kernels.triton_backward.add_column_grads`). Each chunk walks the query blocks of
+    :func:`~pallas_kernels.mosaic_index.column_ranges` (with packed documents, those whose
+    ``column_start`` is before the chunk's end: not the later documents). ``col_walk``
+    (:data:`COL_WALKS`): ``"free"`` (the default) skips the mask on each chunk's query blocks of
+    :func:`~pallas_kernels.mosaic_index.column_free_range` (all of their pairs kept; walked first, a
+    second tile body); ``"masked"`` masks every tile (one body, less to compile). Timed against each
+    other in one process: results/kernels/kernels.md run 26."""
     if col_walk not in COL_WALKS:
         raise ValueError(f"col_walk must be one of {COL_WALKS}, got {col_walk!r}")
     free_tiles = col_walk == "free"
@@ -505,14 +517,16 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     kc, vc, c_info = column_operands(index, k, v, k_pos, bs, segs=segs)
     mcp = kc.shape[2]
     nch = mcp // bs
-    first, nranges = column_ranges(index.col_count, nch, bs, range_blocks)
+    start = column_start(index, segs[0], segs[1], bs) if sg else None
+    first, end, nranges = column_ranges(index.col_count, nch, bs, range_blocks, start)
     rinfo, qinfo = _row_infos(q_pos, lse, delta, 1 - index.col_count, bs, segs[0] if sg else None)
-    mend = [column_free_from(c_info, index.col_count, q_pos, bs, segs[0] if sg else None)] if free_tiles else []
-    kernel = functools.partial(_dkv_cols_kernel, stages=stages, bs=bs, nqb=sq // bs, nranges=nranges,
+    free = list(column_free_range(c_info, index.col_count, q_pos, bs, first, end, segs[0] if sg else None)
+                ) if free_tiles else []
+    kernel = functools.partial(_dkv_cols_kernel, stages=stages, bs=bs, nranges=nranges,
                                range_blocks=range_blocks, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale),
                                segs=sg, free_tiles=free_tiles)
     out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
     scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg)
     dkc, dvc = _launch(named(kernel, "mosaic_dkv_cols"), [out, out], scratch, (nch // 2, H, B * nranges),
-                       ("p", "h", "br"), first, *mend, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
+                       ("p", "h", "br"), first, end, *free, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
     return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), column_ids(index, sk, mcp), index.col_count)

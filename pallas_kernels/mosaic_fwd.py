@@ -80,7 +80,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
     q_bar, row_bar, k_bar, v_bar, i_bar, k_free, v_free, sched_bar = bars
     b, h, pair, wg = query_pair_ids(npairs)
     dtype = q_ref.dtype
-    bounds, n_union, total, rows_w = stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
+    bounds, n_union, total, rows_w, col0 = stream_walk(bnd_ref, cnt_ref, b, h, pair, bs, halves)
     kv = bs * halves  # keys per step
 
     @pl.when(wg < 2)
@@ -196,8 +196,9 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
         plgpu.set_max_registers(40, action="decrease")
         hk = lax.div(h, jnp.array(g, h.dtype))
 
-        stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref, k_ref, v_ref, kc_ref, vc_ref,
-                         kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free)
+        stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, col0, sidx_ref, k_ref, v_ref, kc_ref,
+                        vc_ref, kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free,
+                        v_free)
 
 
 _STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream", "uniform")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.index_format import StepIndex, scatter_last, stable_partition
+from pallas_kernels.index_format import StepIndex, column_start, scatter_last, stable_partition
 
 UNLISTED = 1 << 30  # slot of a key that is not in the column list (>= every col_count)
 POS_PAD = jnp.iinfo(jnp.int32).max  # position of a padding column: never causal
@@ -47,7 +47,7 @@ POS_PAD = jnp.iinfo(jnp.int32).max  # position of a padding column: never causal
 class MosaicOperands(NamedTuple):
     """Operands of the Mosaic forward/backward kernels (see module docstring)."""
 
-    counts: jax.Array  # int32 [B, H, nQB, 4]: (n_free, n_blocks, col_count, n_free_col_tiles) per row
+    counts: jax.Array  # int32 [B, H, nQB, 5]: (n_free, n_blocks, col_count, n_free_col_tiles, col_start) per row
     block_idx: jax.Array  # int32 [B, H, nQB, MB]: active KV blocks, free ones first, padding in range
     k_info: jax.Array  # int32 [B, H, nKB, 2, bs]: (k_pos, column slot) per key of each KV block (+ k_seg)
     kc: jax.Array  # [B, H, MCp, D]: K rows of the head's column list (zeros in padding)
@@ -119,8 +119,11 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
     row's prefix and causal for every query of the block) are counted (``counts[..., 3]``) so the
     kernels skip their mask; without, that count is 0. With ``segs = (q_seg [B, Sq], k_seg
     [B, Sk])`` (packed documents, ``index`` narrowed by ``apply_segments``), ``k_info`` and
-    ``c_info`` are ``[..., 3, bs]`` with the keys' segment ids as third row (-1 on padding columns)
-    and a free column tile must also lie, with the query block, inside one document."""
+    ``c_info`` are ``[..., 3, bs]`` with the keys' segment ids as third row (-1 on padding columns),
+    a free column tile must also lie, with the query block, inside one document, and ``counts[..., 4]``
+    is the row's :func:`~pallas_kernels.index_format.column_start` (its column walk may start at that
+    slot's tile: every earlier slot is another document's column; 0 without documents; with documents
+    a row with free column tiles starts at 0)."""
     bs = block_size
     B, H, nqb, mb = index.block_idx.shape
     sk = k.shape[1]
@@ -160,7 +163,8 @@ def prepare(index: StepIndex, k, v, k_pos, block_size: int, q_pos=None, segs=Non
             one = (qs.min(-1) == qs.max(-1))[:, None, :, None] & (ct.min(-1) == ct.max(-1))[:, :, None, :]
             free_c = free_c & one & (ct.min(-1)[:, :, None, :] == qs.min(-1)[:, None, :, None])
         n_cfree = jnp.cumprod(free_c.astype(jnp.int32), axis=-1).sum(-1, dtype=jnp.int32)
-    counts = jnp.concatenate([counts, n_cfree[..., None]], axis=-1)
+    start = jnp.zeros_like(n_free) if segs is None else column_start(index, segs[0], segs[1], bs)
+    counts = jnp.concatenate([counts, n_cfree[..., None], start[..., None]], axis=-1)
     return MosaicOperands(counts.astype(jnp.int32), bidx, k_info, kc, vc, c_info)
 
 
@@ -342,25 +346,37 @@ def dense_kv_schedule(entries, counts, length: int):
     return entries[jnp.minimum(counts[..., 2:3] + t, entries.shape[0] - 1)]
 
 
-def column_ranges(col_count, nchunks: int, bs: int, range_blocks: int):
-    """Query-block walk of the column dK/dV pass: ``first int32 [B, H, nchunks]``, the first query
-    block whose prefix reaches chunk ``c`` (``col_count > c * bs``; ``nQB`` if none), and the number
-    of ranges ``R = ceil(nQB / range_blocks)``; range ``r`` of a chunk walks query blocks
-    ``[max(first, r * range_blocks), min(nQB, (r + 1) * range_blocks))``."""
+def column_ranges(col_count, nchunks: int, bs: int, range_blocks: int, col_start=None):
+    """Query-block walk of the column dK/dV pass: ``(first, end) int32 [B, H, nchunks]`` and the number
+    of ranges ``R = ceil(nQB / range_blocks)``. A query block needs chunk ``c`` when its prefix reaches
+    the chunk (``col_count > c * bs``) and, with packed documents (``col_start [B, H, nQB]``:
+    :func:`~pallas_kernels.index_format.column_start`), its walk starts before the chunk's end (every
+    earlier slot is another document's column); ``first`` / ``end`` are the first such block and the
+    last plus one (``nQB`` / ``nQB`` if none). Range ``r`` of a chunk walks query blocks
+    ``[max(first, r * range_blocks), min(end, (r + 1) * range_blocks))``; the blocks between that do
+    not need the chunk are walked masked (all their pairs dropped)."""
     nqb = col_count.shape[-1]
-    reach = col_count[..., None, :] > (jnp.arange(nchunks, dtype=jnp.int32) * bs)[:, None]  # [B,H,nch,nQB]
-    first = jnp.where(reach.any(-1), jnp.argmax(reach, axis=-1), nqb).astype(jnp.int32)
-    return first, max(1, -(-nqb // range_blocks))
+    c = jnp.arange(nchunks, dtype=jnp.int32)
+    need = col_count[..., None, :] > (c * bs)[:, None]  # [B, H, nch, nQB]
+    if col_start is not None:
+        need = need & (col_start[..., None, :] < ((c + 1) * bs)[:, None])
+    some = need.any(-1)
+    first = jnp.where(some, jnp.argmax(need, axis=-1), nqb).astype(jnp.int32)
+    end = jnp.where(some, nqb - jnp.argmax(need[..., ::-1], axis=-1), nqb).astype(jnp.int32)
+    return first, end, max(1, -(-nqb // range_blocks))
 
 
-def column_free_from(c_info, col_count, q_pos, bs: int, q_seg=None):
-    """``int32 [B, H, nchunks]``: the query block from which on chunk ``c`` of the column tiles
-    (``c_info [B, H, nchunks, 2 (+1), bs]`` of :func:`column_operands`) needs no mask in the column
-    dK/dV pass: for that block and every later one, all 64 columns are in the row's prefix
-    (``col_count >= (c + 1) * bs``, so no padding either) and at or before every query of the block
-    (``q_pos [Sq]``), and with packed documents (``q_seg [B, Sq]``) the chunk and the block lie in
-    one document. The latest block that needs the mask, plus one (0 if none): a conservative suffix,
-    exact for any ``col_count`` and ``q_pos`` order."""
+def column_free_range(c_info, col_count, q_pos, bs: int, first, end, q_seg=None):
+    """``(lo, hi) int32 [B, H, nchunks]``: query blocks ``[lo, hi)`` inside chunk ``c``'s walk ``[first,
+    end)`` (:func:`column_ranges`) where the column dK/dV pass needs no mask for that chunk (the tiles
+    of ``c_info [B, H, nchunks, 2 (+1), bs]``, :func:`column_operands`): for each of those blocks all
+    64 columns are in the row's prefix (``col_count >= (c + 1) * bs``, so no padding either) and at or
+    before every query of the block (``q_pos [Sq]``), and with packed documents (``q_seg [B, Sq]``)
+    the chunk and the block lie in one document. ``hi`` is the last such block of the walk plus one,
+    ``lo`` the block after the last one before ``hi`` that needs the mask (``lo = hi = first`` if no
+    block is free): exact for any ``col_count`` and ``q_pos`` order. Without documents it is the walk's
+    suffix past the chunk's last column; with documents the part of the chunk's document after it (the
+    block straddling the document's end is masked)."""
     B, H, nch = c_info.shape[:3]
     nqb = col_count.shape[-1]
     qmin = q_pos.astype(jnp.int32).reshape(nqb, bs).min(-1)  # [nQB]
@@ -372,9 +388,16 @@ def column_free_from(c_info, col_count, q_pos, bs: int, q_seg=None):
         one_c = (cseg.min(-1) == cseg.max(-1))[..., None]
         one_q = (qs.min(-1) == qs.max(-1))[:, None, None, :]
         free = free & one_c & one_q & (cseg[..., 0][..., None] == qs[:, None, None, :, 0])
-    masked = ~free
-    last = nqb - 1 - jnp.argmax(masked[..., ::-1], axis=-1)
-    return jnp.where(masked.any(-1), last + 1, 0).astype(jnp.int32)
+    blk = jnp.arange(nqb, dtype=jnp.int32)
+    walked = (blk >= first[..., None]) & (blk < end[..., None])
+    free = free & walked
+
+    def last_plus_one(x, fallback):  # 1 + the last True of x [..., nQB], else fallback
+        return jnp.where(x.any(-1), nqb - jnp.argmax(x[..., ::-1], axis=-1), fallback).astype(jnp.int32)
+
+    hi = last_plus_one(free, first)
+    lo = last_plus_one(walked & ~free & (blk < hi[..., None]), first)
+    return jnp.minimum(lo, hi), hi
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_size"))
@@ -465,7 +488,8 @@ def emulate_fwd(q, ops: MosaicOperands, k, v, q_pos, *, sm_scale: float, block_s
     vct = ops.vc.astype(f32).reshape(B, H, nct, bs, d)
     c = jnp.arange(nct)
     ntile = (ncol + bs - 1) // bs
-    in_walk = (c < ntile[..., None])[:, :, :, None, :, None]  # [B,H,nQB,1,nCT,1]
+    first = ops.counts[..., 4] // bs  # column_start's tile: the walk starts there
+    in_walk = ((c >= first[..., None]) & (c < ntile[..., None]))[:, :, :, None, :, None]  # [B,H,nQB,1,nCT,1]
     cpos = ops.c_info[:, :, None, None, :, 0, :]  # [B,H,1,1,nCT,bs]
     caux = ops.c_info[:, :, None, None, :, 1, :]
     ok_c = (cpos <= qpos[..., 0, :][..., None]) & (caux >= (1 - ncol)[..., None, None, None])

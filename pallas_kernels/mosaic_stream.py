@@ -39,20 +39,33 @@ def segment_ok(info_smem, slot, qseg_smem, bs: int, kv: int | None = None, keys=
 
 def stream_walk(bnd_ref, cnt_ref, b, h, pair, bs: int, halves: int = 1):
     """The CTA's shared tile stream (:func:`pallas_kernels.mosaic_index.pair_stream`): ``(bounds,
-    n_union, total, rows)`` with ``bounds`` the 9 segment starts of the union's block tiles,
+    n_union, total, rows, col0)`` with ``bounds`` the 9 segment starts of the union's block tiles,
     ``n_union`` their number of steps, ``total`` the stream length in steps (block steps, then the
-    column steps of the longer column prefix) and ``rows[w] = (query block, col_count,
-    n_col_steps, n_free_col_steps, n_free_blocks, n_blocks)``; a step is ``halves`` tiles of 64 keys."""
+    column steps ``[col0, max(n_col_steps))`` of the head's column tiles), ``col0`` the first column
+    step either row walks (the smaller :func:`~pallas_kernels.index_format.column_start` step of the
+    rows with column work: with packed documents the earlier steps are other documents' columns) and
+    ``rows[w] = (query block, col_count, col_hi, col_free_hi, n_free_blocks, n_blocks, col_lo)``: the
+    row's column steps ``[col_lo, col_hi)`` counted from ``col0`` (steps before ``col_lo`` are skipped,
+    ``[col_lo, col_free_hi)`` need no mask); a step is ``halves`` tiles of 64 keys."""
     bounds = [bnd_ref[b, h, pair, s] for s in range(len(STREAM_SEGMENTS) + 1)]
-    rows = []
+    span = jnp.int32(bs * halves)
+    cols = []
     for w in range(2):
         i = 2 * pair + w
         ncol = cnt_ref[b, h, i, 2]
-        span = jnp.int32(bs * halves)
-        rows.append((i, ncol, lax.div(ncol + span - 1, span), lax.div(cnt_ref[b, h, i, 3], jnp.int32(halves)),
-                     cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1]))
+        cols.append((i, ncol, lax.div(ncol + span - 1, span), lax.div(cnt_ref[b, h, i, 3], jnp.int32(halves)),
+                     lax.div(cnt_ref[b, h, i, 4], span)))
+    n_steps = jnp.maximum(cols[0][2], cols[1][2])
+    col0 = n_steps  # no column work: no column steps
+    for _, _, nct, _, start in cols:
+        col0 = jnp.minimum(col0, jnp.where(start < nct, start, n_steps))
+    rows = []
+    for w, (i, ncol, nct, ncf, start) in enumerate(cols):
+        lo = jnp.maximum(start - col0, 0)
+        hi = jnp.maximum(nct - col0, lo)
+        rows.append((i, ncol, hi, jnp.minimum(lo + ncf, hi), cnt_ref[b, h, i, 0], cnt_ref[b, h, i, 1], lo))
     n_union = bounds[-1]
-    return bounds, n_union, n_union + jnp.maximum(rows[0][2], rows[1][2]), rows
+    return bounds, n_union, n_union + n_steps - col0, rows, col0
 
 
 def _runs(kinds) -> list:
@@ -99,19 +112,22 @@ def _shared_plan() -> tuple:
 SHARED_PLAN = _shared_plan()
 
 
-def stream_segments(w, bounds, n_union, row, split: bool = False):
-    """Consumer ``w``'s walk of the stream as ``(lo, hi, kind, col)`` loops in stream order; ``kind``
-    0 free, 1 masked, 2 skipped (not in its row's walk); ``col``: a column tile (threshold
-    ``1 - col_count``, else ``col_count``). The shared stream's block steps: the loops of
-    :data:`SHARED_PLAN`, each a run of segments of one class for a consumer (empty for a consumer
-    whose walk has no run there). ``split``
+def stream_segments(w, bounds, n_union, total, row, split: bool = False):
+    """Consumer ``w``'s walk of the stream as ``(lo, hi, kind, col)`` loops in stream order, every step
+    of ``[0, total)`` in one; ``kind`` 0 free, 1 masked, 2 skipped (not in its row's walk); ``col``: a
+    column tile (threshold ``1 - col_count``, else ``col_count``). The shared stream's block steps: the
+    loops of :data:`SHARED_PLAN`, each a run of segments of one class for a consumer (empty for a
+    consumer whose walk has no run there). ``split``
     (:func:`~pallas_kernels.mosaic_index.split_stream`): block step ``t``'s own half is the row's
     ``t``-th tile, so the consumer's block steps are three loops from its own counts (free, masked,
-    past its list): 5 loops with the column ones (shared stream: 9)."""
+    past its list). The column steps (:func:`stream_walk`'s ``rows``): skipped before the row's start,
+    free, masked, skipped past its prefix: 7 loops in all (shared stream: 11)."""
+    hi_c, free_c, lo_c = row[2], row[3], row[6]
+    cols = [(n_union, n_union + lo_c, 2, True), (n_union + lo_c, n_union + free_c, 0, True),
+            (n_union + free_c, n_union + hi_c, 1, True), (n_union + hi_c, total, 2, True)]
     if split:
-        _, _, nct, ncf, n_free, n_blk = row
-        return [(0, n_free, 0, False), (n_free, n_blk, 1, False), (n_blk, n_union, 2, False),
-                (n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
+        n_free, n_blk = row[4], row[5]
+        return [(0, n_free, 0, False), (n_free, n_blk, 1, False), (n_blk, n_union, 2, False)] + cols
     loops = []
     for kind, r0, r1 in SHARED_PLAN:
         lo0, hi0 = (bounds[r0[1]], bounds[r0[2] + 1]) if r0 else (0, 0)
@@ -120,14 +136,13 @@ def stream_segments(w, bounds, n_union, row, split: bool = False):
             loops.append((lo0, hi0, kind, False))
         else:
             loops.append((jnp.where(w == 0, lo0, lo1), jnp.where(w == 0, hi0, hi1), kind, False))
-    nct, ncf = row[2], row[3]
-    loops += [(n_union, n_union + ncf, 0, True), (n_union + ncf, n_union + nct, 1, True)]
-    return loops
+    return loops + cols
 
 
-#: how a consumer walks the stream: ``"loops"``, one loop per segment of :func:`stream_segments` (each
-#: its own copy of the step body: 10 on the shared stream, 6 on the split one); ``"switch"``, one loop whose body picks the
-#: free / masked / skip step per tile (:func:`step_kind`): one copy of each body, a smaller program
+#: how a consumer walks the stream: ``"loops"``, one loop per segment of :func:`stream_segments` (each its
+#: own copy of the step body: 11 on the shared stream, 7 on the split one, two of them the small skip body);
+#: ``"switch"``, one loop whose body picks the free / masked / skip step per tile (:func:`step_kind`): one
+#: copy of each body, a smaller program
 WALKS = ("loops", "switch")
 
 
@@ -172,20 +187,21 @@ def step_kind(t, w, bounds, n_union, row):
     for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
         c = c0 if c0 == c1 else jnp.where(w == 0, c0, c1)
         kind = jnp.where((t >= bounds[s]) & (t < bounds[s + 1]), c, kind)
-    nct, ncf = row[2], row[3]
+    hi_c, free_c, lo_c = row[2], row[3], row[6]
     u = t - n_union
     col = t >= n_union
-    return jnp.where(col, jnp.where(u < ncf, 0, jnp.where(u < nct, 1, 2)), kind).astype(jnp.int32), col
+    col_kind = jnp.where(u < lo_c, 2, jnp.where(u < free_c, 0, jnp.where(u < hi_c, 1, 2)))
+    return jnp.where(col, col_kind, kind).astype(jnp.int32), col
 
 
 def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "loops", split: bool = False):
-    """Run consumer ``w``'s walk over the CTA's stream (:func:`stream_segments`, then the skipped
-    column steps of the other row's longer prefix). ``tile(t, carry, masked, thr, own=...)``,
-    ``skip(t, carry)``; ``walk`` (:data:`WALKS`): segment loops, or one loop choosing the body per
-    step. ``split`` (:func:`pallas_kernels.mosaic_index.split_stream`): the block steps are
-    ``own=True`` (the consumer's half of the step), the column steps shared as always."""
+    """Run consumer ``w``'s walk over the CTA's stream (:func:`stream_segments`).
+    ``tile(t, carry, masked, thr, own=...)``, ``skip(t, carry)``; ``walk`` (:data:`WALKS`): segment
+    loops, or one loop choosing the body per step. ``split``
+    (:func:`pallas_kernels.mosaic_index.split_stream`): the block steps are ``own=True`` (the
+    consumer's half of the step), the column steps shared as always."""
     check_walk(walk)
-    ncol, nct = row[1], row[2]
+    ncol = row[1]
     if walk == "switch":
         def step(t, carry):
             kind, col = step_kind(t, w, bounds, n_union, row)
@@ -200,7 +216,7 @@ def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "
             return lax.switch(kind, bodies, carry)
 
         return lax.fori_loop(0, total, step, carry)
-    for lo, hi, kind, col in stream_segments(w, bounds, n_union, row, split):
+    for lo, hi, kind, col in stream_segments(w, bounds, n_union, total, row, split):
         if kind == 2:
             body = skip
         else:
@@ -208,22 +224,23 @@ def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "
             if split and not col:
                 body = functools.partial(body, own=True)
         carry = lax.fori_loop(lo, hi, body, carry)
-    return lax.fori_loop(n_union + nct, total, skip, carry)
+    return carry
 
 
 def consumer_row(w, rows_w):
-    """Consumer ``w``'s row of :func:`stream_walk` (``(query block, col_count, n_col_steps,
-    n_free_col_steps, n_free_blocks, n_blocks)``)."""
+    """Consumer ``w``'s row of :func:`stream_walk` (``(query block, col_count, col_hi, col_free_hi,
+    n_free_blocks, n_blocks, col_lo)``)."""
     return tuple(jnp.where(w == 0, a, c) for a, c in zip(rows_w[0], rows_w[1]))
 
 
-def stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref, k_ref, v_ref, kc_ref, vc_ref,
-                     kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free, v_free):
+def stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, col0, sidx_ref, k_ref, v_ref, kc_ref,
+                    vc_ref, kinfo_ref, cinfo_ref, null_ref, k_smem, v_smem, info_smem, k_bar, v_bar, i_bar, k_free,
+                    v_free):
     """The producer warpgroup of the query-side kernels (forward, dQ): for step ``t`` of the CTA's
     stream, wait until both consumers freed slot ``t % slots`` (from ``t >= slots`` on), then
     TMA-load the step's K (+ ``info``) and V halves: block ``sidx[.., t, half]`` of ``k/v`` (a NULL
-    half loads block 0 with the all-masked ``null`` info) for the union's block steps, then column
-    tiles of ``kc/vc``."""
+    half loads block 0 with the all-masked ``null`` info) for the union's block steps, then the column
+    tiles of ``kc/vc`` from column step ``col0`` on (:func:`stream_walk`)."""
     rows_i = info_smem.shape[1]
 
     def load(t, ref_blk, ref_col, info, dst, bar):
@@ -247,7 +264,7 @@ def stream_producer(b, h, hk, pair, bs, halves, slots, n_union, total, sidx_ref,
 
             @pl.when(t >= n_union)
             def _(hf=hf, half=half, info_copy=info_copy):
-                c = (t - n_union) * halves + hf
+                c = (t - n_union + col0) * halves + hf
                 plgpu.copy_gmem_to_smem(ref_col.at[b, h, pl.ds(c * bs, bs)], half, bar)
                 if info is not None:
                     info_copy(cinfo_ref.at[b, h, c])

@@ -86,6 +86,7 @@ def test_shared_plan_walks_every_segment_once_per_consumer_in_order():
     (2, 256, 384, 4, 1, True, 4, 12, False),     # GQA 4, ring-like positions, Sq != Sk
     (1, 512, 512, 2, 1, False, 6, 200, False),   # causal columns: free column steps
     (1, 512, 512, 2, 1, False, 5, 90, True),     # packed documents
+    (1, 1024, 1024, 2, 1, False, 0, 300, "sorted"),  # documents, position-ordered columns: walks start late
 ])
 def test_stream_walk_equals_masked_reference(halves, stream, B, S, Sk, H, Hkv, permuted, mb, mc, documents):
     """The query-side kernels' CTA stream (``pair_stream`` + the consumers' loop bounds of
@@ -93,15 +94,22 @@ def test_stream_walk_equals_masked_reference(halves, stream, B, S, Sk, H, Hkv, p
     of its loops (and classified the same by ``step_kind``, the one-loop walk), free steps unmasked, masked steps by the ``info`` rule (a NULL half all masked),
     skipped steps not used. Softmax over the keys gathered that way equals the masked reference.
     ``stream="split"`` (``split_stream``): a block step's half ``w`` is consumer ``w``'s own tile,
-    the only half it uses; column steps as in the shared stream."""
+    the only half it uses; column steps as in the shared stream. With documents and position-ordered
+    columns (``"sorted"``) the CTAs' column steps start at their rows' ``column_start`` (later
+    documents' rows skip the earlier documents' columns): a start one step too late drops columns the
+    reference keeps."""
     from pallas_kernels.mosaic_stream import consumer_row as _consumer_row
     from pallas_kernels.mosaic_stream import step_kind as _step_kind
     from pallas_kernels.mosaic_stream import stream_segments as _stream_segments
     from pallas_kernels.mosaic_stream import stream_walk as _stream_walk
     from pallas_kernels.mosaic_index import NULL_BLOCK, POS_PAD, pair_stream, split_stream
 
+    from pallas_kernels.testing import vertical_slash_index
+
     rng = np.random.default_rng(S + mb + halves)
-    q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, mb, mc)
+    q, k, v, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, max(mb, 1), mc)
+    if documents == "sorted":
+        idx = vertical_slash_index(rng, B, H, S, 0.8, block_size=BS, far_slashes=1, max_cols=mc)
     segs = (qp[None].repeat(B, 0) // 150, kp[None].repeat(B, 0) // 150) if documents else None
     if documents:
         idx = apply_segments(idx, *segs, BS)
@@ -116,15 +124,16 @@ def test_stream_walk_equals_masked_reference(halves, stream, B, S, Sk, H, Hkv, p
                                  q_seg=segs[0] if documents else None, k_seg=segs[1] if documents else None)
     g = H // Hkv
     out = np.zeros(qf.shape)
+    skipped_cols = 0
     for b, h, p in np.ndindex(B, H, S // (2 * BS)):
-        bounds, n_union, total, rows_w = _stream_walk(bnd, cnt, b, h, p, BS, halves)
-        total, n_union = int(total), int(n_union)
+        bounds, n_union, total, rows_w, col0 = _stream_walk(bnd, cnt, b, h, p, BS, halves)
+        total, n_union, col0 = int(total), int(n_union), int(col0)
         for w in range(2):
             row = _consumer_row(w, rows_w)
             i, ncol = int(row[0]), int(row[1])
             loops = [(int(lo), int(hi), kind, col)
-                     for lo, hi, kind, col in _stream_segments(w, bounds, n_union, row, stream == "split")]
-            loops.append((n_union + int(row[2]), total, 2, True))
+                     for lo, hi, kind, col in _stream_segments(w, bounds, n_union, total, row, stream == "split")]
+            skipped_cols += sum(hi - lo for lo, hi, kind, col in loops[-4:-3]) + col0  # before the row's start
             seen = sorted(t for lo, hi, _, _ in loops for t in range(lo, hi))
             assert seen == list(range(total))  # every step once, in some loop
             # the one-loop walk (walk="switch") classifies every step as these loops do
@@ -149,7 +158,7 @@ def test_stream_walk_equals_masked_reference(halves, stream, B, S, Sk, H, Hkv, p
                             assert kb != NULL_BLOCK or kind != 0  # a NULL half is never in a free step
                             assert stream != "split" or (kb == NULL_BLOCK) == (kind == 2)  # own tile iff walked
                         else:
-                            c = (t - n_union) * halves + hf
+                            c = (t - n_union + col0) * halves + hf
                             kr, vr, info = kcf[b, h, c * BS:(c + 1) * BS], vcf[b, h, c * BS:(c + 1) * BS], cinfo[b, h, c]
                         if kind == 2:
                             continue
@@ -169,6 +178,10 @@ def test_stream_walk_equals_masked_reference(halves, stream, B, S, Sk, H, Hkv, p
             l = pr.sum(1, keepdims=True)
             out[b, rq, h] = (pr @ np.concatenate(vals)) / np.where(l == 0, 1, l)
     np.testing.assert_allclose(out, np.asarray(ref_out, np.float64), atol=2e-5)
+    if documents == "sorted":  # column steps left out: later documents' rows start past earlier ones'
+        assert skipped_cols > S // (2 * BS), skipped_cols
+    elif not documents:
+        assert skipped_cols == 0
 
 
 def test_position_ordered_columns_get_free_column_tiles():
@@ -260,22 +273,30 @@ def test_free_column_tiles_with_documents_lie_in_one_document():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
 
 
-def _column_tile_keeps_all(c_info, col_count, q_pos, q_seg, b, h, c, i):
-    """Whether the column dK/dV pass's mask keeps every pair of column chunk ``c`` and query block
-    ``i`` (the kernel's rule: ``pos <= q_pos``, list slot ``< col_count``, same document)."""
+def _column_tile_keep(c_info, col_count, q_pos, q_seg, b, h, c, i):
+    """``bool [64, 64]``: the pairs of column chunk ``c`` and query block ``i`` the column dK/dV pass's
+    mask keeps (the kernel's rule: ``pos <= q_pos``, list slot ``< col_count``, same document)."""
     cpos, slot = c_info[b, h, c, 0][:, None], -c_info[b, h, c, 1][:, None]
     qp = q_pos[i * BS:(i + 1) * BS][None, :]
     keep = (cpos <= qp) & (slot < col_count[b, h, i])
     if q_seg is not None:
         keep &= c_info[b, h, c, 2][:, None] == q_seg[b, i * BS:(i + 1) * BS][None, :]
-    return bool(keep.all())
+    return keep
+
+
+def _column_tile_keeps_all(c_info, col_count, q_pos, q_seg, b, h, c, i):
+    return bool(_column_tile_keep(c_info, col_count, q_pos, q_seg, b, h, c, i).all())
 
 
 @pytest.mark.parametrize("kind, documents", [("random", False), ("random", True), ("vs", False), ("vs", True)])
-def test_column_pass_free_tiles_need_no_mask(kind, documents):
-    """:func:`mosaic_index.column_free_from`: from its block on, every later query block keeps every
-    pair of the chunk (so the column pass may skip the mask there), and the block before it does not
-    (the suffix is the longest one); on position-ordered columns most of the walk is free."""
+def test_column_pass_walk_and_free_tiles(kind, documents):
+    """The column dK/dV pass's walk of each chunk: :func:`mosaic_index.column_ranges`' ``[first, end)``
+    holds every query block that keeps a pair of the chunk (the blocks outside keep none: with packed
+    documents, whole later documents, whose ``column_start`` is past the chunk); in
+    :func:`mosaic_index.column_free_range`'s ``[lo, hi)`` every block keeps every pair (so the pass may
+    skip the mask there), and it is maximal: the walked blocks just before and after it do not. On
+    position-ordered columns most of the walk is free, with documents too, and documents cut the walk."""
+    from pallas_kernels.index_format import column_start
     from pallas_kernels.testing import vertical_slash_index
 
     rng = np.random.default_rng(11 + documents)
@@ -291,20 +312,35 @@ def test_column_pass_free_tiles_need_no_mask(kind, documents):
     if documents:
         idx = apply_segments(idx, *segs, BS)
     _, _, c_info = mosaic_index.column_operands(idx, k, v, kp, BS, segs=segs)
-    mend = np.asarray(mosaic_index.column_free_from(c_info, idx.col_count, qp, BS, segs[0] if documents else None))
+    nch = c_info.shape[2]
+    start = column_start(idx, *segs, BS) if documents else None
+    first, end, _ = mosaic_index.column_ranges(idx.col_count, nch, BS, 512, start)
+    flo, fhi = (np.asarray(x) for x in mosaic_index.column_free_range(
+        c_info, idx.col_count, qp, BS, first, end, segs[0] if documents else None))
+    first, end = np.asarray(first), np.asarray(end)
     c_info, ccount, qpos = np.asarray(c_info), np.asarray(idx.col_count), np.asarray(qp)
     qseg = np.asarray(segs[0]) if documents else None
-    B, H, nch = c_info.shape[:3]
+    B, H = c_info.shape[:2]
     nqb = ccount.shape[-1]
-    assert mend.shape == (B, H, nch) and mend.min() >= 0 and mend.max() <= nqb
+    assert flo.shape == (B, H, nch) and (first <= end).all() and (end <= nqb).all()
     for b, h, c in np.ndindex(B, H, nch):
-        m = int(mend[b, h, c])
-        assert all(_column_tile_keeps_all(c_info, ccount, qpos, qseg, b, h, c, i) for i in range(m, nqb))
-        if m > 0:
-            assert not _column_tile_keeps_all(c_info, ccount, qpos, qseg, b, h, c, m - 1)
-    if kind == "vs" and not documents:  # position-ordered columns: full chunks free past their last column
+        lo, hi, f0, f1 = (int(x[b, h, c]) for x in (first, end, flo, fhi))
+        assert lo <= f0 <= f1 <= max(hi, lo)
+        kept = [_column_tile_keep(c_info, ccount, qpos, qseg, b, h, c, i).any() for i in range(nqb)]
+        assert not any(kept[:lo]) and not any(kept[hi:]), (b, h, c, lo, hi)
+        assert all(_column_tile_keeps_all(c_info, ccount, qpos, qseg, b, h, c, i) for i in range(f0, f1))
+        if f1 > f0:  # maximal: the walked neighbours need the mask
+            assert f0 == lo or not _column_tile_keeps_all(c_info, ccount, qpos, qseg, b, h, c, f0 - 1)
+            assert f1 == hi or not any(_column_tile_keeps_all(c_info, ccount, qpos, qseg, b, h, c, i)
+                                       for i in range(f1, hi))
+    if kind == "vs":  # position-ordered columns: full chunks free past their last column (with documents:
+        # to their document's end, in chunks inside one document; most chunks here straddle two)
         full = np.arange(1, nch + 1) * BS <= ccount.max(-1)[..., None]
-        assert (mend[full] < nqb).all() and (nqb - mend[full]).sum() > 0.5 * full.sum() * nqb
+        walked, free = (end - first)[full].sum(), (fhi - flo)[full].sum()
+        assert free > (0.15 if documents else 0.5) * walked, (free, walked)
+        if documents:  # each chunk's walk ends with its last document (3 here): about half the plain walk
+            plain = np.asarray(mosaic_index.column_ranges(idx.col_count, nch, BS, 512)[0])
+            assert walked < 0.6 * (nqb - plain)[full].sum(), walked
 
 
 def test_kv_schedule_two_key_sort_equals_one_key(monkeypatch):
@@ -478,7 +514,7 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
         # col_walk="masked" has no free tiles, so one tile body (the block pass: free and masked):
         # 0.29 M characters against 0.38 M (with the empty free loop, 2026-12-04: the same size)
         assert len(text) < 0.85 * len(blocks), (len(text), len(blocks))
-        # col_walk="free" (the default): masked tiles first, then free ones (column_free_from's block on): a
+        # col_walk="free" (the default): free tiles first (column_free_range), then masked ones: a
         # second tile body, about the block pass's size (0.39 M characters against 0.38 M; masked: 0.29 M)
         f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_cols(
             q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs))
