@@ -170,6 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for n in rounds_order(names, r):
             folder = os.path.abspath(os.path.join(a.out, f"r{r:02d}_{n}"))
             cmd = [sys.executable, "-m", command[0]] + [x.replace("{out}", folder) for x in command[1:]]
+            os.makedirs(folder, exist_ok=True)  # there before the run: `--out {out}/rows.jsonl` works
             t = time.time()
             try:
                 p = subprocess.run(cmd, cwd=arms[n], env={**env, "MTRAINING_COMMIT": commits[n]},
