@@ -166,6 +166,24 @@ def column_start(index: StepIndex, q_seg, k_seg, block_size: int = DEFAULT_BLOCK
     return jnp.minimum(first, index.col_count).astype(jnp.int32)
 
 
+def column_chunk_rows(col_count, nchunks: int, block_size: int = DEFAULT_BLOCK, col_start=None):
+    """``(first, end) int32 [B, H, nchunks]``: the query blocks a column dK/dV pass walks for chunk ``c``
+    (slots ``[c * bs, (c + 1) * bs)`` of the head's column list). A block needs the chunk when its prefix
+    reaches it (``col_count [B, H, nQB] > c * bs``) and, with packed documents (``col_start``:
+    :func:`column_start`), its column walk starts before the chunk's end; ``first`` is the first such
+    block and ``end`` the last plus one (``nQB`` / ``nQB`` if none): the blocks outside need nothing of
+    the chunk (a chunk's walk ends with its last document), those between may (masked per pair)."""
+    nqb = col_count.shape[-1]
+    c = jnp.arange(nchunks, dtype=jnp.int32)
+    need = col_count[..., None, :] > (c * block_size)[:, None]  # [B, H, nch, nQB]
+    if col_start is not None:
+        need = need & (col_start[..., None, :] < ((c + 1) * block_size)[:, None])
+    some = need.any(-1)
+    first = jnp.where(some, jnp.argmax(need, axis=-1), nqb).astype(jnp.int32)
+    end = jnp.where(some, nqb - jnp.argmax(need[..., ::-1], axis=-1), nqb).astype(jnp.int32)
+    return first, end
+
+
 def stable_partition(first, second):
     """Destination slot of every entry when the ``first`` entries move to the front and the ``second``
     ones right after (each group keeps its order), the rest last: a stable partition without a sort.

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.index_format import StepIndex, column_start, scatter_last, stable_partition
+from pallas_kernels.index_format import StepIndex, column_chunk_rows, column_start, scatter_last, stable_partition
 
 UNLISTED = 1 << 30  # slot of a key that is not in the column list (>= every col_count)
 POS_PAD = jnp.iinfo(jnp.int32).max  # position of a padding column: never causal
@@ -347,23 +347,14 @@ def dense_kv_schedule(entries, counts, length: int):
 
 
 def column_ranges(col_count, nchunks: int, bs: int, range_blocks: int, col_start=None):
-    """Query-block walk of the column dK/dV pass: ``(first, end) int32 [B, H, nchunks]`` and the number
-    of ranges ``R = ceil(nQB / range_blocks)``. A query block needs chunk ``c`` when its prefix reaches
-    the chunk (``col_count > c * bs``) and, with packed documents (``col_start [B, H, nQB]``:
-    :func:`~pallas_kernels.index_format.column_start`), its walk starts before the chunk's end (every
-    earlier slot is another document's column); ``first`` / ``end`` are the first such block and the
-    last plus one (``nQB`` / ``nQB`` if none). Range ``r`` of a chunk walks query blocks
-    ``[max(first, r * range_blocks), min(end, (r + 1) * range_blocks))``; the blocks between that do
-    not need the chunk are walked masked (all their pairs dropped)."""
-    nqb = col_count.shape[-1]
-    c = jnp.arange(nchunks, dtype=jnp.int32)
-    need = col_count[..., None, :] > (c * bs)[:, None]  # [B, H, nch, nQB]
-    if col_start is not None:
-        need = need & (col_start[..., None, :] < ((c + 1) * bs)[:, None])
-    some = need.any(-1)
-    first = jnp.where(some, jnp.argmax(need, axis=-1), nqb).astype(jnp.int32)
-    end = jnp.where(some, nqb - jnp.argmax(need[..., ::-1], axis=-1), nqb).astype(jnp.int32)
-    return first, end, max(1, -(-nqb // range_blocks))
+    """Query-block walk of the column dK/dV pass: ``(first, end) int32 [B, H, nchunks]``
+    (:func:`~pallas_kernels.index_format.column_chunk_rows`: the blocks that need chunk ``c``; with
+    packed documents, ``col_start``, not the later documents) and the number of ranges ``R = ceil(nQB /
+    range_blocks)``. Range ``r`` of a chunk walks query blocks ``[max(first, r * range_blocks), min(end,
+    (r + 1) * range_blocks))``; the blocks between that do not need the chunk are walked masked (all
+    their pairs dropped)."""
+    first, end = column_chunk_rows(col_count, nchunks, bs, col_start)
+    return first, end, max(1, -(-col_count.shape[-1] // range_blocks))
 
 
 def column_free_range(c_info, col_count, q_pos, bs: int, first, end, q_seg=None):

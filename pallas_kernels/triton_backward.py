@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import atomic_add, dot, triton_compiler_params
-from pallas_kernels.index_format import StepIndex
+from pallas_kernels.index_format import StepIndex, column_chunk_rows
 from pallas_kernels.triton_common import (LOG2E, STATIC, add_seg_operands, col_rows, for_blocks, outside_blocks, pair_ok,
                                           pow2, query_specs, split_seg_refs)
 from pallas_kernels.three_pass import add_column_grads, three_pass_bwd
@@ -146,12 +146,13 @@ def _dkv_tile(carry, k, v, ok, qk_scale, q, do, lse2, delta):
     return dk + dot(dst.astype(q.dtype), q), dv
 
 
-def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref, ncol_ref, cstart_ref, q_ref, k_ref,
-                    v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, nqb, splits, interpret, segs=False):
+def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, end_ref, bidx_ref, nblk_ref, ncol_ref, cstart_ref, q_ref,
+                    k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, qk_scale, scale, bs, nqb, splits, interpret,
+                    segs=False):
     """One program per (query head and batch, chunk ``c`` of ``bs`` slots of the head's column
     list, range ``r`` of at most ``ceil(nQB / splits)`` query blocks): gather the chunk's K/V rows
-    once, walk the range's query blocks whose prefix reaches the chunk (from ``first_ref[c]`` on)
-    from the LAST one down, and store (one range) or atomically add (several) the chunk's dK/dV
+    once, walk the range's query blocks that need the chunk (``[first_ref[c], end_ref[c])``:
+    :func:`~pallas_kernels.index_format.column_chunk_rows`) from the LAST one down, and store (one range) or atomically add (several) the chunk's dK/dV
     into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
     query rows at the same time (they share them in L2); ranges go heaviest (last) first. A query block
     whose column walk starts past the chunk (``cstart_ref``: packed documents' ``column_start``, the
@@ -167,7 +168,7 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, bidx_ref, nblk_ref,
     k, v, kp = k_ref[ids, :], v_ref[ids, :], kpos_ref[ids]
     ks = None if seg_refs is None else seg_refs[1][ids]
     lo = jnp.maximum(first_ref[c], r * rows_per)
-    hi = jnp.minimum(nqb, (r + 1) * rows_per)
+    hi = jnp.minimum(end_ref[c], (r + 1) * rows_per)
     mbp = bidx_ref.shape[0] // nqb
 
     def query_block(t, carry):
@@ -214,14 +215,6 @@ def _add_slots(ref, rows, val, interpret: bool):
         atomic_add(ref, (rows, slice(None)), val)
 
 
-def column_first_rows(col_count, nchunks: int, bs: int):
-    """``int32 [B, H, nchunks]``: for every chunk ``c`` of ``bs`` list slots, the first query block
-    whose column prefix reaches it (``col_count > c * bs``), or ``nQB`` if none does."""
-    nqb = col_count.shape[-1]
-    reach = col_count[..., None, :] > (jnp.arange(nchunks, dtype=jnp.int32) * bs)[:, None]  # [B,H,nch,nQB]
-    return jnp.where(reach.any(-1), jnp.argmax(reach, axis=-1), nqb).astype(jnp.int32)
-
-
 def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, params, interpret, col_splits=None,
              segs=None):
     """Pass 3 kernel: the vertical columns' ``(dk, dv) f32 [B, Hq, MCp, D]`` by slot of the head's
@@ -235,16 +228,16 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
     nch = mcp // bs
     splits = col_splits or col_row_splits(nqb)
     ncol = cnt[..., 2]
-    first = column_first_rows(ncol, nch, bs)
+    first, end = column_chunk_rows(ncol, nch, bs, cnt[..., 3] if segs is not None else None)
     bh = lambda i: (i // H, i % H)  # noqa: E731  grid axis 0 = batch * heads, head fastest
     per_head = lambda n: pl.BlockSpec((None, None, n), lambda i, c, r: (*bh(i), 0))  # noqa: E731
     full_q = pl.BlockSpec((None, sq, None, d), lambda i, c, r: (i // H, 0, i % H, 0))
     full_kv = pl.BlockSpec((None, sk, None, d), lambda i, c, r: (i // H, 0, (i % H) // g, 0))
     slots = pl.BlockSpec((None, None, mcp, d), lambda i, c, r: (*bh(i), 0, 0))
-    args = [q_pos, k_pos, cidx, first, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, cnt[..., 3], q, k, v, do,
-            lse, delta]
+    args = [q_pos, k_pos, cidx, first, end, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, cnt[..., 3], q, k, v,
+            do, lse, delta]
     in_specs = [pl.BlockSpec((sq,), lambda i, c, r: (0,)), pl.BlockSpec((sk,), lambda i, c, r: (0,)),
-                per_head(mcp), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb), per_head(nqb),
+                per_head(mcp), per_head(nch), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb), per_head(nqb),
                 full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq)]
     add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda i, c, r: (i // H, 0)),
                                                  kseg=pl.BlockSpec((None, sk), lambda i, c, r: (i // H, 0))))

@@ -90,15 +90,26 @@ def test_prepare_index_puts_free_blocks_first_pads_and_clips(seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), nchunks=st.integers(1, 6))
-def test_column_first_rows_is_the_first_block_whose_prefix_reaches_the_chunk(seed, nchunks):
+@given(seed=st.integers(0, 2**16), nchunks=st.integers(1, 6), documents=st.booleans())
+def test_column_chunk_rows_are_the_blocks_that_need_the_chunk(seed, nchunks, documents):
+    """``column_chunk_rows``: ``first`` / ``end`` are the first and last-plus-one query block whose prefix
+    reaches chunk ``c`` (``col_count > c * bs``) and, given column starts, whose start is before the chunk's
+    end (``nQB`` / ``nQB`` if none); any order of counts and starts."""
+    from pallas_kernels.index_format import column_chunk_rows
+
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, nchunks * BS + 1, size=(2, 3, 9)).astype(np.int32)  # any order, not sorted
-    got = np.asarray(tb.column_first_rows(jnp.asarray(counts), nchunks, BS))
+    starts = np.minimum(rng.integers(0, nchunks * BS + 1, size=counts.shape), counts).astype(np.int32)
+    first, end = (np.asarray(x) for x in column_chunk_rows(jnp.asarray(counts), nchunks, BS,
+                                                            jnp.asarray(starts) if documents else None))
     for idx in np.ndindex(counts.shape[:2]):
         for c in range(nchunks):
-            rows = np.nonzero(counts[idx] > c * BS)[0]
-            assert got[idx + (c,)] == (rows[0] if rows.size else counts.shape[-1])
+            need = counts[idx] > c * BS
+            if documents:
+                need &= starts[idx] < (c + 1) * BS
+            rows = np.nonzero(need)[0]
+            want = (rows[0], rows[-1] + 1) if rows.size else (counts.shape[-1], counts.shape[-1])
+            assert (first[idx + (c,)], end[idx + (c,)]) == want
 
 
 def test_col_row_splits_bound_the_range_length():
