@@ -152,8 +152,8 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, end_ref, bidx_ref, 
     """One program per (query head and batch, chunk ``c`` of ``bs`` slots of the head's column
     list, range ``r`` of at most ``ceil(nQB / splits)`` query blocks): gather the chunk's K/V rows
     once, walk the range's query blocks that need the chunk (``[first_ref[c], end_ref[c])``:
-    :func:`~pallas_kernels.index_format.column_chunk_rows`) from the LAST one down, and store (one range) or atomically add (several) the chunk's dK/dV
-    into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
+    :func:`~pallas_kernels.index_format.column_chunk_rows`) from the LAST one down, and store (one
+    range) or atomically add (several) the chunk's dK/dV into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
     query rows at the same time (they share them in L2); ranges go heaviest (last) first. A query block
     whose column walk starts past the chunk (``cstart_ref``: packed documents' ``column_start``, the
     chunk all other documents' columns) is skipped."""
@@ -237,7 +237,8 @@ def _col_dkv(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale, bs, para
     args = [q_pos, k_pos, cidx, first, end, bidx.reshape(B, H, nqb * mbp), cnt[..., 1], ncol, cnt[..., 3], q, k, v,
             do, lse, delta]
     in_specs = [pl.BlockSpec((sq,), lambda i, c, r: (0,)), pl.BlockSpec((sk,), lambda i, c, r: (0,)),
-                per_head(mcp), per_head(nch), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb), per_head(nqb),
+                per_head(mcp), per_head(nch), per_head(nch), per_head(nqb * mbp), per_head(nqb), per_head(nqb),
+                per_head(nqb),
                 full_q, full_kv, full_kv, full_q, per_head(sq), per_head(sq)]
     add_seg_operands(args, in_specs, segs, dict(qseg=pl.BlockSpec((None, sq), lambda i, c, r: (i // H, 0)),
                                                  kseg=pl.BlockSpec((None, sk), lambda i, c, r: (i // H, 0))))
