@@ -5,10 +5,13 @@ sparse read's loss away on a trained model) at the lengths users train at.
 
     MTRAINING_COMMIT=<sha> python benchmarks/estimate_cost.py --seq 131072 --last-q 64,256,1024 --out rows.jsonl
     python benchmarks/estimate_cost.py --seq 131072 --last-q 64 --heads 14,2 --head-dim 64 --impls xla,triton
+    python benchmarks/estimate_cost.py --seq 131072 --last-q 64 --heads 14,2 --head-dim 64 --impls xla,triton \
+        --window per_document --dense none   # packed documents (benchmarks/packed_documents.py's length mix)
 
 One JSON row per (S, last_q, impl) and per cuDNN pass, printed as it is measured (``fn``, ``S``, ``last_q``,
 ``impl`` (``SparsityConfig.estimate_impl``), ``ms`` median with ``ms_min`` / ``ms_max`` over ``--repeats``,
-``compile_s``; with several impls, ``index_diff``: the entries of the index that differ from the first impl's;
+``compile_s``, ``window`` and ``documents``; with several impls, ``index_diff``: the entries of the index that
+differ from the first impl's;
 and the run's ``commit``, ``date``, ``device``, ``jax``, ``command``); B = 1, 16 query / 2 KV heads, d128, bf16,
 random q/k, default budgets. The impls alternate per repeat round so that drift affects them alike.
 """
@@ -44,6 +47,10 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="xla", help="estimate impls, comma-separated (xla, triton)")
     ap.add_argument("--dense", choices=("cudnn", "xla", "none"), default="cudnn",
                     help="the dense attention timed beside it (xla on a CPU)")
+    ap.add_argument("--window", choices=("sequence", "per_document"), default="sequence",
+                    help="the observation window (SparsityConfig.window); per_document: packed documents of "
+                         "benchmarks/packed_documents.py's length mix (seed 0)")
+    ap.add_argument("--window-blocks", type=int, default=64, help="per_document: the window's query blocks")
     ap.add_argument("--out", help="also append the rows to this JSONL file")
     a = ap.parse_args(argv)
     if len(a.heads) != 2 or a.heads[0] % a.heads[1]:
@@ -105,13 +112,21 @@ def main(argv=None) -> int:
         k = jax.random.normal(kk, (1, S, Hkv, a.head_dim), jnp.bfloat16)
         v = jax.random.normal(kv, (1, S, Hkv, a.head_dim), jnp.bfloat16)
         pos = jnp.arange(S, dtype=jnp.int32)
+        seg, docs = None, 1
+        if a.window == "per_document":
+            from benchmarks.packed_documents import length_mix
+
+            lens = length_mix(S, 0)
+            seg, docs = jnp.asarray(np.repeat(np.arange(len(lens)), lens)[None], jnp.int32), len(lens)
         for lq in a.last_q:
-            fns = {impl: jax.jit(lambda q, k, cfg=SparsityConfig(last_q=lq, estimate_impl=impl):
-                                 estimate_index(q, k, pos, cfg)) for impl in impls}
+            cfgs = {impl: SparsityConfig(last_q=lq, estimate_impl=impl, window=a.window, window_blocks=a.window_blocks)
+                    for impl in impls}
+            fns = {impl: jax.jit(lambda q, k, cfg=cfg: estimate_index(q, k, pos, cfg, segment_ids=seg))
+                   for impl, cfg in cfgs.items()}
             first = jax.tree.map(np.asarray, fns[impls[0]](q, k))
             for impl, m in measure_alternating(fns, q, k).items():
                 row = {"fn": "estimate_index", "impl": impl, "S": S, "last_q": lq, "heads": [Hq, Hkv],
-                       "head_dim": a.head_dim, **m}
+                       "head_dim": a.head_dim, "window": a.window, "documents": docs, **m}
                 if len(impls) > 1:
                     got = jax.tree.map(np.asarray, fns[impl](q, k))
                     row["index_diff"] = int(sum((x != y).sum() for x, y in zip(got, first)))

@@ -143,6 +143,38 @@ def plot_column_waste(rows, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_timings(rows, path: str, runs=None) -> None:
+    """Bar chart of the timing rows (``fwd_ms`` / ``fwd_bwd_ms``; of ``runs`` if given): per mode,
+    index-estimate path and commit, the median over processes (bars) and each process (dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "fwd_bwd_ms" in r and (not runs or r.get("run") in runs)]
+    if not rows:
+        raise ValueError(f"no timing rows{' of runs ' + ', '.join(runs) if runs else ''} to plot")
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["mode"], r["estimate"], str(r["commit"])[:7]), []).append(r)
+    keys = sorted(groups)
+    x = np.arange(len(keys))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(keys)), 4.0))
+    for off, col, name in ((-0.2, "fwd_ms", "forward"), (0.2, "fwd_bwd_ms", "forward + backward")):
+        vals = [[r[col] for r in groups[k]] for k in keys]
+        ax.bar(x + off, [np.median(v) for v in vals], 0.4, label=name)
+        for i, v in enumerate(vals):
+            ax.plot([x[i] + off] * len(v), v, "k.", ms=4)
+            ax.annotate(f"{np.median(v):.1f}", (x[i] + off, np.median(v)), ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log"), ax.set_ylabel("ms (median of a process's repeats; dots: processes)"), ax.legend(fontsize=8)
+    ax.set_xticks(x, [f"{m}\nestimate {e}\n{c}" for m, e, c in keys], fontsize=7)
+    r0 = rows[0]
+    ax.set_title(f"Packed documents, {r0['seq'] // 1024}K, {r0['heads']} / {r0['kv_heads']} heads, d{r0['head_dim']}, "
+                 f"kernels {r0['kernel_fwd']} ({r0['device']}, JAX {r0['jax']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=131072)
@@ -166,13 +198,20 @@ def main(argv=None):
                          "per window, --seeds")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="with --column-waste-only: length mixes")
     ap.add_argument("--plot-from", default=None,
-                    help="with --plot: draw the column_waste rows of this JSONL file (no run)")
+                    help="with --plot: draw the rows of this JSONL file (no run): --plot-what's kind")
+    ap.add_argument("--plot-what", choices=("column_waste", "timings"), default="column_waste",
+                    help="--plot-from's rows to draw: the column_waste counts, or the timing rows (of --runs)")
+    ap.add_argument("--runs", nargs="+", default=None, help="--plot-what timings: the rows' run labels to draw")
     ap.add_argument("--plot", default=None, help="PNG path for --plot-from's chart")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.plot_from:
         with open(a.plot_from) as f:
-            plot_column_waste([json.loads(line) for line in f if line.strip()], a.plot)
+            rows = [json.loads(line) for line in f if line.strip()]
+        if a.plot_what == "timings":
+            plot_timings(rows, a.plot, a.runs)
+        else:
+            plot_column_waste(rows, a.plot)
         return []
     prov = provenance(argv)
     if a.column_waste_only:

@@ -23,12 +23,16 @@ def test_rows_at_toy_size(tmp_path, capsys):
     assert capsys.readouterr().out.count('"fn"') == 4
 
 
-def test_two_impls_alternate_and_report_their_index_difference(tmp_path):
+@pytest.mark.parametrize("window", ["sequence", "per_document"])
+def test_two_impls_alternate_and_report_their_index_difference(tmp_path, window):
     out = tmp_path / "rows.jsonl"
-    assert estimate_cost.main(["--seq", "512", "--last-q", "64", "--heads", "4,2", "--head-dim", "16", "--dense",
-                               "none", "--repeats", "2", "--impls", "xla,triton", "--out", str(out)]) == 0
+    assert estimate_cost.main(["--seq", "1024", "--last-q", "64", "--heads", "4,2", "--head-dim", "16", "--dense",
+                               "none", "--repeats", "2", "--impls", "xla,triton", "--window", window,
+                               "--window-blocks", "4", "--out", str(out)]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["impl"] for r in rows] == ["xla", "triton"]
+    assert all(r["window"] == window for r in rows)
+    assert [r["documents"] > 1 for r in rows] == [window == "per_document"] * 2
     assert [r["index_diff"] for r in rows] == [0, 0]  # interpret mode: the same integers, the same index
     assert all(0 < r["ms_min"] <= r["ms"] <= r["ms_max"] for r in rows)
 

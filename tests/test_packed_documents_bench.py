@@ -8,6 +8,7 @@ import json
 import sys
 
 import numpy as np
+import pytest
 
 from benchmarks import packed_documents
 
@@ -87,3 +88,18 @@ def test_column_waste_counts_other_documents_columns(tmp_path):
     png = tmp_path / "w.png"
     packed_documents.main(["--plot-from", str(tmp_path / "w.jsonl"), "--plot", str(png)])
     assert png.stat().st_size > 0
+
+
+def test_timing_plot_draws_the_chosen_runs_and_names_an_empty_choice(tmp_path):
+    row = {"mode": "documents_per_doc", "estimate": "xla", "commit": "abc1234def", "fwd_ms": 180.0, "fwd_bwd_ms": 190.0,
+           "seq": 131072, "heads": 14, "kv_heads": 2, "head_dim": 64, "kernel_fwd": "mosaic", "device": "H100",
+           "jax": "0.11.2", "run": "a"}
+    rows = [row, {**row, "fwd_ms": 182.0}, {**row, "estimate": "triton", "fwd_ms": 38.0, "fwd_bwd_ms": 45.0},
+            {**row, "run": "b", "fwd_ms": 1.0}, {"what": "column_waste"}]
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = tmp_path / "t.png"
+    packed_documents.main(["--plot-from", str(f), "--plot-what", "timings", "--runs", "a", "--plot", str(png)])
+    assert png.stat().st_size > 0
+    with pytest.raises(ValueError, match="no timing rows of runs c"):
+        packed_documents.plot_timings(rows, str(tmp_path / "u.png"), ["c"])

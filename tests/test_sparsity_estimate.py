@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as Ps
 
 from mtraining_jax.layouts import Layout
@@ -211,3 +213,33 @@ def test_chunked_window_rows_change_no_bit(monkeypatch, last_q, segments):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(chunked[1], chunked[0]):  # and the sharded index equals the single-device one
         np.testing.assert_array_equal(a, np.broadcast_to(b[None], a.shape))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_diagonal_sums_equal_a_per_key_count(data):
+    """``estimate._diagonal_sums`` (the slash scores from window blocks' column sums) against a NumPy
+    loop over keys: one rank's keys in whole blocks of any order (every layout; its gather path) or
+    single keys in any order (its scatter path), window blocks in any query block or none (-1)."""
+    from mtraining_jax.sparsity import estimate as est
+
+    bs = data.draw(st.sampled_from([1, 2, 4]), label="bs")
+    nb = data.draw(st.integers(1, 6), label="nb")
+    whole = data.draw(st.booleans(), label="whole_blocks")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    if whole:  # some of the blocks, each block's keys in order
+        n = data.draw(st.integers(1, nb), label="blocks")
+        k_pos = (rng.permutation(nb)[:n, None] * bs + np.arange(bs)).reshape(-1)
+    else:
+        k_pos = rng.permutation(nb * bs)[: data.draw(st.integers(1, nb * bs), label="keys")]
+    B, H, W = 2, 3, data.draw(st.integers(1, 4), label="W")
+    g = rng.integers(-1, nb, (B, W)).astype(np.int32)
+    cols = rng.integers(0, 2**20, (2, B, H, W, k_pos.size)).astype(np.int32)
+    want = np.zeros((2, B, H, nb), np.int64)
+    for b, w, i in np.ndindex(B, W, k_pos.size):
+        d = g[b, w] - k_pos[i] // bs
+        if g[b, w] >= 0 and d >= 0:
+            want[:, b, :, d] += cols[:, b, :, w, i]
+    got = jax.jit(est._diagonal_sums, static_argnums=(3, 4))(jnp.asarray(cols), jnp.asarray(g),
+                                                             jnp.asarray(k_pos, jnp.int32), nb, bs)
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -280,7 +280,8 @@ def test_index_build_for_uneven_per_head_budgets(data):
             rsi = RankStepIndex(index, jnp.int32(rank), lay, N, L, "hierarchical", BS)
             jax.block_until_ready(prep(rsi.steps(steps), pos[rank], k_pos))
     window = "estimate.py:_window_queries" if docs else "estimate.py:_last_queries"
-    sites = TRITON_SITES | MOSAIC_SITES | INDEX_SITES | {"index_format.py:row_block_map", window}
+    sites = TRITON_SITES | MOSAIC_SITES | INDEX_SITES | {"index_format.py:row_block_map", window,
+                                                         "estimate.py:_diagonal_sums"}
     if not cfg.max_verticals(S):  # no column slots: no column list to compact
         sites -= {"index.py:compact_in_order"}
     _assert_clean(r, sites, 10 * N * L)

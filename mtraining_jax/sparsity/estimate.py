@@ -90,14 +90,13 @@ def window_rows(cfg: SparsityConfig, seq_len: int) -> int:
 def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int, varying: bool = False, rows: int | None = None) -> str:
     """The implementation ``cfg.estimate_impl`` resolves to for ``keys`` local keys and a window of
     ``rows`` rows (:func:`window_rows`; ``None``: ``cfg.window_rows``): ``"auto"`` is ``"triton"``
-    on a GPU where :func:`pallas_kernels.window_scores.supports` the problem, the window is
-    ``"sequence"`` and the inputs are not ``varying`` (inside a ``shard_map`` with ``check_vma=True``),
-    else ``"xla"``. (The per-document window takes the kernels when asked for, ``"triton"``; not
-    under ``"auto"`` until they are timed on a GPU against XLA's path: ``benchmarks/packed_documents.py
-    --estimate-impls xla triton``.)"""
+    on a GPU where :func:`pallas_kernels.window_scores.supports` the problem and the inputs are not
+    ``varying`` (inside a ``shard_map`` with ``check_vma=True``), else ``"xla"``; for either window
+    (the per-document one scores only its rows' own documents' key tiles there:
+    ``results/documents/packed_documents.md``)."""
     if cfg.estimate_impl != "auto":
         return cfg.estimate_impl
-    if jax.default_backend() != "gpu" or varying or cfg.window != "sequence":
+    if jax.default_backend() != "gpu" or varying:
         return "xla"
     try:
         window_scores.supports(cfg.window_rows if rows is None else rows, keys, head_dim)
@@ -240,6 +239,44 @@ def window_row_chunk(batch: int, heads: int, keys: int, head_dim: int, last_q: i
     return rc
 
 
+def _diagonal_sums(cols, g, k_pos, nb: int, bs: int):
+    """``int32 [2, B, Hq, nb]``: the slash sums of window blocks' column sums. ``cols int32 [2, B, Hq,
+    W, S_local]``: the (hi, lo) column sums of the window rows in query block ``g [B, W]`` (``< 0``:
+    none) at the local keys of global positions ``k_pos [S_local]``; diagonal ``d`` sums the keys of
+    block ``g - d`` (``d >= 0``) over the ``W`` blocks. Integer sums, so the same bits either way:
+    where the local keys come in whole blocks (``bs`` consecutive keys one block, as every layout
+    lays them), per-block sums gathered by diagonal (no scatter); otherwise one scatter-add of every
+    key, whose ``B Hq W S_local`` updates land on ``nb`` slots each (atomic contention on a GPU)."""
+    sk = k_pos.shape[0]
+    kblk = k_pos // bs
+    lead = cols.shape[:4]
+
+    def by_key(cols, g):
+        b_ix, h_ix = jnp.arange(lead[1])[:, None, None, None], jnp.arange(lead[2])[None, :, None, None]
+        d = g[:, :, None] - kblk[None, None, :]  # [B, W, Sk]: each window block's diagonal per key
+        d = jnp.where(d >= 0, d, nb)  # no mass (a later key, or no block: g < 0): a spill slot
+        zero = (k_pos[0] * 0).astype(jnp.int32)  # varies over the mesh axes like ``cols``
+        out = (jnp.zeros(lead[:3] + (nb + 1,), jnp.int32) + zero).at[:, b_ix, h_ix, d[:, None]].add(cols)
+        return out[..., :nb]
+
+    if sk % bs:
+        return by_key(cols, g)
+    n = sk // bs
+    kb = kblk.reshape(n, bs)
+
+    def by_block(cols, g):
+        per = cols.reshape(lead + (n, bs)).sum(axis=-1, dtype=jnp.int32)  # [2, B, Hq, W, n]
+        per = jnp.concatenate([per, jnp.zeros_like(per[..., :1])], axis=-1)  # slot n: no key
+        # global block -> its local slot (distinct: bs distinct positions of one block are the block)
+        slot = jnp.full((nb,), n, jnp.int32).at[kb[:, 0]].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+        j = g[:, :, None] - jnp.arange(nb, dtype=jnp.int32)  # [B, W, nb]: diagonal d's key block
+        loc = jnp.where(j >= 0, slot[jnp.clip(j, 0, nb - 1)], n)  # g < 0 (no block): every j < 0
+        loc = jnp.broadcast_to(loc[None, :, None], lead + (nb,))
+        return jnp.take_along_axis(per, loc, axis=-1).sum(axis=3, dtype=jnp.int32)
+
+    return jax.lax.cond(jnp.all(kb == kb[:, :1]), by_block, by_key, cols, g)
+
+
 def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, reduce_max, seg=None):
     """Integer vertical scores ``[B, Hq, S_local]`` (local key order) and slash scores ``[B, Hq, nb]``,
     in units of ``2^-F`` of attention probability (:func:`fixed_point_bits`); ``seg [B, S_local]``
@@ -256,7 +293,6 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
     last_seg = None if seg is None else _last_segments(seg, k_pos, seq_len, lq, reduce_sum)  # [B, Lq]
     k = _operand_digits(k)
-    kblk = k_pos // bs
     rc = window_row_chunk(B, Hq, k_pos.shape[0], D, lq, bs)
 
     def digits(pos, qc, sc):
@@ -270,45 +306,36 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     def colsums(hi, lo, rows=slice(None)):
         return jnp.stack([x[:, :, rows].sum(axis=2, dtype=jnp.int32) for x in (hi, lo)])  # [2, B, Hq, Sk]
 
-    def add_slash(slash, colsum, g):
-        d = g - kblk
-        d = jnp.where(d >= 0, d, nb)  # non-causal keys carry zero mass; park them in a spill slot
-        return slash.at[:, :, :, d].add(colsum)
-
-    zero = (k_pos[0] * 0).astype(jnp.int32)  # varies over the mesh axes like the body's results
-    slash = jnp.zeros((2, B, Hq, nb + 1), jnp.int32) + zero
     first = seq_len - lq
-    if estimate_impl(cfg, k_pos.shape[0], D, bool(_varying_axes(k_pos))) == "triton":  # the logits never in memory (pallas_kernels.window_scores)
+    g0, g1 = first // bs, (seq_len - 1) // bs  # the window's (static) query blocks
+    if estimate_impl(cfg, k_pos.shape[0], D, bool(_varying_axes(k_pos)), lq) == "triton":  # the logits never in memory (pallas_kernels.window_scores)
         per_block = _kernel_block_sums(q_last, k, k_pos, last_seg, seg, seq_len, cfg, reduce_sum, reduce_max)
-        cols = sum(per_block.values())
-        for g, colsum in per_block.items():
-            slash = add_slash(slash, colsum, jnp.int32(g))
+        per_block = jnp.stack([per_block[g] for g in range(g0, g1 + 1)])  # [blocks, 2, B, Hq, Sk]
+        cols = per_block.sum(axis=0, dtype=jnp.int32)
     elif rc == lq:  # the whole window at once; its rows may span query blocks
         qp = np.arange(first, seq_len)
         hi, lo = digits(jnp.asarray(qp, jnp.int32), q_last, last_seg)
         cols = colsums(hi, lo)
-        for g in range(first // bs, (seq_len - 1) // bs + 1):  # the (static) query blocks of the window
-            rows = np.nonzero(qp // bs == g)[0]
-            slash = add_slash(slash, colsums(hi, lo, slice(rows[0], rows[-1] + 1)), jnp.int32(g))
+        per_block = jnp.stack([colsums(hi, lo, slice(max(g * bs, first) - first, min((g + 1) * bs, seq_len) - first))
+                               for g in range(g0, g1 + 1)])  # [blocks, 2, B, Hq, Sk]
     else:  # rc rows at a time, each chunk inside one query block
         n = lq // rc
         per_chunk = lambda x: jnp.moveaxis(x.reshape((B, n, rc) + x.shape[2:]), 1, 0)  # noqa: E731
-        g0, g1 = first // bs, (seq_len - 1) // bs  # the window's (static) query blocks
 
-        def body(per_block, xs):  # column sums per window query block: one slash scatter per block, after
+        def body(per_block, xs):  # column sums per window query block (the slash sums after the scan)
             c, qc, sc = xs
             base = jnp.int32(first) + c * rc
             colsum = colsums(*digits(base + jnp.arange(rc, dtype=jnp.int32), qc, sc))
             return per_block.at[base // bs - g0].add(colsum), None
 
+        zero = (k_pos[0] * 0).astype(jnp.int32)  # varies over the mesh axes like the body's results
         init = jnp.zeros((g1 - g0 + 1, 2, B, Hq, k_pos.shape[0]), jnp.int32) + zero
         xs = (jnp.arange(n, dtype=jnp.int32), per_chunk(q_last), None if seg is None else per_chunk(last_seg))
         per_block, _ = jax.lax.scan(body, init, xs)
         cols = per_block.sum(axis=0, dtype=jnp.int32)
-        for g in range(g0, g1 + 1):
-            slash = add_slash(slash, per_block[g - g0], jnp.int32(g))
     vert = cols[0] + (cols[1] >> G)  # [B, Hq, Sk]
-    slash = reduce_sum(slash[..., :nb])
+    g = jnp.broadcast_to(jnp.arange(g0, g1 + 1, dtype=jnp.int32), (B, g1 - g0 + 1))
+    slash = reduce_sum(_diagonal_sums(jnp.moveaxis(per_block, 0, 3), g, k_pos, nb, bs))
     return vert, slash[0] + (slash[1] >> G)
 
 
@@ -378,8 +405,6 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
     q_win = _window_queries(q, k_pos, blocks, seq_len, bs, reduce_sum)  # [B, W * bs, Hq, D]
     k = _operand_digits(k)  # once, outside the scan
     per_block = lambda x: jnp.moveaxis(x.reshape((B, W, bs) + x.shape[2:]), 1, 0)  # noqa: E731
-    kblk = k_pos // bs
-    b_ix, h_ix = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
     if estimate_impl(cfg, k_pos.shape[0], q.shape[3], bool(_varying_axes(k_pos)), W * bs) == "triton":
         # every window row at once, its global position (-1: a padding row) an operand of the kernels
         pos = jnp.maximum(blocks, 0)[:, :, None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [B, W, bs]
@@ -388,13 +413,8 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
                                          reduce_sum, reduce_max, None)
         sk = hi.shape[-1]
         cols = jnp.stack([x.reshape(B, H, W, bs // tr, sk).sum(axis=3, dtype=jnp.int32) for x in (hi, lo)])
-        d = blocks[:, :, None] - kblk[None, None, :]  # [B, W, Sk]: each window block's diagonal per key
-        d = jnp.where((d >= 0) & (blocks[:, :, None] >= 0), d, nb)
-        zero = (k_pos[0] * 0).astype(jnp.int32)
-        slash = (jnp.zeros((2, B, H, nb + 1), jnp.int32) + zero).at[:, b_ix[..., None], h_ix[..., None],
-                                                                     d[:, None]].add(cols)
         v = cols.sum(axis=3, dtype=jnp.int32)  # [2, B, Hq, Sk]
-        slash = reduce_sum(slash[..., :nb])
+        slash = reduce_sum(_diagonal_sums(cols, blocks, k_pos, nb, bs))
         return v[0] + (v[1] >> G), slash[0] + (slash[1] >> G)
 
     def block(carry, xs):
@@ -404,19 +424,17 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
         causal = (k_pos[None, None, :] <= pos[:, :, None]) & ok[:, :, None] & (rs[:, :, None] == seg[:, None, :])
         hi, lo = _row_digits(qb, k, causal[:, None], cfg, reduce_sum, reduce_max, padded=True)
         colsum = jnp.stack([hi.sum(axis=2, dtype=jnp.int32), lo.sum(axis=2, dtype=jnp.int32)])  # [2, B, Hq, Sk]
-        d = blk[:, None] - kblk[None, :]  # [B, Sk]
-        d = jnp.where((d >= 0) & (blk[:, None] >= 0), d, nb)
-        slash = slash.at[:, b_ix, h_ix, d[:, None, :]].add(colsum)
+        slash = slash + _diagonal_sums(colsum[:, :, :, None], blk[:, None], k_pos, nb, bs)
         return (v_hi + colsum[0], v_lo + colsum[1], slash), None
 
     # zeros derived from the local positions: inside shard_map they vary over the mesh axes like
     # the carry the body returns (scan needs equal types)
     zero = (k_pos[0] * 0).astype(jnp.int32)
     zeros = jnp.zeros((B, H, k.digits.shape[1]), jnp.int32) + zero
-    init = (zeros, zeros, jnp.zeros((2, B, H, nb + 1), jnp.int32) + zero)
+    init = (zeros, zeros, jnp.zeros((2, B, H, nb), jnp.int32) + zero)
     (v_hi, v_lo, slash), _ = jax.lax.scan(block, init, (per_block(q_win), per_block(row_ok), per_block(row_seg),
                                                         jnp.moveaxis(blocks, 1, 0)))
-    slash = reduce_sum(slash[..., :nb])
+    slash = reduce_sum(slash)
     return v_hi + (v_lo >> G), slash[0] + (slash[1] >> G)
 
 
