@@ -7,7 +7,8 @@ from a realistic length mix (many short documents plus a few long ones, lengths 
 seeded log-uniform mix; q/k by default synthetic per document, ``--qk``), with the index estimated from the sequence's last queries (mode
 ``documents``) and from every document's own last queries (``documents_per_doc``,
 ``SparsityConfig(window="per_document")``). Reports per (impl, mode) the executed work fraction (``stats_scalars``),
-forward and forward+backward time, the block-level density of the document mask itself, and the
+forward and forward+backward time (each call estimates its index), the index estimate's time alone
+(``estimate_ms``: ``fwd_ms - estimate_ms`` is about the forward kernels' share), the block-level density of the document mask itself, and the
 relative difference of the output and gradients from the first impl's (a cross-check of the
 kernels at full size); one JSON line each to ``--out``, with the run's provenance. ``--estimate-impls xla auto``
 times the index estimate's two paths (``SparsityConfig.estimate_impl``) on the same inputs.
@@ -34,7 +35,7 @@ from benchmarks._timing import timeit  # noqa: E402
 
 from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attention, stats_scalars  # noqa: E402
 from mtraining_jax.mesh import make_mesh  # noqa: E402
-from mtraining_jax.sparsity import SparsityConfig  # noqa: E402
+from mtraining_jax.sparsity import SparsityConfig, estimate_index  # noqa: E402
 from mtraining_jax.sparsity import estimate as est  # noqa: E402
 from mtraining_jax.sparsity.config import ESTIMATE_IMPLS  # noqa: E402
 from mtraining_jax.sparsity.convert import convert_step  # noqa: E402
@@ -250,6 +251,8 @@ def main(argv=None):
     mask_blocks = sum((e - s + 1) * (e - s + 2) / 2 for s, e in zip(starts, (np.cumsum(lens) - 1) // bs))
     cot = jax.random.normal(ks[3], (1, S, H, D), jnp.float32)
     records, first = [], {}
+    laid_pos = jnp.asarray(lay.perm, jnp.int32)
+    estimate_fn = jax.jit(lambda q, k, sp, sg: estimate_index(q, k, laid_pos, sp, segment_ids=sg), static_argnums=2)
     for impl, est_impl in itertools.product(a.impls, a.estimate_impls):
         icfg = dataclasses.replace(cfg, ring=dataclasses.replace(cfg.ring, impl=impl), sparsity=dataclasses.replace(cfg.sparsity, estimate_impl=est_impl))
         pdcfg = dataclasses.replace(icfg, sparsity=dataclasses.replace(icfg.sparsity, window="per_document",
@@ -267,6 +270,10 @@ def main(argv=None):
             # the calls above compiled and warmed both programs
             t_fwd, _ = timeit(lambda: fwd(q, k, v), warmup=0, repeat=a.repeat)
             t_bwd, _ = timeit(lambda: grad(q, k, v), warmup=0, repeat=a.repeat)
+            # the index estimate alone (the call's share that is not the kernels'), same inputs and settings
+            t_est, _ = timeit(lambda: estimate_fn(q, k, mcfg.sparsity, sg), warmup=1, repeat=a.repeat)
+            same_index = all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(estimate_fn(q, k, mcfg.sparsity, sg)),
+                                                                  jax.tree.leaves(st.index)))
             res = (out,) + tuple(grads)
             if mode not in first:
                 first[mode] = res
@@ -277,7 +284,8 @@ def main(argv=None):
                    if sg is not None else [S, S, S],
                    "work_fraction": float(stats_scalars(st.work, 1, H, S, bs)["work_fraction"]),
                    "doc_mask_block_fraction": float(mask_blocks / (nb * (nb + 1) / 2)) if sg is not None else 1.0,
-                   "fwd_ms": t_fwd * 1e3, "fwd_bwd_ms": t_bwd * 1e3, **diff,
+                   "fwd_ms": t_fwd * 1e3, "fwd_bwd_ms": t_bwd * 1e3, "estimate_ms": t_est * 1e3,
+                   "estimate_is_the_calls": bool(same_index), **diff,
                    "kernel_fwd": registry.resolve(impl, "fwd", q, bs, S, sg is not None),
                    "kernel_bwd": registry.resolve(impl, "bwd", q, bs, S, sg is not None),
                    **prov}

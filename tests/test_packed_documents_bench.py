@@ -29,7 +29,8 @@ def test_packed_documents_rows_per_estimate_impl(tmp_path):
     for r in written:
         assert r["mode"] == "documents_per_doc" and r["documents"] > 1
         assert r["commit"] and r["date"] and r["jax"] and r["device"] == "cpu" and "--estimate-impls" in r["command"]
-        assert 0 < r["work_fraction"] < 1 and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+        assert 0 < r["work_fraction"] < 1 and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["estimate_ms"] > 0
+        assert r["estimate_is_the_calls"]  # the estimate timed alone is the index the call used
     xla, tri = written
     assert tri["work_fraction"] == xla["work_fraction"]
     assert all(tri[f"rel_diff_{n}"] == 0.0 for n in ("out", "dq", "dk", "dv"))
