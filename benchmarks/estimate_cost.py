@@ -6,12 +6,14 @@ sparse read's loss away on a trained model) at the lengths users train at.
     MTRAINING_COMMIT=<sha> python benchmarks/estimate_cost.py --seq 131072 --last-q 64,256,1024 --out rows.jsonl
     python benchmarks/estimate_cost.py --seq 131072 --last-q 64 --heads 14,2 --head-dim 64 --impls xla,triton
     python benchmarks/estimate_cost.py --seq 131072 --last-q 64 --heads 14,2 --head-dim 64 --impls xla,triton \
-        --window per_document --dense none   # packed documents (benchmarks/packed_documents.py's length mix)
+        --window per_document --dense none --trace   # packed documents; where each impl's GPU time goes
 
 One JSON row per (S, last_q, impl) and per cuDNN pass, printed as it is measured (``fn``, ``S``, ``last_q``,
 ``impl`` (``SparsityConfig.estimate_impl``), ``ms`` median with ``ms_min`` / ``ms_max`` over ``--repeats``,
 ``compile_s``, ``window`` and ``documents``; with several impls, ``index_diff``: the entries of the index that
-differ from the first impl's;
+differ from the first impl's; with ``--trace``, per impl an ``estimate_trace`` row: a ``jax.profiler`` trace of 3
+calls (:func:`benchmarks.kernel_trace.trace_case`: ``per_call`` ms of Pallas kernels / XLA work / libraries / idle,
+``by_source``: the time per library source line, largest first; empty off a GPU);
 and the run's ``commit``, ``date``, ``device``, ``jax``, ``command``); B = 1, 16 query / 2 KV heads, d128, bf16,
 random q/k, default budgets. The impls alternate per repeat round so that drift affects them alike.
 """
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
                     help="the observation window (SparsityConfig.window); per_document: packed documents of "
                          "benchmarks/packed_documents.py's length mix (seed 0)")
     ap.add_argument("--window-blocks", type=int, default=64, help="per_document: the window's query blocks")
+    ap.add_argument("--trace", action="store_true", help="also trace each impl (an estimate_trace row per impl)")
     ap.add_argument("--out", help="also append the rows to this JSONL file")
     a = ap.parse_args(argv)
     if len(a.heads) != 2 or a.heads[0] % a.heads[1]:
@@ -131,6 +134,15 @@ def main(argv=None) -> int:
                     got = jax.tree.map(np.asarray, fns[impl](q, k))
                     row["index_diff"] = int(sum((x != y).sum() for x, y in zip(got, first)))
                 emit(row)
+            if a.trace:
+                from benchmarks.kernel_trace import trace_case
+
+                for impl in impls:
+                    tr = trace_case(f"estimate {impl} {a.window} {S}", fns[impl], (q, k), reps=3, top=20)
+                    dev = next(iter(tr["summary"].values()), {})
+                    emit({"fn": "estimate_trace", "impl": impl, "S": S, "last_q": lq, "heads": [Hq, Hkv],
+                          "head_dim": a.head_dim, "window": a.window, "documents": docs, "per_call": tr["per_call"],
+                          "by_source": dev.get("by_source", [])[:15], "top": dev.get("top", [])[:15]})
         if a.dense != "none":
             impl = None if a.dense == "xla" else a.dense
             att = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)  # noqa: E731

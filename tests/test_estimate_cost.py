@@ -28,8 +28,12 @@ def test_two_impls_alternate_and_report_their_index_difference(tmp_path, window)
     out = tmp_path / "rows.jsonl"
     assert estimate_cost.main(["--seq", "1024", "--last-q", "64", "--heads", "4,2", "--head-dim", "16", "--dense",
                                "none", "--repeats", "2", "--impls", "xla,triton", "--window", window,
-                               "--window-blocks", "4", "--out", str(out)]) == 0
+                               "--window-blocks", "4", "--out", str(out)] + (["--trace"] if window == "sequence" else [])) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
+    if window == "sequence":  # a traced row per impl, after the timed ones (no GPU here: no device kernels)
+        traced, rows = rows[2:], rows[:2]
+        assert [(r["fn"], r["impl"]) for r in traced] == [("estimate_trace", "xla"), ("estimate_trace", "triton")]
+        assert all(set(r["per_call"]) == {"pallas", "library", "xla", "idle", "span"} for r in traced)
     assert [r["impl"] for r in rows] == ["xla", "triton"]
     assert all(r["window"] == window for r in rows)
     assert [r["documents"] > 1 for r in rows] == [window == "per_document"] * 2
