@@ -12,7 +12,11 @@ folder under ``OUT``, and ``MTRAINING_COMMIT`` set to the tree's ``COMMIT`` file
 Before any run the arms' :func:`benchmarks._driver.code_digest` must differ (``--allow-same-code``
 for an A/A run); after each run every row that names its ``code`` must name its arm's.
 
-Round ``r`` runs the arms in the order rotated by ``r`` (no arm always first). Rows (every ``.jsonl``
+Round ``r`` runs the arms in the order rotated by ``r`` (no arm always first). A run past ``--timeout``
+stops the A/B (the arm's next run would be cut too; its rounds so far are kept), and with ``--budget`` a
+round starts only if the longest round so far still fits (the rounds that ran are reported, not one
+cut short by the caller's own limit). ``OUT/ab.jsonl`` and ``OUT/ab.md`` are rewritten after every round,
+so a run killed from outside leaves the finished rounds' comparison. Rows (every ``.jsonl``
 row, or a ``.json`` file's list or ``rows``, written under the run's folder) go to ``OUT/ab.jsonl``
 with ``ab_arm``, ``ab_round``, ``ab_code``; ``OUT/ab.md`` compares each arm with the first one per
 ``--group-by`` group: the per-round paired differences of ``--metric`` (the arms of a round ran back
@@ -100,6 +104,8 @@ def compare(rows: list, arms: Sequence[str], metric: str, group_by: Sequence[str
 
 
 def verdict(iv: dict, metric: str) -> str:
+    if iv["n"] == 0:
+        return "no round with both arms: nothing compared"
     if iv["lo"] is None:
         return "one round: no interval, no difference established"
     if iv["hi"] < 0:
@@ -115,7 +121,8 @@ def table(comparisons: list, metric: str) -> str:
     for c in comparisons:
         iv = c["diff"]
         g = ", ".join(f"{k}={v}" for k, v in c["group"].items()) or "all"
-        ci = f"{iv['mean']:+.3f}" + (f" [{iv['lo']:+.3f}, {iv['hi']:+.3f}]" if iv["lo"] is not None else "")
+        ci = "-" if iv["mean"] is None else (
+            f"{iv['mean']:+.3f}" + (f" [{iv['lo']:+.3f}, {iv['hi']:+.3f}]" if iv["lo"] is not None else ""))
         lines.append(f"| {g} | {c['arm']} vs {c['base']} | {', '.join(f'{x:.3f}' for x in c['base_values'])} | "
                      f"{', '.join(f'{x:.3f}' for x in c['values'])} | {ci} | {verdict(iv, metric)} |")
     return "\n".join(lines)
@@ -132,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-by", default="", help="comma-separated row fields: one comparison per group "
                     "(e.g. index,pass_,impl for benchmarks.kernels --passes)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds for all rounds: a round starts only if the longest one so far fits (0: no limit)")
     ap.add_argument("--allow-same-code", action="store_true", help="let two arms run the same code (an A/A run)")
     return ap
 
@@ -150,6 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "read from there")
     if a.rounds < 1:
         raise SystemExit(f"error: --rounds must be >= 1, got {a.rounds}")
+    if a.timeout <= 0 or a.budget < 0:
+        raise SystemExit(f"error: --timeout must be > 0 and --budget >= 0, got {a.timeout} and {a.budget}")
     try:
         arms = dict(parse_arm(x) for x in a.arm)
     except ValueError as e:
@@ -165,8 +176,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     commits = {n: tree_commit(p) for n, p in arms.items()}
     os.makedirs(a.out, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    rows, t0 = [], time.time()
+    rows, t0, longest = [], time.time(), 0.0
+    head = (f"`python -m benchmarks.ab_trees {' '.join(argv)}`\n\n"
+            + "\n".join(f"* {n}: {arms[n]}, commit {commits[n]}, code {codes[n]}" for n in names) + "\n\n")
+
+    def report(note: str = "") -> str:
+        with open(os.path.join(a.out, "ab.jsonl"), "w") as f:
+            for x in rows:
+                f.write(json.dumps(x) + "\n")
+        comp = compare(rows, names, a.metric, [g for g in a.group_by.split(",") if g])
+        text = head + (f"{note}\n\n" if note else "") + table(comp, a.metric) + "\n"
+        with open(os.path.join(a.out, "ab.md"), "w") as f:
+            f.write(text)
+        return text
+
+    note = ""
     for r in range(a.rounds):
+        elapsed = time.time() - t0
+        if a.budget and r and elapsed + longest > a.budget:
+            note = (f"Stopped before round {r}: {elapsed:.0f} s used, the longest round took {longest:.0f} s, "
+                    f"--budget {a.budget:.0f} s.")
+            print(note, file=sys.stderr, flush=True)
+            break
+        t_round, timed_out = time.time(), None
         for n in rounds_order(names, r):
             folder = os.path.abspath(os.path.join(a.out, f"r{r:02d}_{n}"))
             cmd = [sys.executable, "-m", command[0]] + [x.replace("{out}", folder) for x in command[1:]]
@@ -194,15 +226,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{time.time() - t:.1f} s", file=sys.stderr, flush=True)
             if status != 0:
                 print("\n".join(log.strip().splitlines()[-15:]), file=sys.stderr, flush=True)
-    with open(os.path.join(a.out, "ab.jsonl"), "w") as f:
-        for x in rows:
-            f.write(json.dumps(x) + "\n")
-    comp = compare(rows, names, a.metric, [g for g in a.group_by.split(",") if g])
-    head = (f"`python -m benchmarks.ab_trees {' '.join(argv)}`\n\n"
-            + "\n".join(f"* {n}: {arms[n]}, commit {commits[n]}, code {codes[n]}" for n in names) + "\n\n")
-    text = head + table(comp, a.metric) + "\n"
-    with open(os.path.join(a.out, "ab.md"), "w") as f:
-        f.write(text)
+            if status == "timeout":
+                timed_out = n
+                break
+        longest = max(longest, time.time() - t_round)
+        if timed_out:
+            note = (f"Stopped in round {r}: arm {timed_out} ran past --timeout {a.timeout:.0f} s (its next run "
+                    f"would too); rounds before it are compared.")
+            print(note, file=sys.stderr, flush=True)
+            break
+        report()
+    text = report(note)
     print(text)
     return 0
 

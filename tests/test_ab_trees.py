@@ -18,6 +18,7 @@ from benchmarks._driver import provenance
 out = sys.argv[sys.argv.index("--out") + 1]
 os.makedirs(out, exist_ok=True)
 rnd = len([d for d in os.listdir(os.path.dirname(out))])  # a little drift between runs
+import time; time.sleep(SLEEP)
 row = dict(provenance(sys.argv[1:]), step_ms=BASE + 0.01 * rnd, index="a")
 if CLAIM:
     row["code"] = CLAIM
@@ -27,12 +28,13 @@ with open(os.path.join(out, "rows.jsonl"), "w") as f:
 '''
 
 
-def _tree(root, name, base, claim=""):
+def _tree(root, name, base, claim="", sleep=0.0):
     t = root / name
     src = _driver.code_root()
     for pkg in _driver.CODE_PACKAGES:
         shutil.copytree(os.path.join(src, pkg), t / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (t / "benchmarks" / "fake_bench.py").write_text(FAKE.replace("BASE", repr(base)).replace("CLAIM", repr(claim)))
+    (t / "benchmarks" / "fake_bench.py").write_text(FAKE.replace("BASE", repr(base)).replace("CLAIM", repr(claim))
+                                                          .replace("SLEEP", repr(sleep)))
     (t / "COMMIT").write_text(f"c-{name}\n")
     return t
 
@@ -90,3 +92,27 @@ def test_refusals(tmp_path):
 def test_round_order_rotates():
     assert [ab_trees.rounds_order(["a", "b", "c"], r) for r in range(4)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_a_run_past_the_timeout_stops_and_the_budget_skips_a_round_that_cannot_fit(tmp_path):
+    """Device time: an arm that ran past --timeout would again, so the A/B stops (the rounds before are
+    compared); with --budget a round starts only if the longest round so far fits; ab.md is written."""
+    a, slow = _tree(tmp_path, "a", 1.0), _tree(tmp_path, "slow", 2.0, sleep=60.0)
+    out = tmp_path / "out"
+    p = _run([f"--arm=a={a}", f"--arm=slow={slow}", "--rounds", "3", "--timeout", "6", "--out", str(out), "--",
+              "benchmarks.fake_bench", "--out", "{out}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(os.listdir(out)) == ["ab.jsonl", "ab.md", "r00_a", "r00_slow"]  # no second round
+    md = open(out / "ab.md").read()
+    assert "Stopped in round 0: arm slow ran past --timeout 6 s" in md
+    assert "no round with both arms: nothing compared" in md
+    b = _tree(tmp_path, "b", 3.0, sleep=2.0)
+    out2 = tmp_path / "out2"
+    p = _run([f"--arm=a={a}", f"--arm=b={b}", "--rounds", "3", "--budget", "1", "--out", str(out2), "--",
+              "benchmarks.fake_bench", "--out", "{out}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(os.listdir(out2)) == ["ab.jsonl", "ab.md", "r00_a", "r00_b"]  # round 0 always runs
+    md = open(out2 / "ab.md").read()
+    assert "Stopped before round 1" in md and "--budget 1 s" in md and "one round: no interval" in md
+    p = _run([f"--arm=a={a}", f"--arm=b={b}", "--budget", "-1", "--out", str(out2), "--", "m", "{out}"], tmp_path)
+    assert p.returncode != 0 and "--budget >= 0" in p.stderr and "Traceback" not in p.stderr
