@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     from benchmarks._timing import timeit
     from mtraining_jax.sparsity import SparsityConfig, estimate_index
     from mtraining_jax.sparsity import estimate as est
+    from mtraining_jax.sparsity import exact_logits
     from pallas_kernels import window_scores as ws
 
     try:
@@ -98,10 +99,10 @@ def main(argv=None) -> int:
     cfg = SparsityConfig(last_q=lq, estimate_impl="xla")
     kcfg = dataclasses.replace(cfg, estimate_impl="triton")
     F, G = est.fixed_point_bits(cfg)
-    w, _ = est._digit_plan(a.head_dim)
+    w, _ = exact_logits.digit_plan(a.head_dim)
     scale = est._scale(a.head_dim, cfg)
-    qd = est._operand_digits(q[:, S - lq:].astype(jnp.float32))
-    kd = est._operand_digits(k.astype(jnp.float32))
+    qd = exact_logits.operand_digits(q[:, S - lq:].astype(jnp.float32))
+    kd = exact_logits.operand_digits(k.astype(jnp.float32))
     ops = ws.WindowOperands(qd.digits, qd.row_scale, kd.digits, kd.row_scale, pos)
     kw = dict(first=S - lq, w=w, block_size=cfg.block_size, interpret=jax.default_backend() != "gpu")
 

@@ -17,7 +17,7 @@ mesh between them):
 Logits: ``z = (sum_l 2^(-w l) L_l) * q_scale * k_scale`` with ``L_l = sum_{a + b = l} q_a . k_b``
 over the operands' balanced digits (``bf16`` integers, ``|d| <= 2^(w-1)``): every ``L_l`` is an
 integer below ``2^24``, exact in float32 in any summation order, so the bits of ``z`` are those of
-the XLA path's ``_window_logits`` whatever the tiling. Every later step is one elementwise operation
+the XLA path's ``exact_logits.window_logits`` whatever the tiling. Every later step is one elementwise operation
 in the XLA path's order (``exp`` and an IEEE division, ``div.rn.f32`` on the GPU), and every sum is of
 integers. Op by op (interpret mode on the CPU, not jitted) the results are the XLA path's bit for bit
 (``tests/test_window_scores.py``). Compiled, the two paths' ``exp`` may round differently: on a GPU

@@ -31,7 +31,7 @@ from mtraining_jax.attention.mtraining import MTrainingConfig, mtraining_attenti
 from mtraining_jax.mesh import make_mesh
 from mtraining_jax.ring.config import RingOptions
 from mtraining_jax.sparsity import SparsityConfig, estimate_index
-from mtraining_jax.sparsity.estimate import _digit_plan, _operand_digits, _window_logits
+from mtraining_jax.sparsity.exact_logits import digit_plan, operand_digits, window_logits
 from pallas_kernels.rounding import storage_round
 from mtraining_jax.sparsity.synthetic import SyntheticAttention, synthetic_qk
 
@@ -204,7 +204,7 @@ def test_logits_do_not_depend_on_the_summation_order(D):
     q = jnp.asarray(rng.standard_normal((B, R, HQ, D)) * np.exp(rng.standard_normal((B, R, HQ, 1))), jnp.float32)
     k = jnp.asarray(rng.standard_normal((B, S, HKV, D)) * np.exp(rng.standard_normal((B, S, HKV, 1))), jnp.float32)
     k = k.at[:, 5, :, 3].set(1e-30)  # an element far below its row's scale
-    f = jax.jit(lambda a, b: _window_logits(a, _operand_digits(b)))
+    f = jax.jit(lambda a, b: window_logits(a, operand_digits(b)))
     z = np.asarray(f(q, k))
     for seed in range(3):
         p = np.random.default_rng(seed).permutation(D)
@@ -215,7 +215,7 @@ def test_logits_do_not_depend_on_the_summation_order(D):
     kmax = np.abs(np.asarray(k, np.float64)).max(-1)  # [B, S, HKV]
     bound = 3 * D * 2.0**-23 * qmax.transpose(0, 2, 1)[..., None] * np.repeat(kmax.transpose(0, 2, 1), 2, 1)[:, :, None]
     assert np.all(np.abs(z - ref) <= bound + 2.0**-23 * np.abs(ref))
-    w, J = _digit_plan(D)
+    w, J = digit_plan(D)
     assert (w, J) == (8, 3) and J * D * 4 ** (w - 1) <= 2**24  # every level sum exact in float32
 
 

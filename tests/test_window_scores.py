@@ -24,6 +24,7 @@ from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, make_mesh
 from mtraining_jax.sparsity import SparsityConfig, estimate_index, estimate_index_shard
 from mtraining_jax.sparsity import estimate as est
+from mtraining_jax.sparsity import exact_logits
 from pallas_kernels import window_scores as ws
 
 CFG = SparsityConfig(vertical_min=4, vertical_max=64, slash_max=8, vertical_p=0.8, slash_p=0.8)
@@ -186,7 +187,7 @@ def test_sharded_kernel_estimate_equals_the_xla_index(window):
 def _operands(B, S, HQ, HKV, D, R):
     q = jnp.zeros((B, R, HQ, D), jnp.float32)
     k = jnp.zeros((B, S, HKV, D), jnp.float32)
-    qd, kd = est._operand_digits(q), est._operand_digits(k)
+    qd, kd = exact_logits.operand_digits(q), exact_logits.operand_digits(k)
     return ws.WindowOperands(qd.digits, qd.row_scale, kd.digits, kd.row_scale, jnp.arange(S, dtype=jnp.int32))
 
 

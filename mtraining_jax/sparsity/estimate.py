@@ -20,7 +20,7 @@ measures whether a trained model exploits that by reading its parameters with de
 Bit-identical across layouts, meshes and programs (forward, backward, remat, evaluation; any
 kernel impl, fusion or dot algorithm): the inputs are rounded to their storage dtype
 (:func:`pallas_kernels.rounding.storage_round`), the logits are exact integer sums
-(:func:`_window_logits`), and after the row max every reduction over keys sums integer fixed-point
+(:func:`~mtraining_jax.sparsity.exact_logits.window_logits`), and after the row max every reduction over keys sums integer fixed-point
 digits (:func:`_digits`, :func:`fixed_point_bits`). So every rank ends with the same index without a
 broadcast.
 
@@ -33,7 +33,7 @@ attention the kernels run). ``cfg.window = "per_document"``: the window is every
 last ``last_q`` queries (:func:`_document_window`), and the threshold comes from the floored total.
 
 Cost per head: ``last_q x S`` logits (``last_q / S`` of dense), as one bf16 matmul of ``J^2`` times
-the flops (:func:`_window_logits`). ``cfg.estimate_impl``: the XLA path writes that matmul's ``J``
+the flops (:func:`~mtraining_jax.sparsity.exact_logits.window_logits`). ``cfg.estimate_impl``: the XLA path writes that matmul's ``J``
 partial products to memory and reads them back per pass; ``"triton"`` computes the same integers
 tile by tile in three Pallas Triton passes that never store the logits
 (:mod:`pallas_kernels.window_scores`, :func:`_kernel_column_sums`), for either window (the
@@ -56,6 +56,7 @@ from pallas_kernels import window_scores
 from pallas_kernels.rounding import storage_round
 from pallas_kernels.window_scores import fixed_point_digits as _digits
 from mtraining_jax.sparsity.budgets import top_p_select
+from mtraining_jax.sparsity.exact_logits import Digits, digit_plan, operand_digits, window_logits
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from mtraining_jax.sparsity.positions import check_positions
@@ -71,7 +72,7 @@ def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
     # the whole sequence on one device: a permutation; one rank's rows: distinct positions in 0..S-1
     check_positions(positions, S, name=name, permutation=num_ranks == 1, shape=(q.shape[1],))
     cfg.check(S, q.shape[2], num_ranks)
-    _digit_plan(q.shape[3])  # a head_dim the exact logits can take
+    digit_plan(q.shape[3])  # a head_dim the exact logits can take
     if cfg.estimate_impl == "triton":
         try:
             window_scores.supports(window_rows(cfg, S), q.shape[1], q.shape[3])
@@ -199,10 +200,10 @@ def _denominator(sums):
 def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, padded: bool = False):
     """Fixed-point digits ``(hi, lo) int32 [B, Hq, R, S_local]`` of the window rows' exact softmax
     probabilities (:func:`fixed_point_bits`) under ``causal`` (``[R, Sk]`` or ``[B, 1, R, Sk]``);
-    ``q_rows`` float32 ``[B, R, Hq, D]``, ``k`` the keys' :func:`_operand_digits`; ``padded``: some
+    ``q_rows`` float32 ``[B, R, Hq, D]``, ``k`` the keys' :func:`~mtraining_jax.sparsity.exact_logits.operand_digits`; ``padded``: some
     rows may see no key at all (they get zeros)."""
     F, G = fixed_point_bits(cfg)
-    z = _window_logits(q_rows, k)  # [B, Hq, R, Sk], unscaled
+    z = window_logits(q_rows, k)  # [B, Hq, R, Sk], unscaled
     z = jnp.where(causal, z, -jnp.inf)
     m = reduce_max(z.max(axis=-1))  # exact in any order
     if padded:  # a padding row sees no key: keep it finite (it adds nothing)
@@ -218,7 +219,7 @@ def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, 
 
 
 #: most bytes one chunk of window rows may hold in the estimate's float32 logits (the ``J`` partial
-#: dot products of :func:`_window_logits`, ``[B, Hq, rows, J, S_local]``): at 128K, 14 heads and
+#: dot products of :func:`~mtraining_jax.sparsity.exact_logits.window_logits`, ``[B, Hq, rows, J, S_local]``): at 128K, 14 heads and
 #: ``last_q`` 64 the whole window would be 1.3 GiB of transients beside the training step's
 #: residuals; rows are exact and independent, so chunking them changes no bit (:func:`window_row_chunk`)
 ROW_CHUNK_BYTES = 256 * 2**20
@@ -228,7 +229,7 @@ def window_row_chunk(batch: int, heads: int, keys: int, head_dim: int, last_q: i
     """Rows of the observation window the estimate scores at once: ``last_q`` when its logits fit
     :data:`ROW_CHUNK_BYTES`, else the largest power of two dividing ``gcd(last_q, block_size)``
     whose chunk fits (at least 1), so no chunk straddles a query block."""
-    _, J = _digit_plan(head_dim)
+    _, J = digit_plan(head_dim)
     per_row = batch * heads * keys * J * 4
     if last_q * per_row <= ROW_CHUNK_BYTES:
         return last_q
@@ -292,7 +293,7 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
     B, _, Hq, D = q.shape
     q_last = _last_queries(q, k_pos, seq_len, lq, reduce_sum)  # q and k share the layout
     last_seg = None if seg is None else _last_segments(seg, k_pos, seq_len, lq, reduce_sum)  # [B, Lq]
-    k = _operand_digits(k)
+    k = operand_digits(k)
     rc = window_row_chunk(B, Hq, k_pos.shape[0], D, lq, bs)
 
     def digits(pos, qc, sc):
@@ -347,7 +348,7 @@ def _varying_axes(x) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
-def _kernel_column_sums(q_rows, k: "_Digits", k_pos, ops_kw: dict, cfg: SparsityConfig, reduce_sum, reduce_max,
+def _kernel_column_sums(q_rows, k: "Digits", k_pos, ops_kw: dict, cfg: SparsityConfig, reduce_sum, reduce_max,
                         first: int | None):
     """``(hi, lo) int32 [B, Hq, R // tr, S_local]`` and ``tr``: per row tile of ``tr`` window rows, the
     column sums of the rows' probability digits, from the Pallas Triton kernels
@@ -361,8 +362,8 @@ def _kernel_column_sums(q_rows, k: "_Digits", k_pos, ops_kw: dict, cfg: Sparsity
                          f"library's own shard_maps set it")
     F, G = fixed_point_bits(cfg)
     D = q_rows.shape[-1]
-    w, _ = _digit_plan(D)
-    qd = _operand_digits(q_rows)
+    w, _ = digit_plan(D)
+    qd = operand_digits(q_rows)
     ops = window_scores.WindowOperands(qd.digits, qd.row_scale, k.digits, k.row_scale, k_pos, **ops_kw)
     kw = dict(first=first, w=w, block_size=cfg.block_size, interpret=jax.default_backend() != "gpu")
     m = reduce_max(window_scores.row_max(ops, **kw))  # [B, Hq, R]
@@ -375,7 +376,7 @@ def _kernel_column_sums(q_rows, k: "_Digits", k_pos, ops_kw: dict, cfg: Sparsity
     return hi, lo, window_scores.row_tile(q_rows.shape[1], cfg.block_size)
 
 
-def _kernel_block_sums(q_last, k: "_Digits", k_pos, last_seg, seg, seq_len: int, cfg: SparsityConfig, reduce_sum,
+def _kernel_block_sums(q_last, k: "Digits", k_pos, last_seg, seg, seq_len: int, cfg: SparsityConfig, reduce_sum,
                        reduce_max) -> dict:
     """``{g: int32 [2, B, Hq, S_local]}``: the (hi, lo) column sums of the sequence window's rows in
     query block ``g`` (:func:`_kernel_column_sums`)."""
@@ -403,7 +404,7 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
     B, W = blocks.shape
     H = q.shape[2]
     q_win = _window_queries(q, k_pos, blocks, seq_len, bs, reduce_sum)  # [B, W * bs, Hq, D]
-    k = _operand_digits(k)  # once, outside the scan
+    k = operand_digits(k)  # once, outside the scan
     per_block = lambda x: jnp.moveaxis(x.reshape((B, W, bs) + x.shape[2:]), 1, 0)  # noqa: E731
     if estimate_impl(cfg, k_pos.shape[0], q.shape[3], bool(_varying_axes(k_pos)), W * bs) == "triton":
         # every window row at once, its global position (-1: a padding row) an operand of the kernels
@@ -436,89 +437,6 @@ def _document_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum,
                                                         jnp.moveaxis(blocks, 1, 0)))
     slash = reduce_sum(slash)
     return v_hi + (v_lo >> G), slash[0] + (slash[1] >> G)
-
-
-#: bits of each logits operand kept by the exact dot (:func:`_window_logits`): float32's
-_DOT_BITS = 24
-
-
-def _digit_plan(head_dim: int) -> tuple[int, int]:
-    """``(w, J)``: ``J`` balanced digits of ``w`` bits per operand, ``J w >= 24``, such that one
-    weight's digit products (``<= J * head_dim`` terms, each ``|.| <= 4^(w-1)``) sum below ``2^24``
-    (exact in float32 in any order); ``w = 8, J = 3`` for ``head_dim <= 341``."""
-    for w in range(8, 1, -1):
-        J = -(-_DOT_BITS // w)
-        if J * head_dim * 4 ** (w - 1) <= 2**24:
-            return w, J
-    raise ValueError(f"head_dim {head_dim} is too large for the index estimate's exact logits")
-
-
-class _Digits(NamedTuple):
-    """An operand of the exact logits: ``x ~= row_scale * sum_j digits[j] 2^(-w j)``."""
-
-    digits: jax.Array  # bf16 [B, S, H, J, D], integers |d| <= 2^(w-1)
-    row_scale: jax.Array  # float32 [B, S, H], a power of two
-
-
-def _pow2(n):
-    """Exact float32 ``2^n`` for int32 ``n`` in ``[-126, 127]``, from its bits."""
-    return jax.lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
-
-
-def _operand_digits(x) -> _Digits:
-    """Balanced base-``2^w`` digits of the rows (last axis) of ``x`` (float32 ``[B, S, H, D]``).
-
-    With ``2^e > max|x_row|`` (from the bits of the row max), ``u = x 2^(1-w-e)`` lies in
-    ``(-2^(w-1), 2^(w-1))``; ``d_0 = round(u)``, ``d_j = round(2^w (previous remainder))``.
-    Power-of-two scalings, rounding to an integer and subtracting it are exact, so the digits are
-    a function of the bits of ``x`` alone, however the program is fused. A narrower float ``x``
-    (bf16, float16) is cast to float32 first, exactly (the row max's bits are read as float32's)."""
-    x = x.astype(jnp.float32)
-    w, J = _digit_plan(x.shape[-1])
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    biased = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
-    e = jnp.maximum(biased, 1) - 126  # max|x_row| < 2^e (zero and subnormal rows: 2^-125)
-    n = jnp.clip(w - 1 - e, -126, 126)  # rows below 2^-119 keep fewer bits (2^n, 2^-n normal)
-    t = x * _pow2(n)[..., None]
-    out = []
-    for j in range(J):
-        if j:
-            t = t * np.float32(2.0**w)
-        d = jnp.round(t)
-        out.append(d)
-        t = t - d
-    digits = jnp.stack(out, axis=-2).astype(jnp.bfloat16)  # exact: |d| <= 2^(w-1) <= 128
-    return _Digits(digits, _pow2(-n))
-
-
-def _window_logits(q_rows, k: _Digits):
-    """``[B, Hq, R, Sk]`` float32 unscaled logits ``q . k`` of the window, the same bits in every
-    program (module docstring): ``q_rows`` float32 ``[B, R, Hq, D]``, ``k`` the keys' digits.
-
-    ``q . k = sq sk sum_l 2^(-w l) L_l`` with ``L_l = sum_{a + b = l} sum_d dq_a dk_b`` (weights
-    ``l >= J`` dropped, below ``2^-24`` of the row scales). One bf16 matmul computes every ``L_l``:
-    the query operand holds, for weight ``l`` and key digit ``b``, the query digit ``l - b`` (zero
-    where ``b > l``), so ``M = J R``, ``K = J D``; each output is an integer ``<= J D 4^(w-1) <= 2^24``
-    summed from exact products, exact in float32 in any order and on any hardware."""
-    w, J = _digit_plan(q_rows.shape[-1])
-    qd = _operand_digits(q_rows)
-    B, R, Hq, _, D = qd.digits.shape
-    Hkv = k.digits.shape[2]
-    qdig = jnp.moveaxis(qd.digits, 1, 2)  # [B, Hq, R, J, D] (R rows: small)
-    zero = jnp.zeros_like(qdig[..., 0, :])
-    qcat = jnp.stack([jnp.stack([qdig[..., l - b, :] if b <= l else zero for b in range(J)], axis=-2)
-                      for l in range(J)], axis=-3)  # [B, Hq, R, J (weight l), J (key digit b), D]
-    qcat = qcat.reshape(B, Hkv, Hq // Hkv, R, J, J, D)
-    # the output in the matmul's own order (batch b, h; the query operand's free axes g, q, l; keys k):
-    # no transpose of this J x [B, Hq, R, Sk] intermediate
-    lv = jnp.einsum("bhgqlcd,bkhcd->bhgqlk", qcat, k.digits, preferred_element_type=jnp.float32)
-    z = lv[:, :, :, :, 0]
-    for l in range(1, J):  # fixed order; the products are exact, so a fused multiply-add is too
-        z = z + lv[:, :, :, :, l] * np.float32(2.0 ** (-w * l))
-    z = z.reshape(B, Hq, R, -1)
-    sq = jnp.moveaxis(qd.row_scale, 1, 2)[..., None]  # [B, Hq, R, 1]
-    sk = jnp.repeat(jnp.moveaxis(k.row_scale, 1, 2), Hq // Hkv, axis=1)[:, :, None, :]  # [B, Hq, 1, Sk]
-    return z * sq * sk
 
 
 def _select(vert, slash, cfg: SparsityConfig, seq_len: int, ids=None, total=None) -> VerticalSlashIndex:
