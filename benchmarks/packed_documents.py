@@ -8,8 +8,8 @@ seeded log-uniform mix; q/k by default synthetic per document, ``--qk``), with t
 ``documents``) and from every document's own last queries (``documents_per_doc``,
 ``SparsityConfig(window="per_document")``). Reports per (impl, mode) the executed work fraction (``stats_scalars``),
 forward and forward+backward time (each call estimates its index), the index estimate's time alone
-(``estimate_ms``: ``fwd_ms - estimate_ms`` is about the forward kernels' share), the block-level density of the document mask itself, and the
-relative difference of the output and gradients from the first impl's (a cross-check of the
+(``estimate_ms``: ``fwd_ms - estimate_ms`` is about the forward kernels' share), the block-level
+density of the document mask itself, and the relative difference of the output and gradients from the first impl's (a cross-check of the
 kernels at full size); one JSON line each to ``--out``, with the run's provenance. ``--estimate-impls xla auto``
 times the index estimate's two paths (``SparsityConfig.estimate_impl``) on the same inputs.
 

@@ -20,7 +20,7 @@ measures whether a trained model exploits that by reading its parameters with de
 Bit-identical across layouts, meshes and programs (forward, backward, remat, evaluation; any
 kernel impl, fusion or dot algorithm): the inputs are rounded to their storage dtype
 (:func:`pallas_kernels.rounding.storage_round`), the logits are exact integer sums
-(:func:`~mtraining_jax.sparsity.exact_logits.window_logits`), and after the row max every reduction over keys sums integer fixed-point
+(:func:`.exact_logits.window_logits`), and after the row max every reduction over keys sums integer fixed-point
 digits (:func:`_digits`, :func:`fixed_point_bits`). So every rank ends with the same index without a
 broadcast.
 
@@ -33,7 +33,7 @@ attention the kernels run). ``cfg.window = "per_document"``: the window is every
 last ``last_q`` queries (:func:`_document_window`), and the threshold comes from the floored total.
 
 Cost per head: ``last_q x S`` logits (``last_q / S`` of dense), as one bf16 matmul of ``J^2`` times
-the flops (:func:`~mtraining_jax.sparsity.exact_logits.window_logits`). ``cfg.estimate_impl``: the XLA path writes that matmul's ``J``
+the flops (:func:`.exact_logits.window_logits`). ``cfg.estimate_impl``: the XLA path writes that matmul's ``J``
 partial products to memory and reads them back per pass; ``"triton"`` computes the same integers
 tile by tile in three Pallas Triton passes that never store the logits
 (:mod:`pallas_kernels.window_scores`, :func:`_kernel_column_sums`), for either window (the
@@ -200,7 +200,7 @@ def _denominator(sums):
 def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, padded: bool = False):
     """Fixed-point digits ``(hi, lo) int32 [B, Hq, R, S_local]`` of the window rows' exact softmax
     probabilities (:func:`fixed_point_bits`) under ``causal`` (``[R, Sk]`` or ``[B, 1, R, Sk]``);
-    ``q_rows`` float32 ``[B, R, Hq, D]``, ``k`` the keys' :func:`~mtraining_jax.sparsity.exact_logits.operand_digits`; ``padded``: some
+    ``q_rows`` float32 ``[B, R, Hq, D]``, ``k`` the keys' :func:`.exact_logits.operand_digits`; ``padded``: some
     rows may see no key at all (they get zeros)."""
     F, G = fixed_point_bits(cfg)
     z = window_logits(q_rows, k)  # [B, Hq, R, Sk], unscaled
@@ -219,7 +219,7 @@ def _row_digits(q_rows, k, causal, cfg: SparsityConfig, reduce_sum, reduce_max, 
 
 
 #: most bytes one chunk of window rows may hold in the estimate's float32 logits (the ``J`` partial
-#: dot products of :func:`~mtraining_jax.sparsity.exact_logits.window_logits`, ``[B, Hq, rows, J, S_local]``): at 128K, 14 heads and
+#: dot products of :func:`.exact_logits.window_logits`, ``[B, Hq, rows, J, S_local]``): at 128K, 14 heads and
 #: ``last_q`` 64 the whole window would be 1.3 GiB of transients beside the training step's
 #: residuals; rows are exact and independent, so chunking them changes no bit (:func:`window_row_chunk`)
 ROW_CHUNK_BYTES = 256 * 2**20
