@@ -144,29 +144,46 @@ def plot_column_waste(rows, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def plot_timings(rows, path: str, runs=None) -> None:
-    """Bar chart of the timing rows (``fwd_ms`` / ``fwd_bwd_ms``; of ``runs`` if given): per mode,
-    index-estimate path and commit, the median over processes (bars) and each process (dots)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def timing_groups(rows, runs=None) -> dict:
+    """``{(mode, estimate path, code): [rows]}`` of the timing rows (of ``runs`` if given); ``code`` is
+    the commit's first 7 characters and, for ``benchmarks.ab_trees`` rows, the arm."""
     rows = [r for r in rows if "fwd_bwd_ms" in r and (not runs or r.get("run") in runs)]
     if not rows:
         raise ValueError(f"no timing rows{' of runs ' + ', '.join(runs) if runs else ''} to plot")
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["mode"], r["estimate"], str(r["commit"])[:7]), []).append(r)
+        code = str(r["commit"])[:7] + (f" {r['ab_arm']}" if r.get("ab_arm") else "")
+        groups.setdefault((r["mode"], r["estimate"], code), []).append(r)
+    return groups
+
+
+def plot_timings(rows, path: str, runs=None) -> None:
+    """Bar chart of the timing rows (``fwd_ms`` / ``fwd_bwd_ms``, and ``estimate_ms`` where rows have it;
+    of ``runs`` if given): per mode, index-estimate path and code (the commit, and the A/B arm of
+    ``benchmarks.ab_trees`` rows: two arms of one commit stay apart), the median over processes (bars)
+    and each process (dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = timing_groups(rows, runs)
+    rows = [r for g in groups.values() for r in g]
     keys = sorted(groups)
     x = np.arange(len(keys))
+    bars = [("fwd_ms", "forward"), ("fwd_bwd_ms", "forward + backward")]
+    if any("estimate_ms" in r for r in rows):
+        bars.insert(0, ("estimate_ms", "index estimate alone"))
+    width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(keys)), 4.0))
-    for off, col, name in ((-0.2, "fwd_ms", "forward"), (0.2, "fwd_bwd_ms", "forward + backward")):
-        vals = [[r[col] for r in groups[k]] for k in keys]
-        ax.bar(x + off, [np.median(v) for v in vals], 0.4, label=name)
+    for j, (col, name) in enumerate(bars):
+        off = (j - (len(bars) - 1) / 2) * width
+        vals = [[r[col] for r in groups[k] if col in r] for k in keys]
+        ax.bar(x + off, [np.median(v) if v else 0.0 for v in vals], width, label=name)
         for i, v in enumerate(vals):
-            ax.plot([x[i] + off] * len(v), v, "k.", ms=4)
-            ax.annotate(f"{np.median(v):.1f}", (x[i] + off, np.median(v)), ha="center", va="bottom", fontsize=7)
+            if v:
+                ax.plot([x[i] + off] * len(v), v, "k.", ms=4)
+                ax.annotate(f"{np.median(v):.1f}", (x[i] + off, np.median(v)), ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log"), ax.set_ylabel("ms (median of a process's repeats; dots: processes)"), ax.legend(fontsize=8)
     ax.set_xticks(x, [f"{m}\nestimate {e}\n{c}" for m, e, c in keys], fontsize=7)
     r0 = rows[0]

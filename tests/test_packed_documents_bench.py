@@ -104,3 +104,10 @@ def test_timing_plot_draws_the_chosen_runs_and_names_an_empty_choice(tmp_path):
     assert png.stat().st_size > 0
     with pytest.raises(ValueError, match="no timing rows of runs c"):
         packed_documents.plot_timings(rows, str(tmp_path / "u.png"), ["c"])
+    # two A/B arms of one commit stay apart, and their estimate_ms is drawn
+    ab = [{**row, "run": "d", "ab_arm": arm, "estimate_ms": 28.0 + i} for i, arm in enumerate(("old", "new", "old"))]
+    groups = packed_documents.timing_groups(rows + ab, ["d"])
+    assert {k: len(v) for k, v in groups.items()} == {("documents_per_doc", "xla", "abc1234 old"): 2,
+                                                       ("documents_per_doc", "xla", "abc1234 new"): 1}
+    packed_documents.plot_timings(rows + ab, str(tmp_path / "d.png"), ["d"])
+    assert (tmp_path / "d.png").stat().st_size > 0
