@@ -23,6 +23,8 @@ _META = re.compile(r'(op_name|source_file|source_line|stack_frame_id)=("(?:[^"\\
 _COMPUTE = ("fusion", "custom-call", "dot", "convolution")
 _OUTLINE = re.compile(r"collective-permute|all-reduce|all-gather|reduce-scatter|all-to-all|custom-call")
 
+_TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'
+_TRITON_NAME = re.compile(r'"name":\s*"([^"]+)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 
@@ -163,7 +165,9 @@ def hlo_sources(hlo_text: str) -> dict[str, dict[str, str]]:
     """``{kernel name: {"op": jax op name, "src": "file:line < caller ..."}}`` from optimized HLO.
 
     A GPU kernel is named after its HLO instruction with ``.`` and ``-`` replaced by ``_``
-    (``%input_scatter_fusion.3`` runs as ``input_scatter_fusion_3``); the instruction's
+    (``%input_scatter_fusion.3`` runs as ``input_scatter_fusion_3``), except a Pallas Triton kernel,
+    which runs under its ``pallas_call``'s name (the custom call's ``backend_config`` ``name``): that
+    name gets its instruction's entry with ``"pallas": True``. The instruction's
     ``metadata`` holds the JAX op name and the Python lines that emitted it (``source_file`` /
     ``source_line``, or a ``stack_frame_id`` into the module's frame tables)."""
     chain = _frames(hlo_text)
@@ -177,4 +181,9 @@ def hlo_sources(hlo_text: str) -> dict[str, dict[str, str]]:
         else:
             src = f"{os.path.basename(meta.get('source_file', '?'))}:{meta.get('source_line', '?')}"
         out[re.sub(r"[.\-]", "_", m.group(1))] = {"op": meta["op_name"][-160:], "src": src}
+    for ins in instructions(hlo_text):  # a Triton kernel runs under its pallas_call's name, not the instruction's
+        kernel = _TRITON_NAME.search(ins.line) if ins.opcode == "custom-call" and _TRITON in ins.line else None
+        if kernel:
+            hit = out.get(re.sub(r"[.\-]", "_", ins.name), {"op": "pallas_call", "src": "?"})
+            out[kernel.group(1)] = {**hit, "pallas": True}
     return out

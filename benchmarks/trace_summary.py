@@ -17,7 +17,8 @@ event (``"ph": "X"``) per kernel or copy. From those this module computes, per d
   JAX op name and source line of the HLO instruction it runs (:func:`benchmarks.hlo.hlo_sources`),
   so "where do the non-Pallas milliseconds come from" has an answer;
 * ``by_source`` every kernel's time, none left out, grouped by where it comes from: ``pallas``
-  (Mosaic / Triton kernels), ``communication`` (NCCL), the innermost source line of the kernel's
+  (Mosaic / Triton kernels: a name holding ``mosaic`` / ``triton`` / ``pallas``, or a Triton
+  ``pallas_call``'s name in the step's HLO), ``communication`` (NCCL), the innermost source line of the kernel's
   HLO instruction (``file.py:N``, with the step's HLO text), or ``library`` (cuBLAS / cuDNN / copies
   with no HLO source) — ``[{"source", "ms", "count"}]``, largest first; the sums of kernel durations
   (kernels on several streams may overlap, so they can exceed ``span_ms``).
@@ -145,9 +146,9 @@ def source_of(name: str, sources: dict | None) -> str:
     """Where kernel ``name`` comes from (see ``by_source`` in the module docstring)."""
     if COMM.search(name):
         return "communication"
-    if PALLAS.search(name):
-        return "pallas"
     hit = _hlo_source(name, sources)
+    if PALLAS.search(name) or (hit and hit.get("pallas")):
+        return "pallas"
     if hit and hit.get("src"):
         return hit["src"].split(" < ")[0]
     return "library"

@@ -30,8 +30,9 @@ Shapes (the estimate's own; no transposes): query digits ``bf16 [B, R, Hq, J, D]
 ``f32 [B, R, Hq]``, key digits ``bf16 [B, Sk, Hkv, J, D]`` with ``f32 [B, Sk, Hkv]``, key positions
 ``int32 [Sk]`` (any order), window rows at global positions ``first .. first + R - 1`` or, for a
 window of scattered rows (every document's own last queries), ``q_pos int32 [B, R]`` (``-1``: a
-padding row, which sees no key; a key tile that no row of the program sees is skipped, exactly:
-:func:`_skipping`); optional document ids ``int32 [B, R]`` / ``[B, Sk]``. Supported (:func:`supports`): ``R`` and ``D`` powers of
+padding row, which sees no key; a program whose rows can see none of its key chunk loads nothing,
+:func:`live_programs`, and a key tile that no row of the program sees is skipped, :func:`_skipping`:
+both exactly what the masked work gives); optional document ids ``int32 [B, R]`` / ``[B, Sk]``. Supported (:func:`supports`): ``R`` and ``D`` powers of
 two >= 16, ``Sk`` a multiple of 16.
 """
 
@@ -148,17 +149,39 @@ def _grid_specs(ops: WindowOperands, tr: int):
     if ops.q_seg is not None:
         specs += [pl.BlockSpec((None, tr), lambda c, h, i: (i // nrt, i % nrt)),
                   pl.BlockSpec((None, kc), lambda c, h, i: (i // nrt, c))]
-    if ops.q_pos is not None:
-        specs.append(pl.BlockSpec((None, tr), lambda c, h, i: (i // nrt, i % nrt)))
+    if ops.q_pos is not None:  # the rows' positions, and whether the program has any visible pair
+        specs += [pl.BlockSpec((None, tr), lambda c, h, i: (i // nrt, i % nrt)),
+                  pl.BlockSpec((None, None, None), lambda c, h, i: (i // nrt, i % nrt, c))]
     return (nkc, Hq, B * nrt), specs, nrt, nkc, kc, tk
 
 
-def _operands(ops: WindowOperands, J: int):
+def live_programs(ops: WindowOperands, tr: int, kc: int):
+    """``int32 [B, R // tr, Sk // kc]``: 0 where no (row, key) pair of the program (row tile, key
+    chunk) can be visible, so the program skips its key tiles without loading anything (what a
+    program whose every tile is masked gives: exactly the same result), else 1. Exact sufficient
+    conditions only (any layout, any document ids): no key of the chunk at or before the tile's
+    latest row position, or the rows' and the keys' document id ranges disjoint. The per-document
+    window's row tile sees only its own document's keys: about 3 of 128 key chunks at 128K with
+    the packed-documents benchmark's 47 documents (``results/documents/packed_documents.md``)."""
+    B, R = ops.q_pos.shape
+    Sk = ops.k_pos.shape[0]
+    qmax = ops.q_pos.astype(jnp.int32).reshape(B, R // tr, tr).max(axis=-1)
+    kmin = ops.k_pos.astype(jnp.int32).reshape(Sk // kc, kc).min(axis=-1)
+    live = qmax[:, :, None] >= kmin[None, None, :]
+    if ops.q_seg is not None:
+        qs = ops.q_seg.astype(jnp.int32).reshape(B, R // tr, tr)
+        ks = ops.k_seg.astype(jnp.int32).reshape(B, Sk // kc, kc)
+        live &= (qs.min(axis=-1)[:, :, None] <= ks.max(axis=-1)[:, None, :])
+        live &= (ks.min(axis=-1)[:, None, :] <= qs.max(axis=-1)[:, :, None])
+    return live.astype(jnp.int32)
+
+
+def _operands(ops: WindowOperands, J: int, tr: int, kc: int):
     args = [ops.q_digits] * J + [ops.q_scale] + [ops.k_digits] * J + [ops.k_scale, ops.k_pos]
     if ops.q_seg is not None:
         args += [ops.q_seg.astype(jnp.int32), ops.k_seg.astype(jnp.int32)]
     if ops.q_pos is not None:
-        args.append(ops.q_pos.astype(jnp.int32))
+        args += [ops.q_pos.astype(jnp.int32), live_programs(ops, tr, kc)]
     return args
 
 
@@ -212,8 +235,19 @@ def _skipping(skip_tiles: bool, ok, compute, skip, carry):
 
 
 def _n_fixed(J: int, segs: bool, rows: bool) -> int:
-    """Operands before the pass's own: digits and scales, key positions, document ids, row positions."""
-    return 2 * J + 3 + (2 if segs else 0) + (1 if rows else 0)
+    """Operands before the pass's own: digits and scales, key positions, document ids, row positions
+    and the program's :func:`live_programs` flag."""
+    return 2 * J + 3 + (2 if segs else 0) + (2 if rows else 0)
+
+
+def _if_live(refs, J: int, segs: bool, first: int | None, run, dead):
+    """``run()`` in a program that may have a visible pair, else ``dead()`` (which loads nothing):
+    the flag of :func:`live_programs`, for a window of scattered rows (``first=None``); a sequence
+    window's programs always run (branch-free as tuned)."""
+    if first is not None:
+        return run()
+    live = refs[_n_fixed(J, segs, False) + 1][...]
+    return lax.cond(live > 0, lambda _: run(), lambda _: dead(), 0)
 
 
 def _first(ops: WindowOperands, first: int | None) -> int | None:
@@ -223,10 +257,12 @@ def _first(ops: WindowOperands, first: int | None) -> int | None:
     return first
 
 
-def _call(kernel, ops, out_shape, out_specs, extra_args, extra_specs, interpret, grid, specs):
+def _call(kernel, name: str, ops, out_shape, out_specs, extra_args, extra_specs, interpret, grid, specs, tr: int):
+    """The pass ``kernel`` as one ``pallas_call`` named ``name`` (what a profile shows)."""
+    kc = ops.k_digits.shape[1] // grid[0]
     return pl.pallas_call(kernel, grid=grid, in_specs=specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
                           compiler_params=triton_compiler_params(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-                          interpret=interpret)(*_operands(ops, ops.q_digits.shape[3]), *extra_args)
+                          interpret=interpret, name=name)(*_operands(ops, ops.q_digits.shape[3], tr, kc), *extra_args)
 
 
 
@@ -254,22 +290,25 @@ def row_max(ops: WindowOperands, *, first: int | None, w: int, block_size: int, 
     nf = _n_fixed(J, segs, ops.q_pos is not None)
 
     def kernel(*refs):
-        visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+        def run():
+            visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
 
-        def body(i, mx):
-            rows = _key_tile(i, tk)
-            ok = visible(rows)
+            def body(i, mx):
+                rows = _key_tile(i, tk)
+                ok = visible(rows)
 
-            def fold(mx):
-                return jnp.maximum(mx, jnp.max(jnp.where(ok, logits(rows), -jnp.inf), axis=1))
+                def fold(mx):
+                    return jnp.maximum(mx, jnp.max(jnp.where(ok, logits(rows), -jnp.inf), axis=1))
 
-            return _skipping(first is None, ok, fold, lambda mx: mx, mx)
+                return _skipping(first is None, ok, fold, lambda mx: mx, mx)
 
-        refs[nf][...] = _over_tiles(kc // tk, body, jnp.full((tr,), -jnp.inf, jnp.float32))
+            return _over_tiles(kc // tk, body, jnp.full((tr,), -jnp.inf, jnp.float32))
 
-    out = _call(kernel, ops, jax.ShapeDtypeStruct((B, Hq, nkc, R), jnp.float32),
+        refs[nf][...] = _if_live(refs, J, segs, first, run, lambda: jnp.full((tr,), -jnp.inf, jnp.float32))
+
+    out = _call(kernel, "triton_window_row_max", ops, jax.ShapeDtypeStruct((B, Hq, nkc, R), jnp.float32),
                 pl.BlockSpec((None, None, None, tr), lambda c, h, i: (i // nrt, h, c, i % nrt)), [], [], interpret, grid,
-                specs)
+                specs, tr)
     return out.max(axis=2)
 
 
@@ -310,26 +349,32 @@ def exp_digit_sums(ops: WindowOperands, m, *, first: int | None, w: int, block_s
     nf, nd = _n_fixed(J, segs, ops.q_pos is not None) + 1, len(widths)
 
     def kernel(*refs):
-        visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
-        mrow = refs[nf - 1][...]
+        zeros = tuple(jnp.zeros((tr,), jnp.int32) for _ in range(nd))
 
-        def body(i, sums):
-            rows = _key_tile(i, tk)
-            ok = visible(rows)
+        def run():
+            visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+            mrow = refs[nf - 1][...]
 
-            def add(sums):
-                ds = fixed_point_digits(_probabilities(logits(rows), ok, mrow, scale), widths)
-                return tuple(s + d.sum(axis=1, dtype=jnp.int32) for s, d in zip(sums, ds))
+            def body(i, sums):
+                rows = _key_tile(i, tk)
+                ok = visible(rows)
 
-            return _skipping(first is None, ok, add, lambda sums: sums, sums)
+                def add(sums):
+                    ds = fixed_point_digits(_probabilities(logits(rows), ok, mrow, scale), widths)
+                    return tuple(s + d.sum(axis=1, dtype=jnp.int32) for s, d in zip(sums, ds))
 
-        sums = _over_tiles(kc // tk, body, tuple(jnp.zeros((tr,), jnp.int32) for _ in range(nd)))
+                return _skipping(first is None, ok, add, lambda sums: sums, sums)
+
+            return _over_tiles(kc // tk, body, zeros)
+
+        sums = _if_live(refs, J, segs, first, run, lambda: zeros)
         for j in range(nd):
             refs[nf + j][...] = sums[j]
 
     shape = jax.ShapeDtypeStruct((B, Hq, nkc, R), jnp.int32)
     spec = pl.BlockSpec((None, None, None, tr), lambda c, h, i: (i // nrt, h, c, i % nrt))
-    outs = _call(kernel, ops, (shape,) * nd, (spec,) * nd, [m], [_row_spec(nrt, tr)], interpret, grid, specs)
+    outs = _call(kernel, "triton_window_exp_digit_sums", ops, (shape,) * nd, (spec,) * nd, [m], [_row_spec(nrt, tr)],
+                 interpret, grid, specs, tr)
     return jnp.stack([o.sum(axis=2, dtype=jnp.int32) for o in outs])
 
 
@@ -356,32 +401,41 @@ def column_digit_sums(ops: WindowOperands, m, denom, *, first: int | None, w: in
     nf = _n_fixed(J, segs, ops.q_pos is not None) + 2
 
     def kernel(*refs):
-        visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
-        mrow, drow = refs[nf - 2][...], refs[nf - 1][...]
         hi_ref, lo_ref = refs[nf], refs[nf + 1]
 
-        def body(i, carry):
-            rows = _key_tile(i, tk)
-            ok = visible(rows)
+        def run():
+            visible, logits = _tile_logits(refs, J, w, first, tr, nrt, segs)
+            mrow, drow = refs[nf - 2][...], refs[nf - 1][...]
 
-            def write(carry):
-                e = _probabilities(logits(rows), ok, mrow, scale)
-                a = _div_rn(e, jnp.broadcast_to(drow[:, None], e.shape), interpret)
-                hi, lo = fixed_point_digits(a, widths)
-                hi_ref[rows] = hi.sum(axis=0, dtype=jnp.int32)
-                lo_ref[rows] = lo.sum(axis=0, dtype=jnp.int32)
-                return carry
+            def body(i, carry):
+                rows = _key_tile(i, tk)
+                ok = visible(rows)
 
-            def zeros(carry):
-                hi_ref[rows] = jnp.zeros((tk,), jnp.int32)
-                lo_ref[rows] = jnp.zeros((tk,), jnp.int32)
-                return carry
+                def write(carry):
+                    e = _probabilities(logits(rows), ok, mrow, scale)
+                    a = _div_rn(e, jnp.broadcast_to(drow[:, None], e.shape), interpret)
+                    hi, lo = fixed_point_digits(a, widths)
+                    hi_ref[rows] = hi.sum(axis=0, dtype=jnp.int32)
+                    lo_ref[rows] = lo.sum(axis=0, dtype=jnp.int32)
+                    return carry
 
-            return _skipping(first is None, ok, write, zeros, carry)
+                def zeros(carry):
+                    hi_ref[rows] = jnp.zeros((tk,), jnp.int32)
+                    lo_ref[rows] = jnp.zeros((tk,), jnp.int32)
+                    return carry
 
-        _over_tiles(kc // tk, body, 0)
+                return _skipping(first is None, ok, write, zeros, carry)
+
+            return _over_tiles(kc // tk, body, 0)
+
+        def dead():  # the whole chunk's sums are zero
+            hi_ref[...] = jnp.zeros((kc,), jnp.int32)
+            lo_ref[...] = jnp.zeros((kc,), jnp.int32)
+            return 0
+
+        _if_live(refs, J, segs, first, run, dead)
 
     shape = jax.ShapeDtypeStruct((B, Hq, nrt, Sk), jnp.int32)
     spec = pl.BlockSpec((None, None, None, kc), lambda c, h, i: (i // nrt, h, i % nrt, c))
-    return _call(kernel, ops, (shape, shape), (spec, spec), [m, denom], [_row_spec(nrt, tr)] * 2, interpret, grid,
-                 specs)
+    return _call(kernel, "triton_window_column_digit_sums", ops, (shape, shape), (spec, spec), [m, denom],
+                 [_row_spec(nrt, tr)] * 2, interpret, grid, specs, tr)

@@ -33,6 +33,17 @@ def test_schedule_outline_keeps_collectives_and_kernels_in_order():
     ]
 
 
+def test_a_triton_kernel_is_found_under_its_pallas_call_name():
+    # the GPU runs %pallas_call.3 as a kernel named after its pallas_call (backend_config "name"), not
+    # after the instruction; the trace summary counts it as a Pallas kernel from this entry
+    got = hlo.hlo_sources(SCHEDULED.replace('backend_config={"name"',
+                                            'metadata={op_name="jit(f)/pallas_call" source_file="/a/triton_kernels.py" '
+                                            'source_line=169}, backend_config={"name"'))
+    assert got["block_sparse_fwd"] == {"op": "jit(f)/pallas_call", "src": "triton_kernels.py:169", "pallas": True}
+    assert got["pallas_call_3"] == {"op": "jit(f)/pallas_call", "src": "triton_kernels.py:169"}
+    assert hlo.hlo_sources(SCHEDULED)["block_sparse_fwd"] == {"op": "pallas_call", "src": "?", "pallas": True}
+
+
 def test_op_counts_count_opcodes_of_every_computation():
     # the fused computation's synchronous permute counts too; the names and operands that mention
     # "collective-permute-start" do not (the text says it 6 times, for 2 instructions)

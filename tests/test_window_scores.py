@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as Ps
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from mtraining_jax.layouts import Layout
 from mtraining_jax.mesh import CP_AXES, make_mesh
 from mtraining_jax.sparsity import SparsityConfig, estimate_index, estimate_index_shard
@@ -128,8 +131,8 @@ def test_kernel_scores_equal_the_xla_scores_per_document(window_blocks, lengths)
     ref = _scores(*args, cfg, lseg)
     got = _scores(*args, kcfg, lseg)
     ident = lambda x: x  # noqa: E731
-    # each pass skips the key tiles no window row sees (other documents')
-    assert _kernel_conds(lambda *a: est._local_scores(*a, S, kcfg, ident, ident, lseg), *args) == [1, 1, 1]
+    # each pass skips the programs (live_programs) and the key tiles no window row sees (other documents')
+    assert _kernel_conds(lambda *a: est._local_scores(*a, S, kcfg, ident, ident, lseg), *args) == [2, 2, 2]
     for name, a, b in zip(("vertical", "slash"), got, ref):
         assert a.dtype == b.dtype == np.int32 and a.shape == b.shape
         n = int((a != b).sum())
@@ -144,6 +147,56 @@ def test_kernel_scores_equal_the_xla_scores_per_document(window_blocks, lengths)
     assert np.all(total <= n_rows[:, None] * 2**F) and np.all(total > n_rows[:, None] * 2**F * (1 - 1e-4))
     if window_blocks == 8:
         assert (np.asarray(blocks) < 0).any()  # the padding window blocks were exercised
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_programs_without_a_visible_pair_skip_exactly(layout, monkeypatch):
+    """With 64-key programs over 512 keys, most of the per-document window's programs see none of
+    their rows' documents (``live_programs`` 0): they load nothing and write what their masked tiles
+    would; the scores stay the XLA path's bit for bit (any layout)."""
+    monkeypatch.setattr(ws, "KEY_CHUNK", 64)
+    monkeypatch.setattr(ws, "KEY_TILE", 16)
+    seen = []
+    live_programs = ws.live_programs
+    monkeypatch.setattr(ws, "live_programs", lambda *a: seen.append(np.asarray(live_programs(*a))) or live_programs(*a))
+    B, S = 2, 512
+    q, k = _qk(B, S, 4, 2, 16, seed=2)
+    seg = _documents(B, S, [[60, 150, 30, 200, 72], [64, 32, 100, 250, 66]])
+    cfg = dataclasses.replace(CFG, last_q=32, window="per_document", window_blocks=4)
+    lay = Layout(layout, S, 4)
+    args = (lay.permute(q), lay.permute(k), jnp.asarray(lay.perm))
+    lseg = lay.permute(seg[..., None])[..., 0]
+    ref = _scores(*args, cfg, lseg)
+    got = _scores(*args, dataclasses.replace(cfg, estimate_impl="triton"), lseg)
+    for name, a, b in zip(("vertical", "slash"), got, ref):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert len(seen) == 3 and all(x.shape == (B, 4, S // 64) for x in seen)  # a flag per pass and program
+    dead = (seen[0] == 0).mean()
+    assert 0.5 < dead < 1.0, dead  # most programs skip; the rest run
+    assert ref[0].sum() > 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_live_programs_never_drop_a_visible_pair(data):
+    """A program flagged dead has no (row, key) pair with ``k_pos <= q_pos`` (and equal document ids):
+    any key order, padding rows (``-1``), any ids."""
+    B, nrt, nkc, tr, kc = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4)), 4, 8
+    R, Sk = nrt * tr, nkc * kc
+    k_pos = np.asarray(data.draw(st.permutations(range(Sk))), np.int32)
+    ints = lambda n, lo, hi: np.asarray(data.draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)), np.int32)  # noqa: E731
+    q_pos = ints(B * R, -1, Sk - 1).reshape(B, R)
+    segs = data.draw(st.booleans())
+    q_seg, k_seg = (ints(B * R, -1, 3).reshape(B, R), ints(B * Sk, -1, 3).reshape(B, Sk)) if segs else (None, None)
+    ops = ws.WindowOperands(None, None, None, None, jnp.asarray(k_pos), None if q_seg is None else jnp.asarray(q_seg),
+                            None if k_seg is None else jnp.asarray(k_seg), jnp.asarray(q_pos))
+    live = np.asarray(ws.live_programs(ops, tr, kc))
+    assert live.shape == (B, nrt, nkc) and set(np.unique(live)) <= {0, 1}
+    vis = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, R, Sk]
+    if segs:
+        vis &= k_seg[:, None, :] == q_seg[:, :, None]
+    per_program = vis.reshape(B, nrt, tr, nkc, kc).any(axis=(2, 4))
+    assert not np.any(per_program & (live == 0))
 
 
 @pytest.mark.parametrize("window", ["sequence", "per_document"])
