@@ -277,7 +277,7 @@ def main(argv=None):
         for mode, sg, mcfg in (("stream", None, icfg), ("documents", seg, icfg), ("documents_per_doc", seg, pdcfg)):
             if mode not in a.modes:
                 continue
-            estimate = est.estimate_impl(mcfg.sparsity, S, D, rows=est.window_rows(mcfg.sparsity, S))
+            estimate = est.estimate_impl(mcfg.sparsity, S, D, rows=mcfg.sparsity.window_rows_at(S))
             fwd = jax.jit(lambda q, k, v, sg=sg, c=mcfg: mtraining_attention(q, k, v, mesh, c, segment_ids=sg,
                                                                              return_stats=True))
             grad = jax.jit(jax.grad(lambda q, k, v, sg=sg, c=mcfg: jnp.sum(

@@ -277,9 +277,12 @@ def test_document_window_rows():
     S, bs, lq = 256, 16, 8
     seg = _segments([[5, 30, 100, 121], [256]], S)
     ident = lambda x: x  # noqa: E731
-    for wb in (3, 16):
+    for wb in (3, 16, 32):  # 32: more window blocks than the sequence has (capped at S / bs)
         cfg = SparsityConfig(block_size=bs, last_q=lq, window="per_document", window_blocks=wb)
         blocks, rows, row_seg = (np.asarray(x) for x in _document_window(seg, jnp.arange(S), S, cfg, ident))
+        # the rows the estimate scores at this length (one definition: the config's), at most the bound
+        assert blocks.shape[1] * bs == cfg.window_rows_at(S) == min(wb, S // bs) * bs <= cfg.window_rows == wb * bs
+        assert SparsityConfig(last_q=lq).window_rows_at(S) == SparsityConfig(last_q=lq).window_rows == lq
         for b in range(2):
             s = np.asarray(seg[b])
             ends = np.r_[np.nonzero(np.diff(s))[0] + 1, S]

@@ -369,7 +369,7 @@ def _compare_compiled(S, window, heads=(14, 2)):
     pos = jnp.arange(S, dtype=jnp.int32)
     seg = None if window == "sequence" else jnp.asarray(np.repeat(np.arange(24), -(-S // 24))[None, :S], jnp.int32)
     cfg = SparsityConfig(last_q=lq, estimate_impl="xla", window=window)
-    rows = est.window_rows(cfg, S)
+    rows = cfg.window_rows_at(S)
     run = lambda c: jax.jit(lambda a, b: est._local_scores(a, b, pos, S, c, lambda x: x, lambda x: x, seg))  # noqa: E731
     ref = jax.tree.map(np.asarray, run(cfg)(q, k))
     kern = run(dataclasses.replace(cfg, estimate_impl="triton"))

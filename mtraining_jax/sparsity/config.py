@@ -169,9 +169,18 @@ class SparsityConfig:
 
     @property
     def window_rows(self) -> int:
-        """Static number of query rows of the observation window: ``last_q`` (``"sequence"``) or
-        ``window_blocks * block_size`` (``"per_document"``, with padding rows)."""
+        """Static bound on the query rows of the observation window, whatever the length:
+        ``last_q`` (``"sequence"``) or ``window_blocks * block_size`` (``"per_document"``, with
+        padding rows); the integer scores' bit widths are set from it (:attr:`score_bits`)."""
         return self.last_q if self.window == "sequence" else self.window_blocks * self.block_size
+
+    def window_rows_at(self, seq_len: int) -> int:
+        """The observation window's rows at ``seq_len`` (what the estimate scores, padding rows
+        included): ``last_q``, or ``min(window_blocks, seq_len / block_size) * block_size`` for the
+        per-document window; at most :attr:`window_rows`."""
+        if self.window == "sequence":
+            return self.last_q
+        return min(self.window_blocks, seq_len // self.block_size) * self.block_size
 
     @property
     def score_bits(self) -> int:

@@ -75,24 +75,16 @@ def _check_inputs(q, k, positions, cfg, num_ranks, name="positions"):
     digit_plan(q.shape[3])  # a head_dim the exact logits can take
     if cfg.estimate_impl == "triton":
         try:
-            window_scores.supports(window_rows(cfg, S), q.shape[1], q.shape[3])
+            window_scores.supports(cfg.window_rows_at(S), q.shape[1], q.shape[3])
         except NotImplementedError as e:
             raise ValueError(f"estimate_impl='triton': {e}") from None
 
 
-def window_rows(cfg: SparsityConfig, seq_len: int) -> int:
-    """Rows of the observation window at ``seq_len``: ``last_q`` (``"sequence"``) or
-    ``min(window_blocks, S / block_size) * block_size`` (``"per_document"``, padding rows included)."""
-    if cfg.window == "sequence":
-        return cfg.last_q
-    return min(cfg.window_blocks, seq_len // cfg.block_size) * cfg.block_size
-
-
 def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int, varying: bool = False, rows: int | None = None) -> str:
     """The implementation ``cfg.estimate_impl`` resolves to for ``keys`` local keys and a window of
-    ``rows`` rows (:func:`window_rows`; ``None``: ``cfg.window_rows``): ``"auto"`` is ``"triton"``
-    on a GPU where :func:`pallas_kernels.window_scores.supports` the problem and the inputs are not
-    ``varying`` (inside a ``shard_map`` with ``check_vma=True``), else ``"xla"``; for either window
+    ``rows`` rows (``cfg.window_rows_at(S)``; ``None``: the bound ``cfg.window_rows``): ``"auto"`` is
+    ``"triton"`` on a GPU where :func:`pallas_kernels.window_scores.supports` the problem and the
+    inputs are not ``varying`` (inside a ``shard_map`` with ``check_vma=True``), else ``"xla"``; for either window
     (the per-document one scores only its rows' own documents' key tiles there:
     ``results/documents/packed_documents.md``)."""
     if cfg.estimate_impl != "auto":
@@ -309,7 +301,8 @@ def _local_scores(q, k, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum, re
 
     first = seq_len - lq
     g0, g1 = first // bs, (seq_len - 1) // bs  # the window's (static) query blocks
-    if estimate_impl(cfg, k_pos.shape[0], D, bool(_varying_axes(k_pos)), lq) == "triton":  # the logits never in memory (pallas_kernels.window_scores)
+    # Triton: the logits never in memory (pallas_kernels.window_scores)
+    if estimate_impl(cfg, k_pos.shape[0], D, bool(_varying_axes(k_pos)), lq) == "triton":
         per_block = _kernel_block_sums(q_last, k, k_pos, last_seg, seg, seq_len, cfg, reduce_sum, reduce_max)
         per_block = jnp.stack([per_block[g] for g in range(g0, g1 + 1)])  # [blocks, 2, B, Hq, Sk]
         cols = per_block.sum(axis=0, dtype=jnp.int32)
