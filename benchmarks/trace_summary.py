@@ -18,8 +18,8 @@ event (``"ph": "X"``) per kernel or copy. From those this module computes, per d
   so "where do the non-Pallas milliseconds come from" has an answer;
 * ``by_source`` every kernel's time, none left out, grouped by where it comes from: ``pallas``
   (Mosaic / Triton kernels: a name holding ``mosaic`` / ``triton`` / ``pallas``, or a Triton
-  ``pallas_call``'s name in the step's HLO), ``communication`` (NCCL), the innermost source line of the kernel's
-  HLO instruction (``file.py:N``, with the step's HLO text), or ``library`` (cuBLAS / cuDNN / copies
+  ``pallas_call``'s name in the step's HLO), ``communication`` (NCCL), the innermost source line of
+  the kernel's HLO instruction (``file.py:N``, with the step's HLO text), or ``library`` (cuBLAS / cuDNN / copies
   with no HLO source) — ``[{"source", "ms", "count"}]``, largest first; the sums of kernel durations
   (kernels on several streams may overlap, so they can exceed ``span_ms``).
 

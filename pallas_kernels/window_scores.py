@@ -32,8 +32,8 @@ Shapes (the estimate's own; no transposes): query digits ``bf16 [B, R, Hq, J, D]
 window of scattered rows (every document's own last queries), ``q_pos int32 [B, R]`` (``-1``: a
 padding row, which sees no key; a program whose rows can see none of its key chunk loads nothing,
 :func:`live_programs`, and a key tile that no row of the program sees is skipped, :func:`_skipping`:
-both exactly what the masked work gives); optional document ids ``int32 [B, R]`` / ``[B, Sk]``. Supported (:func:`supports`): ``R`` and ``D`` powers of
-two >= 16, ``Sk`` a multiple of 16.
+both exactly what the masked work gives); optional document ids ``int32 [B, R]`` / ``[B, Sk]``.
+Supported (:func:`supports`): ``R`` and ``D`` powers of two >= 16, ``Sk`` a multiple of 16.
 """
 
 from __future__ import annotations

@@ -184,7 +184,10 @@ def test_live_programs_never_drop_a_visible_pair(data):
     B, nrt, nkc, tr, kc = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4)), 4, 8
     R, Sk = nrt * tr, nkc * kc
     k_pos = np.asarray(data.draw(st.permutations(range(Sk))), np.int32)
-    ints = lambda n, lo, hi: np.asarray(data.draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)), np.int32)  # noqa: E731
+
+    def ints(n, lo, hi):
+        return np.asarray(data.draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)), np.int32)
+
     q_pos = ints(B * R, -1, Sk - 1).reshape(B, R)
     segs = data.draw(st.booleans())
     q_seg, k_seg = (ints(B * R, -1, 3).reshape(B, R), ints(B * Sk, -1, 3).reshape(B, Sk)) if segs else (None, None)

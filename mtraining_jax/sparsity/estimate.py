@@ -84,8 +84,8 @@ def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int, varying: bool =
     """The implementation ``cfg.estimate_impl`` resolves to for ``keys`` local keys and a window of
     ``rows`` rows (``cfg.window_rows_at(S)``; ``None``: the bound ``cfg.window_rows``): ``"auto"`` is
     ``"triton"`` on a GPU where :func:`pallas_kernels.window_scores.supports` the problem and the
-    inputs are not ``varying`` (inside a ``shard_map`` with ``check_vma=True``), else ``"xla"``; for either window
-    (the per-document one scores only its rows' own documents' key tiles there:
+    inputs are not ``varying`` (inside a ``shard_map`` with ``check_vma=True``), else ``"xla"``; for
+    either window (the per-document one scores only its rows' own documents' key tiles there:
     ``results/documents/packed_documents.md``)."""
     if cfg.estimate_impl != "auto":
         return cfg.estimate_impl
