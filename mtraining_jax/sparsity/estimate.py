@@ -60,6 +60,7 @@ from mtraining_jax.sparsity.exact_logits import Digits, digit_plan, operand_digi
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from mtraining_jax.sparsity.positions import check_positions
+from mtraining_jax.sparsity.topk import top_k
 
 _E_DIGITS = (7, 8, 8, 8, 8, 8)  # digit widths of exp(z - m) in (0, 1] for the softmax denominator
 
@@ -98,19 +99,32 @@ def estimate_impl(cfg: SparsityConfig, keys: int, head_dim: int, varying: bool =
     return "triton"
 
 
-def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
-    """``[B, last_q, Hq, D]``: the queries at global positions ``S - last_q ..`` in natural order.
-
-    Each rank scatters the rows it holds into a zero buffer; ``reduce_sum`` (a ``psum``) adds
-    exactly one non-zero contribution per slot, so the result is exact.
-    """
+def _window_sources(q_pos, seq_len: int, last_q: int):
+    """``int32 [last_q]``: the local row holding global position ``S - last_q + i``, or ``Sl`` (this
+    rank holds none). Only the row indices are scattered (distinct slots: rows before the window go to
+    distinct out-of-range slots and are dropped), not the rows."""
+    sl = q_pos.shape[0]
     slot = q_pos - (seq_len - last_q)
-    # earlier rows go to distinct out-of-range slots (dropped); positions are distinct, so every
-    # index is unique and XLA does not serialise the scatter under --xla_gpu_deterministic_ops
-    slot = jnp.where(slot >= 0, slot, last_q + jnp.arange(slot.shape[0], dtype=slot.dtype))
-    buf = jnp.zeros((q.shape[0], last_q) + q.shape[2:], jnp.float32)
-    buf = buf.at[:, slot].add(q.astype(jnp.float32), mode="drop", unique_indices=True)
-    return reduce_sum(buf)
+    slot = jnp.where(slot >= 0, slot, last_q + jnp.arange(sl, dtype=slot.dtype))
+    return jnp.full((last_q,), sl, jnp.int32).at[slot].set(jnp.arange(sl, dtype=jnp.int32), mode="drop",
+                                                            unique_indices=True)
+
+
+def _window_gather(x, src):
+    """``(rows [B, last_q, ...] of x [B, Sl, ...] at src, held bool [last_q])``."""
+    sl = x.shape[1]
+    return jnp.take(x, jnp.minimum(src, sl - 1), axis=1), src < sl
+
+
+def _last_queries(q, q_pos, seq_len: int, last_q: int, reduce_sum: Callable):
+    """``[B, last_q, Hq, D]`` float32: the queries at global positions ``S - last_q ..`` in natural order.
+
+    Each rank gathers the rows it holds (zero elsewhere, and a zero of either sign as ``+0``); the
+    ``reduce_sum`` (a ``psum``) adds exactly one non-zero contribution per slot, so the result is
+    exact and the same on every mesh."""
+    rows, held = _window_gather(q, _window_sources(q_pos, seq_len, last_q))
+    rows = rows.astype(jnp.float32)
+    return reduce_sum(jnp.where(held[None, :, None, None] & (rows != 0), rows, np.float32(0.0)))
 
 
 def fixed_point_bits(cfg: SparsityConfig) -> tuple[int, int]:
@@ -126,10 +140,8 @@ def fixed_point_bits(cfg: SparsityConfig) -> tuple[int, int]:
 
 def _last_segments(seg, k_pos, seq_len: int, last_q: int, reduce_sum: Callable):
     """``int32 [B, last_q]``: segment ids of the window queries (exact, as :func:`_last_queries`)."""
-    slot = k_pos - (seq_len - last_q)
-    slot = jnp.where(slot >= 0, slot, last_q)
-    buf = jnp.zeros((seg.shape[0], last_q), jnp.int32).at[:, slot].add(seg.astype(jnp.int32), mode="drop")
-    return reduce_sum(buf)
+    ids, held = _window_gather(seg.astype(jnp.int32), _window_sources(k_pos, seq_len, last_q))
+    return reduce_sum(jnp.where(held[None, :], ids, 0))
 
 
 def _document_window(seg, k_pos, seq_len: int, cfg: SparsityConfig, reduce_sum):
@@ -509,7 +521,7 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
     vert, slash = _local_scores(storage_round(q), storage_round(k), q_pos, S, cfg, psum, pmax, segment_ids)
     order = jnp.argsort(q_pos)  # local keys in position order: top_k's ties fall to lower positions
     size = min(cfg.max_verticals(S), q.shape[1])
-    vals, top = jax.lax.top_k(vert[..., order], size)  # [B, Hq, size]
+    vals, top = top_k(vert[..., order], size)  # [B, Hq, size]
     pos = q_pos[order][top]
     B, H = vert.shape[:2]
     gather = lambda x: jnp.moveaxis(jax.lax.all_gather(x, axis_names), 0, 2).reshape(B, H, P * size)  # noqa: E731
