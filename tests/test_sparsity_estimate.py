@@ -243,3 +243,36 @@ def test_diagonal_sums_equal_a_per_key_count(data):
     got = jax.jit(est._diagonal_sums, static_argnums=(3, 4))(jnp.asarray(cols), jnp.asarray(g),
                                                              jnp.asarray(k_pos, jnp.int32), nb, bs)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 4]), st.sampled_from([16, 64]))
+def test_window_rows_are_gathered_exactly_on_every_split(seed, ranks, last_q):
+    """Each rank's window rows (zero where it holds none) add up to the rows at positions
+    ``S - last_q ..``, and a zero of either sign comes out as ``+0`` (what the sum of one rank's
+    row and the others' zeros gives), on one rank as on several; the same for document ids."""
+    from mtraining_jax.sparsity.estimate import _last_queries, _last_segments
+
+    rng = np.random.default_rng(seed)
+    S, H, D = 256, 3, 4
+    q = rng.normal(size=(2, S, H, D)).astype(np.float32)
+    q[:, rng.integers(0, S, 40), :, rng.integers(0, D)] = -0.0
+    pos = rng.permutation(S).astype(np.int32)
+    seg = rng.integers(0, 9, (2, S)).astype(np.int32)
+    sl = S // ranks
+    parts = [_last_queries(jnp.asarray(q[:, r * sl:(r + 1) * sl]), jnp.asarray(pos[r * sl:(r + 1) * sl]), S, last_q,
+                           lambda x: x) for r in range(ranks)]
+    got = np.asarray(functools.reduce(lambda a, b: a + b, parts) if ranks > 1 else parts[0])
+    want = np.zeros((2, last_q, H, D), np.float32)
+    for i, p in enumerate(pos):
+        if p >= S - last_q:
+            want[:, p - (S - last_q)] = q[:, i] + np.float32(0.0)  # -0.0 + 0.0 = +0.0
+    np.testing.assert_array_equal(got, want)
+    assert not np.signbit(got[got == 0]).any()
+    ids = sum(np.asarray(_last_segments(jnp.asarray(seg[:, r * sl:(r + 1) * sl]), jnp.asarray(pos[r * sl:(r + 1) * sl]),
+                                        S, last_q, lambda x: x)) for r in range(ranks))
+    want_ids = np.zeros((2, last_q), np.int32)
+    for i, p in enumerate(pos):
+        if p >= S - last_q:
+            want_ids[:, p - (S - last_q)] = seg[:, i]
+    np.testing.assert_array_equal(ids, want_ids)

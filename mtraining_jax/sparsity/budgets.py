@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtraining_jax.sparsity.index import compact_sorted
-from mtraining_jax.sparsity.topk import top_k
 
 
 def coverage_count(sorted_desc, total, p, mass: int | None = None):
@@ -63,7 +62,7 @@ def top_p_select(scores, p, kmin, kmax, size: int, *, force: int | None = None, 
     scores = scores.astype(jnp.int32)
     total = scores.sum(axis=-1, dtype=jnp.int32) if total is None else total
     order_key = scores if force is None else scores.at[..., force].set(jnp.iinfo(jnp.int32).max)
-    _, top = top_k(order_key, size)
+    _, top = jax.lax.top_k(order_key, size)
     vals = jnp.take_along_axis(scores, top, axis=-1)
     if mass is None:
         k = coverage_count(vals, total, jnp.asarray(p, jnp.float32)[None, :])

@@ -60,7 +60,6 @@ from mtraining_jax.sparsity.exact_logits import Digits, digit_plan, operand_digi
 from mtraining_jax.sparsity.config import SparsityConfig
 from mtraining_jax.sparsity.index import VerticalSlashIndex
 from mtraining_jax.sparsity.positions import check_positions
-from mtraining_jax.sparsity.topk import top_k
 
 _E_DIGITS = (7, 8, 8, 8, 8, 8)  # digit widths of exp(z - m) in (0, 1] for the softmax denominator
 
@@ -521,7 +520,7 @@ def estimate_index_shard(q, k, q_pos, cfg: SparsityConfig = SparsityConfig(),
     vert, slash = _local_scores(storage_round(q), storage_round(k), q_pos, S, cfg, psum, pmax, segment_ids)
     order = jnp.argsort(q_pos)  # local keys in position order: top_k's ties fall to lower positions
     size = min(cfg.max_verticals(S), q.shape[1])
-    vals, top = top_k(vert[..., order], size)  # [B, Hq, size]
+    vals, top = jax.lax.top_k(vert[..., order], size)  # [B, Hq, size]
     pos = q_pos[order][top]
     B, H = vert.shape[:2]
     gather = lambda x: jnp.moveaxis(jax.lax.all_gather(x, axis_names), 0, 2).reshape(B, H, P * size)  # noqa: E731
