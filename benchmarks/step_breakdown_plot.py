@@ -1,6 +1,6 @@
 """Where a training step's GPU time goes: the traced step of ``benchmarks/train_throughput.py --profile`` rows,
 each kernel's time put in one category by its source (``profile.by_source``, :mod:`benchmarks.trace_summary`),
-one stacked bar per row.
+one stacked bar per row (an all-cuDNN row's attention kernels by name, from ``profile.top``).
 
     python benchmarks/step_breakdown_plot.py --runs s44-before-allsparse,s44-loss-allsparse \\
       --out results/training/step_breakdown_loss.png
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +27,7 @@ ROWS = os.path.join(ROOT, "results", "training", "train_throughput.jsonl")
 #: ``file.py:N``; the first category whose prefix matches its file takes it
 CATEGORIES = (
     ("sparse-attention kernels", ("pallas",)),
+    ("cuDNN attention kernels", ()),  # taken out of "library" by kernel name (:data:`CUDNN_ATTENTION`)
     ("matmuls, copies (library)", ("library",)),
     ("communication", ("communication",)),
     ("loss", ("loss.py",)),
@@ -36,8 +38,15 @@ CATEGORIES = (
 )
 
 
-def categorize(by_source) -> dict:
-    """``{category: ms}`` of one profile's ``by_source`` list (every category present, zeros included)."""
+#: names of cuDNN's attention kernels (fused flash forward / backward and their helpers)
+CUDNN_ATTENTION = re.compile(r"cudnn|fmha|sdpa", re.IGNORECASE)
+
+
+def categorize(by_source, top=None) -> dict:
+    """``{category: ms}`` of one profile's ``by_source`` list (every category present, zeros included);
+    ``top`` (the profile's per-kernel list): its cuDNN attention kernels without a JAX source line are
+    moved from "library" to "cuDNN attention kernels" (they are listed there only while among the
+    profile's ``top`` names)."""
     out = {name: 0.0 for name, _ in CATEGORIES}
     for entry in by_source:
         file = entry["source"].split(":")[0]
@@ -45,7 +54,14 @@ def categorize(by_source) -> dict:
             if any(file.startswith(p) for p in prefixes):
                 out[name] += entry["ms"]
                 break
+    cudnn = sum(t["ms"] for t in top or () if not t.get("src") and CUDNN_ATTENTION.search(t["name"]))
+    out["cuDNN attention kernels"] += cudnn
+    out["matmuls, copies (library)"] -= cudnn
     return out
+
+
+def _parts(row) -> dict:
+    return categorize(row["profile"]["by_source"], row["profile"].get("top"))
 
 
 def profiled(rows, runs) -> list[dict]:
@@ -69,7 +85,7 @@ def plot(rows, out: str) -> None:
 
     fig, ax = plt.subplots(figsize=(2.6 + 2.2 * len(rows), 5.0))
     bottoms = [0.0] * len(rows)
-    parts = [categorize(r["profile"]["by_source"]) for r in rows]
+    parts = [_parts(r) for r in rows]
     for name, _ in CATEGORIES:
         vals = [p[name] for p in parts]
         bars = ax.bar(range(len(rows)), vals, bottom=bottoms, label=name)
@@ -80,7 +96,8 @@ def plot(rows, out: str) -> None:
         del bars
     ax.set_xticks(range(len(rows)), [label(r) for r in rows], fontsize=8)
     ax.set_ylabel("GPU kernel time in one traced step (ms)")
-    ax.set_title("128K training step, Qwen2.5-0.5B shape, one H200")
+    devices = sorted({str(r.get("device") or r.get("device_kind") or "?") for r in rows})
+    ax.set_title("128K training step, Qwen2.5-0.5B shape, " + " / ".join(devices), fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -94,7 +111,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = profiled(load_rows([args.rows]), args.runs.split(","))
     for r in rows:
-        print(r["run"], {k: round(v, 1) for k, v in categorize(r["profile"]["by_source"]).items()})
+        print(r["run"], r["backend"], {k: round(v, 1) for k, v in _parts(r).items()})
     plot(rows, args.out)
     return 0
 

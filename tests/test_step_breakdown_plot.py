@@ -12,9 +12,13 @@ def test_every_kernel_lands_in_one_category():
                  {"source": "estimate.py:170", "ms": 1.5}, {"source": "mosaic_index.py:163", "ms": 0.5},
                  {"source": "qwen2.py:162", "ms": 3.0}, {"source": "communication", "ms": 0.25}]
     got = categorize(by_source)
-    assert got == {"sparse-attention kernels": 5.0, "matmuls, copies (library)": 7.0, "communication": 0.25,
-                   "loss": 2.0, "index estimate": 1.5, "sparse path, other XLA": 0.5,
+    assert got == {"sparse-attention kernels": 5.0, "cuDNN attention kernels": 0.0, "matmuls, copies (library)": 7.0,
+                   "communication": 0.25, "loss": 2.0, "index estimate": 1.5, "sparse path, other XLA": 0.5,
                    "model and optimizer, other XLA": 3.0}
+    top = [{"name": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "ms": 4.0},
+           {"name": "nvjet_sm90_tst_128x160", "ms": 2.0}, {"name": "fusion_fmha_like", "ms": 1.0, "src": "x.py:1"}]
+    got = categorize(by_source, top)
+    assert got["cuDNN attention kernels"] == 4.0 and got["matmuls, copies (library)"] == 3.0
 
 
 def test_committed_rows_give_the_quoted_loss_and_estimate_times():
