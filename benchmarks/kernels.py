@@ -33,6 +33,7 @@ committed rows (``results/kernels/kernels.jsonl``, ``run`` = the campaign, ``tab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -45,7 +46,8 @@ import numpy as np
 from benchmarks._driver import check_code_source, provenance
 from benchmarks._timing import timeit
 from benchmarks.kernels_report import load_rows, passes_table, plot, plot_families, plot_passes, table
-from benchmarks.model_index import add_model_args, model_entries, model_options
+from benchmarks.model_index import add_model_args, model_entries, model_options, model_seqs, saved_seq_len
+from benchmarks.pass_floors import floors_table, loads_only as loads_only_kernels, plot_floors
 from pallas_kernels import api
 from pallas_kernels import registry as api_registry
 from pallas_kernels.index_format import full_step_index, row_columns
@@ -76,9 +78,11 @@ def _fwd_bwd(f):
 def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("triton", "auto"),
         families=("slash", "vert"), vert_cols=4096, model=None):
     """The comparison table; ``model``: :func:`benchmarks.model_index.model_options` (a checkpoint's or a
-    saved file's indices): also the indices a trained model estimates (family ``model``)."""
+    saved file's indices): also the indices a trained model estimates (family ``model``; a saved file's
+    only at its own length, :func:`benchmarks.model_index.model_seqs`)."""
     rows = []
     rng = np.random.default_rng(seed)
+    with_model = model_seqs(model, seqs)
     for S in seqs:
         q, k, v, ct = _inputs(S, S, jnp.float32)
         pos = jnp.arange(S, dtype=jnp.int32)
@@ -121,7 +125,9 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
                 for impl in impls:
                     add(f"{impl}_{name}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
                         q, k, v, pos, pos, idx, impl=impl), family=fam)
-        for layer, bud, idx, den in (model_entries(S, H, BS, model) if model else []):
+        if model and S not in with_model:
+            print(f"S={S}: no model family (the index file holds another length)", flush=True)
+        for layer, bud, idx, den in (model_entries(S, H, BS, model) if S in with_model else []):
             pairs, tag = sum(_pairs(idx, S)), "".join(f"_{k}{v}" for k, v in bud.items())
             for impl in impls:
                 add(f"{impl}_model_L{layer}{tag}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
@@ -253,7 +259,8 @@ PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
 
 
 def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
-           model=None, shape=(H, HKV, D), col_walks=None):
+           model=None, shape=(H, HKV, D), col_walks=None, slots=(None,), kv_step=None, impls=("triton", "mosaic"),
+           loads_only=False, rounds=1):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
@@ -267,7 +274,13 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     ``col_walks``: the Mosaic column pass once per entry, in order (:data:`pallas_kernels.mosaic_bwd.COL_WALKS`;
     default: the operator's, :data:`~pallas_kernels.mosaic_bwd.DEFAULT_COL_WALK`; impl ``mosaic`` for the
     default walk, ``mosaic[<walk>]`` for another, and every column-pass row says its ``col_walk``; repeat
-    entries, e.g. ``masked,free,free,masked``, to time an A/B both ways round in one process)."""
+    entries, e.g. ``masked,free,free,masked``, to time an A/B both ways round in one process).
+    ``slots`` x the above: the Mosaic forward / dQ's ring depth (``None``: the kernel's default; impl
+    ``mosaic[...,s3]``); ``kv_step``: the shared stream's keys per step (default: the kernel's; the split
+    stream always 128); ``impls``: ``triton`` and / or ``mosaic`` rows. ``loads_only``: every Mosaic pass
+    also compiled inside :func:`benchmarks.pass_floors.loads_only` (rows ``variant: full`` / ``load_only``);
+    ``rounds``: every compiled pass timed once per round, the rounds alternating over all of them (a
+    row per round)."""
     from pallas_kernels import mosaic_bwd, mosaic_fwd
     from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
@@ -282,7 +295,7 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     cases = [_family_index(rng, fam, S, sp, vert_cols, hq)
              for fam in families for sp in (sparsities if fam != "full" else [0.0])]
     cases += [(idx, f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items()))
-              for layer, bud, idx, _ in (model_entries(S, hq, BS, model) if model else [])]
+              for layer, bud, idx, _ in (model_entries(S, hq, BS, model) if model_seqs(model, [S]) else [])]
     for idx, name in cases:
         idx = jax.tree.map(jnp.asarray, idx)
         bp, cp = _pairs(idx, S)
@@ -290,20 +303,27 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
         delta = api.attention_delta(out, do)
         args = (q, k, v, pos, pos, idx, do, lse, delta)
         zeros = jnp.zeros(k.shape, jnp.float32)
-        variants = [(w, st) for w in walks for st in streams]
+        variants = [(w, st, n) for w in walks for st in streams for n in slots]
 
-        def variant(f, w, st, dq=False):
+        def variant(f, w, st, n, dq=False):
             opts = dict(walk=w, stream=st, **({"kv_step": 128} if dq and st == "split" else {}))
+            if n is not None:
+                opts["slots"] = n
+            if kv_step is not None and st != "split":
+                opts["kv_step"] = kv_step
             return functools.partial(f, **opts)
 
-        mname = lambda w, st: "mosaic" + (f"[{','.join(x for x in (w, st) if x not in ('loops', 'shared'))}]"  # noqa: E731
-                                          if (w, st) != ("loops", "shared") else "")
+        def mname(w, st, n):
+            tags = [x for x in (w, st) if x not in ("loops", "shared")] + ([f"s{n}"] if n is not None else [])
+            tags += [f"kv{kv_step}"] if kv_step is not None and st != "split" else []
+            return "mosaic" + (f"[{','.join(tags)}]" if tags else "")
+
         fns = [("fwd", "triton", tk.pallas_fwd, args[:6], 2 * (bp + cp)),
-               *[("fwd", mname(w, st), variant(mosaic_fwd.mosaic_fwd, w, st), args[:6], 2 * (bp + cp))
-                 for w, st in variants],
+               *[("fwd", mname(w, st, n), variant(mosaic_fwd.mosaic_fwd, w, st, n), args[:6], 2 * (bp + cp))
+                 for w, st, n in variants],
                ("dq", "triton", tb.dq_pass, args, 3 * (bp + cp)),
-               *[("dq", mname(w, st), variant(mosaic_bwd.mosaic_dq, w, st, dq=True), args, 3 * (bp + cp))
-                 for w, st in variants],
+               *[("dq", mname(w, st, n), variant(mosaic_bwd.mosaic_dq, w, st, n, dq=True), args, 3 * (bp + cp))
+                 for w, st, n in variants],
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
@@ -311,20 +331,31 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                   functools.partial(mosaic_bwd.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp,
                   {"col_walk": cw})
                  for cw in col_walks]]
-        for pname, impl, fn, a, matmul_pairs, *extra in fns:
-            fields = extra[0] if extra else {}  # the row's own fields (a column pass's col_walk)
-            if pname not in names or (pname == "dkv_cols" and cp == 0):
-                continue
-            t0 = time.perf_counter()
-            compiled = jax.jit(functools.partial(fn, **kw)).lower(*a).compile()
-            compile_s = time.perf_counter() - t0
-            ms, ts = timeit(compiled, *a, warmup=2, repeat=reps)
-            row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (hq * S * (S + 1) / 2), pass_=pname, impl=impl,
-                       heads=hq, kv_heads=hkv, head_dim=d,
-                       ms=ms * 1e3, spread_ms=[round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)],
-                       tflops=2 * d * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2), **fields)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        fns = [f for f in fns if f[0] in names and not (f[0] == "dkv_cols" and cp == 0)
+               and f[1].split("[")[0] in impls]
+        modes = [("full", contextlib.nullcontext)] + ([("load_only", loads_only_kernels)] if loads_only else [])
+        built = []
+        for mode, ctx in modes:
+            with ctx():
+                for pname, impl, fn, a, matmul_pairs, *extra in fns:
+                    fields = dict(extra[0]) if extra else {}  # the row's own fields (a column pass's col_walk)
+                    if loads_only:
+                        if impl == "triton" and mode != "full":
+                            continue
+                        fields["variant"] = mode
+                    t0 = time.perf_counter()
+                    compiled = jax.jit(functools.partial(fn, **kw)).lower(*a).compile()
+                    built.append((pname, impl, compiled, a, matmul_pairs, fields, time.perf_counter() - t0))
+        for rnd in range(rounds):
+            for pname, impl, compiled, a, matmul_pairs, fields, compile_s in built:
+                ms, ts = timeit(compiled, *a, warmup=2, repeat=reps)
+                row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (hq * S * (S + 1) / 2), pass_=pname,
+                           impl=impl, heads=hq, kv_heads=hkv, head_dim=d,
+                           ms=ms * 1e3, spread_ms=[round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)],
+                           tflops=2 * d * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2), **fields,
+                           **({"round": rnd} if rounds > 1 else {}))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -426,6 +457,15 @@ def main():
                     "masked,free; e.g. masked,free,free,masked; default: the operator's, DEFAULT_COL_WALK)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
+    ap.add_argument("--pass-impls", default="triton,mosaic", help="with --passes: triton and / or mosaic rows")
+    ap.add_argument("--slots", default="", help="with --passes: the Mosaic forward / dQ ring depths to time, "
+                    "comma-separated (default: the kernels'); e.g. 2,3,4,5")
+    ap.add_argument("--kv-step", type=int, default=None, choices=(64, 128),
+                    help="with --passes: keys per step of the Mosaic shared stream (default: the kernels')")
+    ap.add_argument("--loads-only", action="store_true", help="with --passes: every Mosaic pass also with its "
+                    "tile math removed (benchmarks/pass_floors.py: the floor its loads set)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --passes: time every compiled pass this many "
+                    "times, alternating (one row per round)")
     ap.add_argument("--shape", default=f"{H},{HKV},{D}", metavar="HQ,HKV,D",
                     help="with --passes: query heads, KV heads, head_dim (14,2,64: the training step's layers)")
     add_model_args(ap)
@@ -445,8 +485,33 @@ def main():
     bad = sorted(set(col_walks or ()) - set(COL_WALKS))
     if bad:
         ap.error(f"--col-walks: unknown walk(s) {bad}; expected some of {list(COL_WALKS)}")
+    seqs = [int(s) for s in a.seqs.split(",")]
+    pass_seqs = [int(x) for x in a.passes.split(",") if x]
+    if model and not a.plot_from:
+        timed = ([] if a.only_sweeps else seqs) + pass_seqs  # a saved file's length must be timed
+        try:
+            ok = model_seqs(model, timed)
+        except ValueError as e:  # not a model index file
+            ap.error(f"--model-index: {e}")
+        if not ok:
+            ap.error(f"--model-index {model['index']!r} holds indices of S={saved_seq_len(model['index'])}; "
+                     f"none of the timed lengths {timed} is it")
+    try:
+        slots = tuple(int(x) for x in a.slots.split(",") if x) or (None,)
+    except ValueError:
+        ap.error(f"--slots: comma-separated integers, got {a.slots!r}")
+    if any(n < 2 for n in slots if n is not None):
+        ap.error(f"--slots: each >= 2, got {a.slots!r}")
+    pass_impls = tuple(x for x in a.pass_impls.split(",") if x)
+    if not pass_impls or set(pass_impls) - {"triton", "mosaic"}:
+        ap.error(f"--pass-impls: some of triton,mosaic, got {a.pass_impls!r}")
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
     if a.plot_from:
         rows = load_rows(a.plot_from.split(","), [x for x in a.runs.split(",") if x])
+        if any(r.get("variant") == "load_only" for r in rows):
+            plot_floors([r for r in rows if "pass_" in r], a.plot or "kernel_floors.png")
+            return
         if not any("fwd_tflops" in r for r in rows):  # --passes rows
             plot_passes([r for r in rows if "pass_" in r], a.plot or "kernel_passes.png")
             return
@@ -464,13 +529,17 @@ def main():
         S, mc = (int(y) for y in pair.split(":"))
         sweeps += col_split_sweep(S, mc, a.reps)
     pass_rows = []
-    for S in [int(x) for x in a.passes.split(",") if x]:
+    for S in pass_seqs:
         pass_rows += passes(S, [float(x) for x in a.sparsities.split(",") if x],
                             tuple(f for f in a.families.split(",") if f), a.vert_cols, a.reps,
                             walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")),
-                            names=tuple(a.pass_names.split(",")), model=model, shape=shape, col_walks=col_walks)
+                            names=tuple(a.pass_names.split(",")), model=model, shape=shape, col_walks=col_walks,
+                            slots=slots, kv_step=a.kv_step, impls=pass_impls, loads_only=a.loads_only,
+                            rounds=a.rounds)
     if pass_rows:
         print(passes_table(pass_rows))
+        if a.loads_only:
+            print(floors_table(pass_rows))
         sweeps += pass_rows
     if a.ring_step:
         S, hq, hkv, d = (int(x) for x in a.ring_step.split(","))
@@ -485,7 +554,6 @@ def main():
             json.dump([{**r, **prov} for r in sweeps], f, indent=1)
     if a.only_sweeps:
         return
-    seqs = [int(s) for s in a.seqs.split(",")]
     sps = [float(s) for s in a.sparsities.split(",") if s]
     rows = run(seqs, sps, a.mha_max, a.dense_max, a.reps, impls=tuple(a.impls.split(",")),
                families=tuple(a.families.split(",")), vert_cols=a.vert_cols, model=model)

@@ -143,6 +143,23 @@ def load_indices(path: str) -> tuple:
     return entries, meta
 
 
+def saved_seq_len(path: str) -> int:
+    """The sequence length of a :func:`save_indices` file (its ``meta``)."""
+    return int(load_indices(path)[1]["seq_len"])
+
+
+def model_seqs(model: dict | None, seqs) -> list:
+    """The lengths of ``seqs`` that get the ``model`` family: all of them for a checkpoint (it estimates
+    at any length), only the saved length for a ``model['index']`` file (``[]`` when none of ``seqs`` is
+    it: ``benchmarks/kernels.py`` refuses that before any timing)."""
+    if not model:
+        return []
+    if not model.get("index"):
+        return list(seqs)
+    n = saved_seq_len(model["index"])
+    return [n] if n in seqs else []
+
+
 def model_entries(seq_len: int, heads: int, block_size: int, model: dict) -> list:
     """:func:`step_entries` for ``benchmarks/kernels.py``: from ``model['index']`` (a saved file, whose
     length and block size must be the benchmark's) or from a checkpoint (:func:`model_step_indices`)."""

@@ -3,6 +3,8 @@ its own q/k, turned into the kernels' StepIndex with the heads repeated to the b
 StepIndex must allow exactly the vertical-slash index's pairs (per repeated head) and the kernels
 (XLA twin here) must give the masked reference's answer with it."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks.model_index import (cycle_heads, load_indices, main, model_entries, model_step_indices,
+from benchmarks.model_index import (cycle_heads, load_indices, main, model_entries, model_seqs, model_step_indices,
                                    model_vs_indices, read_tokens, save_indices)
 from mtraining_jax.eval.checkpoints import load_for_eval
 from mtraining_jax.eval.recall import layer_qk
@@ -150,3 +152,29 @@ def test_saved_indices_time_the_same_index_as_the_checkpoint(tmp_path, model, ca
         save_indices(str(tmp_path / "y.npz"), entries, dict(seq_len=S))
     assert main(["--ckpt", ck, "--tokens", path, "--seq-len", str(S), "--layers", "7", "--out", str(out)]) == 1
     assert "layers [7] are not layers of the 2-layer model" in capsys.readouterr().err
+
+
+def test_kernel_benchmark_times_a_saved_index_only_at_its_length(tmp_path, model, monkeypatch, capsys):
+    """``benchmarks/kernels.py --seqs 32768,131072 --model-index <a 128K file>`` timed the 32K rows and then
+    died on the file's length (session 48); now the file's family runs at its own length only, and a run
+    that times none of it is refused before any timing, naming the file and its length."""
+    from benchmarks import kernels
+
+    ck, path, _ = model
+    out = tmp_path / "idx.npz"
+    assert main(["--ckpt", ck, "--tokens", path, "--seq-len", str(S), "--layers", "1", "--out", str(out)]) == 0
+    assert model_seqs(dict(index=str(out)), [S // 2, S, 2 * S]) == [S]
+    assert model_seqs(dict(index=str(out)), [2 * S]) == []
+    assert model_seqs(dict(ckpt=ck, tokens_path=path), [S, 2 * S]) == [S, 2 * S]  # a checkpoint: any length
+    assert model_seqs(None, [S]) == []
+    for argv, want in (([f"--seqs={2 * S}", "--model-index", str(out)],
+                        rf"holds indices of S={S}; none of the timed lengths \[{2 * S}\] is it"),
+                       ([f"--seqs={2 * S}", "--only-sweeps", f"--passes={S // 2}", "--model-index", str(out)],
+                        rf"none of the timed lengths \[{S // 2}\] is it"),
+                       ([f"--seqs={S}", "--model-index", str(tmp_path / "missing.npz")], r"is not a model index file")):
+        monkeypatch.setattr("sys.argv", ["kernels.py", *argv])
+        monkeypatch.setattr(kernels, "run", lambda *a, **k: pytest.fail("timed before refusing"))
+        with pytest.raises(SystemExit) as e:
+            kernels.main()
+        assert e.value.code == 2
+        assert re.search(want, capsys.readouterr().err)
