@@ -110,8 +110,8 @@ def floors_table(rows) -> str:
 
 
 def plot_floors(rows, path) -> None:
-    """Per index: each pass's full time (bar) and load-only floor (hatched bar inside it), min-max of
-    the rounds' medians as error bars."""
+    """Per index: each pass's full time (bar) and load-only floor (hatched bar inside it); black lines:
+    min-max of the rounds' medians (left of centre: as built, centre: loads only)."""
     from benchmarks.kernels_report import _pyplot, _save
 
     plt = _pyplot()
@@ -121,12 +121,13 @@ def plot_floors(rows, path) -> None:
     for ax, (seq, index) in zip(axes[0], indices):
         got = [r for r in fl if (r["seq"], r["index"]) == (seq, index)]
         for i, r in enumerate(got):
-            runs = [x["ms"] for x in rows if (x["seq"], x["index"], x["impl"], x["pass_"]) ==
-                    (seq, index, r["impl"], r["pass_"])]
+            for variant, off in (("full", -0.25), ("load_only", 0.0)):
+                runs = [x["ms"] for x in rows if (x["seq"], x["index"], x["impl"], x["pass_"], x.get("variant")) ==
+                        (seq, index, r["impl"], r["pass_"], variant)]
+                ax.plot([i + off, i + off], [min(runs), max(runs)], color="k", lw=0.8)
             ax.bar(i, r["full_ms"], 0.7, color="C0", label="as built" if i == 0 else None)
             ax.bar(i, r["load_ms"], 0.45, color="C1", hatch="//", label="loads only" if i == 0 else None)
             ax.annotate(f"{r['ratio']:.2f}", (i, r["full_ms"]), ha="center", va="bottom", fontsize=7)
-            ax.plot([i, i], [min(runs), max(runs)], color="k", lw=0.6)
         ax.set_xticks(range(len(got)), [r["pass_"].replace("dkv_", "dkv\n") for r in got], fontsize=7)
         ax.set_title(f"{index}, {seq // 1024}K", fontsize=8)
         ax.legend(fontsize=6)
