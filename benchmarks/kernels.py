@@ -70,8 +70,10 @@ def _inputs(S, seed, last_dtype, shape=(H, HKV, D)):
 
 
 def _fwd_bwd(f):
-    def loss(q, k, v, ct):
-        return jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
+    """``jit(grad)`` of ``sum(f(q, k, v, *data) * ct)`` in ``q, k, v``; ``data`` (positions, index) are
+    arguments of the call, as in training, not constants XLA could fold into the program."""
+    def loss(q, k, v, ct, *data):
+        return jnp.sum(f(q, k, v, *data).astype(jnp.float32) * ct)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -82,6 +84,7 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
     only at its own length, :func:`benchmarks.model_index.model_seqs`)."""
     rows = []
     rng = np.random.default_rng(seed)
+    gpu = jax.default_backend() == "gpu"
     with_model = model_seqs(model, seqs)
     for S in seqs:
         q, k, v, ct = _inputs(S, S, jnp.float32)
@@ -89,9 +92,11 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
         dense_pairs = H * S * (S + 1) / 2
         scale = D**-0.5
 
-        def add(name, pairs, f, fwd_only=False, family="dense"):
-            fwd, fwd_s = timeit(jax.jit(f), q, k, v, warmup=2, repeat=reps)
-            fb, fb_s = (None, None) if fwd_only else timeit(_fwd_bwd(f), q, k, v, ct, warmup=2, repeat=reps)
+        def add(name, pairs, f, *data, fwd_only=False, family="dense"):
+            # data (positions, index): arguments of the timed call, as in training; as closed-over constants
+            # XLA folded part of the index's operand build into the program (runs up to 33)
+            fwd, fwd_s = timeit(jax.jit(f), q, k, v, *data, warmup=2, repeat=reps)
+            fb, fb_s = (None, None) if fwd_only else timeit(_fwd_bwd(f), q, k, v, ct, *data, warmup=2, repeat=reps)
             fl = 4 * pairs * D
             spread = lambda ts: None if ts is None else [round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)]  # noqa: E731
             row = dict(seq=S, name=name, family=family, density=pairs / dense_pairs,
@@ -102,7 +107,8 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-        cud = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+        cud = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                implementation="cudnn" if gpu else None)  # off GPU (a smoke run): XLA's
         add("cudnn", dense_pairs, lambda q, k, v: cud(q, k, v))
         if S <= with_mha_max:
             from jax.experimental.pallas.ops.gpu.attention import mha
@@ -112,26 +118,25 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
                 return mha(q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2), None, sm_scale=scale,
                            causal=True)
             add("pallas_mha", dense_pairs, mha_f)
-        if S <= dense_ours_max:
-            full = full_step_index(1, H, S, S, pos, pos, BS)
+        if S <= dense_ours_max:  # the full causal index as the API builds it for index=None (uniform rows)
             for impl in impls:
-                add(f"{impl}_full", dense_pairs, lambda q, k, v, impl=impl: api.block_sparse_attention(
-                    q, k, v, pos, pos, full, impl=impl))
+                add(f"{impl}_full", dense_pairs, lambda q, k, v, pos, impl=impl: api.block_sparse_attention(
+                    q, k, v, pos, pos, None, impl=impl), pos)
         for fam in families:
             for sp in sparsities:
                 idx, name = _family_index(rng, fam, S, sp, vert_cols)
                 idx = jax.tree.map(jnp.asarray, idx)
                 pairs = sum(_pairs(idx, S))
                 for impl in impls:
-                    add(f"{impl}_{name}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
-                        q, k, v, pos, pos, idx, impl=impl), family=fam)
+                    add(f"{impl}_{name}", pairs, lambda q, k, v, pos, idx, impl=impl: api.block_sparse_attention(
+                        q, k, v, pos, pos, idx, impl=impl), pos, idx, family=fam)
         if model and S not in with_model:
             print(f"S={S}: no model family (the index file holds another length)", flush=True)
         for layer, bud, idx, den in (model_entries(S, H, BS, model) if S in with_model else []):
             pairs, tag = sum(_pairs(idx, S)), "".join(f"_{k}{v}" for k, v in bud.items())
             for impl in impls:
-                add(f"{impl}_model_L{layer}{tag}", pairs, lambda q, k, v, idx=idx, impl=impl: api.block_sparse_attention(
-                    q, k, v, pos, pos, idx, impl=impl), family="model")
+                add(f"{impl}_model_L{layer}{tag}", pairs, lambda q, k, v, pos, idx, impl=impl: api.block_sparse_attention(
+                    q, k, v, pos, pos, idx, impl=impl), pos, jax.tree.map(jnp.asarray, idx), family="model")
                 rows[-1].update(model_budget=bud, model_density=[round(float(x), 4) for x in den])  # per model head
         base = next(r for r in rows if r["seq"] == S and r["name"] == "cudnn")
         for r in rows:
@@ -169,11 +174,12 @@ def ring_step(S, hq, hkv, d, reps, impls=("auto",), seed=0):
         fns = {"cudnn": lambda q, k, v, causal=causal: jax.nn.dot_product_attention(
             q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2), is_causal=causal, implementation=cudnn_impl)}
         for impl in impls:
-            fns[impl] = lambda q, k, v, impl=impl, q_pos=q_pos: api.block_sparse_attention(
+            fns[impl] = lambda q, k, v, q_pos, k_pos, impl=impl: api.block_sparse_attention(
                 q, k, v, q_pos, k_pos, None, impl=impl)
         for name, f in fns.items():
-            fwd = _time(jax.jit(f), q, k, v, reps=reps)
-            fb = _time(_fwd_bwd(f), q, k, v, ct, reps=reps)
+            data = () if name == "cudnn" else (q_pos, k_pos)  # positions: arguments, as in a ring (not folded)
+            fwd = _time(jax.jit(f), q, k, v, *data, reps=reps)
+            fb = _time(_fwd_bwd(f), q, k, v, ct, *data, reps=reps)
             fl = 4 * pairs * d
             rows.append(dict(table="ring_step", seq=S, heads=hq, kv_heads=hkv, head_dim=d, step=step, name=name,
                              impl=(("cudnn" if gpu else "xla (no cuDNN off GPU)") if name == "cudnn"
