@@ -10,6 +10,13 @@ Per pairing of the CTA's two (head, query block) rows:
 * ``separate``: each consumer its own tiles, the two lists interleaved (both busy while both have
   tiles);
 
+and for the dK/dV block pass (KV-stationary: a CTA = KV blocks ``2p`` and ``2p + 1`` of one KV head, each
+walking the (query head of its group, query block) tiles that list it, Q and dO loaded per tile):
+
+* ``kv_blocks``: what one stream of the two KV blocks' tile lists (their union) would carry; today each
+  consumer loads its own list (``stream_per_work`` 1.0), the pass that waits on these loads on spread /
+  mixed / a trained model's index (results/kernels/kernels.md run 33).
+
 ``stream_per_work`` = tiles the stream carries / tiles the two rows compute (0.5: every tile shared),
 ``paired_work`` = share of the rows' tiles computed in steps both consumers use. Block tiles only
 (column tiles are per row in every pairing). For ``blocks`` also per CTA: ``cta_q10`` / ``cta_q50`` /
@@ -68,19 +75,44 @@ def pairing_stats(sets, pairing: str) -> dict:
     return out
 
 
-def measure(seq: int, densities, families=INDEX_FAMILIES, heads: int = 16, seed: int = 1):
+def kv_pairing_stats(sets, kv_heads: int) -> dict:
+    """``{stream_per_work, paired_work}`` of pairing ``kv_blocks`` (module docstring): the dK/dV block
+    pass's CTAs (KV blocks ``2p``, ``2p + 1`` of one KV head; query heads ``g * H / kv_heads`` onwards
+    form KV head ``g``'s group) over ``sets[h][i]`` (the KV blocks query block ``i`` of head ``h`` lists)."""
+    H = len(sets)
+    if H % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads} must divide the {H} query heads")
+    per = H // kv_heads
+    lists = [dict() for _ in range(kv_heads)]  # lists[g][j]: the (query head, query block) tiles listing j
+    for h in range(H):
+        grp = lists[h // per]
+        for i, kvs in enumerate(sets[h]):
+            for j in kvs:
+                grp.setdefault(j, set()).add((h, i))
+    work = stream = paired = 0
+    for grp in lists:
+        for p in range((max(grp, default=-1) + 2) // 2):
+            a, b = grp.get(2 * p, set()), grp.get(2 * p + 1, set())
+            work += len(a) + len(b)
+            stream += len(a | b)
+            paired += 2 * len(a & b)
+    return {"stream_per_work": stream / work if work else 1.0, "paired_work": paired / work if work else 0.0}
+
+
+def measure(seq: int, densities, families=INDEX_FAMILIES, heads: int = 16, seed: int = 1, kv_heads: int = 2):
     rows = []
     for fam in families:
         for dens in densities:
             sets = row_sets(index_family(np.random.default_rng(seed), fam, 1, heads, seq, dens))
-            for pairing in PAIRINGS:
+            for pairing in PAIRINGS + ("kv_blocks",):
+                stats = kv_pairing_stats(sets, kv_heads) if pairing == "kv_blocks" else pairing_stats(sets, pairing)
                 rows.append({"table": "consumer_pairing", "family": fam, "S": seq, "density": dens, "heads": heads,
-                             "pairing": pairing, **pairing_stats(sets, pairing)})
+                             "pairing": pairing, **stats, **({"kv_heads": kv_heads} if pairing == "kv_blocks" else {})})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
-def measure_model(path: str, heads: int = 16):
+def measure_model(path: str, heads: int = 16, kv_heads: int = 2):
     """The rows of :func:`measure` for every ``(layer, budget)`` index of the saved file ``path``."""
     from benchmarks.model_index import load_indices, step_entries
 
@@ -89,23 +121,27 @@ def measure_model(path: str, heads: int = 16):
     for layer, bud, idx, den in step_entries(entries, meta["seq_len"], heads, meta["block_size"]):
         fam = f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items())
         sets = row_sets(idx)
-        for pairing in PAIRINGS:
+        for pairing in PAIRINGS + ("kv_blocks",):
+            stats = kv_pairing_stats(sets, kv_heads) if pairing == "kv_blocks" else pairing_stats(sets, pairing)
             rows.append({"table": "consumer_pairing", "family": fam, "S": meta["seq_len"], "density": float(den.mean()),
-                         "heads": heads, "pairing": pairing, "model_index": path, **pairing_stats(sets, pairing)})
+                         "heads": heads, "pairing": pairing, "model_index": path, **stats,
+                         **({"kv_heads": kv_heads} if pairing == "kv_blocks" else {})})
     return rows
 
 
 def table(rows) -> str:
     out = ["| family | density | stream / work: blocks / heads | paired work: blocks / heads / separate "
-           "| blocks, per CTA: stream / work q10 / q50 / q90 | work in CTAs above SPLIT_ABOVE |",
-           "|---|---|---|---|---|---|"]
+           "| blocks, per CTA: stream / work q10 / q50 / q90 | work in CTAs above SPLIT_ABOVE "
+           "| dK/dV blocks: stream / work |",
+           "|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["family"], r["density"]) for r in rows))
     for fam, dens in keys:
         by = {r["pairing"]: r for r in rows if (r["family"], r["density"]) == (fam, dens)}
         out.append(f"| {fam} | {dens:.0%} | {by['blocks']['stream_per_work']:.2f} / {by['heads']['stream_per_work']:.2f} "
                    f"| {by['blocks']['paired_work']:.2f} / {by['heads']['paired_work']:.2f} / "
                    f"{by['separate']['paired_work']:.2f} | {by['blocks']['cta_q10']:.2f} / {by['blocks']['cta_q50']:.2f} / "
-                   f"{by['blocks']['cta_q90']:.2f} | {by['blocks']['work_above_split']:.0%} |")
+                   f"{by['blocks']['cta_q90']:.2f} | {by['blocks']['work_above_split']:.0%} | "
+                   + (f"{by['kv_blocks']['stream_per_work']:.2f} |" if "kv_blocks" in by else "- |"))
     return "\n".join(out)
 
 
@@ -119,17 +155,21 @@ def main(argv=None):
     p.add_argument("--model-index", help="instead of the synthetic families: a saved model index file "
                    "(python -m benchmarks.model_index --out)")
     p.add_argument("--heads", type=int, default=16, help="query heads (a model index's heads are repeated to this)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (the dK/dV pairing's groups; must divide --heads)")
     p.add_argument("--json", help="append the rows (JSONL) to this file")
     a = p.parse_args(argv)
+    if a.kv_heads < 1 or a.heads % a.kv_heads:
+        p.error(f"--kv-heads must divide --heads={a.heads}, got {a.kv_heads}")
     prov = provenance(argv)
     if a.model_index:
         try:
-            rows = measure_model(a.model_index, a.heads)
+            rows = measure_model(a.model_index, a.heads, a.kv_heads)
         except ValueError as e:
             print(f"consumer_pairing: {e}", file=sys.stderr)
             return 1
     else:
-        rows = measure(a.seq, [float(x) for x in a.densities.split(",")], a.families.split(","), heads=a.heads)
+        rows = measure(a.seq, [float(x) for x in a.densities.split(",")], a.families.split(","), heads=a.heads,
+                       kv_heads=a.kv_heads)
     print(table(rows))
     append_rows(a.json, rows, prov)
     return 0

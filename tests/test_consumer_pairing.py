@@ -2,7 +2,9 @@
 
 import numpy as np
 
-from benchmarks.consumer_pairing import main, measure, measure_model, pairing_stats, table
+import pytest
+
+from benchmarks.consumer_pairing import kv_pairing_stats, main, measure, measure_model, pairing_stats, table
 
 
 def test_pairing_stats_on_known_rows():
@@ -45,9 +47,10 @@ def test_a_saved_model_index_is_measured_like_a_family(tmp_path, capsys):
     path = str(tmp_path / "band.npz")
     save_indices(path, [(3, {}, vs), (3, {"slash_max": 4}, vs)], dict(seq_len=S, block_size=64))
     rows = measure_model(path, heads=4)
-    assert [(r["family"], r["pairing"]) for r in rows[:3]] == [("model_L3", p) for p in ("blocks", "heads", "separate")]
-    assert rows[3]["family"] == "model_L3_slash_max4"
-    by = {r["pairing"]: r for r in rows[:3]}
+    assert [(r["family"], r["pairing"]) for r in rows[:4]] == [("model_L3", p)
+                                                               for p in ("blocks", "heads", "separate", "kv_blocks")]
+    assert rows[4]["family"] == "model_L3_slash_max4"
+    by = {r["pairing"]: r for r in rows[:4]}
     # a band of 4 diagonals: query block i lists blocks i-3..i; rows 2p, 2p+1 share 3 of their tiles
     nqb = S // 64
     work = sum(min(i + 1, 4) for i in range(nqb))
@@ -55,9 +58,36 @@ def test_a_saved_model_index_is_measured_like_a_family(tmp_path, capsys):
                 for p in range(nqb // 2))
     assert np.isclose(by["blocks"]["stream_per_work"], union / work)
     assert np.isclose(by["heads"]["stream_per_work"], 0.5)  # repeated heads list the same tiles
+    # dK/dV: KV block j is listed by query blocks j..j+3; KV blocks 2p, 2p+1 by 2p..2p+4 (5 of 8 tiles)
+    kv_work = sum(len(range(j, min(j + 4, nqb))) for j in range(nqb))
+    kv_union = sum(len(range(2 * p, min(2 * p + 5, nqb))) for p in range(nqb // 2))
+    assert np.isclose(by["kv_blocks"]["stream_per_work"], kv_union / kv_work) and by["kv_blocks"]["kv_heads"] == 2
     pairs = nqb * 64 * 65 // 2 + sum((nqb - d) * 64 * 64 for d in (1, 2, 3))  # diagonal 0 is causal inside
     assert np.isclose(rows[0]["density"], pairs / (S * (S + 1) / 2))
     assert main(["--model-index", path, "--heads", "4"]) == 0 and "| model_L3 |" in capsys.readouterr().out
     np.save(tmp_path / "x.npy", np.zeros(2))
     assert main(["--model-index", str(tmp_path / "x.npy")]) == 1
     assert "is not a model index file" in capsys.readouterr().err
+
+
+def test_kv_pairing_on_known_rows():
+    """The dK/dV block pass's pairing: KV blocks 2p, 2p+1 of one KV head over its group's query heads."""
+    # 2 query heads, 1 KV head: head 0 row 0 lists KV {0, 1}, row 1 lists {1}; head 1 row 1 lists {0}
+    sets = [[{0, 1}, {1}], [set(), {0}]]
+    # KV 0 <- {(0, 0), (1, 1)}, KV 1 <- {(0, 0), (0, 1)}: union 3 of 4 tiles, (0, 0) paired
+    got = kv_pairing_stats(sets, kv_heads=1)
+    assert np.isclose(got["stream_per_work"], 3 / 4) and np.isclose(got["paired_work"], 2 / 4)
+    # 2 KV heads: head 0 alone (KV 0 <- (0,0); KV 1 <- (0,0), (0,1)); head 1 alone (KV 0 <- (1,1))
+    got = kv_pairing_stats(sets, kv_heads=2)
+    assert np.isclose(got["stream_per_work"], (2 + 1) / 4) and np.isclose(got["paired_work"], 2 / 4)
+    with pytest.raises(ValueError, match="kv_heads=3 must divide the 2 query heads"):
+        kv_pairing_stats(sets, kv_heads=3)
+
+
+def test_a_band_pairs_its_dkv_tiles_and_spread_diagonals_do_not():
+    rows = measure(8192, [0.1], families=("band", "spread"), heads=4, kv_heads=2)
+    by = {(r["family"], r["pairing"]): r for r in rows}
+    assert by["band", "kv_blocks"]["stream_per_work"] < 0.6  # a band: KV blocks j, j+1 share nearly every row
+    assert by["spread", "kv_blocks"]["stream_per_work"] > by["band", "kv_blocks"]["stream_per_work"] + 0.2
+    lines = table(rows).splitlines()
+    assert lines[3].startswith("| spread | 10% |") and lines[3].endswith(f"| {by['spread', 'kv_blocks']['stream_per_work']:.2f} |")
