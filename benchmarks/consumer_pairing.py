@@ -99,16 +99,21 @@ def kv_pairing_stats(sets, kv_heads: int) -> dict:
     return {"stream_per_work": stream / work if work else 1.0, "paired_work": paired / work if work else 0.0}
 
 
+def _rows(sets, kv_heads: int, **fields) -> list:
+    """One row per pairing (:data:`PAIRINGS`, then ``kv_blocks``) of ``sets``, each with ``fields``."""
+    rows = [{"table": "consumer_pairing", **fields, "pairing": p, **pairing_stats(sets, p)} for p in PAIRINGS]
+    return rows + [{"table": "consumer_pairing", **fields, "pairing": "kv_blocks", **kv_pairing_stats(sets, kv_heads),
+                    "kv_heads": kv_heads}]
+
+
 def measure(seq: int, densities, families=INDEX_FAMILIES, heads: int = 16, seed: int = 1, kv_heads: int = 2):
     rows = []
     for fam in families:
         for dens in densities:
             sets = row_sets(index_family(np.random.default_rng(seed), fam, 1, heads, seq, dens))
-            for pairing in PAIRINGS + ("kv_blocks",):
-                stats = kv_pairing_stats(sets, kv_heads) if pairing == "kv_blocks" else pairing_stats(sets, pairing)
-                rows.append({"table": "consumer_pairing", "family": fam, "S": seq, "density": dens, "heads": heads,
-                             "pairing": pairing, **stats, **({"kv_heads": kv_heads} if pairing == "kv_blocks" else {})})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for row in _rows(sets, kv_heads, family=fam, S=seq, density=dens, heads=heads):
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
 
 
@@ -120,12 +125,8 @@ def measure_model(path: str, heads: int = 16, kv_heads: int = 2):
     rows = []
     for layer, bud, idx, den in step_entries(entries, meta["seq_len"], heads, meta["block_size"]):
         fam = f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items())
-        sets = row_sets(idx)
-        for pairing in PAIRINGS + ("kv_blocks",):
-            stats = kv_pairing_stats(sets, kv_heads) if pairing == "kv_blocks" else pairing_stats(sets, pairing)
-            rows.append({"table": "consumer_pairing", "family": fam, "S": meta["seq_len"], "density": float(den.mean()),
-                         "heads": heads, "pairing": pairing, "model_index": path, **stats,
-                         **({"kv_heads": kv_heads} if pairing == "kv_blocks" else {})})
+        rows += _rows(row_sets(idx), kv_heads, family=fam, S=meta["seq_len"], density=float(den.mean()), heads=heads,
+                      model_index=path)
     return rows
 
 
