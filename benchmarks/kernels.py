@@ -77,11 +77,40 @@ def _fwd_bwd(f):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+@contextlib.contextmanager
+def dkv_stream(stream):
+    """Within (``stream`` not ``None``): the operator's Mosaic dK/dV block pass takes ``stream`` where it
+    is left to ``"auto"`` (``pallas_kernels.mosaic_stream.AUTO_STREAM`` / ``UNIFORM_STREAM``'s
+    ``"dkv"``), for programs traced inside; ``None``: as built."""
+    from pallas_kernels import mosaic_stream
+
+    if stream is None:
+        yield
+        return
+    api_registry.validate_stream(stream)
+    saved = mosaic_stream.AUTO_STREAM["dkv"], mosaic_stream.UNIFORM_STREAM["dkv"]
+    try:
+        mosaic_stream.AUTO_STREAM["dkv"] = mosaic_stream.UNIFORM_STREAM["dkv"] = stream
+        yield
+    finally:
+        mosaic_stream.AUTO_STREAM["dkv"], mosaic_stream.UNIFORM_STREAM["dkv"] = saved
+
+
+def _dkv_variants(dkv_streams, impl: str):
+    """``[(name suffix, stream)]``: the dK/dV block pass streams an operator row of ``impl`` is timed
+    with (only a Mosaic-capable ``impl``: ``auto``, ``mosaic``; ``None``: as built, no suffix)."""
+    if impl not in ("auto", "mosaic"):
+        return [("", None)]
+    return [("" if st is None else f"[dkv={st}]", st) for st in dkv_streams]
+
+
 def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("triton", "auto"),
-        families=("slash", "vert"), vert_cols=4096, model=None):
+        families=("slash", "vert"), vert_cols=4096, model=None, dkv_streams=(None,)):
     """The comparison table; ``model``: :func:`benchmarks.model_index.model_options` (a checkpoint's or a
     saved file's indices): also the indices a trained model estimates (family ``model``; a saved file's
-    only at its own length, :func:`benchmarks.model_index.model_seqs`)."""
+    only at its own length, :func:`benchmarks.model_index.model_seqs`). ``dkv_streams``: each Mosaic
+    operator row once per dK/dV block pass stream (:func:`dkv_stream`; name ``<impl>[dkv=<stream>]``;
+    ``None``: as built)."""
     rows = []
     rng = np.random.default_rng(seed)
     gpu = jax.default_backend() == "gpu"
@@ -92,11 +121,13 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
         dense_pairs = H * S * (S + 1) / 2
         scale = D**-0.5
 
-        def add(name, pairs, f, *data, fwd_only=False, family="dense"):
+        def add(name, pairs, f, *data, fwd_only=False, family="dense", dkv=None):
             # data (positions, index): arguments of the timed call, as in training; as closed-over constants
             # XLA folded part of the index's operand build into the program (runs up to 33)
-            fwd, fwd_s = timeit(jax.jit(f), q, k, v, *data, warmup=2, repeat=reps)
-            fb, fb_s = (None, None) if fwd_only else timeit(_fwd_bwd(f), q, k, v, ct, *data, warmup=2, repeat=reps)
+            with dkv_stream(dkv):
+                fwd, fwd_s = timeit(jax.jit(f), q, k, v, *data, warmup=2, repeat=reps)
+                fb, fb_s = (None, None) if fwd_only else timeit(_fwd_bwd(f), q, k, v, ct, *data, warmup=2,
+                                                                 repeat=reps)
             fl = 4 * pairs * D
             spread = lambda ts: None if ts is None else [round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)]  # noqa: E731
             row = dict(seq=S, name=name, family=family, density=pairs / dense_pairs,
@@ -120,24 +151,29 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
             add("pallas_mha", dense_pairs, mha_f)
         if S <= dense_ours_max:  # the full causal index as the API builds it for index=None (uniform rows)
             for impl in impls:
-                add(f"{impl}_full", dense_pairs, lambda q, k, v, pos, impl=impl: api.block_sparse_attention(
-                    q, k, v, pos, pos, None, impl=impl), pos)
+                for tag, st in _dkv_variants(dkv_streams, impl):
+                    add(f"{impl}{tag}_full", dense_pairs, lambda q, k, v, pos, impl=impl: api.block_sparse_attention(
+                        q, k, v, pos, pos, None, impl=impl), pos, dkv=st)
         for fam in families:
             for sp in sparsities:
                 idx, name = _family_index(rng, fam, S, sp, vert_cols)
                 idx = jax.tree.map(jnp.asarray, idx)
                 pairs = sum(_pairs(idx, S))
                 for impl in impls:
-                    add(f"{impl}_{name}", pairs, lambda q, k, v, pos, idx, impl=impl: api.block_sparse_attention(
-                        q, k, v, pos, pos, idx, impl=impl), pos, idx, family=fam)
+                    for tag, st in _dkv_variants(dkv_streams, impl):
+                        add(f"{impl}{tag}_{name}", pairs, lambda q, k, v, pos, idx, impl=impl:
+                            api.block_sparse_attention(q, k, v, pos, pos, idx, impl=impl), pos, idx, family=fam,
+                            dkv=st)
         if model and S not in with_model:
             print(f"S={S}: no model family (the index file holds another length)", flush=True)
         for layer, bud, idx, den in (model_entries(S, H, BS, model) if S in with_model else []):
             pairs, tag = sum(_pairs(idx, S)), "".join(f"_{k}{v}" for k, v in bud.items())
             for impl in impls:
-                add(f"{impl}_model_L{layer}{tag}", pairs, lambda q, k, v, pos, idx, impl=impl: api.block_sparse_attention(
-                    q, k, v, pos, pos, idx, impl=impl), pos, jax.tree.map(jnp.asarray, idx), family="model")
-                rows[-1].update(model_budget=bud, model_density=[round(float(x), 4) for x in den])  # per model head
+                for dtag, st in _dkv_variants(dkv_streams, impl):
+                    add(f"{impl}{dtag}_model_L{layer}{tag}", pairs, lambda q, k, v, pos, idx, impl=impl:
+                        api.block_sparse_attention(q, k, v, pos, pos, idx, impl=impl), pos,
+                        jax.tree.map(jnp.asarray, idx), family="model", dkv=st)
+                    rows[-1].update(model_budget=bud, model_density=[round(float(x), 4) for x in den])  # per model head
         base = next(r for r in rows if r["seq"] == S and r["name"] == "cudnn")
         for r in rows:
             if r["seq"] == S:
@@ -264,9 +300,20 @@ def _pairs(idx, S):
 PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
 
 
+def _dkv_blocks_variant(spec):
+    """:func:`pallas_kernels.mosaic_bwd.mosaic_dkv_blocks` with the stream (and walk) of ``spec``:
+    ``None`` (as built), ``"<stream>"`` or ``"<stream>:<walk>"``."""
+    from pallas_kernels import mosaic_bwd
+
+    if spec is None:
+        return mosaic_bwd.mosaic_dkv_blocks
+    stream, _, walk = spec.partition(":")
+    return functools.partial(mosaic_bwd.mosaic_dkv_blocks, stream=stream, **({"walk": walk} if walk else {}))
+
+
 def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
            model=None, shape=(H, HKV, D), col_walks=None, slots=(None,), kv_step=None, impls=("triton", "mosaic"),
-           loads_only=False, rounds=1):
+           loads_only=False, rounds=1, dkv_streams=(None,)):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
@@ -286,7 +333,9 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     stream always 128); ``impls``: ``triton`` and / or ``mosaic`` rows. ``loads_only``: every Mosaic pass
     also compiled inside :func:`benchmarks.pass_floors.loads_only` (rows ``variant: full`` / ``load_only``);
     ``rounds``: every compiled pass timed once per round, the rounds alternating over all of them (a
-    row per round)."""
+    row per round). ``dkv_streams``: the Mosaic dK/dV block pass once per entry (``None``: as built, impl
+    ``mosaic``; ``"split"``, ``"shared"`` (its default walk), ``"shared:loops"`` / ``"shared:switch"``:
+    impl ``mosaic[shared,loops]`` etc.; :func:`pallas_kernels.mosaic_bwd.mosaic_dkv_blocks`)."""
     from pallas_kernels import mosaic_bwd, mosaic_fwd
     from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
@@ -331,7 +380,8 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                *[("dq", mname(w, st, n), variant(mosaic_bwd.mosaic_dq, w, st, n, dq=True), args, 3 * (bp + cp))
                  for w, st, n in variants],
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
-               ("dkv_blocks", "mosaic", mosaic_bwd.mosaic_dkv_blocks, args, 4 * bp),
+               *[("dkv_blocks", "mosaic" if ds is None else f"mosaic[{ds.replace(':', ',')}]",
+                  _dkv_blocks_variant(ds), args, 4 * bp) for ds in dkv_streams],
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
                *[("dkv_cols", "mosaic" if cw == mosaic_bwd.DEFAULT_COL_WALK else f"mosaic[{cw}]",
                   functools.partial(mosaic_bwd.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp,
@@ -458,6 +508,10 @@ def main():
                     "time, comma-separated (pallas_kernels.mosaic_stream.WALKS: loops,switch)")
     ap.add_argument("--streams", default="shared", help="with --passes: the Mosaic forward / dQ streams to time, "
                     "comma-separated (pallas_kernels.mosaic_stream.STREAMS: shared,split)")
+    ap.add_argument("--dkv-streams", default="", help="the Mosaic dK/dV block pass's streams to time, "
+                    "comma-separated: with --passes split, shared, shared:loops, shared:switch (stream[:walk]); "
+                    "in the comparison table each Mosaic operator row once per stream (split, shared, index); "
+                    "'default' for the pass as built (default: as built only)")
     ap.add_argument("--col-walks", default="", help="with --passes: the Mosaic column dK/dV pass's walks "
                     "to time, comma-separated, in order, repeats allowed (pallas_kernels.mosaic_bwd.COL_WALKS: "
                     "masked,free; e.g. masked,free,free,masked; default: the operator's, DEFAULT_COL_WALK)")
@@ -508,6 +562,14 @@ def main():
         ap.error(f"--slots: comma-separated integers, got {a.slots!r}")
     if any(n < 2 for n in slots if n is not None):
         ap.error(f"--slots: each >= 2, got {a.slots!r}")
+    dkv_streams = tuple(None if x == "default" else x for x in a.dkv_streams.split(",") if x) or (None,)
+    from pallas_kernels.mosaic_stream import WALKS
+
+    for x in dkv_streams:
+        st, _, wk = (x or "split").partition(":")
+        if st not in api_registry.STREAMS or (wk and wk not in WALKS):
+            ap.error(f"--dkv-streams: {x!r} is not stream[:walk] with a stream of {api_registry.STREAMS} "
+                     f"and a walk of {WALKS}")
     pass_impls = tuple(x for x in a.pass_impls.split(",") if x)
     if not pass_impls or set(pass_impls) - {"triton", "mosaic"}:
         ap.error(f"--pass-impls: some of triton,mosaic, got {a.pass_impls!r}")
@@ -541,7 +603,7 @@ def main():
                             walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")),
                             names=tuple(a.pass_names.split(",")), model=model, shape=shape, col_walks=col_walks,
                             slots=slots, kv_step=a.kv_step, impls=pass_impls, loads_only=a.loads_only,
-                            rounds=a.rounds)
+                            rounds=a.rounds, dkv_streams=dkv_streams)
     if pass_rows:
         print(passes_table(pass_rows))
         if a.loads_only:
@@ -562,7 +624,8 @@ def main():
         return
     sps = [float(s) for s in a.sparsities.split(",") if s]
     rows = run(seqs, sps, a.mha_max, a.dense_max, a.reps, impls=tuple(a.impls.split(",")),
-               families=tuple(a.families.split(",")), vert_cols=a.vert_cols, model=model)
+               families=tuple(a.families.split(",")), vert_cols=a.vert_cols, model=model,
+               dkv_streams=tuple(x.partition(":")[0] if x else x for x in dkv_streams))
     meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 resolved={i: [api_registry.resolve(i, d, jnp.zeros((1, 128, H, D), jnp.bfloat16), BS, 128)
                               for d in ("fwd", "bwd")] for i in a.impls.split(",")},

@@ -34,22 +34,25 @@ def _walk_loads_only(walk_stream):
 
 
 def _dkv_consumer_loads_only(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
-                             qk_scale: float, scale: float, dtype, kseg_smem=None):
-    """:func:`pallas_kernels.mosaic_bwd._dkv_consumer`'s barrier protocol without its math: per tile,
-    wait for Q, the row infos, the KV rows' aux (when per tile) and dO, then free both slots."""
+                             qk_scale: float, scale: float, dtype, kseg_smem=None, shared: bool = False):
+    """:func:`pallas_kernels.mosaic_bwd._dkv_consumer`'s barrier protocol without its math: per tile
+    (each kind alike), wait for Q, the row infos, the KV rows' aux (when per tile) and dO, then free
+    both slots."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.mosaic_bwd import _dkv_slot
 
     q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
 
     def tile(t, carry):
-        slot = w * stages + lax.rem(t, jnp.int32(stages))
+        slot = _dkv_slot(w, t, stages, shared)
         for bar in (q_bar, r_bar, qi_bar) + ((ka_bar,) if kaux_b is None else ()) + (do_bar,):
             plgpu.barrier_wait(bar.at[slot])
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
 
-    for lo, hi, _ in loops:
+    for lo, hi, *_ in ([(0, loops[0])] if isinstance(loops, tuple) else loops):
         lax.fori_loop(lo, hi, tile, jnp.int32(0))
     zeros = plgpu.layout_cast(jnp.full((bs, kres.shape[-1]), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     return zeros, zeros

@@ -31,10 +31,12 @@ from pallas_kernels import mosaic_precompile
 from pallas_kernels.index_format import StepIndex, column_start
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, run_stream, segment_ok,
+from pallas_kernels.mosaic_stream import (SPLIT_ABOVE, block_loops, block_step_kind, check_walk, consumer_row,
+                                          query_kernel, query_pair_ids, resolve_stream, run_stream, segment_ok,
                                           stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
-from pallas_kernels.mosaic_index import (column_free_range, column_ids, column_operands, column_ranges, column_slots,
-                                         kv_schedule, uniform_kv_schedule)
+from pallas_kernels.mosaic_index import (STREAM_SEGMENTS, column_free_range, column_ids, column_operands,
+                                         column_ranges, column_slots, kv_pair_schedule, kv_schedule,
+                                         uniform_kv_schedule)
 from pallas_kernels.three_pass import add_column_grads
 
 
@@ -203,23 +205,41 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, "dq")
 
 
+def _dkv_slot(w, t, stages: int, shared: bool):
+    """Ring slot of tile ``t`` of consumer ``w`` in a dK/dV pass: ``stages`` slots per consumer, or
+    (``shared``: one stream both consumers walk) ``2 * stages`` slots of one ring."""
+    if shared:
+        return lax.rem(t, jnp.int32(2 * stages))
+    return w * stages + lax.rem(t, jnp.int32(stages))
+
+
 def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
-                  qk_scale: float, scale: float, dtype, kseg_smem=None):
+                  qk_scale: float, scale: float, dtype, kseg_smem=None, shared: bool = False):
     """One consumer warpgroup's KV-stationary walk (both dK/dV passes): K, V of its 64 rows
-    resident in ``kres/vres[w]``; tile ``t`` in slot ``w * stages + t % stages``; ``loops`` the walk
-    as ``[(lo, hi, masked)]`` in tile order (one tile body compiled per entry: the block pass free
-    tiles, then masked ones; the column pass masked ones, then, with ``col_walk="free"``, free ones), masked
-    tiles keeping ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]`` with the KV rows' ``kpos_b`` and
-    ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``). Packed
-    documents: ``kseg_smem [bs]`` holds the KV rows' segment ids, the tile's ``qinfo`` row 2 the
-    queries'; masked pairs must match. Returns the float32 ``(dk * scale, dv)`` of the rows in the
-    wgmma layout."""
+    resident in ``kres/vres[w]``; tile ``t`` in slot :func:`_dkv_slot`; ``loops`` the walk as a list
+    ``[(lo, hi, kind)]`` in tile order, ``kind`` 0 free, 1 masked, 2 not this consumer's (``shared``
+    only: wait for the slot's copies, free it; one body compiled per entry: the block pass free tiles,
+    then masked ones, or the shared stream's segment loops; the column pass masked ones, then, with
+    ``col_walk="free"``, free ones), or a tuple ``(n, kind)``: one loop over tiles ``[0, n)`` with the
+    body chosen per tile by ``kind(t)`` (one copy of each body); masked tiles keeping ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]``
+    with the KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``, row
+    ``w`` of the slot's two when ``shared``). Packed documents: ``kseg_smem [bs]`` holds the KV rows'
+    segment ids, the tile's ``qinfo`` row 2 the queries'; masked pairs must match. Returns the float32
+    ``(dk * scale, dv)`` of the rows in the wgmma layout."""
     q_smem, do_smem, r_smem, qi_smem, ka_smem = smems
     q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
 
+    def skip(t, carry):  # a tile of the other consumer's block: same waits and arrivals, no math
+        slot = _dkv_slot(w, t, stages, shared)
+        for bar in (q_bar, r_bar, qi_bar) + ((ka_bar,) if kaux_b is None else ()) + (do_bar,):
+            plgpu.barrier_wait(bar.at[slot])
+        plgpu.barrier_arrive(do_free.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
+        return carry
+
     def tile(t, carry, masked: bool):
         dk, dv = carry
-        slot = w * stages + lax.rem(t, jnp.int32(stages))
+        slot = _dkv_slot(w, t, stages, shared)
         plgpu.barrier_wait(q_bar.at[slot])
 
         def kq(acc_ref):
@@ -240,7 +260,7 @@ def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: 
                 qpos = lax.broadcast_in_dim(load_smem(qi_smem.at[slot, 0], col_layout()), (bs, bs), [1])
                 thr = lax.broadcast_in_dim(load_smem(qi_smem.at[slot, 1], col_layout()), (bs, bs), [1])
                 aux = kaux_b if kaux_b is not None else lax.broadcast_in_dim(
-                    load_smem(ka_smem.at[slot], row_layout()), (bs, bs), [0])
+                    load_smem(ka_smem.at[(slot, w) if shared else slot], row_layout()), (bs, bs), [0])
                 ok = (kpos_b <= qpos) & (aux >= thr)
                 if kseg_smem is not None:
                     qseg = lax.broadcast_in_dim(load_smem(qi_smem.at[slot, 2], col_layout()), (bs, bs), [1])
@@ -265,31 +285,41 @@ def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: 
     d = kres.shape[-1]
     zeros = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros)
-    for lo, hi, masked in loops:
-        carry = lax.fori_loop(lo, hi, functools.partial(tile, masked=masked), carry)
+    if isinstance(loops, tuple):  # (n, kind(t)): one loop choosing the body per tile
+        n, kind_of = loops
+        bodies = (functools.partial(tile, masked=False), functools.partial(tile, masked=True), skip)
+        carry = lax.fori_loop(0, n, lambda t, c: lax.switch(kind_of(t), [functools.partial(f, t) for f in bodies], c),
+                              carry)
+    else:
+        for lo, hi, kind in loops:
+            carry = lax.fori_loop(lo, hi, skip if kind == 2 else functools.partial(tile, masked=kind == 1), carry)
     dk, dv = carry
     return dk * scale, dv
 
 
-def _dkv_producer(walks, b, stages: int, bs: int, q_ref, do_ref, rinfo_ref, qinfo_ref, kslot_ref, smems, bars):
-    """The producer of both dK/dV passes: ``walks[w] = (n_tiles, at)`` with ``at(t) = (query head,
-    query block, KV rows or None)``; per tile it TMA-loads ``Q``, ``(lse2, delta)``, ``(q_pos, thr)``,
-    the KV rows' aux vector (when given) and ``dO``, after the consumer freed the slot."""
+def _dkv_producer(walks, b, stages: int, bs: int, q_ref, do_ref, rinfo_ref, qinfo_ref, kslot_ref, smems, bars,
+                  shared: bool = False):
+    """The producer of both dK/dV passes: ``walks[w] = (n_tiles, at)`` per consumer (``shared``: one
+    walk both consumers read) with ``at(t) = (query head, query block, KV rows' aux index or None)``;
+    per tile it TMA-loads ``Q``, ``(lse2, delta)``, ``(q_pos, thr)``, the KV rows' aux vector (when
+    given: ``kslot_ref.at[b, h, rows]``) and ``dO``, after the slot was freed (by its consumer, or
+    both)."""
     q_smem, do_smem, r_smem, qi_smem, ka_smem = smems
     q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
+    ring = 2 * stages if shared else stages
 
-    @pl.loop(0, jnp.maximum(walks[0][0], walks[1][0]))
+    @pl.loop(0, walks[0][0] if shared else jnp.maximum(walks[0][0], walks[1][0]))
     def _(t):
-        for w in range(2):
+        for w in range(len(walks)):
             n_all, at = walks[w]
 
             @pl.when(t < n_all)
             def _():
-                slot = w * stages + lax.rem(t, jnp.int32(stages))
+                slot = _dkv_slot(w, t, stages, shared)
                 h, qb, krows = at(t)
                 rows = pl.ds(qb * bs, bs)
 
-                @pl.when(t >= stages)
+                @pl.when(t >= ring)
                 def _():
                     plgpu.barrier_wait(q_free.at[slot])
 
@@ -299,7 +329,7 @@ def _dkv_producer(walks, b, stages: int, bs: int, q_ref, do_ref, rinfo_ref, qinf
                 if krows is not None:
                     plgpu.copy_gmem_to_smem(kslot_ref.at[b, h, krows], ka_smem.at[slot], ka_bar.at[slot])
 
-                @pl.when(t >= stages)
+                @pl.when(t >= ring)
                 def _():
                     plgpu.barrier_wait(do_free.at[slot])
 
@@ -317,7 +347,12 @@ def _resident(w, copies, bars):
 
 def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, k_ref, v_ref,
                        *refs, stages: int, g: int, bs: int, nqb: int, qk_scale: float, scale: float,
-                       segs: bool = False):
+                       segs: bool = False, shared: bool = False, walk: str = "switch"):
+    """CTA ``(p, hk, b)``: KV blocks ``2p + w`` of KV head ``hk``, one per consumer ``w``. Own lists
+    (``cnt_ref`` = :func:`~pallas_kernels.mosaic_index.kv_schedule`'s counts, ``kslot_ref [B, H, Sk]``)
+    or ``shared`` (``cnt_ref`` = :func:`~pallas_kernels.mosaic_index.kv_pair_schedule`'s bounds, one
+    stream both consumers walk, by segment loops or, ``walk="switch"``, one loop choosing the body per
+    tile; ``kslot_ref [B, H, nKB // 2, 2, bs]``)."""
     kseg_ref, (dk_ref, dv_ref, smems, bars) = (refs[0], refs[1:]) if segs else (None, refs)
     kres, vres, kp_smem, *tile_smems = smems
     kv_bar, *tile_bars = bars
@@ -326,7 +361,7 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
     pair = lax.axis_index("p")  # the first KV blocks are listed by the most query blocks: heavy first
     wg = lax.axis_index("wg")
 
-    def walk(w):
+    def own_walk(w):
         j = 2 * pair + w
         return j, cnt_ref[b, hk, j, 0], cnt_ref[b, hk, j, 1]
 
@@ -334,7 +369,15 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        j, n_free, n_all = walk(w)
+        j = 2 * pair + w
+        if shared:
+            base = cnt_ref[b, hk, pair, 0]
+            bounds = [cnt_ref[b, hk, pair, s] - base for s in range(len(STREAM_SEGMENTS) + 1)]
+            loops = ((bounds[-1], lambda t: block_step_kind(t, w, bounds)) if walk == "switch"
+                     else block_loops(w, bounds))
+        else:
+            _, n_free, n_all = own_walk(w)
+            loops = [(0, n_free, 0), (n_free, n_all, 1)]
         rows = pl.ds(j * bs, bs)
         copies = [(k_ref.at[b, rows, hk], kres.at[w]), (v_ref.at[b, rows, hk], vres.at[w]),
                   (kpos_ref.at[rows], kp_smem.at[w])]
@@ -342,9 +385,9 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
             copies.append((kseg_ref.at[b, rows], kp_smem.at[2 + w]))
         _resident(w, copies, kv_bar)
         kpos_b = lax.broadcast_in_dim(load_smem(kp_smem.at[w], row_layout()), (bs, bs), [0])
-        dk, dv = _dkv_consumer(w, [(0, n_free, False), (n_free, n_all, True)], kres, vres, kpos_b, None, tile_smems,
-                               tile_bars, stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
-                               kseg_smem=kp_smem.at[2 + w] if segs else None)
+        dk, dv = _dkv_consumer(w, loops, kres, vres, kpos_b, None, tile_smems, tile_bars, stages=stages, bs=bs,
+                               qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
+                               kseg_smem=kp_smem.at[2 + w] if segs else None, shared=shared)
         dk_ref[b, rows, hk] = dk
         dv_ref[b, rows, hk] = dv
 
@@ -352,15 +395,21 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def at(j):
+        def at(base, krows):
             def f(t):
-                e = sched_ref[cnt_ref[b, hk, j, 2] + t]
+                e = sched_ref[base + t]
                 jq = lax.div(e, jnp.int32(nqb))
-                return hk * g + jq, e - jq * nqb, pl.ds(j * bs, bs)
+                return hk * g + jq, e - jq * nqb, krows
             return f
 
-        walks = [(walk(w)[2], at(walk(w)[0])) for w in range(2)]
-        _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, kslot_ref, tile_smems, tile_bars)
+        if shared:
+            base = cnt_ref[b, hk, pair, 0]
+            walks = [(cnt_ref[b, hk, pair, len(STREAM_SEGMENTS)] - base, at(base, pair))]
+        else:
+            walks = [(own_walk(w)[2], at(cnt_ref[b, hk, own_walk(w)[0], 2], pl.ds(own_walk(w)[0] * bs, bs)))
+                     for w in range(2)]
+        _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, kslot_ref, tile_smems, tile_bars,
+                      shared)
 
 
 #: the column dK/dV pass's tile walks (:func:`mosaic_dkv_cols`)
@@ -405,7 +454,7 @@ def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: i
         plgpu.set_max_registers(232, action="increase")
         w = wg
         c, n, n_free, _ = walk(w)
-        loops = [(0, n_free, False), (n_free, n, True)] if free_tiles else [(0, n, True)]
+        loops = [(0, n_free, 0), (n_free, n, 1)] if free_tiles else [(0, n, 1)]
         rows = pl.ds(c * bs, bs)
         _resident(w, [(kc_ref.at[b, h, rows], kres.at[w]), (vc_ref.at[b, h, rows], vres.at[w]),
                       (cinfo_ref.at[b, h, c], ci_smem.at[w])], kv_bar)
@@ -446,17 +495,21 @@ def _row_infos(q_pos, lse, delta, thr, bs: int, q_seg=None):
     return rinfo, jnp.stack(rows, axis=3)
 
 
-def _dkv_scratch(dtype, bs: int, d: int, stages: int, kv_info, segs: bool = False, resident: int = 3):
+def _dkv_scratch(dtype, bs: int, d: int, stages: int, kv_info, segs: bool = False, resident: int = 3,
+                 shared: bool = False):
     """Shared memory of both dK/dV passes: resident K/V of the two consumers, their KV rows' info
-    ``kv_info``, and ``stages`` slots per consumer of the per-tile operands (``qinfo`` with the
-    segment row when ``segs``); barriers likewise (two per ``resident`` copy, :func:`_resident`)."""
+    ``kv_info``, and ``2 * stages`` slots of the per-tile operands (``qinfo`` with the segment row when
+    ``segs``; the KV rows' aux of both consumers when ``shared``); barriers likewise (two per
+    ``resident`` copy, :func:`_resident`; a ``shared`` slot is freed by both consumers)."""
     tr = tile_transforms(dtype)
     nb = 2 * stages
     smem = (plgpu.SMEM((2, bs, d), dtype, transforms=tr), plgpu.SMEM((2, bs, d), dtype, transforms=tr), kv_info,
             plgpu.SMEM((nb, bs, d), dtype, transforms=tr), plgpu.SMEM((nb, bs, d), dtype, transforms=tr),
             plgpu.SMEM((nb, 2, bs), jnp.float32), plgpu.SMEM((nb, 2 + segs, bs), jnp.int32),
-            plgpu.SMEM((nb, bs), jnp.int32))
-    bars = (plgpu.Barrier(num_barriers=2 * resident),) + tuple(plgpu.Barrier(num_barriers=nb) for _ in range(7))
+            plgpu.SMEM((nb, 2, bs) if shared else (nb, bs), jnp.int32))
+    frees = 2 if shared else 1
+    bars = ((plgpu.Barrier(num_barriers=2 * resident),) + tuple(plgpu.Barrier(num_barriers=nb) for _ in range(5))
+            + tuple(plgpu.Barrier(num_arrivals=frees, num_barriers=nb) for _ in range(2)))
     return [smem, bars]
 
 
@@ -467,30 +520,70 @@ def _launch(kernel, out_type, scratch, grid, grid_names, *args):
                         compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("uniform",))
+#: the dK/dV block pass's walk of the shared stream where not told (:data:`~pallas_kernels.mosaic_stream.WALKS`)
+DKV_SHARED_WALK = "switch"
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("uniform", "stream", "walk"))
 def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
-                      block_size: int = 64, stages: int = 2, segs=None, uniform: bool = False):
+                      block_size: int = 64, stages: int = 2, segs=None, uniform: bool = False, stream: str = "auto",
+                      walk: str = DKV_SHARED_WALK):
     """Backward block pass: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks' pairs (causal,
     minus the listed columns of each row's prefix: :func:`mosaic_dkv_cols` has those), summed over
     each KV head's group of query heads. ``Sk`` a multiple of 128; ``do`` in q's dtype (cast here),
     ``lse`` / ``delta`` float32 ``[B, Hq, Sq]``; ``segs``: packed documents (module docstring);
-    ``uniform``: every (batch, head) row of ``index`` alike, its schedule built once
-    (:func:`~pallas_kernels.mosaic_index.uniform_kv_schedule`)."""
+    ``uniform``: every (batch, head) row of ``index`` alike, its schedule built for one row.
+    ``stream`` (:data:`pallas_kernels.registry.STREAMS`): what a CTA's two consumers (KV blocks
+    ``2p``, ``2p + 1``) read: ``"split"``, each its block's own Q/dO tiles
+    (:func:`~pallas_kernels.mosaic_index.kv_schedule`, ``stages`` slots each); ``"shared"``, one
+    stream of the tiles either block lists, a tile both list loaded once
+    (:func:`~pallas_kernels.mosaic_index.kv_pair_schedule`, one ring of ``2 * stages`` slots);
+    ``"index"``, one of the two per call (the shared one where it carries at most
+    :data:`~pallas_kernels.mosaic_stream.SPLIT_ABOVE` tiles per tile of work; both compiled);
+    ``"auto"``: :func:`~pallas_kernels.mosaic_stream.resolve_stream` (``"dkv"``). ``walk``
+    (:data:`~pallas_kernels.mosaic_stream.WALKS`): the shared stream's consumers walk its segment
+    loops (7, :data:`~pallas_kernels.mosaic_stream.SHARED_PLAN`) or one loop choosing the free /
+    masked / skip body per tile; the split stream always walks two loops. The same result every way,
+    its tiles summed in another order."""
+    check_walk(walk)
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
     sg = segs is not None
-    sched, counts = (uniform_kv_schedule if uniform else kv_schedule)(index, sk, hkv, bs)
+    stream = resolve_stream(stream, "dkv", uniform)
     rinfo, qinfo = _row_infos(q_pos, lse, delta, index.col_count, bs, segs[0] if sg else None)
-    kernel = functools.partial(_dkv_blocks_kernel, stages=stages, g=H // hkv, bs=bs, nqb=sq // bs,
-                               qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), segs=sg)
-    out = jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)
-    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2 + 2 * sg, bs), jnp.int32), sg, resident=3 + sg)
-    args = [counts, sched, k_pos.astype(jnp.int32), column_slots(index, sk), q, do.astype(q.dtype), rinfo, qinfo, k, v]
-    if sg:
-        args.append(segs[1].astype(jnp.int32))
-    return tuple(_launch(named(kernel, "mosaic_dkv_blocks"), [out, out], scratch, (sk // bs // 2, hkv, B),
-                         ("p", "h", "b"), *args))
+    slots = column_slots(index, sk)
+    args = [q, do.astype(q.dtype), rinfo, qinfo, k, v] + ([segs[1].astype(jnp.int32)] if sg else [])
+
+    def launch(shared, sched, counts):
+        kernel = functools.partial(_dkv_blocks_kernel, stages=stages, g=H // hkv, bs=bs, nqb=sq // bs,
+                                   qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), segs=sg, shared=shared,
+                                   walk=walk)
+        out = jax.ShapeDtypeStruct((B, sk, hkv, d), jnp.float32)
+        scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2 + 2 * sg, bs), jnp.int32), sg,
+                               resident=3 + sg, shared=shared)
+        kslot = slots.reshape(B, H, sk // (2 * bs), 2, bs) if shared else slots
+        return tuple(_launch(named(kernel, "mosaic_dkv_blocks"), [out, out], scratch, (sk // bs // 2, hkv, B),
+                             ("p", "h", "b"), counts, sched, k_pos.astype(jnp.int32), kslot, *args))
+
+    if stream in ("shared", "index"):
+        pair = kv_pair_schedule(index, sk, hkv, bs, uniform)
+        if stream == "shared":
+            return launch(True, *pair)
+    own = (uniform_kv_schedule if uniform else kv_schedule)(index, sk, hkv, bs)
+    if stream == "split":
+        return launch(False, *own)
+    return lax.cond(kv_stream_per_work(own[1], pair[1]) > SPLIT_ABOVE, lambda: launch(False, *own),
+                    lambda: launch(True, *pair))
+
+
+def kv_stream_per_work(counts, bounds):
+    """Tiles the dK/dV block pass's shared stream carries per tile its consumers compute, over the
+    call (``counts`` of :func:`~pallas_kernels.mosaic_index.kv_schedule`, ``bounds`` of
+    :func:`~pallas_kernels.mosaic_index.kv_pair_schedule`): 0.5 when KV blocks ``2p`` and ``2p + 1``
+    are listed by the same (query head, query block) tiles, 1.0 when by none in common (float32)."""
+    carried = (bounds[..., -1] - bounds[..., 0]).astype(jnp.float32).sum()
+    return carried / jnp.maximum(counts[..., 1].astype(jnp.float32).sum(), 1.0)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks", "col_walk"))

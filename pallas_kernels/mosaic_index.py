@@ -278,6 +278,45 @@ def split_stream(ops: MosaicOperands) -> PairStream:
 _ONE_KEY_LIMIT = 2**32
 
 
+def _sort_keys(keys, sizes):
+    """Sort by the integer ``keys`` (each in ``[0, size)``, most significant first) and return them
+    sorted: one uint32 key (the radix sort path) when the combined range fits
+    (:data:`_ONE_KEY_LIMIT`), else a multi-key sort."""
+    total = 1
+    for n in sizes:
+        total *= n
+    if total <= _ONE_KEY_LIMIT:
+        key = jnp.zeros(keys[0].shape, jnp.uint32)
+        for x, n in zip(keys, sizes):
+            key = key * jnp.uint32(n) + x.astype(jnp.uint32)
+        key = lax.sort(key)
+        out = []
+        for n in sizes[::-1]:
+            out.append((key % jnp.uint32(n)).astype(jnp.int32))
+            key = key // jnp.uint32(n)
+        return out[::-1]
+    return list(lax.sort(tuple(x.astype(jnp.int32) for x in keys), num_keys=len(keys)))
+
+
+def _kv_tiles(index: StepIndex, sk: int, hkv: int, bs: int):
+    """Each entry ``[B, H, nQB, MB]`` of ``index`` as a tile of the KV-stationary dK/dV block pass:
+    ``(valid, list, masked, e)``: a listed entry; its KV list ``(b * Hkv + hk) * nKB + kb``; its class
+    (0 free: every pair causal and no listed column of the row's prefix in the block; 1 masked); its
+    place ``e = j * nQB + qb`` in the list's (query head of the group, query block) order."""
+    B, H, nqb, mb = index.block_idx.shape
+    nkb, g = sk // bs, H // hkv
+    valid = jnp.arange(mb) < index.block_count[..., None]
+    kb = jnp.clip(index.block_idx, 0, nkb - 1)
+    b_ix = jnp.arange(B)[:, None, None, None]
+    h_ix = jnp.arange(H)[None, :, None, None]
+    first_slot = column_slots(index, sk).reshape(B, H, nkb, bs).min(axis=-1)
+    has_col = first_slot[b_ix, h_ix, kb] < index.col_count[..., None]
+    masked = ((index.block_causal != 0) | has_col).astype(jnp.int32)
+    lst = (b_ix * hkv + h_ix // g) * nkb + kb
+    e = jnp.broadcast_to((h_ix % g) * nqb + jnp.arange(nqb)[None, None, :, None], kb.shape)
+    return valid, lst, masked, e
+
+
 @functools.partial(jax.jit, static_argnames=("sk", "hkv", "block_size"))
 def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     """KV-stationary schedule of the dK/dV block pass, one list per (batch, KV head, KV block) over
@@ -290,31 +329,69 @@ def kv_schedule(index: StepIndex, sk: int, hkv: int, block_size: int):
     ``n_free`` entries are free tiles (every pair causal and no listed column of the row's prefix in
     the block: no mask), then the masked ones, each group in (head, query block) order; entries past
     the last list are padding (in range)."""
-    bs = block_size
-    B, H, nqb, mb = index.block_idx.shape
-    nkb, g = sk // bs, H // hkv
-    valid = jnp.arange(mb) < index.block_count[..., None]
-    kb = jnp.clip(index.block_idx, 0, nkb - 1)
-    b_ix = jnp.arange(B)[:, None, None, None]
-    h_ix = jnp.arange(H)[None, :, None, None]
-    first_slot = column_slots(index, sk).reshape(B, H, nkb, bs).min(axis=-1)
-    has_col = first_slot[b_ix, h_ix, kb] < index.col_count[..., None]
-    masked = ((index.block_causal != 0) | has_col).astype(jnp.int32)
+    B, H, nqb, _ = index.block_idx.shape
+    nkb, g = sk // block_size, H // hkv
+    valid, lst, masked, e = _kv_tiles(index, sk, hkv, block_size)
     nrows = B * hkv * nkb
-    row = ((b_ix * hkv + h_ix // g) * nkb + kb) * 2 + masked  # [B, H, nQB, MB]: (list, class)
-    row = jnp.where(valid, row, 2 * nrows).reshape(-1)  # padding sorts last
-    e = jnp.broadcast_to((h_ix % g) * nqb + jnp.arange(nqb)[None, None, :, None], kb.shape).reshape(-1)
+    row = jnp.where(valid, lst * 2 + masked, 2 * nrows).reshape(-1)  # (list, class); padding sorts last
+    e = e.reshape(-1)
     L = g * nqb
-    if (2 * nrows + 1) * L <= _ONE_KEY_LIMIT:  # one uint32 key: the radix sort path
-        key = row.astype(jnp.uint32) * jnp.uint32(L) + e.astype(jnp.uint32)
-        entries = (lax.sort(key) % jnp.uint32(L)).astype(jnp.int32)
-    else:
-        _, entries = lax.sort((row, e.astype(jnp.int32)), num_keys=2)
+    _, entries = _sort_keys((row, e), (2 * nrows + 1, L))
     per = jnp.zeros((2 * nrows + 1,), jnp.int32).at[row].add(1)[:2 * nrows].reshape(nrows, 2)
     n_free, n_all = per[:, 0], per[:, 0] + per[:, 1]
     off = jnp.cumsum(n_all) - n_all
     counts = jnp.stack([n_free, n_all, off], axis=-1).astype(jnp.int32).reshape(B, hkv, nkb, 3)
     return entries, counts
+
+
+@functools.partial(jax.jit, static_argnames=("sk", "hkv", "block_size", "uniform"))
+def kv_pair_schedule(index: StepIndex, sk: int, hkv: int, block_size: int, uniform: bool = False):
+    """The dK/dV block pass's shared Q/dO stream: for the CTA owning KV blocks ``2p`` and ``2p + 1``
+    of KV head ``hk``, ONE list of the tiles either block's :func:`kv_schedule` list holds (a
+    (query head, query block) tile both list is loaded once and used by both consumers), grouped by
+    the pair of classes (block ``2p``'s, block ``2p + 1``'s: free 0, masked 1, absent 2) in
+    :data:`STREAM_SEGMENTS` order, each group in (query head, query block) order. A consumer's walk
+    over it (its free and masked tiles) holds its block's list of :func:`kv_schedule`, each tile once
+    (in segment order).
+
+    Returns ``(entries int32 [B * H * nQB * MB], bounds int32 [B, Hkv, nKB // 2, 9])``: segment ``s``
+    of CTA ``(b, hk, p)`` is ``entries[bounds[..., s] : bounds[..., s + 1]]``, entries as in
+    :func:`kv_schedule` (``e = j * nQB + qb``); entries past the last list are padding. ``Sk`` a
+    multiple of ``2 * block_size``. ``uniform``: every (batch, head) row of ``index`` alike (the
+    full index for ``index=None``): the lists of one KV group are built and every (batch, KV head)
+    points at them."""
+    bs = block_size
+    B, H, nqb, mb = index.block_idx.shape
+    nkb, g = sk // bs, H // hkv
+    if nkb % 2:
+        raise ValueError(f"kv_pair_schedule needs Sk a multiple of {2 * bs}, got {sk}")
+    if uniform:
+        entries, bounds = kv_pair_schedule(jax.tree.map(lambda x: x[:1, :g], index), sk, 1, bs)
+        return entries, jnp.broadcast_to(bounds, (B, hkv) + bounds.shape[2:])
+    nseg, npair = len(STREAM_SEGMENTS), nkb // 2
+    nrows, L = B * hkv * npair, g * nqb
+    valid, lst, masked, e = _kv_tiles(index, sk, hkv, bs)
+    # lst = (b * Hkv + hk) * nKB + kb with nKB even: the CTA is lst // 2, the consumer lst % 2
+    cta = jnp.where(valid, lst // 2, nrows).reshape(-1)  # padding sorts last
+    cta, e, w, masked = _sort_keys((cta, e.reshape(-1), (lst % 2).reshape(-1), masked.reshape(-1)),
+                                   (nrows + 1, L, 2, 2))
+    nxt = lambda x, fill: jnp.concatenate([x[1:], jnp.full_like(x[:1], fill)])  # noqa: E731
+    prv = lambda x, fill: jnp.concatenate([jnp.full_like(x[:1], fill), x[:-1]])  # noqa: E731
+    real = cta < nrows
+    with_next = real & (nxt(cta, -1) == cta) & (nxt(e, -1) == e)  # block 2p's tile block 2p + 1 lists too
+    dup = real & (prv(cta, -1) == cta) & (prv(e, -1) == e)  # block 2p + 1's entry of it: dropped
+    c0 = jnp.where(w == 0, masked, 2)
+    c1 = jnp.where(w == 1, masked, jnp.where(with_next, nxt(masked, 2), 2))
+    seg_of = jnp.full((9,), nseg, jnp.int32)
+    for s, (a, c) in enumerate(STREAM_SEGMENTS):
+        seg_of = seg_of.at[3 * a + c].set(s)
+    seg = jnp.where(real & ~dup, seg_of[3 * c0 + c1], nseg)
+    cta = jnp.where(seg < nseg, cta, nrows)
+    per = jnp.zeros((nrows * nseg + 1,), jnp.int32).at[jnp.where(seg < nseg, cta * nseg + seg, nrows * nseg)].add(1)
+    cta, seg, e = _sort_keys((cta, seg, e), (nrows + 1, nseg + 1, L))
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per[:-1], dtype=jnp.int32)])
+    at = jnp.arange(nrows, dtype=jnp.int32)[:, None] * nseg + jnp.arange(nseg + 1, dtype=jnp.int32)[None, :]
+    return e.astype(jnp.int32), starts[at].reshape(B, hkv, npair, nseg + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("sk", "hkv", "block_size"))

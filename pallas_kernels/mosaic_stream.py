@@ -128,15 +128,24 @@ def stream_segments(w, bounds, n_union, total, row, split: bool = False):
     if split:
         n_free, n_blk = row[4], row[5]
         return [(0, n_free, 0, False), (n_free, n_blk, 1, False), (n_blk, n_union, 2, False)] + cols
+    return [(lo, hi, kind, False) for lo, hi, kind in block_loops(w, bounds)] + cols
+
+
+def block_loops(w, bounds):
+    """Consumer ``w``'s walk of a stream grouped in :data:`STREAM_SEGMENTS` (segment ``s`` = steps
+    ``[bounds[s], bounds[s + 1])``) as ``(lo, hi, kind)`` loops in stream order: the loops of
+    :data:`SHARED_PLAN`, each a run of segments of one class for the consumer (``kind`` 0 free,
+    1 masked, 2 not in its walk; empty for a consumer with no run there). Used by the query-side
+    shared stream and the dK/dV block pass's (:func:`pallas_kernels.mosaic_index.kv_pair_schedule`)."""
     loops = []
     for kind, r0, r1 in SHARED_PLAN:
         lo0, hi0 = (bounds[r0[1]], bounds[r0[2] + 1]) if r0 else (0, 0)
         lo1, hi1 = (bounds[r1[1]], bounds[r1[2] + 1]) if r1 else (0, 0)
         if r0 == r1:  # the same segments for both consumers
-            loops.append((lo0, hi0, kind, False))
+            loops.append((lo0, hi0, kind))
         else:
-            loops.append((jnp.where(w == 0, lo0, lo1), jnp.where(w == 0, hi0, hi1), kind, False))
-    return loops + cols
+            loops.append((jnp.where(w == 0, lo0, lo1), jnp.where(w == 0, hi0, hi1), kind))
+    return loops
 
 
 #: how a consumer walks the stream: ``"loops"``, one loop per segment of :func:`stream_segments` (each its
@@ -154,13 +163,18 @@ WALKS = ("loops", "switch")
 #: are compiled); ``"auto"``, one of those three per pass (:func:`resolve_stream`)
 STREAMS = registry.STREAMS
 
-#: what ``"auto"`` resolves to per query-side pass on a listed index (:func:`resolve_stream`). The
+#: what ``"auto"`` resolves to per pass on a listed index (:func:`resolve_stream`). The
 #: forward chooses per call: the split stream is 1.09-1.15x the shared one where adjacent query
 #: blocks share few tiles and 0.91x where they share most (results/kernels/kernels.md run 13). The dQ
 #: takes the split stream: 1.03-1.06x the shared one on every layer and budget of a trained model's
 #: index (run 16) and on spread / mixed slashes (1.05-1.09x), tied on verticals, 0.94x only on a pure
-#: local band (run 13), and one dQ kernel instead of two in the compiled step.
-AUTO_STREAM = {"fwd": "index", "dq": "split"}
+#: local band (run 13), and one dQ kernel instead of two in the compiled step. The dK/dV block pass
+#: (``"dkv"``: its two consumers' KV blocks' own Q/dO lists, ``"split"``, or their union,
+#: ``"shared"``, :func:`pallas_kernels.mosaic_index.kv_pair_schedule`) keeps its own lists.
+AUTO_STREAM = {"fwd": "index", "dq": "split", "dkv": "split"}
+#: ``"auto"`` on the uniform full index (``index=None``): the shared stream in the query-side passes
+#: (:func:`resolve_stream`), the dK/dV block pass as on a listed index
+UNIFORM_STREAM = {"fwd": "shared", "dq": "shared", "dkv": "split"}
 
 #: ``"index"`` takes the split stream when the shared stream carries more than this share of the
 #: tiles its two rows compute (:func:`stream_per_work`): 0.5 when the rows list the same tiles, 1.0
@@ -183,15 +197,22 @@ def step_kind(t, w, bounds, n_union, row):
     """``(kind, col)`` of stream step ``t`` for consumer ``w``, as :func:`stream_segments`' loops
     classify it: ``kind`` 0 free, 1 masked, 2 skipped; ``col`` a column step. Scalar integer
     arithmetic on the walk's bounds (works on traced and on numpy values)."""
-    kind = 2
-    for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
-        c = c0 if c0 == c1 else jnp.where(w == 0, c0, c1)
-        kind = jnp.where((t >= bounds[s]) & (t < bounds[s + 1]), c, kind)
+    kind = block_step_kind(t, w, bounds)
     hi_c, free_c, lo_c = row[2], row[3], row[6]
     u = t - n_union
     col = t >= n_union
     col_kind = jnp.where(u < lo_c, 2, jnp.where(u < free_c, 0, jnp.where(u < hi_c, 1, 2)))
     return jnp.where(col, col_kind, kind).astype(jnp.int32), col
+
+
+def block_step_kind(t, w, bounds):
+    """Consumer ``w``'s class (0 free, 1 masked, 2 not in its walk) of step ``t`` of a stream grouped in
+    :data:`STREAM_SEGMENTS` (``bounds``: the 9 segment starts; 2 past the last)."""
+    kind = 2
+    for s, (c0, c1) in enumerate(STREAM_SEGMENTS):
+        c = c0 if c0 == c1 else jnp.where(w == 0, c0, c1)
+        kind = jnp.where((t >= bounds[s]) & (t < bounds[s + 1]), c, kind)
+    return kind
 
 
 def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "loops", split: bool = False):
@@ -307,18 +328,18 @@ def prefer_split(ops, shared, halves: int):
 
 
 def resolve_stream(stream: str, kernel: str, uniform: bool = False) -> str:
-    """The stream a query-side pass (``kernel``: ``"fwd"`` or ``"dq"``) walks for ``stream``
-    (:data:`STREAMS`): ``"auto"`` is :data:`AUTO_STREAM`'s choice on a listed index and ``"shared"``
-    on the uniform full index (every row lists the same tiles up to its diagonal, so the shared
-    stream carries about half a tile per tile of work and ``"index"`` would choose it:
-    ``tests/test_mosaic_streams.py``); the others are themselves."""
+    """The stream a pass (``kernel``: ``"fwd"``, ``"dq"`` or ``"dkv"``, the dK/dV block pass) walks
+    for ``stream`` (:data:`STREAMS`): ``"auto"`` is :data:`AUTO_STREAM`'s choice on a listed index and
+    :data:`UNIFORM_STREAM`'s on the uniform full index (there every row lists the same tiles up to its
+    diagonal, so the query-side shared stream carries about half a tile per tile of work and
+    ``"index"`` would choose it: ``tests/test_mosaic_streams.py``); the others are themselves."""
     if stream not in STREAMS:
         raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
     if kernel not in AUTO_STREAM:
         raise ValueError(f"kernel must be one of {tuple(AUTO_STREAM)}, got {kernel!r}")
     if stream != "auto":
         return stream
-    return "shared" if uniform else AUTO_STREAM[kernel]
+    return (UNIFORM_STREAM if uniform else AUTO_STREAM)[kernel]
 
 
 def run_stream(launch, index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step: int, slots: int | None,

@@ -511,6 +511,56 @@ class TestMosaicGPU(_GPUSizes):
             assert float(jnp.abs(b).max()) > 0 and _rel(a, b) < 1e-4
 
     @pytest.mark.parametrize("documents", [False, True])
+    def test_dkv_block_streams_equal_the_float32_walk(self, documents):
+        """The dK/dV block pass on each stream (``"split"``: each consumer its KV block's own Q/dO
+        tiles; ``"shared"``: one stream of both blocks' tiles, segment loops or one switching loop;
+        ``"index"``, ``"auto"``) equals the float32 emulation of its walk
+        (:func:`~pallas_kernels.mosaic_index.emulate_dkv_blocks`), and the streams agree with each
+        other to bf16 rounding of P and dS (the tiles summed in another order); on a ring step with
+        permuted positions, GQA 4, two KV heads, causal columns and (optionally) packed documents, and
+        on the uniform full index (``index=None``'s, schedule built for one row)."""
+        from pallas_kernels.index_format import apply_segments, full_step_index
+        from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks
+        from pallas_kernels.mosaic_index import emulate_dkv_blocks
+
+        rng = np.random.default_rng(50 + documents)
+        B, S, H, Hkv, D = 1, 2048, 8, 2, 128
+        q, k, v = _inputs(rng, B, S, S, H, Hkv, D, jnp.bfloat16)
+        q_pos, k_pos = _positions(rng, S, S, True)
+        index = random_step_index(rng, B, H, S, S, q_pos, k_pos, max_blocks=16, max_cols=300)
+        segs = None
+        if documents:
+            segs = (jnp.asarray(q_pos)[None] // 700, jnp.asarray(k_pos)[None] // 700)
+            index = apply_segments(index, *segs, BS)
+        do = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        cases = [(index, q_pos, k_pos, segs, False)]
+        if not documents:  # the full causal index as the API builds it (uniform rows)
+            pos = jnp.arange(S, dtype=jnp.int32)
+            cases.append((full_step_index(B, H, S, S, pos, pos, BS), pos, pos, None, True))
+        for idx, qp, kp, sg, uniform in cases:
+            out, lse = api.block_sparse_attention_fwd(f32(q), f32(k), f32(v), qp, kp, idx, impl="xla",
+                                                      q_seg=None if sg is None else sg[0],
+                                                      k_seg=None if sg is None else sg[1])
+            delta = api.attention_delta(out, do)
+            want = emulate_dkv_blocks(f32(q), f32(k), f32(v), qp, kp, idx, f32(do), lse, delta, sm_scale=D ** -0.5,
+                                      block_size=BS, segs=sg)
+            assert float(jnp.abs(want[0]).max()) > 0 and float(jnp.abs(want[1]).max()) > 0
+            got = {}
+            for stream, walk in (("split", "switch"), ("shared", "loops"), ("shared", "switch"), ("index", "switch"),
+                                 ("auto", "switch")):
+                got[stream, walk] = mosaic_dkv_blocks(q, k, v, qp, kp, idx, do, lse, delta, sm_scale=D ** -0.5,
+                                                      segs=sg, uniform=uniform, stream=stream, walk=walk)
+                for name, a, b in zip(("dk", "dv"), got[stream, walk], want):
+                    assert _rel(a, b) < 1e-2, (stream, walk, uniform, name, _rel(a, b))
+            for a, b in zip(got["shared", "loops"], got["shared", "switch"]):  # the same tiles in the same order
+                assert _rel(a, b) < 1e-6
+            for a, b in zip(got["shared", "switch"], got["split", "switch"]):
+                assert _rel(a, b) < 5e-3
+            for a, b in zip(got["auto", "switch"], got["split", "switch"]):  # "auto": the split stream
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    @pytest.mark.parametrize("documents", [False, True])
     def test_walks_and_streams_equal_segment_loops(self, documents):
         """``walk="switch"`` (one loop, the step body chosen per tile) gives the forward's ``(out, lse)``
         and the dQ pass's ``dq`` of the segment loops (the same tiles in the same order: equal to

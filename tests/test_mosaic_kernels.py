@@ -348,12 +348,95 @@ def test_kv_schedule_two_key_sort_equals_one_key(monkeypatch):
     rng = np.random.default_rng(3)
     *_, idx = _case(rng, 2, 256, 384, 4, 1, 64, True, 4, 20)
     one = mosaic_index.kv_schedule(idx, 384, 1, BS)
+    one_text = mosaic_index.kv_schedule.lower(idx, 384, 1, BS).as_text()
     monkeypatch.setattr(mosaic_index, "_ONE_KEY_LIMIT", 0)
+    jax.clear_caches()  # else jit reuses the one-key trace and the two-key path never runs
     two = mosaic_index.kv_schedule(idx, 384, 1, BS)
+    assert mosaic_index.kv_schedule.lower(idx, 384, 1, BS).as_text() != one_text
+    jax.clear_caches()
     n = int(np.asarray(one[1])[..., 1].sum())
     assert n > 0
     np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(two[1]))
     np.testing.assert_array_equal(np.asarray(one[0])[:n], np.asarray(two[0])[:n])
+
+
+def _kv_lists(entries, counts, b, hk, kb):
+    """``(free, masked)``: the entries of :func:`~pallas_kernels.mosaic_index.kv_schedule`'s list of
+    KV block ``kb`` (KV head ``hk``, batch ``b``)."""
+    nf, na, off = (int(x) for x in counts[b, hk, kb])
+    return list(entries[off:off + nf]), list(entries[off + nf:off + na])
+
+
+@pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb, documents", [
+    (1, 256, 256, 2, 2, False, 3, False),   # MHA, causal diagonal
+    (2, 256, 384, 4, 1, True, 4, False),    # GQA 4, ring-like positions, Sq != Sk
+    (1, 128, 512, 8, 2, True, 6, False),    # GQA 4 with two KV heads, most blocks listed
+    (2, 256, 384, 4, 1, True, 4, True),     # packed documents (index narrowed)
+])
+@pytest.mark.parametrize("two_keys", [False, True])
+def test_kv_pair_schedule_walks_are_each_blocks_list(B, S, Sk, H, Hkv, permuted, mb, documents, two_keys,
+                                                      monkeypatch):
+    """The dK/dV block pass's shared stream (:func:`~pallas_kernels.mosaic_index.kv_pair_schedule`):
+    per CTA (KV blocks ``2p``, ``2p + 1``) every tile either block lists exactly once, in the
+    :data:`~pallas_kernels.mosaic_index.STREAM_SEGMENTS` group of its two classes, ascending inside a
+    group; consumer ``w``'s free / masked segments hold block ``2p + w``'s free / masked list of
+    :func:`~pallas_kernels.mosaic_index.kv_schedule`, each tile once (so its walk computes what the
+    block's own list does, its tiles summed in segment order). ``two_keys``: the multi-key sort path (index ranges past ``2**32``)."""
+    if two_keys:
+        monkeypatch.setattr(mosaic_index, "_ONE_KEY_LIMIT", 0)
+    jax.clear_caches()
+    rng = np.random.default_rng(11 * S + Sk + H)
+    *_, qp, kp, idx = _case(rng, B, S, Sk, H, Hkv, 64, permuted, mb, 20)
+    if documents:
+        idx = apply_segments(idx, *_doc_segments(B, qp, kp), BS)
+    entries, counts = (np.asarray(x) for x in mosaic_index.kv_schedule(idx, Sk, Hkv, BS))
+    pe, bounds = (np.asarray(x) for x in mosaic_index.kv_pair_schedule(idx, Sk, Hkv, BS))
+    jax.clear_caches()
+    nkb = Sk // BS
+    assert bounds.shape == (B, Hkv, nkb // 2, len(mosaic_index.STREAM_SEGMENTS) + 1)
+    assert (np.diff(bounds, axis=-1) >= 0).all()
+    flat = bounds.reshape(-1, bounds.shape[-1])
+    np.testing.assert_array_equal(flat[1:, 0], flat[:-1, -1])  # CTA lists back to back from 0
+    assert flat[0, 0] == 0
+    shared = 0
+    for b in range(B):
+        for hk in range(Hkv):
+            for p in range(nkb // 2):
+                own = [_kv_lists(entries, counts, b, hk, 2 * p + w) for w in range(2)]
+                walks = [([], []), ([], [])]
+                union = []
+                for s, cls in enumerate(mosaic_index.STREAM_SEGMENTS):
+                    seg = list(pe[bounds[b, hk, p, s]:bounds[b, hk, p, s + 1]])
+                    assert seg == sorted(seg)
+                    union += seg
+                    for w in range(2):
+                        if cls[w] < 2:
+                            walks[w][cls[w]].extend(seg)
+                assert len(union) == len(set(union))
+                assert set(union) == set(own[0][0] + own[0][1] + own[1][0] + own[1][1])
+                for w in range(2):
+                    for c in range(2):  # the same tiles, each once (in segment order)
+                        assert len(walks[w][c]) == len(own[w][c]) and set(walks[w][c]) == set(own[w][c]), (b, hk, p, w)
+                shared += len(own[0][0] + own[0][1] + own[1][0] + own[1][1]) - len(union)
+    assert shared > 0  # some tiles are listed by both blocks of a CTA: loaded once
+
+
+def test_uniform_kv_pair_schedule_equals_the_general_build():
+    """``uniform=True`` (every (batch, head) row of the index alike): one KV group's lists, which every
+    (batch, KV head) CTA walks: the general build's lists, entry for entry."""
+    from pallas_kernels.index_format import full_step_index
+
+    B, H, Hkv, S = 2, 4, 2, 512
+    pos = jnp.arange(S, dtype=jnp.int32)
+    idx = full_step_index(B, H, S, S, pos, pos, BS)
+    e, c = (np.asarray(x) for x in mosaic_index.kv_pair_schedule(idx, S, Hkv, BS))
+    eu, cu = (np.asarray(x) for x in mosaic_index.kv_pair_schedule(idx, S, Hkv, BS, uniform=True))
+    assert cu.shape == c.shape
+    for ix in np.ndindex(*c.shape[:3]):
+        for s in range(c.shape[-1] - 1):
+            np.testing.assert_array_equal(e[c[ix][s]:c[ix][s + 1]], eu[cu[ix][s]:cu[ix][s + 1]])
+    with pytest.raises(ValueError, match="multiple of 128, got 192"):
+        mosaic_index.kv_pair_schedule(full_step_index(1, 2, 192, 192, pos[:192], pos[:192], BS), 192, 1, BS)
 
 
 @pytest.mark.parametrize("B, S, Sk, H, Hkv, permuted, mb, documents", [
@@ -503,6 +586,17 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, segs=segs))
         blocks = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in blocks and "mosaic_dkv_blocks" in blocks and "anonymous" not in blocks
+        # the shared Q/dO stream (kv_pair_schedule): one switching loop about the split pass's size,
+        # its segment loops (SHARED_PLAN: 7) about twice that (0.39 M / 0.80 M characters, 2026-12-06)
+        shared = {}
+        for walk in ("switch", "loops"):
+            f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs, walk=walk: mosaic_dkv_blocks(
+                q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, segs=segs, stream="shared", walk=walk))
+            shared[walk] = len(f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text())
+        assert 0.9 * len(blocks) < shared["switch"] < 1.15 * len(blocks) < 1.6 * shared["switch"] < shared["loops"], (
+            shared, len(blocks))
+        with pytest.raises(ValueError, match="walk must be one of"):
+            mosaic_dkv_blocks(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="shared", walk="zigzag")
         from pallas_kernels.mosaic_bwd import mosaic_dkv_cols
 
         z = jnp.zeros(k.shape, jnp.float32)

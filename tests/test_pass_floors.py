@@ -18,8 +18,9 @@ from pallas_kernels import mosaic_bwd, mosaic_fwd, mosaic_stream
 from pallas_kernels.testing import lowering_inputs
 
 
-def _lowered(name):
-    """The four Mosaic passes lowered for CUDA at the lowering tests' shape: ``wgmma`` ops in the text."""
+def _lowered(name, **opts):
+    """The four Mosaic passes lowered for CUDA at the lowering tests' shape: ``wgmma`` ops in the text
+    (``opts``: the pass's own options)."""
     B, S, H, q, k, pos, idx = lowering_inputs(0)
     lse = jnp.zeros((B, H, S), jnp.float32)
     zk = jnp.zeros(k.shape, jnp.float32)
@@ -28,18 +29,20 @@ def _lowered(name):
                 "dq": (mosaic_bwd.mosaic_dq, (q, k, k, pos, pos, idx, q, lse, lse)),
                 "dkv_blocks": (mosaic_bwd.mosaic_dkv_blocks, (q, k, k, pos, pos, idx, q, lse, lse)),
                 "dkv_cols": (mosaic_bwd.mosaic_dkv_cols, (q, k, k, pos, pos, idx, q, lse, lse, zk, zk))}[name]
-    text = jax.jit(functools.partial(fn, **kw)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(functools.partial(fn, **kw, **opts)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return text.count("wgmma")
 
 
-@pytest.mark.parametrize("name", ["fwd", "dq", "dkv_blocks", "dkv_cols"])
-def test_loads_only_kernels_keep_no_math_and_restore(name):
+@pytest.mark.parametrize("name, opts", [("fwd", {}), ("dq", {}), ("dkv_blocks", {}), ("dkv_cols", {}),
+                                        ("dkv_blocks", dict(stream="shared", walk="loops")),
+                                        ("dkv_blocks", dict(stream="shared", walk="switch"))])
+def test_loads_only_kernels_keep_no_math_and_restore(name, opts):
     saved = (mosaic_fwd.walk_stream, mosaic_bwd.walk_stream, mosaic_bwd._dkv_consumer)
     with loads_only():
-        assert _lowered(name) == 0
+        assert _lowered(name, **opts) == 0
     assert (mosaic_fwd.walk_stream, mosaic_bwd.walk_stream, mosaic_bwd._dkv_consumer) == saved
     assert mosaic_fwd.walk_stream is mosaic_stream.walk_stream
-    assert _lowered(name) > 0  # the cleared caches: the kernel traced again, with its math
+    assert _lowered(name, **opts) > 0  # the cleared caches: the kernel traced again, with its math
 
 
 def test_loads_only_restores_after_an_error():
@@ -56,18 +59,20 @@ def test_pass_options_reach_passes_and_bad_ones_are_refused(monkeypatch, capsys)
     argv = ["kernels.py", "--passes", "256", "--pass-names", "fwd", "--only-sweeps"]
     monkeypatch.setattr(sys, "argv", argv)
     kernels.main()
-    assert (seen["slots"], seen["kv_step"], seen["impls"], seen["loads_only"], seen["rounds"]) == (
-        (None,), None, ("triton", "mosaic"), False, 1)
+    assert (seen["slots"], seen["kv_step"], seen["impls"], seen["loads_only"], seen["rounds"],
+            seen["dkv_streams"]) == ((None,), None, ("triton", "mosaic"), False, 1, (None,))
     monkeypatch.setattr(sys, "argv", argv + ["--slots", "2,5", "--kv-step", "64", "--pass-impls", "mosaic",
-                                             "--loads-only", "--rounds", "3"])
+                                             "--loads-only", "--rounds", "3", "--dkv-streams",
+                                             "default,split,shared:loops"])
     kernels.main()
-    assert (seen["slots"], seen["kv_step"], seen["impls"], seen["loads_only"], seen["rounds"]) == (
-        (2, 5), 64, ("mosaic",), True, 3)
+    assert (seen["slots"], seen["kv_step"], seen["impls"], seen["loads_only"], seen["rounds"],
+            seen["dkv_streams"]) == ((2, 5), 64, ("mosaic",), True, 3, (None, "split", "shared:loops"))
     for extra, msg in ((["--slots", "2,x"], "--slots: comma-separated integers, got '2,x'"),
                        (["--slots", "1"], "--slots: each >= 2, got '1'"),
                        (["--pass-impls", "cuda"], "--pass-impls: some of triton,mosaic, got 'cuda'"),
                        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
-                       (["--kv-step", "96"], "--kv-step: invalid choice: 96")):
+                       (["--kv-step", "96"], "--kv-step: invalid choice: 96"),
+                       (["--dkv-streams", "shared:zigzag"], "--dkv-streams: 'shared:zigzag' is not stream[:walk]")):
         monkeypatch.setattr(sys, "argv", argv + extra)
         with pytest.raises(SystemExit):
             kernels.main()
