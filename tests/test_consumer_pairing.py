@@ -4,7 +4,7 @@ import numpy as np
 
 import pytest
 
-from benchmarks.consumer_pairing import kv_pairing_stats, main, measure, measure_model, pairing_stats, table
+from benchmarks.consumer_pairing import kv_pairing_stats, main, measure, measure_model, pairing_stats, row_sets, table
 
 
 def test_pairing_stats_on_known_rows():
@@ -91,3 +91,21 @@ def test_a_band_pairs_its_dkv_tiles_and_spread_diagonals_do_not():
     assert by["spread", "kv_blocks"]["stream_per_work"] > by["band", "kv_blocks"]["stream_per_work"] + 0.2
     lines = table(rows).splitlines()
     assert lines[3].startswith("| spread | 10% |") and lines[3].endswith(f"| {by['spread', 'kv_blocks']['stream_per_work']:.2f} |")
+
+
+@pytest.mark.parametrize("family", ["band", "spread", "vert"])
+def test_the_dkv_kernels_share_is_the_pairing_count(family):
+    """``mosaic_bwd.kv_stream_per_work`` (what ``stream="index"`` of the dK/dV block pass decides on, from
+    the kernels' own schedules) is ``kv_blocks``' count here, on the same index."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.mosaic_bwd import kv_stream_per_work
+    from pallas_kernels.mosaic_index import kv_pair_schedule, kv_schedule
+    from pallas_kernels.testing import index_family
+
+    S, H, hkv = 8192, 4, 2
+    idx = index_family(np.random.default_rng(5), family, 1, H, S, 0.1)
+    want = kv_pairing_stats(row_sets(idx), kv_heads=hkv)["stream_per_work"]
+    idx = type(idx)(*map(jnp.asarray, idx))
+    got = float(kv_stream_per_work(kv_schedule(idx, S, hkv, 64)[1], kv_pair_schedule(idx, S, hkv, 64)[1]))
+    assert 0.5 <= want <= 1.0 and got == pytest.approx(want, rel=1e-6), (family, got, want)
