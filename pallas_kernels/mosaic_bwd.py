@@ -7,8 +7,10 @@ final ``lse`` and ``delta = rowsum(dO * O)``):
   the tiles the forward attends, added to ``dq_acc`` when given; the forward's CTA structure and
   shared K/V stream (:mod:`pallas_kernels.mosaic_stream`), three ``wgmma`` per step.
 * :func:`mosaic_dkv_blocks` (:func:`~pallas_kernels.triton_backward.dkv_block_pass`):
-  KV-stationary over :func:`pallas_kernels.mosaic_index.kv_schedule`; CTA ``(p, hk, b)`` owns KV
-  blocks ``2p``, ``2p + 1`` of KV head ``hk``; GQA reduced in registers, no atomics.
+  KV-stationary; CTA ``(p, hk, b)`` owns KV blocks ``2p``, ``2p + 1`` of KV head ``hk``, one per
+  consumer, each walking its block's Q/dO tiles (:func:`pallas_kernels.mosaic_index.kv_schedule`) or
+  both one stream of their union (``stream="shared"``,
+  :func:`pallas_kernels.mosaic_index.kv_pair_schedule`); GQA reduced in registers, no atomics.
 * :func:`mosaic_dkv_cols` (:func:`~pallas_kernels.triton_backward.dkv_col_pass`): the same consumer
   on the gathered column tiles, one per-slot buffer per query-block range
   (:func:`pallas_kernels.mosaic_index.column_ranges`), summed and scattered by XLA.
