@@ -40,16 +40,10 @@ def _dkv_consumer_loads_only(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, 
     both slots."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.mosaic_bwd import _dkv_slot
-
-    q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
+    from pallas_kernels.mosaic_bwd import _dkv_pass_tile, _dkv_slot
 
     def tile(t, carry):
-        slot = _dkv_slot(w, t, stages, shared)
-        for bar in (q_bar, r_bar, qi_bar) + ((ka_bar,) if kaux_b is None else ()) + (do_bar,):
-            plgpu.barrier_wait(bar.at[slot])
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
+        _dkv_pass_tile(_dkv_slot(w, t, stages, shared), bars, kaux_b is None)
         return carry
 
     for lo, hi, *_ in ([(0, loops[0])] if isinstance(loops, tuple) else loops):

@@ -215,6 +215,16 @@ def _dkv_slot(w, t, stages: int, shared: bool):
     return w * stages + lax.rem(t, jnp.int32(stages))
 
 
+def _dkv_pass_tile(slot, bars, per_tile_aux: bool) -> None:
+    """A dK/dV consumer's barrier protocol for a tile it does not compute: wait for the slot's copies
+    (Q, the row infos, the KV rows' aux when ``per_tile_aux``, dO), then free it."""
+    q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
+    for bar in (q_bar, r_bar, qi_bar) + ((ka_bar,) if per_tile_aux else ()) + (do_bar,):
+        plgpu.barrier_wait(bar.at[slot])
+    plgpu.barrier_arrive(do_free.at[slot])
+    plgpu.barrier_arrive(q_free.at[slot])
+
+
 def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
                   qk_scale: float, scale: float, dtype, kseg_smem=None, shared: bool = False):
     """One consumer warpgroup's KV-stationary walk (both dK/dV passes): K, V of its 64 rows
@@ -232,11 +242,7 @@ def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: 
     q_bar, do_bar, r_bar, qi_bar, ka_bar, q_free, do_free = bars
 
     def skip(t, carry):  # a tile of the other consumer's block: same waits and arrivals, no math
-        slot = _dkv_slot(w, t, stages, shared)
-        for bar in (q_bar, r_bar, qi_bar) + ((ka_bar,) if kaux_b is None else ()) + (do_bar,):
-            plgpu.barrier_wait(bar.at[slot])
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
+        _dkv_pass_tile(_dkv_slot(w, t, stages, shared), bars, kaux_b is None)
         return carry
 
     def tile(t, carry, masked: bool):

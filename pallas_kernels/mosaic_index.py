@@ -186,6 +186,27 @@ class PairStream(NamedTuple):
     bounds: jax.Array  # int32 [B, H, nQB // 2, 9]: segment s of STREAM_SEGMENTS is steps [bounds[s], bounds[s + 1])
 
 
+def _next(x, fill):
+    """``x`` shifted one place left along its last axis (``fill`` last)."""
+    return jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)
+
+
+def _union_segments(real, same_next, tag, cls):
+    """Merge two class-tagged lists sorted into one by tile (last axis): entry ``i`` is list ``tag[i]``'s
+    (0 or 1) tile of class ``cls[i]`` (0 free, 1 masked), ``same_next[i]``: entry ``i + 1`` is the same
+    tile (list 1's). Returns each entry's :data:`STREAM_SEGMENTS` group of its tile's class pair (2:
+    not in that list), ``len(STREAM_SEGMENTS)`` for padding (``~real``) and for list 1's copy of a tile
+    both lists hold (dropped: list 0's entry carries the pair)."""
+    nseg = len(STREAM_SEGMENTS)
+    dup = jnp.concatenate([jnp.zeros_like(same_next[..., :1]), same_next[..., :-1]], axis=-1)
+    c0 = jnp.where(tag == 0, cls, 2)
+    c1 = jnp.where(tag == 1, cls, jnp.where(same_next, _next(cls, 2), 2))
+    seg_of = jnp.full((9,), nseg, jnp.int32)
+    for s, (a, c) in enumerate(STREAM_SEGMENTS):
+        seg_of = seg_of.at[3 * a + c].set(s)
+    return jnp.where(real & ~dup, seg_of[3 * c0 + c1], nseg)
+
+
 @functools.partial(jax.jit, static_argnames=("halves",))
 def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
     """Merge the block walks of query blocks ``2p`` and ``2p + 1`` (:class:`MosaicOperands`
@@ -208,17 +229,8 @@ def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
     cls = cls.reshape(B, H, npair, 2 * mb)
     tag = jnp.broadcast_to((jnp.arange(2 * mb, dtype=jnp.int32) >= mb).astype(jnp.int32), kb.shape)
     kb, tag, cls = jax.lax.sort((kb, tag, cls), dimension=3, num_keys=2)
-    nxt = lambda x, fill: jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)  # noqa: E731
-    prv = lambda x, fill: jnp.concatenate([jnp.full_like(x[..., :1], fill), x[..., :-1]], axis=-1)  # noqa: E731
     real = kb < big
-    with_next = real & (nxt(kb, -1) == kb)  # row 2p's entry whose block row 2p + 1 lists too
-    dup = real & (prv(kb, -1) == kb)  # row 2p + 1's entry of such a block: dropped
-    c0 = jnp.where(tag == 0, cls, 2)
-    c1 = jnp.where(tag == 1, cls, jnp.where(with_next, nxt(cls, 2), 2))
-    seg_of = jnp.full((9,), nseg, jnp.int32)
-    for s, (a, c) in enumerate(STREAM_SEGMENTS):
-        seg_of = seg_of.at[3 * a + c].set(s)
-    seg = jnp.where(real & ~dup, seg_of[3 * c0 + c1], nseg)
+    seg = _union_segments(real, real & (_next(kb, -1) == kb), tag, cls)
     seg, kb = jax.lax.sort((seg, kb), dimension=3, num_keys=2)
     starts = (seg[..., None] < jnp.arange(nseg + 1, dtype=jnp.int32)).sum(-2, dtype=jnp.int32)  # [..., 9]
     if halves == 1:
@@ -375,17 +387,8 @@ def kv_pair_schedule(index: StepIndex, sk: int, hkv: int, block_size: int, unifo
     cta = jnp.where(valid, lst // 2, nrows).reshape(-1)  # padding sorts last
     cta, e, w, masked = _sort_keys((cta, e.reshape(-1), (lst % 2).reshape(-1), masked.reshape(-1)),
                                    (nrows + 1, L, 2, 2))
-    nxt = lambda x, fill: jnp.concatenate([x[1:], jnp.full_like(x[:1], fill)])  # noqa: E731
-    prv = lambda x, fill: jnp.concatenate([jnp.full_like(x[:1], fill), x[:-1]])  # noqa: E731
     real = cta < nrows
-    with_next = real & (nxt(cta, -1) == cta) & (nxt(e, -1) == e)  # block 2p's tile block 2p + 1 lists too
-    dup = real & (prv(cta, -1) == cta) & (prv(e, -1) == e)  # block 2p + 1's entry of it: dropped
-    c0 = jnp.where(w == 0, masked, 2)
-    c1 = jnp.where(w == 1, masked, jnp.where(with_next, nxt(masked, 2), 2))
-    seg_of = jnp.full((9,), nseg, jnp.int32)
-    for s, (a, c) in enumerate(STREAM_SEGMENTS):
-        seg_of = seg_of.at[3 * a + c].set(s)
-    seg = jnp.where(real & ~dup, seg_of[3 * c0 + c1], nseg)
+    seg = _union_segments(real, real & (_next(cta, -1) == cta) & (_next(e, -1) == e), w, masked)
     cta = jnp.where(seg < nseg, cta, nrows)
     per = jnp.zeros((nrows * nseg + 1,), jnp.int32).at[jnp.where(seg < nseg, cta * nseg + seg, nrows * nseg)].add(1)
     cta, seg, e = _sort_keys((cta, seg, e), (nrows + 1, nseg + 1, L))
