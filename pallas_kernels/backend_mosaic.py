@@ -71,7 +71,8 @@ def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_sca
 
     opts = dict(sm_scale=sm_scale, block_size=block_size)
     if k.shape[1] % 128 == 0:
-        dkv = (functools.partial(mosaic_dkv_blocks, uniform=uniform_index, stream=stream), mosaic_dkv_cols)
+        # the dK/dV block pass on its own lists (stream "split"): its shared stream is not yet run on a GPU
+        dkv = (functools.partial(mosaic_dkv_blocks, uniform=uniform_index), mosaic_dkv_cols)
     else:  # the Triton dK/dV passes (their own tuning defaults)
         dkv = (triton_backward.dkv_block_pass, triton_backward.dkv_col_pass)
     dq = functools.partial(mosaic_dq, out_dtype=jnp.dtype(dq_dtype), uniform=uniform_index,

@@ -170,7 +170,10 @@ STREAMS = registry.STREAMS
 #: index (run 16) and on spread / mixed slashes (1.05-1.09x), tied on verticals, 0.94x only on a pure
 #: local band (run 13), and one dQ kernel instead of two in the compiled step. The dK/dV block pass
 #: (``"dkv"``: its two consumers' KV blocks' own Q/dO lists, ``"split"``, or their union,
-#: ``"shared"``, :func:`pallas_kernels.mosaic_index.kv_pair_schedule`) keeps its own lists.
+#: ``"shared"``, :func:`pallas_kernels.mosaic_index.kv_pair_schedule`) keeps its own lists: the
+#: shared one is built (2026-12-06) but not yet run on a GPU (``tests/test_kernels.py``'s
+#: ``test_dkv_block_streams_equal_the_float32_walk`` is its check; ``benchmarks/kernels.py
+#: --dkv-streams`` its timing).
 AUTO_STREAM = {"fwd": "index", "dq": "split", "dkv": "split"}
 #: ``"auto"`` on the uniform full index (``index=None``): the shared stream in the query-side passes
 #: (:func:`resolve_stream`), the dK/dV block pass as on a listed index

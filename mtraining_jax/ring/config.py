@@ -73,10 +73,10 @@ class RingOptions:
       impl: the per-step kernel (:data:`pallas_kernels.registry.IMPLS`): ``"auto"`` (Mosaic GPU on
         Hopper, Triton on other GPUs, the XLA twin elsewhere), ``"mosaic"``, ``"triton"``,
         ``"pallas"``, ``"xla"``.
-      kernel_stream: what the Mosaic forward / dQ / dK/dV block kernels' CTAs stream
+      kernel_stream: what the Mosaic forward / dQ kernels' CTAs stream
         (:data:`pallas_kernels.registry.STREAMS`): ``"auto"`` (the forward per call from the index,
-        both its streams' kernels compiled; the dQ and dK/dV block pass on the split stream:
-        :data:`pallas_kernels.mosaic_stream.AUTO_STREAM`), ``"index"`` (each pass per call from the
+        both its streams' kernels compiled; the dQ on the split stream:
+        :data:`pallas_kernels.mosaic_stream.AUTO_STREAM`), ``"index"`` (both passes per call from the
         index), ``"shared"`` or ``"split"`` (one kernel each: fewer kernels to compile,
         results/training/train_throughput.md). Every choice gives the same result; other kernel
         backends ignore it.
