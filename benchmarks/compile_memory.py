@@ -46,7 +46,7 @@ GIB = 2 ** 30
 
 def _patch_dq_walk() -> None:
     """The Mosaic dQ kernel walks its shared stream with one loop (``walk="switch"``)."""
-    from pallas_kernels import mosaic_bwd, mosaic_stream
+    from pallas_kernels import mosaic_dq, mosaic_stream
 
     run_stream = mosaic_stream.run_stream
 
@@ -56,7 +56,7 @@ def _patch_dq_walk() -> None:
             walk = "switch"
         return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, kernel)
 
-    mosaic_bwd.run_stream = patched
+    mosaic_dq.run_stream = patched
 
 
 def _patch_flat_repeats() -> None:

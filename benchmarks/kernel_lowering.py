@@ -1,6 +1,6 @@
 """Size of the Mosaic GPU query-side kernels' lowered programs (issue 34: compile time), on any host.
 
-Lowers :func:`pallas_kernels.mosaic_fwd.mosaic_fwd` and :func:`pallas_kernels.mosaic_bwd.mosaic_dq` for
+Lowers :func:`pallas_kernels.mosaic_fwd.mosaic_fwd` and :func:`pallas_kernels.mosaic_dq.mosaic_dq` for
 CUDA (``lower(lowering_platforms=("cuda",))``: no GPU needed) at a small fixed shape (1 x 256, 4 / 2
 heads, d128, a random StepIndex) for each stream and walk, and reports the characters of the lowered
 text, which holds each kernel's Mosaic MLIR: one copy of the step body per loop of the consumers' walk.
@@ -33,7 +33,7 @@ CASES = (("defaults", None, None, None), ("index", "index", None, None), ("share
 
 def sizes(seed: int = 2) -> list:
     """``[{case, stream, walk, fwd_chars, dq_chars}]`` for :data:`CASES`."""
-    from pallas_kernels.mosaic_bwd import mosaic_dq
+    from pallas_kernels.mosaic_dq import mosaic_dq
     from pallas_kernels.mosaic_fwd import mosaic_fwd
     from pallas_kernels.testing import random_step_index
 
@@ -72,7 +72,8 @@ def compile_times(heads=(14, 2), head_dim: int = 64, rounds: int = 2, seed: int 
     round ``r`` at ``S = 4096 * (r + 1)``, so every round compiles every kernel anew."""
     import time
 
-    from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dkv_cols, mosaic_dq
+    from pallas_kernels.mosaic_dkv import mosaic_dkv_blocks, mosaic_dkv_cols
+    from pallas_kernels.mosaic_dq import mosaic_dq
     from pallas_kernels.mosaic_fwd import mosaic_fwd
     from pallas_kernels.testing import random_step_index
 

@@ -301,14 +301,14 @@ PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
 
 
 def _dkv_blocks_variant(spec):
-    """:func:`pallas_kernels.mosaic_bwd.mosaic_dkv_blocks` with the stream (and walk) of ``spec``:
+    """:func:`pallas_kernels.mosaic_dkv.mosaic_dkv_blocks` with the stream (and walk) of ``spec``:
     ``None`` (as built), ``"<stream>"`` or ``"<stream>:<walk>"``."""
-    from pallas_kernels import mosaic_bwd
+    from pallas_kernels import mosaic_dkv
 
     if spec is None:
-        return mosaic_bwd.mosaic_dkv_blocks
+        return mosaic_dkv.mosaic_dkv_blocks
     stream, _, walk = spec.partition(":")
-    return functools.partial(mosaic_bwd.mosaic_dkv_blocks, stream=stream, **({"walk": walk} if walk else {}))
+    return functools.partial(mosaic_dkv.mosaic_dkv_blocks, stream=stream, **({"walk": walk} if walk else {}))
 
 
 def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
@@ -324,8 +324,8 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
     active blocks from the block pass to the column pass, a small share of either). ``shape``: (query
     heads, KV heads, head_dim), e.g. ``(14, 2, 64)``: the Qwen2.5-0.5B layers of the training step.
-    ``col_walks``: the Mosaic column pass once per entry, in order (:data:`pallas_kernels.mosaic_bwd.COL_WALKS`;
-    default: the operator's, :data:`~pallas_kernels.mosaic_bwd.DEFAULT_COL_WALK`; impl ``mosaic`` for the
+    ``col_walks``: the Mosaic column pass once per entry, in order (:data:`pallas_kernels.mosaic_dkv.COL_WALKS`;
+    default: the operator's, :data:`~pallas_kernels.mosaic_dkv.DEFAULT_COL_WALK`; impl ``mosaic`` for the
     default walk, ``mosaic[<walk>]`` for another, and every column-pass row says its ``col_walk``; repeat
     entries, e.g. ``masked,free,free,masked``, to time an A/B both ways round in one process).
     ``slots`` x the above: the Mosaic forward / dQ's ring depth (``None``: the kernel's default; impl
@@ -335,13 +335,13 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     ``rounds``: every compiled pass timed once per round, the rounds alternating over all of them (a
     row per round). ``dkv_streams``: the Mosaic dK/dV block pass once per entry (``None``: as built, impl
     ``mosaic``; ``"split"``, ``"shared"`` (its default walk), ``"shared:loops"`` / ``"shared:switch"``:
-    impl ``mosaic[shared,loops]`` etc.; :func:`pallas_kernels.mosaic_bwd.mosaic_dkv_blocks`)."""
-    from pallas_kernels import mosaic_bwd, mosaic_fwd
+    impl ``mosaic[shared,loops]`` etc.; :func:`pallas_kernels.mosaic_dkv.mosaic_dkv_blocks`)."""
+    from pallas_kernels import mosaic_dkv, mosaic_dq, mosaic_fwd
     from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
 
     hq, hkv, d = shape
-    col_walks = col_walks or (mosaic_bwd.DEFAULT_COL_WALK,)
+    col_walks = col_walks or (mosaic_dkv.DEFAULT_COL_WALK,)
     rng = np.random.default_rng(seed)
     q, k, v, do = _inputs(S, seed, jnp.bfloat16, shape)
     pos = jnp.arange(S, dtype=jnp.int32)
@@ -377,14 +377,14 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                *[("fwd", mname(w, st, n), variant(mosaic_fwd.mosaic_fwd, w, st, n), args[:6], 2 * (bp + cp))
                  for w, st, n in variants],
                ("dq", "triton", tb.dq_pass, args, 3 * (bp + cp)),
-               *[("dq", mname(w, st, n), variant(mosaic_bwd.mosaic_dq, w, st, n, dq=True), args, 3 * (bp + cp))
+               *[("dq", mname(w, st, n), variant(mosaic_dq.mosaic_dq, w, st, n, dq=True), args, 3 * (bp + cp))
                  for w, st, n in variants],
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                *[("dkv_blocks", "mosaic" if ds is None else f"mosaic[{ds.replace(':', ',')}]",
                   _dkv_blocks_variant(ds), args, 4 * bp) for ds in dkv_streams],
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
-               *[("dkv_cols", "mosaic" if cw == mosaic_bwd.DEFAULT_COL_WALK else f"mosaic[{cw}]",
-                  functools.partial(mosaic_bwd.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp,
+               *[("dkv_cols", "mosaic" if cw == mosaic_dkv.DEFAULT_COL_WALK else f"mosaic[{cw}]",
+                  functools.partial(mosaic_dkv.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp,
                   {"col_walk": cw})
                  for cw in col_walks]]
         fns = [f for f in fns if f[0] in names and not (f[0] == "dkv_cols" and cp == 0)
@@ -513,7 +513,7 @@ def main():
                     "in the comparison table each Mosaic operator row once per stream (split, shared, index); "
                     "'default' for the pass as built (default: as built only)")
     ap.add_argument("--col-walks", default="", help="with --passes: the Mosaic column dK/dV pass's walks "
-                    "to time, comma-separated, in order, repeats allowed (pallas_kernels.mosaic_bwd.COL_WALKS: "
+                    "to time, comma-separated, in order, repeats allowed (pallas_kernels.mosaic_dkv.COL_WALKS: "
                     "masked,free; e.g. masked,free,free,masked; default: the operator's, DEFAULT_COL_WALK)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
@@ -539,7 +539,7 @@ def main():
     bad = sorted(set(a.pass_names.split(",")) - set(PASSES))
     if bad:
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
-    from pallas_kernels.mosaic_bwd import COL_WALKS
+    from pallas_kernels.mosaic_dkv import COL_WALKS
 
     col_walks = tuple(a.col_walks.split(",")) if a.col_walks else None
     bad = sorted(set(col_walks or ()) - set(COL_WALKS))

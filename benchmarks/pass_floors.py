@@ -11,7 +11,7 @@ on memory, not on the tensor cores (results/kernels/kernels.md run 33).
 The swap relies on two seams of the kernels, and only here: the consumers' walk
 (:func:`pallas_kernels.mosaic_stream.walk_stream`, called by the forward and dQ with a ``tile`` and a
 ``skip`` body: load-only passes ``skip`` for both) and the dK/dV passes' consumer
-(:func:`pallas_kernels.mosaic_bwd._dkv_consumer`: replaced by one that waits for each tile's copies and
+(:func:`pallas_kernels.mosaic_dkv._dkv_consumer`: replaced by one that waits for each tile's copies and
 frees its slot). Outputs of a load-only kernel are zeros / garbage: timing only.
 """
 
@@ -35,12 +35,12 @@ def _walk_loads_only(walk_stream):
 
 def _dkv_consumer_loads_only(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: int, bs: int,
                              qk_scale: float, scale: float, dtype, kseg_smem=None, shared: bool = False):
-    """:func:`pallas_kernels.mosaic_bwd._dkv_consumer`'s barrier protocol without its math: per tile
+    """:func:`pallas_kernels.mosaic_dkv._dkv_consumer`'s barrier protocol without its math: per tile
     (each kind alike), wait for Q, the row infos, the KV rows' aux (when per tile) and dO, then free
     both slots."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.mosaic_bwd import _dkv_pass_tile, _dkv_slot
+    from pallas_kernels.mosaic_dkv import _dkv_pass_tile, _dkv_slot
 
     def tile(t, carry):
         _dkv_pass_tile(_dkv_slot(w, t, stages, shared), bars, kaux_b is None)
@@ -57,16 +57,16 @@ def loads_only():
     """Within: the Mosaic forward, dQ and dK/dV kernels traced from here on keep their loads and barriers
     and drop their math (module docstring). JAX's caches are cleared on entry and exit, so no trace
     crosses the boundary either way."""
-    from pallas_kernels import mosaic_bwd, mosaic_fwd, mosaic_stream
+    from pallas_kernels import mosaic_dkv, mosaic_dq, mosaic_fwd, mosaic_stream
 
-    saved = (mosaic_fwd.walk_stream, mosaic_bwd.walk_stream, mosaic_bwd._dkv_consumer)
+    saved = (mosaic_fwd.walk_stream, mosaic_dq.walk_stream, mosaic_dkv._dkv_consumer)
     jax.clear_caches()
     try:
-        mosaic_fwd.walk_stream = mosaic_bwd.walk_stream = _walk_loads_only(mosaic_stream.walk_stream)
-        mosaic_bwd._dkv_consumer = _dkv_consumer_loads_only
+        mosaic_fwd.walk_stream = mosaic_dq.walk_stream = _walk_loads_only(mosaic_stream.walk_stream)
+        mosaic_dkv._dkv_consumer = _dkv_consumer_loads_only
         yield
     finally:
-        mosaic_fwd.walk_stream, mosaic_bwd.walk_stream, mosaic_bwd._dkv_consumer = saved
+        mosaic_fwd.walk_stream, mosaic_dq.walk_stream, mosaic_dkv._dkv_consumer = saved
         jax.clear_caches()
 
 

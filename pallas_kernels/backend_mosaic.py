@@ -1,5 +1,5 @@
 """``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (forward :mod:`pallas_kernels.mosaic_fwd`,
-backward :func:`pallas_kernels.three_pass.three_pass_bwd` with :mod:`pallas_kernels.mosaic_bwd`).
+backward :func:`pallas_kernels.three_pass.three_pass_bwd` with :mod:`pallas_kernels.mosaic_dq` and :mod:`pallas_kernels.mosaic_dkv`).
 
 Supports: compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128; block size 64;
 ``Sq`` a multiple of 128; packed documents. When ``Sk`` is not a multiple of 128 the two dK/dV
@@ -66,7 +66,8 @@ def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, s
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,
         stream="auto", dq_dtype=jnp.float32, uniform_index=False):
     from pallas_kernels import triton_backward
-    from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks, mosaic_dkv_cols, mosaic_dq
+    from pallas_kernels.mosaic_dkv import mosaic_dkv_blocks, mosaic_dkv_cols
+    from pallas_kernels.mosaic_dq import mosaic_dq
     from pallas_kernels.three_pass import three_pass_bwd
 
     opts = dict(sm_scale=sm_scale, block_size=block_size)

@@ -29,7 +29,7 @@ ALIASES = {"pallas": "triton"}
 IMPLS = ("auto",) + BACKENDS + tuple(ALIASES)
 DIRECTIONS = ("fwd", "bwd")
 #: what the Mosaic forward / dQ kernels' CTAs stream (:mod:`pallas_kernels.mosaic_stream`; the dK/dV
-#: block pass takes the same names when called directly, :func:`pallas_kernels.mosaic_bwd.mosaic_dkv_blocks`):
+#: block pass takes the same names when called directly, :func:`pallas_kernels.mosaic_dkv.mosaic_dkv_blocks`):
 #: ``"shared"``, the union of two query blocks' tiles; ``"split"``, each block its own;
 #: ``"index"``, one of the two per call from the index (both kernels compiled, one runs);
 #: ``"auto"``, per pass what was measured fastest (:func:`pallas_kernels.mosaic_stream.resolve_stream`).

@@ -95,11 +95,11 @@ def test_a_band_pairs_its_dkv_tiles_and_spread_diagonals_do_not():
 
 @pytest.mark.parametrize("family", ["band", "spread", "vert"])
 def test_the_dkv_kernels_share_is_the_pairing_count(family):
-    """``mosaic_bwd.kv_stream_per_work`` (what ``stream="index"`` of the dK/dV block pass decides on, from
+    """``mosaic_dkv.kv_stream_per_work`` (what ``stream="index"`` of the dK/dV block pass decides on, from
     the kernels' own schedules) is ``kv_blocks``' count here, on the same index."""
     import jax.numpy as jnp
 
-    from pallas_kernels.mosaic_bwd import kv_stream_per_work
+    from pallas_kernels.mosaic_dkv import kv_stream_per_work
     from pallas_kernels.mosaic_index import kv_pair_schedule, kv_schedule
     from pallas_kernels.testing import index_family
 

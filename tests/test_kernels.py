@@ -476,7 +476,7 @@ class TestMosaicGPU(_GPUSizes):
         walk ends with its last document (``column_start``) and the free part is the rest of the chunk's
         document."""
         from pallas_kernels.index_format import apply_segments, column_start
-        from pallas_kernels.mosaic_bwd import COL_WALKS, mosaic_dkv_cols
+        from pallas_kernels.mosaic_dkv import COL_WALKS, mosaic_dkv_cols
         from pallas_kernels.mosaic_index import column_free_range, column_operands, column_ranges
         from pallas_kernels.testing import vertical_slash_index
 
@@ -520,7 +520,7 @@ class TestMosaicGPU(_GPUSizes):
         permuted positions, GQA 4, two KV heads, causal columns and (optionally) packed documents, and
         on the uniform full index (``index=None``'s, schedule built for one row)."""
         from pallas_kernels.index_format import apply_segments, full_step_index
-        from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks
+        from pallas_kernels.mosaic_dkv import mosaic_dkv_blocks
         from pallas_kernels.mosaic_index import emulate_dkv_blocks
 
         rng = np.random.default_rng(50 + documents)
@@ -567,7 +567,7 @@ class TestMosaicGPU(_GPUSizes):
         float32 rounding of the instruction schedule); ``stream="split"`` (separate streams) the same
         within bf16 rounding of P (the tiles in another order), on a ring step with permuted positions, GQA 4, causal columns and (optionally) packed documents."""
         from pallas_kernels.index_format import apply_segments
-        from pallas_kernels.mosaic_bwd import mosaic_dq
+        from pallas_kernels.mosaic_dq import mosaic_dq
         from pallas_kernels.mosaic_fwd import mosaic_fwd
 
         rng = np.random.default_rng(40 + documents)

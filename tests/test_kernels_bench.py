@@ -92,15 +92,15 @@ def test_col_walks_option(tmp_path, monkeypatch, capsys):
 
 
 def test_default_col_walk_is_the_operators():
-    """The column pass's default walk is defined once (``mosaic_bwd.DEFAULT_COL_WALK``, one of
+    """The column pass's default walk is defined once (``mosaic_dkv.DEFAULT_COL_WALK``, one of
     ``COL_WALKS``) and is what ``mosaic_dkv_cols`` (the operator's column pass) runs when not told."""
     import inspect
 
-    from pallas_kernels import mosaic_bwd
+    from pallas_kernels import mosaic_dkv
 
-    assert mosaic_bwd.DEFAULT_COL_WALK in mosaic_bwd.COL_WALKS
-    sig = inspect.signature(mosaic_bwd.mosaic_dkv_cols)  # through jax.jit's __wrapped__
-    assert sig.parameters["col_walk"].default == mosaic_bwd.DEFAULT_COL_WALK == "free"
+    assert mosaic_dkv.DEFAULT_COL_WALK in mosaic_dkv.COL_WALKS
+    sig = inspect.signature(mosaic_dkv.mosaic_dkv_cols)  # through jax.jit's __wrapped__
+    assert sig.parameters["col_walk"].default == mosaic_dkv.DEFAULT_COL_WALK == "free"
 
 
 def test_operator_rows_take_positions_and_index_as_arguments(monkeypatch):

@@ -511,7 +511,7 @@ def test_kv_schedule_walk_equals_dense_block_gradients(B, S, Sk, H, Hkv, permute
 def test_mosaic_kernels_lower_for_cuda(merge, documents):
     """Forward (with / without the ring merge) and dQ pass (with / without ``dq_acc``), and with
     packed documents (segment ids: the third ``info`` row and the queries' ids)."""
-    from pallas_kernels.mosaic_bwd import mosaic_dq
+    from pallas_kernels.mosaic_dq import mosaic_dq
     from pallas_kernels.mosaic_fwd import mosaic_fwd
 
     B, S, H, q, k, pos, idx = lowering_inputs(2)
@@ -580,7 +580,7 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
         with pytest.raises(ValueError, match="kv_step must be 64 or 128, got 96"):
             mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.1, kv_step=96)
     if not merge:  # the dK/dV block pass has no accumulator variant
-        from pallas_kernels.mosaic_bwd import mosaic_dkv_blocks
+        from pallas_kernels.mosaic_dkv import mosaic_dkv_blocks
 
         f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_blocks(
             q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, segs=segs))
@@ -597,7 +597,7 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             shared, len(blocks))
         with pytest.raises(ValueError, match="walk must be one of"):
             mosaic_dkv_blocks(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="shared", walk="zigzag")
-        from pallas_kernels.mosaic_bwd import mosaic_dkv_cols
+        from pallas_kernels.mosaic_dkv import mosaic_dkv_cols
 
         z = jnp.zeros(k.shape, jnp.float32)
         f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_cols(

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import kernels
 from benchmarks.pass_floors import floors, floors_table, loads_only, plot_floors
-from pallas_kernels import mosaic_bwd, mosaic_fwd, mosaic_stream
+from pallas_kernels import mosaic_dkv, mosaic_dq, mosaic_fwd, mosaic_stream
 from pallas_kernels.testing import lowering_inputs
 
 
@@ -26,9 +26,9 @@ def _lowered(name, **opts):
     zk = jnp.zeros(k.shape, jnp.float32)
     kw = dict(sm_scale=0.1, block_size=64)
     fn, args = {"fwd": (mosaic_fwd.mosaic_fwd, (q, k, k, pos, pos, idx)),
-                "dq": (mosaic_bwd.mosaic_dq, (q, k, k, pos, pos, idx, q, lse, lse)),
-                "dkv_blocks": (mosaic_bwd.mosaic_dkv_blocks, (q, k, k, pos, pos, idx, q, lse, lse)),
-                "dkv_cols": (mosaic_bwd.mosaic_dkv_cols, (q, k, k, pos, pos, idx, q, lse, lse, zk, zk))}[name]
+                "dq": (mosaic_dq.mosaic_dq, (q, k, k, pos, pos, idx, q, lse, lse)),
+                "dkv_blocks": (mosaic_dkv.mosaic_dkv_blocks, (q, k, k, pos, pos, idx, q, lse, lse)),
+                "dkv_cols": (mosaic_dkv.mosaic_dkv_cols, (q, k, k, pos, pos, idx, q, lse, lse, zk, zk))}[name]
     text = jax.jit(functools.partial(fn, **kw, **opts)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return text.count("wgmma")
 
@@ -37,20 +37,20 @@ def _lowered(name, **opts):
                                         ("dkv_blocks", dict(stream="shared", walk="loops")),
                                         ("dkv_blocks", dict(stream="shared", walk="switch"))])
 def test_loads_only_kernels_keep_no_math_and_restore(name, opts):
-    saved = (mosaic_fwd.walk_stream, mosaic_bwd.walk_stream, mosaic_bwd._dkv_consumer)
+    saved = (mosaic_fwd.walk_stream, mosaic_dq.walk_stream, mosaic_dkv._dkv_consumer)
     with loads_only():
         assert _lowered(name, **opts) == 0
-    assert (mosaic_fwd.walk_stream, mosaic_bwd.walk_stream, mosaic_bwd._dkv_consumer) == saved
+    assert (mosaic_fwd.walk_stream, mosaic_dq.walk_stream, mosaic_dkv._dkv_consumer) == saved
     assert mosaic_fwd.walk_stream is mosaic_stream.walk_stream
     assert _lowered(name, **opts) > 0  # the cleared caches: the kernel traced again, with its math
 
 
 def test_loads_only_restores_after_an_error():
-    saved = mosaic_bwd._dkv_consumer
+    saved = mosaic_dkv._dkv_consumer
     with pytest.raises(RuntimeError, match="boom"):
         with loads_only():
             raise RuntimeError("boom")
-    assert mosaic_bwd._dkv_consumer is saved and mosaic_fwd.walk_stream is mosaic_stream.walk_stream
+    assert mosaic_dkv._dkv_consumer is saved and mosaic_fwd.walk_stream is mosaic_stream.walk_stream
 
 
 def test_pass_options_reach_passes_and_bad_ones_are_refused(monkeypatch, capsys):

@@ -44,7 +44,7 @@ def test_rows_name_the_code_they_imported(tmp_path, monkeypatch):
         shutil.copytree(os.path.join(root, pkg), copy / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "README.md").write_text("not code\n")
     assert _driver.code_digest(str(copy)) == digest
-    f = copy / "pallas_kernels" / "mosaic_bwd.py"
+    f = copy / "pallas_kernels" / "mosaic_dkv.py"
     f.write_text(f.read_text().replace("stages", "stagez", 1))
     assert _driver.code_digest(str(copy)) != digest
     # PYTHONPATH: its first tree with mtraining_jax must be the imported one
