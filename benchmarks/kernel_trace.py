@@ -26,7 +26,8 @@ import numpy as np
 
 from benchmarks._driver import provenance
 from benchmarks._timing import timeit
-from benchmarks.kernels import BS, H, _family_index, _fwd_bwd, _inputs
+from benchmarks.kernel_cases import BS, H, family_index, inputs
+from benchmarks.kernels import _fwd_bwd
 from benchmarks.model_index import add_model_args, model_entries, model_options
 from benchmarks.trace_summary import summarize_dir
 from pallas_kernels import api
@@ -75,10 +76,10 @@ def main(argv=None) -> int:
         ap.error(f"--sparsity must be in (0, 1), got {a.sparsity}")
     rows = []
     if model or families:
-        q, k, v, ct = _inputs(a.seq, a.seq, jnp.float32)
+        q, k, v, ct = inputs(a.seq, a.seq, jnp.float32)
         pos = jnp.arange(a.seq, dtype=jnp.int32)
         rng = np.random.default_rng(0)  # benchmarks/kernels.py's seed: its family indices, in its order
-        cases = [_family_index(rng, fam, a.seq, a.sparsity, 4096) for fam in families]
+        cases = [family_index(rng, fam, a.seq, a.sparsity, 4096) for fam in families]
         cases += [(idx, f"model_L{layer}" + "".join(f"_{kk}{vv}" for kk, vv in bud.items()))
                   for layer, bud, idx, _ in (model_entries(a.seq, H, BS, model) if model else [])]
         for idx, tag in cases:
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
             rows.append(trace_case(f"{tag}_fb", _fwd_bwd(f), (q, k, v, ct, pos, idx), a.reps, a.top))
     if a.full_seq:
         S = a.full_seq
-        q, k, v, ct = _inputs(S, S, jnp.float32)
+        q, k, v, ct = inputs(S, S, jnp.float32)
         pos = jnp.arange(S, dtype=jnp.int32)
         cud = functools.partial(jax.nn.dot_product_attention, is_causal=True,  # XLA's attention off a GPU
                                 implementation="cudnn" if jax.default_backend() == "gpu" else None)

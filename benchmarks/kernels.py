@@ -37,7 +37,6 @@ import contextlib
 import datetime
 import functools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -45,28 +44,19 @@ import numpy as np
 
 from benchmarks._driver import check_code_source, provenance
 from benchmarks._timing import timeit
+from benchmarks.kernel_cases import BS, D, H, HKV, active_pairs, family_index, inputs
+from benchmarks.kernel_passes import PASSES, passes
 from benchmarks.kernels_report import load_rows, passes_table, plot, plot_families, plot_passes, table
 from benchmarks.model_index import add_model_args, model_entries, model_options, model_seqs, saved_seq_len
-from benchmarks.pass_floors import floors_table, loads_only as loads_only_kernels, plot_floors
+from benchmarks.pass_floors import floors_table, plot_floors
 from pallas_kernels import api
 from pallas_kernels import registry as api_registry
-from pallas_kernels.index_format import full_step_index, row_columns
-from pallas_kernels.testing import INDEX_FAMILIES, index_family, vertical_slash_index
-
-H, HKV, D, BS = 16, 2, 128, 64
+from pallas_kernels.index_format import full_step_index
+from pallas_kernels.testing import INDEX_FAMILIES, vertical_slash_index
 
 
 def _time(fn, *args, reps=5, warmup=2):
     return float(timeit(fn, *args, warmup=warmup, repeat=reps)[0])
-
-
-def _inputs(S, seed, last_dtype, shape=(H, HKV, D)):
-    """``q, k, v`` bf16 and the cotangent / dO (``last_dtype``); ``shape``: (query heads, KV heads,
-    head_dim), the benchmark's by default."""
-    hq, hkv, d = shape
-    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
-    return (jax.random.normal(kq, (1, S, hq, d), jnp.bfloat16), jax.random.normal(kk, (1, S, hkv, d), jnp.bfloat16),
-            jax.random.normal(kv, (1, S, hkv, d), jnp.bfloat16), jax.random.normal(kc, (1, S, hq, d), last_dtype))
 
 
 def _fwd_bwd(f):
@@ -116,7 +106,7 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
     gpu = jax.default_backend() == "gpu"
     with_model = model_seqs(model, seqs)
     for S in seqs:
-        q, k, v, ct = _inputs(S, S, jnp.float32)
+        q, k, v, ct = inputs(S, S, jnp.float32)
         pos = jnp.arange(S, dtype=jnp.int32)
         dense_pairs = H * S * (S + 1) / 2
         scale = D**-0.5
@@ -156,9 +146,9 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
                         q, k, v, pos, pos, None, impl=impl), pos, dkv=st)
         for fam in families:
             for sp in sparsities:
-                idx, name = _family_index(rng, fam, S, sp, vert_cols)
+                idx, name = family_index(rng, fam, S, sp, vert_cols)
                 idx = jax.tree.map(jnp.asarray, idx)
-                pairs = sum(_pairs(idx, S))
+                pairs = sum(active_pairs(idx, S))
                 for impl in impls:
                     for tag, st in _dkv_variants(dkv_streams, impl):
                         add(f"{impl}{tag}_{name}", pairs, lambda q, k, v, pos, idx, impl=impl:
@@ -167,7 +157,7 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
         if model and S not in with_model:
             print(f"S={S}: no model family (the index file holds another length)", flush=True)
         for layer, bud, idx, den in (model_entries(S, H, BS, model) if S in with_model else []):
-            pairs, tag = sum(_pairs(idx, S)), "".join(f"_{k}{v}" for k, v in bud.items())
+            pairs, tag = sum(active_pairs(idx, S)), "".join(f"_{k}{v}" for k, v in bud.items())
             for impl in impls:
                 for dtag, st in _dkv_variants(dkv_streams, impl):
                     add(f"{impl}{dtag}_model_L{layer}{tag}", pairs, lambda q, k, v, pos, idx, impl=impl:
@@ -243,7 +233,7 @@ def sweep(S, sparsities, reps, seed=1):
     from pallas_kernels import triton_kernels as tk
 
     rng = np.random.default_rng(seed)
-    q, k, v, do = _inputs(S, seed, jnp.bfloat16)
+    q, k, v, do = inputs(S, seed, jnp.bfloat16)
     pos = jnp.arange(S, dtype=jnp.int32)
     scale = D**-0.5
     idxs = {} if S > 32768 else {"full": full_step_index(1, H, S, S, pos, pos, BS)}
@@ -281,140 +271,6 @@ def sweep(S, sparsities, reps, seed=1):
     return rows
 
 
-def _family_index(rng, fam, S, sp, vert_cols, heads=H):
-    if fam == "full":
-        pos = jnp.arange(S, dtype=jnp.int32)
-        return full_step_index(1, heads, S, S, pos, pos, BS), "full"
-    idx = index_family(rng, fam, 1, heads, S, 1 - sp, block_size=BS, vert_cols=vert_cols)
-    return idx, f"{'vs' if fam == 'slash' else fam}{int(round(sp * 100))}"
-
-
-def _pairs(idx, S):
-    """``(block pairs, column pairs)`` the kernels compute (``bs*bs`` per active block tile,
-    ``bs`` per column outside the row's blocks)."""
-    bc = float(np.asarray(idx.block_count, np.float64).sum())
-    cc = float(np.asarray(row_columns(idx, S, BS)[1]).sum())
-    return bc * BS * BS, cc * BS
-
-
-PASSES = ("fwd", "dq", "dkv_blocks", "dkv_cols")
-
-
-def _dkv_blocks_variant(spec):
-    """:func:`pallas_kernels.mosaic_dkv.mosaic_dkv_blocks` with the stream (and walk) of ``spec``:
-    ``None`` (as built), ``"<stream>"`` or ``"<stream>:<walk>"``."""
-    from pallas_kernels import mosaic_dkv
-
-    if spec is None:
-        return mosaic_dkv.mosaic_dkv_blocks
-    stream, _, walk = spec.partition(":")
-    return functools.partial(mosaic_dkv.mosaic_dkv_blocks, stream=stream, **({"walk": walk} if walk else {}))
-
-
-def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
-           model=None, shape=(H, HKV, D), col_walks=None, slots=(None,), kv_step=None, impls=("triton", "mosaic"),
-           loads_only=False, rounds=1, dkv_streams=(None,)):
-    """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
-    dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
-    pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
-    and stream (:data:`pallas_kernels.mosaic_stream.WALKS`, ``STREAMS``; impl e.g. ``mosaic[switch]``,
-    ``mosaic[split]``; the split dQ takes 128-key steps); ``names``: the passes to time (:data:`PASSES`);
-    ``model`` (as :func:`run`'s): also a trained model's indices (index ``model_L<layer>[_budget]``)
-    (``2 D`` FLOP per pair and matmul: forward 2 matmuls, dQ 3, dK/dV 4; block passes count the
-    block pairs, the column pass the column pairs; the Mosaic passes move the listed columns inside
-    active blocks from the block pass to the column pass, a small share of either). ``shape``: (query
-    heads, KV heads, head_dim), e.g. ``(14, 2, 64)``: the Qwen2.5-0.5B layers of the training step.
-    ``col_walks``: the Mosaic column pass once per entry, in order (:data:`pallas_kernels.mosaic_dkv.COL_WALKS`;
-    default: the operator's, :data:`~pallas_kernels.mosaic_dkv.DEFAULT_COL_WALK`; impl ``mosaic`` for the
-    default walk, ``mosaic[<walk>]`` for another, and every column-pass row says its ``col_walk``; repeat
-    entries, e.g. ``masked,free,free,masked``, to time an A/B both ways round in one process).
-    ``slots`` x the above: the Mosaic forward / dQ's ring depth (``None``: the kernel's default; impl
-    ``mosaic[...,s3]``); ``kv_step``: the shared stream's keys per step (default: the kernel's; the split
-    stream always 128); ``impls``: ``triton`` and / or ``mosaic`` rows. ``loads_only``: every Mosaic pass
-    also compiled inside :func:`benchmarks.pass_floors.loads_only` (rows ``variant: full`` / ``load_only``);
-    ``rounds``: every compiled pass timed once per round, the rounds alternating over all of them (a
-    row per round). ``dkv_streams``: the Mosaic dK/dV block pass once per entry (``None``: as built, impl
-    ``mosaic``; ``"split"``, ``"shared"`` (its default walk), ``"shared:loops"`` / ``"shared:switch"``:
-    impl ``mosaic[shared,loops]`` etc.; :func:`pallas_kernels.mosaic_dkv.mosaic_dkv_blocks`)."""
-    from pallas_kernels import mosaic_dkv, mosaic_dq, mosaic_fwd
-    from pallas_kernels import triton_backward as tb
-    from pallas_kernels import triton_kernels as tk
-
-    hq, hkv, d = shape
-    col_walks = col_walks or (mosaic_dkv.DEFAULT_COL_WALK,)
-    rng = np.random.default_rng(seed)
-    q, k, v, do = _inputs(S, seed, jnp.bfloat16, shape)
-    pos = jnp.arange(S, dtype=jnp.int32)
-    kw = dict(sm_scale=d**-0.5, block_size=BS)
-    rows = []
-    cases = [_family_index(rng, fam, S, sp, vert_cols, hq)
-             for fam in families for sp in (sparsities if fam != "full" else [0.0])]
-    cases += [(idx, f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items()))
-              for layer, bud, idx, _ in (model_entries(S, hq, BS, model) if model_seqs(model, [S]) else [])]
-    for idx, name in cases:
-        idx = jax.tree.map(jnp.asarray, idx)
-        bp, cp = _pairs(idx, S)
-        out, lse = api.block_sparse_attention_fwd(q, k, v, pos, pos, idx, impl="auto")
-        delta = api.attention_delta(out, do)
-        args = (q, k, v, pos, pos, idx, do, lse, delta)
-        zeros = jnp.zeros(k.shape, jnp.float32)
-        variants = [(w, st, n) for w in walks for st in streams for n in slots]
-
-        def variant(f, w, st, n, dq=False):
-            opts = dict(walk=w, stream=st, **({"kv_step": 128} if dq and st == "split" else {}))
-            if n is not None:
-                opts["slots"] = n
-            if kv_step is not None and st != "split":
-                opts["kv_step"] = kv_step
-            return functools.partial(f, **opts)
-
-        def mname(w, st, n):
-            tags = [x for x in (w, st) if x not in ("loops", "shared")] + ([f"s{n}"] if n is not None else [])
-            tags += [f"kv{kv_step}"] if kv_step is not None and st != "split" else []
-            return "mosaic" + (f"[{','.join(tags)}]" if tags else "")
-
-        fns = [("fwd", "triton", tk.pallas_fwd, args[:6], 2 * (bp + cp)),
-               *[("fwd", mname(w, st, n), variant(mosaic_fwd.mosaic_fwd, w, st, n), args[:6], 2 * (bp + cp))
-                 for w, st, n in variants],
-               ("dq", "triton", tb.dq_pass, args, 3 * (bp + cp)),
-               *[("dq", mname(w, st, n), variant(mosaic_dq.mosaic_dq, w, st, n, dq=True), args, 3 * (bp + cp))
-                 for w, st, n in variants],
-               ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
-               *[("dkv_blocks", "mosaic" if ds is None else f"mosaic[{ds.replace(':', ',')}]",
-                  _dkv_blocks_variant(ds), args, 4 * bp) for ds in dkv_streams],
-               ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
-               *[("dkv_cols", "mosaic" if cw == mosaic_dkv.DEFAULT_COL_WALK else f"mosaic[{cw}]",
-                  functools.partial(mosaic_dkv.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp,
-                  {"col_walk": cw})
-                 for cw in col_walks]]
-        fns = [f for f in fns if f[0] in names and not (f[0] == "dkv_cols" and cp == 0)
-               and f[1].split("[")[0] in impls]
-        modes = [("full", contextlib.nullcontext)] + ([("load_only", loads_only_kernels)] if loads_only else [])
-        built = []
-        for mode, ctx in modes:
-            with ctx():
-                for pname, impl, fn, a, matmul_pairs, *extra in fns:
-                    fields = dict(extra[0]) if extra else {}  # the row's own fields (a column pass's col_walk)
-                    if loads_only:
-                        if impl == "triton" and mode != "full":
-                            continue
-                        fields["variant"] = mode
-                    t0 = time.perf_counter()
-                    compiled = jax.jit(functools.partial(fn, **kw)).lower(*a).compile()
-                    built.append((pname, impl, compiled, a, matmul_pairs, fields, time.perf_counter() - t0))
-        for rnd in range(rounds):
-            for pname, impl, compiled, a, matmul_pairs, fields, compile_s in built:
-                ms, ts = timeit(compiled, *a, warmup=2, repeat=reps)
-                row = dict(seq=S, index=name, sparsity=1 - (bp + cp) / (hq * S * (S + 1) / 2), pass_=pname,
-                           impl=impl, heads=hq, kv_heads=hkv, head_dim=d,
-                           ms=ms * 1e3, spread_ms=[round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)],
-                           tflops=2 * d * matmul_pairs / ms / 1e12, compile_s=round(compile_s, 2), **fields,
-                           **({"round": rnd} if rounds > 1 else {}))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    return rows
-
-
 def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
     """The column dK/dV pass alone over its row ranges per column chunk (``col_splits``) on a 95 %
     vertical-slash index with ``max_cols`` columns per head (``S = 131072, max_cols = 1024`` is one
@@ -423,7 +279,7 @@ def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
     from pallas_kernels import triton_kernels as tk
 
     rng = np.random.default_rng(seed)
-    q, k, v, do = _inputs(S, seed, jnp.bfloat16)
+    q, k, v, do = inputs(S, seed, jnp.bfloat16)
     pos = jnp.arange(S, dtype=jnp.int32)
     it = jax.default_backend() != "gpu"  # interpret mode off GPU (a CPU smoke run of the script)
     idx = jax.tree.map(jnp.asarray, vertical_slash_index(rng, 1, H, S, 0.95, max_cols=max_cols))
@@ -444,7 +300,7 @@ def mha_sweep(S, reps, seed=2):
     attention on this device, forward and forward+backward (the Triton backend's bar)."""
     from jax.experimental.pallas.ops.gpu.attention import BlockSizes, mha
 
-    q, k, v, ct = _inputs(S, seed, jnp.float32)
+    q, k, v, ct = inputs(S, seed, jnp.float32)
     g = H // HKV
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     fl = 4 * H * S * (S + 1) / 2 * D

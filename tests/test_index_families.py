@@ -4,7 +4,7 @@ hits its density, respects the index contract, and has the shape its name promis
 import numpy as np
 import pytest
 
-from benchmarks.kernels import _pairs
+from benchmarks.kernel_cases import active_pairs
 from pallas_kernels.index_format import check_step_index, row_block_map, step_index_to_mask
 from pallas_kernels.testing import INDEX_FAMILIES, diagonal_index, index_family
 
@@ -39,7 +39,7 @@ def test_each_family_hits_its_density_at_128k(family):
     S, H = 131072, 2
     for density in (0.02, 0.05, 0.1):
         idx = index_family(np.random.default_rng(3), family, 1, H, S, density, block_size=BS)
-        got = sum(_pairs(idx, S)) / (H * S * (S + 1) / 2)
+        got = sum(active_pairs(idx, S)) / (H * S * (S + 1) / 2)
         assert density * 0.85 <= got <= density * 1.1, (family, density, got)
 
 

@@ -31,7 +31,8 @@ def test_passes_shape_option(capsys):
 
     import numpy as np
 
-    from benchmarks.kernels import _family_index, _inputs, _parse_shape
+    from benchmarks.kernel_cases import family_index, inputs
+    from benchmarks.kernels import _parse_shape
 
     ap = argparse.ArgumentParser()
     assert _parse_shape("14,2,64", ap) == (14, 2, 64)
@@ -41,9 +42,9 @@ def test_passes_shape_option(capsys):
             _parse_shape(bad, ap)
         err = capsys.readouterr().err
         assert msg in err and repr(bad) in err, err
-    q, k, v, do = _inputs(256, 0, np.float32, (14, 2, 64))
+    q, k, v, do = inputs(256, 0, np.float32, (14, 2, 64))
     assert q.shape == do.shape == (1, 256, 14, 64) and k.shape == v.shape == (1, 256, 2, 64)
-    idx, name = _family_index(np.random.default_rng(0), "band", 1024, 0.9, 64, heads=14)
+    idx, name = family_index(np.random.default_rng(0), "band", 1024, 0.9, 64, heads=14)
     assert idx.block_count.shape[:2] == (1, 14) and name == "band90"
 
 
