@@ -71,7 +71,9 @@ def _fwd_bwd(f):
 def dkv_stream(stream):
     """Within (``stream`` not ``None``): the operator's Mosaic dK/dV block pass takes ``stream`` where it
     is left to ``"auto"`` (``pallas_kernels.mosaic_stream.AUTO_STREAM`` / ``UNIFORM_STREAM``'s
-    ``"dkv"``), for programs traced inside; ``None``: as built."""
+    ``"dkv"``), for programs traced inside; ``None``: as built. JAX's caches are cleared on entry and
+    exit: the jitted pass's trace is keyed on ``stream="auto"``, not on what it resolved to, so a trace
+    from outside would be reused inside (and the other way round; run 34's first operator rows)."""
     from pallas_kernels import mosaic_stream
 
     if stream is None:
@@ -79,11 +81,13 @@ def dkv_stream(stream):
         return
     api_registry.validate_stream(stream)
     saved = mosaic_stream.AUTO_STREAM["dkv"], mosaic_stream.UNIFORM_STREAM["dkv"]
+    jax.clear_caches()
     try:
         mosaic_stream.AUTO_STREAM["dkv"] = mosaic_stream.UNIFORM_STREAM["dkv"] = stream
         yield
     finally:
         mosaic_stream.AUTO_STREAM["dkv"], mosaic_stream.UNIFORM_STREAM["dkv"] = saved
+        jax.clear_caches()
 
 
 def _dkv_variants(dkv_streams, impl: str):

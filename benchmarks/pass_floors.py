@@ -125,8 +125,11 @@ def plot_floors(rows, path) -> None:
             ax.bar(i, r["full_ms"], 0.7, color="C0", label="as built" if i == 0 else None)
             ax.bar(i, r["load_ms"], 0.45, color="C1", hatch="//", label="loads only" if i == 0 else None)
             ax.annotate(f"{r['ratio']:.2f}", (i, r["full_ms"]), ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(got)), [r["pass_"].replace("dkv_", "dkv\n") for r in got], fontsize=7)
-        ax.set_title(f"{index}, {seq // 1024}K", fontsize=8)
+        twice = {r["pass_"] for r in got if sum(x["pass_"] == r["pass_"] for x in got) > 1}  # say the impl
+        ax.set_xticks(range(len(got)), [r["pass_"].replace("dkv_", "dkv\n") + (
+            "\n" + r["impl"].partition("[")[2].rstrip("]").replace(",", ", ") if r["pass_"] in twice else "")
+            for r in got], fontsize=7)
+        ax.set_title(f"{index}, {seq // 1024}K".replace("_last_q", "\nlast_q"), fontsize=8)
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("ms per pass (label: loads only / as built)")
     _save(fig, "Mosaic passes as built vs their loads alone", path, dpi=110)

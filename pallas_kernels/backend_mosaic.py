@@ -72,7 +72,8 @@ def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_sca
 
     opts = dict(sm_scale=sm_scale, block_size=block_size)
     if k.shape[1] % 128 == 0:
-        # the dK/dV block pass on its own lists (stream "split"): its shared stream is not yet run on a GPU
+        # the dK/dV block pass on its own lists (stream "split"): its shared stream is exact but slower on
+        # every index measured (results/kernels/kernels.md run 34), so `stream` does not reach it
         dkv = (functools.partial(mosaic_dkv_blocks, uniform=uniform_index), mosaic_dkv_cols)
     else:  # the Triton dK/dV passes (their own tuning defaults)
         dkv = (triton_backward.dkv_block_pass, triton_backward.dkv_col_pass)

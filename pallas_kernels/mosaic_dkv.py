@@ -377,8 +377,8 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
     ``2p``, ``2p + 1``) read: ``"split"``, each its block's own Q/dO tiles
     (:func:`~pallas_kernels.mosaic_index.kv_schedule`, ``stages`` slots each); ``"shared"``, one
     stream of the tiles either block lists, a tile both list loaded once
-    (:func:`~pallas_kernels.mosaic_index.kv_pair_schedule`, one ring of ``2 * stages`` slots; lowers
-    for CUDA, not yet run on a GPU: the backend does not take it);
+    (:func:`~pallas_kernels.mosaic_index.kv_pair_schedule`, one ring of ``2 * stages`` slots; exact,
+    slower than ``"split"`` on every index measured: the backend does not take it);
     ``"index"``, one of the two per call (the shared one where it carries at most
     :data:`~pallas_kernels.mosaic_stream.SPLIT_ABOVE` tiles per tile of work; both compiled);
     ``"auto"``: :func:`~pallas_kernels.mosaic_stream.resolve_stream` (``"dkv"``). ``walk``

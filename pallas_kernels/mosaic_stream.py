@@ -171,9 +171,9 @@ STREAMS = registry.STREAMS
 #: local band (run 13), and one dQ kernel instead of two in the compiled step. The dK/dV block pass
 #: (``"dkv"``: its two consumers' KV blocks' own Q/dO lists, ``"split"``, or their union,
 #: ``"shared"``, :func:`pallas_kernels.mosaic_index.kv_pair_schedule`) keeps its own lists: the
-#: shared one is built (2026-12-06) but not yet run on a GPU (``tests/test_kernels.py``'s
-#: ``test_dkv_block_streams_equal_the_float32_walk`` is its check; ``benchmarks/kernels.py
-#: --dkv-streams`` its timing).
+#: shared one is exact but 1.03-1.36x slower on every index measured, though its loads alone take
+#: 0.53 (band) to 0.97 (mixed) of the split stream's, 1.03 on spread (run 34: its consumers wait on
+#: each other's slots; ``benchmarks/kernels.py --passes ... --dkv-streams split,shared``).
 AUTO_STREAM = {"fwd": "index", "dq": "split", "dkv": "split"}
 #: ``"auto"`` on the uniform full index (``index=None``): the shared stream in the query-side passes
 #: (:func:`resolve_stream`), the dK/dV block pass as on a listed index

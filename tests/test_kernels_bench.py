@@ -131,3 +131,31 @@ def test_operator_rows_take_positions_and_index_as_arguments(monkeypatch):
     assert isinstance(band_fwd[4], StepIndex) and isinstance(band_fb[5], StepIndex)
     assert all(r["fwd_ms"] > 0 and r["fb_ms"] > 0 for r in rows)
     assert rows[0]["x_cudnn"] == 1.0 and rows[2]["x_cudnn"] == rows[0]["fb_ms"] / rows[2]["fb_ms"]
+
+
+def test_dkv_stream_reaches_a_pass_traced_before():
+    """``dkv_stream(s)`` (the comparison table's ``auto[dkv=s]`` rows): the dK/dV block pass traced inside
+    walks stream ``s`` even where the same call was traced outside first (the jitted pass's trace is keyed
+    on ``stream="auto"``: without clearing JAX's caches the outer trace was reused, and run 34's first
+    ``auto[dkv=shared]`` rows timed the split stream), and after the context the default again."""
+    import jax
+
+    from benchmarks.kernels import dkv_stream
+    from pallas_kernels.mosaic_dkv import mosaic_dkv_blocks
+    from pallas_kernels.testing import lowering_inputs
+
+    B, S, H, q, k, pos, idx = lowering_inputs(4)
+    lse = jax.numpy.zeros((B, H, S), jax.numpy.float32)
+
+    def program(**kw):  # a fresh outer jit each time, as each timed row is
+        f = jax.jit(lambda q, k, idx, lse: mosaic_dkv_blocks(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1,
+                                                              **kw))
+        return str(f.trace(q, k, idx, lse).jaxpr)
+
+    default, shared = program(), program(stream="shared")
+    assert default == program(stream="split") != shared
+    with dkv_stream("shared"):
+        assert program() == shared
+    assert program() == default
+    with dkv_stream(None):
+        assert program() == default
