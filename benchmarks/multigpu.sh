@@ -4,7 +4,7 @@
 #   bash benchmarks/multigpu.sh OUT PHASE...      (from the repo root; PYTHONPATH=. is set here)
 #
 # Phases (each bounded by its own timeout, and all by DEADLINE_S; rows are appended and flushed as they come):
-#   gputests   the Mosaic kernel GPU suite (test_kernels.py TestMosaicGPU), before any timing
+#   gputests   the Mosaic kernel GPU suite (test_kernels_gpu.py TestMosaicGPU), before any timing
 #   scaling    sparse ring fwd+bwd at 512K on 1x4 1x1 2x2 (both ring orders) 1x2, traced, dense ring at 1x4
 #   long       sparse ring at 1M on 1x4 and 1x1 (no dense ring: ~45 s a step on one GPU)
 #   s256       sparse ring at 256K on the scaling meshes, traced, dense ring at 1x4
@@ -53,7 +53,7 @@ for phase in "$@"; do
   echo "=== phase $phase $(date -u +%T)"
   case $phase in
     gputests)
-      MTRAINING_TEST_GPU=1 timeout $(lim 200) python -m pytest -q -x -m gpu tests/test_kernels.py -k TestMosaicGPU -p no:cacheprovider 2>&1 | tail -4 ;;
+      MTRAINING_TEST_GPU=1 timeout $(lim 200) python -m pytest -q -x -m gpu tests/test_kernels_gpu.py -k TestMosaicGPU -p no:cacheprovider 2>&1 | tail -4 ;;
     scaling)
       # (no --check at 512K on an H100: the sampled-row reference needs 8 GiB buffers; the GPU suite checks the kernels)
       ring_phase scaling ${SCALING_TIMEOUT:-480} --lengths 524288 --meshes ${SCALING_MESHES:-1x4 1x1 2x2 1x2} \

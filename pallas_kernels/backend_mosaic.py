@@ -10,7 +10,7 @@ interpreter, which rejects these kernels' warpgroup ``run_scoped`` ("does not su
 axes"); Mosaic GPU's own interpreter (``interpret=InterpretGPUParams()``, private in
 ``jax._src.pallas.mosaic_gpu.interpret``) runs simple ``wgmma`` kernels but not ``pl.run_state``,
 ``plgpu.load`` or a transposed shared-memory ``wgmma`` operand, which these kernels use. So they
-run on the GPU only (``tests/test_kernels.py``, ``-m gpu``); on CPU ``tests/test_mosaic_kernels.py``
+run on the GPU only (``tests/test_kernels_gpu.py``, ``-m gpu``); on CPU ``tests/test_mosaic_kernels.py``
 checks their tile walks and their lowering for CUDA, ``tests/test_mosaic_streams.py`` the stream each
 pass takes.
 """

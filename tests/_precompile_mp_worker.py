@@ -1,6 +1,6 @@
 """One of two JAX processes (jax.distributed over localhost) on the GPU machine: lowers and runs a Mosaic GPU
 forward, waits for ``pallas_kernels.mosaic_precompile``'s worker and reports what it did (``RESULT {json}``).
-Started by ``tests/test_kernels.py::TestMosaicGPU::test_kernels_compile_early_in_two_processes`` as
+Started by ``tests/test_kernels_gpu.py::TestMosaicGPU::test_kernels_compile_early_in_two_processes`` as
 ``python tests/_precompile_mp_worker.py PORT PROCESS_ID``."""
 
 import json

@@ -19,9 +19,9 @@ mkdir -p "$log_dir"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 groups=(
-  "30 tests/test_kernels.py -k TestMosaicGPU and (merges or walks_and_streams or dense_index or fully_masked)"
-  "30 tests/test_kernels.py -k TestMosaicGPU and not (merges or walks_and_streams or dense_index or fully_masked)"
-  "18 tests/test_kernels.py tests/test_index_programs.py tests/test_window_scores.py -k not TestMosaicGPU"
+  "30 tests/test_kernels_gpu.py -k TestMosaicGPU and (merges or walks_and_streams or dense_index or fully_masked)"
+  "30 tests/test_kernels_gpu.py -k TestMosaicGPU and not (merges or walks_and_streams or dense_index or fully_masked)"
+  "18 tests/test_kernels_gpu.py tests/test_index_programs.py tests/test_window_scores.py -k not TestMosaicGPU"
   "18 tests/test_ring.py tests/test_sparsity_fidelity.py"
   "18 tests/test_mtraining_attention.py tests/test_bf16_gradients.py"
 )

@@ -5,7 +5,7 @@ The kernels do not run on CPU (why: :mod:`pallas_kernels.backend_mosaic`), so on
 equals the masked dense reference — the index logic the kernel executes — and (2) that the kernel
 lowers to Mosaic GPU for CUDA (catches API drift across JAX versions). The dK/dV block pass's
 schedules: ``test_mosaic_kv_schedule.py``. The kernel itself runs in the GPU-marked suite of
-``test_kernels.py`` (``TestMosaicGPU``).
+``test_kernels_gpu.py`` (``TestMosaicGPU``).
 """
 
 from __future__ import annotations

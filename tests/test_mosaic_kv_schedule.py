@@ -1,7 +1,7 @@
 """The dK/dV block pass's schedules, emulated on CPU: :func:`pallas_kernels.mosaic_index.kv_schedule` (each
 KV block's own list; its two-key sort) and :func:`~pallas_kernels.mosaic_index.kv_pair_schedule` (one stream of
 a CTA's two KV blocks), checked against each other and their walk against the dense block gradients. The
-kernels run on the GPU (``test_kernels.py``, ``TestMosaicGPU``); their lowering: ``test_mosaic_kernels.py``."""
+kernels run on the GPU (``test_kernels_gpu.py``, ``TestMosaicGPU``); their lowering: ``test_mosaic_kernels.py``."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ through the backend; ``"auto"`` resolves per pass (:func:`pallas_kernels.mosaic_
 the forward chooses per call from the index, the dQ takes the split stream, and the API's full
 index (``index=None``, ``uniform_index``) takes the shared stream with operands built from one row.
 These tests check the choice from the index, the operands, and what each choice lowers for CUDA.
-The kernels' results run in the GPU-marked suite of ``test_kernels.py`` (``TestMosaicGPU``).
+The kernels' results run in the GPU-marked suite of ``test_kernels_gpu.py`` (``TestMosaicGPU``).
 """
 
 from __future__ import annotations
