@@ -186,6 +186,21 @@ UNIFORM_STREAM = {"fwd": "shared", "dq": "shared", "dkv": "split"}
 SPLIT_ABOVE = 0.7
 
 
+#: whether the forward / dQ consumers split each 128-key step into two 64-key halves, one half's
+#: softmax (dS) under the other's ``wgmma`` (FlashAttention-3's intra-warpgroup overlap), where the
+#: caller leaves ``overlap=None`` (:func:`resolve_overlap`)
+OVERLAP = {"fwd": False, "dq": False}
+
+
+def resolve_overlap(overlap, kernel: str) -> bool:
+    """``overlap`` of a forward (``kernel="fwd"``) or dQ (``"dq"``) call: ``None`` -> :data:`OVERLAP`."""
+    if overlap is None:
+        return bool(OVERLAP[kernel])
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be None, True or False, got {overlap!r}")
+    return overlap
+
+
 #: the split stream's walk where the caller does not name one (``"auto"``, ``"index"``, the backend's
 #: ``"split"``): its segment loops (run 13: one loop with ``lax.switch`` is slower on it)
 SPLIT_WALK = "loops"
