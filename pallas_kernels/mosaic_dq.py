@@ -19,10 +19,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, row_layout, tile_transforms,
+from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, load_smem, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, resolve_overlap, run_stream,
-                                          segment_ok, stream_barriers, stream_producer, stream_smem, stream_walk,
+from pallas_kernels.mosaic_stream import (consumer_row, mask_scores, query_kernel, query_pair_ids, resolve_overlap,
+                                          run_stream, stream_barriers, stream_producer, stream_smem, stream_walk,
                                           walk_stream)
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
@@ -75,13 +75,8 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
         def mask(s, slot, masked: bool, thr, keys=()):  # -inf where the key is not this row's
             if not masked:
                 return s
-            n = s.shape[1]
-            pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
-            aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
-            ok = (pos <= rows_b[n][0]) & (aux >= thr)
-            if segs:
-                ok = ok & segment_ok(info_smem, slot, qpos_smem.at[2 + w], bs, n, *keys)
-            return jnp.where(ok, s, NEG_INF)
+            return mask_scores(s, info_smem, slot, thr, rows_b[s.shape[1]][0], qpos_smem.at[2 + w] if segs else None,
+                               keys)
 
         def tile_halves(t, dq, masked: bool, thr):
             # overlap: a 128-key step as two 64-key halves: all four score / dP wgmmas issued at once,

@@ -27,10 +27,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, col_layout, load_smem, row_layout, tile_transforms,
+from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, load_smem, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, query_kernel, query_pair_ids, resolve_overlap, run_stream,
-                                          segment_ok, stream_barriers, stream_producer, stream_smem, stream_walk,
+from pallas_kernels.mosaic_stream import (consumer_row, mask_scores, query_kernel, query_pair_ids, resolve_overlap,
+                                          run_stream, stream_barriers, stream_producer, stream_smem, stream_walk,
                                           walk_stream)
 
 
@@ -121,13 +121,8 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
         def mask(s, slot, masked: bool, thr, keys=()):  # -inf where the key is not this row's
             if not masked:
                 return s
-            n = s.shape[1]
-            pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
-            aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
-            ok = (pos <= (qpos_b if n == kv else qpos_h)) & (aux >= thr)
-            if segs:
-                ok = ok & segment_ok(info_smem, slot, row_smem.at[2 + w], bs, n, *keys)
-            return jnp.where(ok, s, NEG_INF)
+            return mask_scores(s, info_smem, slot, thr, qpos_b if s.shape[1] == kv else qpos_h,
+                               row_smem.at[2 + w] if segs else None, keys)
 
         def tile_halves(t, carry, masked: bool, thr):
             # overlap: a 128-key step as two 64-key halves, FlashAttention-3's intra-warpgroup overlap:

@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic_precompile, registry
 from pallas_kernels.index_format import StepIndex
-from pallas_kernels.mosaic_common import col_layout, load_smem, named, row_layout, tile_transforms
+from pallas_kernels.mosaic_common import NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms
 from pallas_kernels.mosaic_index import (NULL_BLOCK, POS_PAD, STREAM_SEGMENTS, PairStream, column_tiles, pair_stream,
                                          prepare, split_stream)
 
@@ -35,6 +35,20 @@ def segment_ok(info_smem, slot, qseg_smem, bs: int, kv: int | None = None, keys=
     kseg = lax.broadcast_in_dim(load_smem(ref, col_layout()), (bs, kv), [1])
     qseg = lax.broadcast_in_dim(load_smem(qseg_smem, row_layout()), (bs, kv), [0])
     return kseg == qseg
+
+
+def mask_scores(s, info_smem, slot, thr, qpos, qseg_smem=None, keys=()):
+    """Scores ``s [64, n]`` of a masked step with ``-inf`` where a key is not the row's: after the query
+    (``qpos``: the rows' positions broadcast to ``[64, n]``), ``aux < thr`` (rows 0 / 1 of the step's
+    ``info``), or (``qseg_smem``: packed documents) in another document (:func:`segment_ok`); ``keys``: a
+    slice of the step's keys."""
+    bs, n = s.shape
+    pos = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 0, *keys)], col_layout()), (bs, n), [1])
+    aux = lax.broadcast_in_dim(load_smem(info_smem.at[(slot, 1, *keys)], col_layout()), (bs, n), [1])
+    ok = (pos <= qpos) & (aux >= thr)
+    if qseg_smem is not None:
+        ok = ok & segment_ok(info_smem, slot, qseg_smem, bs, n, *keys)
+    return jnp.where(ok, s, NEG_INF)
 
 
 def stream_walk(bnd_ref, cnt_ref, b, h, pair, bs: int, halves: int = 1):
