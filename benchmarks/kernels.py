@@ -76,12 +76,13 @@ def kernel_options(dkv=None, overlap=None):
     on ``stream="auto"`` / ``overlap=None``, not on what they resolved to, so a trace from outside would be
     reused inside (and the other way round; run 34's first operator rows)."""
     from pallas_kernels import mosaic_stream
+    from pallas_kernels.mosaic_dkv import DKV_STREAMS
 
     if dkv is None and overlap is None:
         yield
         return
-    if dkv is not None:
-        api_registry.validate_stream(dkv)
+    if dkv is not None and dkv not in DKV_STREAMS:
+        raise ValueError(f"the dK/dV block pass's stream must be one of {DKV_STREAMS}, got {dkv!r}")
     if overlap is not None and not isinstance(overlap, bool):
         raise TypeError(f"overlap must be None, True or False, got {overlap!r}")
     saved = [dict(x) for x in (mosaic_stream.AUTO_STREAM, mosaic_stream.UNIFORM_STREAM, mosaic_stream.OVERLAP)]
@@ -422,7 +423,7 @@ def main():
     bad = sorted(set(a.pass_names.split(",")) - set(PASSES))
     if bad:
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
-    from pallas_kernels.mosaic_dkv import COL_WALKS
+    from pallas_kernels.mosaic_dkv import COL_WALKS, DKV_STREAMS
 
     col_walks = tuple(a.col_walks.split(",")) if a.col_walks else None
     bad = sorted(set(col_walks or ()) - set(COL_WALKS))
@@ -450,8 +451,8 @@ def main():
 
     for x in dkv_streams:
         st, _, wk = (x or "split").partition(":")
-        if st not in api_registry.STREAMS or (wk and wk not in WALKS):
-            ap.error(f"--dkv-streams: {x!r} is not stream[:walk] with a stream of {api_registry.STREAMS} "
+        if st not in DKV_STREAMS or (wk and wk not in WALKS):
+            ap.error(f"--dkv-streams: {x!r} is not stream[:walk] with a stream of {DKV_STREAMS} "
                      f"and a walk of {WALKS}")
     ov_values = {"default": None, "on": True, "off": False}
     bad = [x for x in a.overlaps.split(",") if x not in ov_values]

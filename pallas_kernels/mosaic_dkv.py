@@ -30,7 +30,7 @@ from pallas_kernels import mosaic_precompile
 from pallas_kernels.index_format import StepIndex, column_start
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import SPLIT_ABOVE, block_loops, block_step_kind, check_walk, resolve_stream
+from pallas_kernels.mosaic_stream import block_loops, block_step_kind, check_walk, resolve_stream
 from pallas_kernels.mosaic_index import (STREAM_SEGMENTS, column_free_range, column_ids, column_operands,
                                          column_ranges, column_slots, kv_pair_schedule, kv_schedule,
                                          uniform_kv_schedule)
@@ -360,6 +360,8 @@ def _launch(kernel, out_type, scratch, grid, grid_names, *args):
                         compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
+#: the dK/dV block pass's streams (:func:`mosaic_dkv_blocks`; ``"auto"`` resolves to one of them)
+DKV_STREAMS = ("split", "shared")
 #: the dK/dV block pass's walk of the shared stream where not told (:data:`~pallas_kernels.mosaic_stream.WALKS`)
 DKV_SHARED_WALK = "switch"
 
@@ -379,9 +381,9 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
     stream of the tiles either block lists, a tile both list loaded once
     (:func:`~pallas_kernels.mosaic_index.kv_pair_schedule`, one ring of ``2 * stages`` slots; exact,
     slower than ``"split"`` on every index measured: the backend does not take it);
-    ``"index"``, one of the two per call (the shared one where it carries at most
-    :data:`~pallas_kernels.mosaic_stream.SPLIT_ABOVE` tiles per tile of work; both compiled);
-    ``"auto"``: :func:`~pallas_kernels.mosaic_stream.resolve_stream` (``"dkv"``). ``walk``
+    ``"auto"``: :func:`~pallas_kernels.mosaic_stream.resolve_stream` (``"dkv"``); no ``"index"`` here (a
+    per-call choice between the two would pick the shared stream where it is 1.15x slower, on a band:
+    results/kernels/kernels.md run 34). ``walk``
     (:data:`~pallas_kernels.mosaic_stream.WALKS`): the shared stream's consumers walk its segment
     loops (7, :data:`~pallas_kernels.mosaic_stream.SHARED_PLAN`) or one loop choosing the free /
     masked / skip body per tile; the split stream always walks two loops. The same result every way,
@@ -392,6 +394,8 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
     bs = block_size
     sg = segs is not None
     stream = resolve_stream(stream, "dkv", uniform)
+    if stream not in DKV_STREAMS:
+        raise ValueError(f"the dK/dV block pass's stream must be one of {DKV_STREAMS + ('auto',)}, got {stream!r}")
     rinfo, qinfo = _row_infos(q_pos, lse, delta, index.col_count, bs, segs[0] if sg else None)
     slots = column_slots(index, sk)
     args = [q, do.astype(q.dtype), rinfo, qinfo, k, v] + ([segs[1].astype(jnp.int32)] if sg else [])
@@ -407,24 +411,9 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
         return tuple(_launch(named(kernel, "mosaic_dkv_blocks"), [out, out], scratch, (sk // bs // 2, hkv, B),
                              ("p", "h", "b"), counts, sched, k_pos.astype(jnp.int32), kslot, *args))
 
-    if stream in ("shared", "index"):
-        pair = kv_pair_schedule(index, sk, hkv, bs, uniform)
-        if stream == "shared":
-            return launch(True, *pair)
-    own = (uniform_kv_schedule if uniform else kv_schedule)(index, sk, hkv, bs)
-    if stream == "split":
-        return launch(False, *own)
-    return lax.cond(kv_stream_per_work(own[1], pair[1]) > SPLIT_ABOVE, lambda: launch(False, *own),
-                    lambda: launch(True, *pair))
-
-
-def kv_stream_per_work(counts, bounds):
-    """Tiles the dK/dV block pass's shared stream carries per tile its consumers compute, over the
-    call (``counts`` of :func:`~pallas_kernels.mosaic_index.kv_schedule`, ``bounds`` of
-    :func:`~pallas_kernels.mosaic_index.kv_pair_schedule`): 0.5 when KV blocks ``2p`` and ``2p + 1``
-    are listed by the same (query head, query block) tiles, 1.0 when by none in common (float32)."""
-    carried = (bounds[..., -1] - bounds[..., 0]).astype(jnp.float32).sum()
-    return carried / jnp.maximum(counts[..., 1].astype(jnp.float32).sum(), 1.0)
+    if stream == "shared":
+        return launch(True, *kv_pair_schedule(index, sk, hkv, bs, uniform))
+    return launch(False, *(uniform_kv_schedule if uniform else kv_schedule)(index, sk, hkv, bs))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks", "col_walk"))

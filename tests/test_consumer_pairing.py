@@ -95,12 +95,16 @@ def test_a_band_pairs_its_dkv_tiles_and_spread_diagonals_do_not():
 
 @pytest.mark.parametrize("family", ["band", "spread", "vert"])
 def test_the_dkv_kernels_share_is_the_pairing_count(family):
-    """``mosaic_dkv.kv_stream_per_work`` (what ``stream="index"`` of the dK/dV block pass decides on, from
-    the kernels' own schedules) is ``kv_blocks``' count here, on the same index."""
+    """The tiles the dK/dV block pass's shared stream carries per tile of work, from the kernels' own
+    schedules (``kv_pair_schedule``'s segment bounds over ``kv_schedule``'s counts), is ``kv_blocks``'
+    count here, on the same index."""
     import jax.numpy as jnp
 
-    from pallas_kernels.mosaic_dkv import kv_stream_per_work
     from pallas_kernels.mosaic_index import kv_pair_schedule, kv_schedule
+
+    def kv_stream_per_work(counts, bounds):  # 0.5: both KV blocks listed by the same tiles; 1.0: none shared
+        carried = (bounds[..., -1] - bounds[..., 0]).astype(jnp.float32).sum()
+        return carried / jnp.maximum(counts[..., 1].astype(jnp.float32).sum(), 1.0)
     from pallas_kernels.testing import index_family
 
     S, H, hkv = 8192, 4, 2

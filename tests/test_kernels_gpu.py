@@ -182,7 +182,7 @@ class TestMosaicGPU(_GPUSizes):
     def test_dkv_block_streams_equal_the_float32_walk(self, documents):
         """The dK/dV block pass on each stream (``"split"``: each consumer its KV block's own Q/dO
         tiles; ``"shared"``: one stream of both blocks' tiles, segment loops or one switching loop;
-        ``"index"``, ``"auto"``) equals the float32 emulation of its walk
+        ``"auto"``) equals the float32 emulation of its walk
         (:func:`~pallas_kernels.mosaic_index.emulate_dkv_blocks`), and the streams agree with each
         other to bf16 rounding of P and dS (the tiles summed in another order); on a ring step with
         permuted positions, GQA 4, two KV heads, causal columns and (optionally) packed documents, and
@@ -215,8 +215,7 @@ class TestMosaicGPU(_GPUSizes):
                                       block_size=BS, segs=sg)
             assert float(jnp.abs(want[0]).max()) > 0 and float(jnp.abs(want[1]).max()) > 0
             got = {}
-            for stream, walk in (("split", "switch"), ("shared", "loops"), ("shared", "switch"), ("index", "switch"),
-                                 ("auto", "switch")):
+            for stream, walk in (("split", "switch"), ("shared", "loops"), ("shared", "switch"), ("auto", "switch")):
                 got[stream, walk] = mosaic_dkv_blocks(q, k, v, qp, kp, idx, do, lse, delta, sm_scale=D ** -0.5,
                                                       segs=sg, uniform=uniform, stream=stream, walk=walk)
                 for name, a, b in zip(("dk", "dv"), got[stream, walk], want):

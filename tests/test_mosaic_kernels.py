@@ -413,6 +413,9 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             shared, len(blocks))
         with pytest.raises(ValueError, match="walk must be one of"):
             mosaic_dkv_blocks(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="shared", walk="zigzag")
+        # no per-call choice of stream in the dK/dV block pass (the shared one is slower everywhere, run 34)
+        with pytest.raises(ValueError, match="the dK/dV block pass's stream must be one of .* got 'index'"):
+            mosaic_dkv_blocks(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="index")
         from pallas_kernels.mosaic_dkv import mosaic_dkv_cols
 
         z = jnp.zeros(k.shape, jnp.float32)
