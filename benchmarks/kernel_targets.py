@@ -1,0 +1,107 @@
+"""Issue 34's kernel targets checked against one run's comparison-table rows (``benchmarks/kernels.py --json`` or a
+results ``.jsonl`` with a ``run`` field): each target per case with the median value, the interval its repeats
+allow (the rows' ``fb_spread_ms`` / ``fwd_spread_ms``: fastest and slowest repeat) and a verdict that claims
+``met`` or ``not met`` only where the whole interval lies on one side of the target (``tie`` otherwise).
+
+Targets (at 128K unless said): fwd+bwd >= 400 TFLOP/s on the active work and >= 16x cuDNN's dense causal
+fwd+bwd at 5 % density (``density`` within 4-6.5 %: the trained model's layer-1 index at its own budget is
+6.1 %); Mosaic >= 1.2x Triton on the same index; >= 350 TFLOP/s at
+2 % (1.5-2.5 %); on the full causal index at 32K, forward >= 0.95x and fwd+bwd >= 0.9x cuDNN. The Mosaic rows
+are ``auto_*`` / ``mosaic_*`` as built (rows with a ``[...]`` option tag are left out unless ``tag`` names it).
+
+Usage: ``python -m benchmarks.kernel_targets results/kernels/kernels_v34.jsonl --runs v34_families,v34_full32``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.kernels_report import load_rows
+
+TARGETS = {"tflops_5": 400.0, "x_cudnn_5": 16.0, "x_triton": 1.2, "tflops_2": 350.0, "full_fwd": 0.95,
+           "full_fb": 0.9}
+DENSITY = {"5": (0.04, 0.065), "2": (0.015, 0.025)}
+
+
+def _ms(r, key):
+    """``(median, fastest, slowest)`` ms of row ``r``'s ``fb`` or ``fwd`` timing."""
+    lo, hi = r.get(f"{key}_spread_ms") or (r[f"{key}_ms"], r[f"{key}_ms"])
+    return r[f"{key}_ms"], lo, hi
+
+
+def _verdict(lo, hi, target) -> str:
+    return "met" if lo >= target else "not met" if hi < target else "tie"
+
+
+def _mosaic(r, tag: str) -> bool:
+    impl, _, rest = r["name"].partition("_")
+    base, _, opts = impl.partition("[")
+    return base in ("auto", "mosaic") and (opts.rstrip("]") == tag)
+
+
+def check(rows, tag: str = "") -> list[dict]:
+    """One dict per (target, case): ``target``, ``case``, ``value`` (median), ``interval`` ``(lo, hi)``,
+    ``goal``, ``verdict``. ``tag``: the Mosaic rows' option tag to check (``""``: as built; e.g.
+    ``"overlap"`` for ``auto[overlap]_*``). Rows of several runs are checked per run (``run``)."""
+    out = []
+    for run in dict.fromkeys(r.get("run", "") for r in rows):
+        rr = [r for r in rows if r.get("run", "") == run]
+        cud = {r["seq"]: r for r in rr if r["name"] == "cudnn"}
+        tri = {(r["seq"], r["name"].partition("_")[2]): r for r in rr if r["name"].startswith("triton_")}
+
+        def add(target, case, value, lo, hi, goal):
+            out.append(dict(run=run, target=target, case=case, value=value, interval=(lo, hi), goal=goal,
+                            verdict=_verdict(lo, hi, goal)))
+
+        for r in rr:
+            if not _mosaic(r, tag):
+                continue
+            case, S = r["name"].partition("_")[2], r["seq"]
+            if case == "full" and S == 32768 and S in cud:
+                for key, name in (("fwd", "full_fwd"), ("fb", "full_fb")):
+                    m, lo, hi = _ms(r, key)
+                    cm, clo, chi = _ms(cud[S], key)
+                    add(f"{key} x cuDNN, full 32K", case, cm / m, clo / hi, chi / lo, TARGETS[name])
+                continue
+            if S != 131072 or not r.get("fb_ms"):
+                continue
+            m, lo, hi = _ms(r, "fb")
+            flop = r["fb_tflops"] * m  # TFLOP/s x ms: the same work at any time
+            for pct, (dlo, dhi) in DENSITY.items():
+                if not dlo <= r["density"] <= dhi:
+                    continue
+                add(f"TFLOP/s at {pct} %", case, r["fb_tflops"], flop / hi, flop / lo, TARGETS[f"tflops_{pct}"])
+                if pct == "5" and S in cud:
+                    cm, clo, chi = _ms(cud[S], "fb")
+                    add("x cuDNN at 5 %", case, cm / m, clo / hi, chi / lo, TARGETS["x_cudnn_5"])
+            if (S, case) in tri:
+                tm, tlo, thi = _ms(tri[S, case], "fb")
+                add("x Triton", case, tm / m, tlo / hi, thi / lo, TARGETS["x_triton"])
+    return out
+
+
+def table(checked) -> str:
+    lines = ["| run | target | case | median | interval (repeats) | goal | verdict |", "|---|---|---|---:|---|---:|---|"]
+    for c in checked:
+        lo, hi = c["interval"]
+        lines.append(f"| {c['run']} | {c['target']} | {c['case']} | {c['value']:.2f} | {lo:.2f}-{hi:.2f} | "
+                     f"{c['goal']:g} | {c['verdict']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="--json output (.json) or results rows (.jsonl)")
+    ap.add_argument("--runs", default="", help="comma-separated run tags to keep (.jsonl rows)")
+    ap.add_argument("--tag", default="", help="the Mosaic rows' option tag, e.g. overlap (default: as built)")
+    a = ap.parse_args(argv)
+    rows = [r for r in load_rows(a.files, [x for x in a.runs.split(",") if x]) if "fwd_ms" in r]
+    checked = check(rows, a.tag)
+    if not checked:
+        ap.error("no Mosaic rows at 128K (5 % / 2 %) or of the full index at 32K in those rows")
+    print(table(checked))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
