@@ -87,32 +87,36 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             v_h = [v_smem.at[(slot, *x)] for x in hk]
             _, lse2_b, delta_b = rows_b[bs]
 
-            def step(s0_ref, dp0_ref, s1_ref, dp1_ref, dq_ref):
+            def probs(s_ref, dp_ref, hf: int, wait_n: int):  # half hf's dS, once its two wgmmas are done
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=wait_n)
+                dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=wait_n)
+                p = jnp.exp2(mask(s, slot, masked, thr, hk[hf]) * qk_scale - lse2_b)
+                return (p * (dp - delta_b)).astype(dtype)
+
+            def scores(s0_ref, dp0_ref, s1_ref, dp1_ref):
                 plgpu.wgmma(s0_ref, q_smem.at[w], transposed(k_h[0]))
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.wgmma(dp0_ref, do_smem.at[w], transposed(v_h[0]))
                 plgpu.wgmma(s1_ref, q_smem.at[w], transposed(k_h[1]))
                 plgpu.wgmma(dp1_ref, do_smem.at[w], transposed(v_h[1]))
                 plgpu.barrier_wait(i_bar.at[slot])
-                ds = []
-                for hf, (s_ref, dp_ref) in enumerate(((s0_ref, dp0_ref), (s1_ref, dp1_ref))):
-                    # half 0: half 1's two wgmmas may still run; half 1: half 0's dS K may
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=2 - hf)
-                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=2 - hf)
-                    p = jnp.exp2(mask(s, slot, masked, thr, hk[hf]) * qk_scale - lse2_b)
-                    if hf == 1:
-                        plgpu.barrier_arrive(v_free.at[slot])
-                    ds.append((p * (dp - delta_b)).astype(dtype))
-                    if hf == 0:
-                        dq_ref[...] = dq
-                    plgpu.wgmma(dq_ref, ds[hf], k_h[hf])
-                wait_next_k(t)  # the next step's K, while this dS K runs
-                return plgpu.wgmma_accumulator_load(dq_ref, wait_n=0)
+                ds0 = probs(s0_ref, dp0_ref, 0, wait_n=2)  # half 1's two wgmmas may still run
 
-            acc = lambda n: plgpu.ACC((bs, n), jnp.float32)  # noqa: E731
-            dq = pl.run_scoped(lambda *r: step(*r), acc(bs), acc(bs), acc(bs), acc(bs), acc(dq.shape[1]))
+                def grads(dq_ref):  # allocated here, not with the scores: fewer registers live at once
+                    dq_ref[...] = dq
+                    plgpu.wgmma(dq_ref, ds0, k_h[0])
+                    ds1 = probs(s1_ref, dp1_ref, 1, wait_n=1)  # half 0's dS K may still run
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    plgpu.wgmma(dq_ref, ds1, k_h[1])
+                    wait_next_k(t)  # the next step's K, while this dS K runs
+                    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=0)
+
+                return pl.run_scoped(grads, plgpu.ACC(dq.shape, jnp.float32))
+
+            acc = lambda: plgpu.ACC((bs, bs), jnp.float32)  # noqa: E731
+            out = pl.run_scoped(scores, acc(), acc(), acc(), acc())
             plgpu.barrier_arrive(k_free.at[slot])
-            return dq
+            return out
 
         def tile(t, dq, masked: bool, thr, own: bool = False):
             # own: only this consumer's half of the step (split stream's block steps: 64 keys)

@@ -134,7 +134,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             k_h = [k_smem.at[(slot, *x)] for x in hk]
             v_h = [v_smem.at[(slot, *x)] for x in hk]
 
-            def step(s0_ref, s1_ref, o_ref):
+            def scores(s0_ref, s1_ref):
                 plgpu.wgmma(s0_ref, q_smem.at[w], transposed(k_h[0]))
                 plgpu.wgmma(s1_ref, q_smem.at[w], transposed(k_h[1]))
                 schedule()  # the other consumer's softmax runs under these wgmmas
@@ -147,20 +147,24 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
                 plgpu.barrier_arrive(sched_bar)  # softmax done
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
-                o_ref[...] = acc0
-                plgpu.wgmma(o_ref, p0, v_h[0])
-                s1 = plgpu.wgmma_accumulator_load(s1_ref, wait_n=1)  # half 0's P V may still run
-                plgpu.barrier_arrive(k_free.at[slot])
-                p1, alpha1, m1, l1 = _online_softmax((m0, l0), mask(s1, slot, masked, thr, hk[1]), masked, qk_scale)
-                p1 = p1.astype(dtype)
-                acc1 = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-                o_ref[...] = acc1 * lax.broadcast_in_dim(alpha1, acc.shape, [0])
-                plgpu.wgmma(o_ref, p1, v_h[1])
-                wait_next_k(t)  # the next tile's K, while this P V runs
-                return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), m1, l1
 
-            acc, m, l = pl.run_scoped(lambda *r: step(*r), plgpu.ACC((bs, bs), jnp.float32),
-                                      plgpu.ACC((bs, bs), jnp.float32), plgpu.ACC((bs, d), jnp.float32))
+                def values(o_ref):  # allocated here, not with the scores: fewer registers live at once
+                    o_ref[...] = acc0
+                    plgpu.wgmma(o_ref, p0, v_h[0])
+                    s1 = plgpu.wgmma_accumulator_load(s1_ref, wait_n=1)  # half 0's P V may still run
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p1, alpha1, m1, l1 = _online_softmax((m0, l0), mask(s1, slot, masked, thr, hk[1]), masked,
+                                                         qk_scale)
+                    p1 = p1.astype(dtype)
+                    acc1 = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                    o_ref[...] = acc1 * lax.broadcast_in_dim(alpha1, acc.shape, [0])
+                    plgpu.wgmma(o_ref, p1, v_h[1])
+                    wait_next_k(t)  # the next tile's K, while this P V runs
+                    return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), m1, l1
+
+                return pl.run_scoped(values, plgpu.ACC((bs, d), jnp.float32))
+
+            acc, m, l = pl.run_scoped(scores, plgpu.ACC((bs, bs), jnp.float32), plgpu.ACC((bs, bs), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l
 
