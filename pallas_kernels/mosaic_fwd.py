@@ -124,6 +124,20 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             return mask_scores(s, info_smem, slot, thr, qpos_b if s.shape[1] == kv else qpos_h,
                                row_smem.at[2 + w] if segs else None, keys)
 
+        def softmax_turn(carry, s, masked: bool, slot):
+            # one online-softmax step on this consumer's scores, then the turn: the tensor cores are
+            # taken once the other consumer's softmax is done and this step's V has arrived
+            acc, m, l = carry
+            p, alpha, m, l = _online_softmax((m, l), s, masked, qk_scale)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            # the softmax's results are complete before the turn passes (as in JAX's attention_mgpu)
+            acc, l, m, p16 = lax.optimization_barrier((acc, l, m, p16))
+            plgpu.barrier_arrive(sched_bar)  # softmax done
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
+            return p16, acc, m, l
+
         def tile_halves(t, carry, masked: bool, thr):
             # overlap: a 128-key step as two 64-key halves, FlashAttention-3's intra-warpgroup overlap:
             # both halves' Q K^T issued at once, half 0's softmax under half 1's Q K^T, half 1's under
@@ -140,13 +154,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
                 schedule()  # the other consumer's softmax runs under these wgmmas
                 s0 = plgpu.wgmma_accumulator_load(s0_ref, wait_n=1)  # half 1's Q K^T may still run
                 plgpu.barrier_wait(i_bar.at[slot])
-                p0, alpha0, m0, l0 = _online_softmax((m, l), mask(s0, slot, masked, thr, hk[0]), masked, qk_scale)
-                acc0 = acc * lax.broadcast_in_dim(alpha0, acc.shape, [0])
-                p0 = p0.astype(dtype)
-                acc0, l0, m0, p0 = lax.optimization_barrier((acc0, l0, m0, p0))
-                plgpu.barrier_arrive(sched_bar)  # softmax done
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
+                p0, acc0, m0, l0 = softmax_turn((acc, m, l), mask(s0, slot, masked, thr, hk[0]), masked, slot)
 
                 def values(o_ref):  # allocated here, not with the scores: fewer registers live at once
                     o_ref[...] = acc0
@@ -187,14 +195,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             plgpu.barrier_wait(i_bar.at[slot])
             s = mask(s, slot, masked, thr, keys)
             plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m, l = _online_softmax((m, l), s, masked, qk_scale)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(dtype)
-            # the softmax's results are complete before the turn passes (as in JAX's attention_mgpu)
-            acc, l, m, p16 = lax.optimization_barrier((acc, l, m, p16))
-            plgpu.barrier_arrive(sched_bar)  # softmax done
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
+            p16, acc, m, l = softmax_turn((acc, m, l), s, masked, slot)
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_tile)

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -210,9 +211,9 @@ def resolve_overlap(overlap, kernel: str) -> bool:
     """``overlap`` of a forward (``kernel="fwd"``) or dQ (``"dq"``) call: ``None`` -> :data:`OVERLAP`."""
     if overlap is None:
         return bool(OVERLAP[kernel])
-    if not isinstance(overlap, bool):
+    if not isinstance(overlap, (bool, np.bool_)):
         raise TypeError(f"overlap must be None, True or False, got {overlap!r}")
-    return overlap
+    return bool(overlap)
 
 
 #: the split stream's walk where the caller does not name one (``"auto"``, ``"index"``, the backend's

@@ -15,6 +15,23 @@ from pallas_kernels import api
 from pallas_kernels.testing import random_step_index
 
 
+def _ring_step(seed, S, documents, H=8, Hkv=2, D=128):
+    """A bf16 ring step at ``S`` tokens: permuted positions, GQA ``H / Hkv``, up to 16 blocks and 300 causal
+    columns per row, and (``documents``) packed documents of 700 positions with the index narrowed to
+    them. Returns ``(q, k, v, q_pos, k_pos, index, segs, rng)`` (``rng``: for the test's further draws)."""
+    from pallas_kernels.index_format import apply_segments
+
+    rng = np.random.default_rng(seed)
+    q, k, v = inputs(rng, 1, S, S, H, Hkv, D, jnp.bfloat16)
+    q_pos, k_pos = positions(rng, S, S, True)
+    index = random_step_index(rng, 1, H, S, S, q_pos, k_pos, max_blocks=16, max_cols=300)
+    segs = None
+    if documents:
+        segs = (jnp.asarray(q_pos)[None] // 700, jnp.asarray(k_pos)[None] // 700)
+        index = apply_segments(index, *segs, BS)
+    return q, k, v, q_pos, k_pos, index, segs, rng
+
+
 class _GPUSizes(KernelSuite):
     """8K-token cases with up to 24 active blocks and 200 listed columns per row."""
     S = 8192
@@ -187,19 +204,12 @@ class TestMosaicGPU(_GPUSizes):
         other to bf16 rounding of P and dS (the tiles summed in another order); on a ring step with
         permuted positions, GQA 4, two KV heads, causal columns and (optionally) packed documents, and
         on the uniform full index (``index=None``'s, schedule built for one row)."""
-        from pallas_kernels.index_format import apply_segments, full_step_index
+        from pallas_kernels.index_format import full_step_index
         from pallas_kernels.mosaic_dkv import mosaic_dkv_blocks
         from pallas_kernels.mosaic_index import emulate_dkv_blocks
 
-        rng = np.random.default_rng(50 + documents)
-        B, S, H, Hkv, D = 1, 2048, 8, 2, 128
-        q, k, v = inputs(rng, B, S, S, H, Hkv, D, jnp.bfloat16)
-        q_pos, k_pos = positions(rng, S, S, True)
-        index = random_step_index(rng, B, H, S, S, q_pos, k_pos, max_blocks=16, max_cols=300)
-        segs = None
-        if documents:
-            segs = (jnp.asarray(q_pos)[None] // 700, jnp.asarray(k_pos)[None] // 700)
-            index = apply_segments(index, *segs, BS)
+        B, S, H, D = 1, 2048, 8, 128
+        q, k, v, q_pos, k_pos, index, segs, rng = _ring_step(50 + documents, S, documents)
         do = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
         cases = [(index, q_pos, k_pos, segs, False)]
@@ -233,19 +243,11 @@ class TestMosaicGPU(_GPUSizes):
         and the dQ pass's ``dq`` of the segment loops (the same tiles in the same order: equal to
         float32 rounding of the instruction schedule); ``stream="split"`` (separate streams) the same
         within bf16 rounding of P (the tiles in another order), on a ring step with permuted positions, GQA 4, causal columns and (optionally) packed documents."""
-        from pallas_kernels.index_format import apply_segments
         from pallas_kernels.mosaic_dq import mosaic_dq
         from pallas_kernels.mosaic_fwd import mosaic_fwd
 
-        rng = np.random.default_rng(40 + documents)
-        B, S, sk, H, Hkv, D = 1, 4096, 4096, 8, 2, 128
-        q, k, v = inputs(rng, B, S, sk, H, Hkv, D, jnp.bfloat16)
-        q_pos, k_pos = positions(rng, S, sk, True)
-        index = random_step_index(rng, B, H, S, sk, q_pos, k_pos, max_blocks=16, max_cols=300)
-        segs = None
-        if documents:
-            segs = (jnp.asarray(q_pos)[None] // 700, jnp.asarray(k_pos)[None] // 700)
-            index = apply_segments(index, *segs, BS)
+        S, D = 4096, 128
+        q, k, v, q_pos, k_pos, index, segs, rng = _ring_step(40 + documents, S, documents)
         kw = dict(sm_scale=D ** -0.5, segs=segs)
         got = {w: mosaic_fwd(q, k, v, q_pos, k_pos, index, walk=w, stream="shared", **kw) for w in ("loops", "switch")}
         (out, lse), (out2, lse2) = got["loops"], got["switch"]
@@ -292,19 +294,12 @@ class TestMosaicGPU(_GPUSizes):
         the same ``lse`` / ``delta``) as closely as the default does, on each stream and walk: a ring step with
         permuted positions, GQA 4, causal columns, (optionally) packed documents, and the uniform full index
         (``index=None``'s operands)."""
-        from pallas_kernels.index_format import apply_segments, full_step_index
+        from pallas_kernels.index_format import full_step_index
         from pallas_kernels.mosaic_dq import mosaic_dq
         from pallas_kernels.mosaic_fwd import mosaic_fwd
 
-        rng = np.random.default_rng(60 + documents)
-        B, S, H, Hkv, D = 1, 4096, 8, 2, 128
-        q, k, v = inputs(rng, B, S, S, H, Hkv, D, jnp.bfloat16)
-        q_pos, k_pos = positions(rng, S, S, True)
-        index = random_step_index(rng, B, H, S, S, q_pos, k_pos, max_blocks=16, max_cols=300)
-        segs = None
-        if documents:
-            segs = (jnp.asarray(q_pos)[None] // 700, jnp.asarray(k_pos)[None] // 700)
-            index = apply_segments(index, *segs, BS)
+        B, S, H, D = 1, 4096, 8, 128
+        q, k, v, q_pos, k_pos, index, segs, rng = _ring_step(60 + documents, S, documents)
         cases = [(index, q_pos, k_pos, False, s, w) for s, w in (("shared", "switch"), ("shared", "loops"),
                                                                   ("split", "switch"))]
         if not documents:
