@@ -28,6 +28,8 @@ the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active 
 Usage (GPU): ``python -m benchmarks.kernels --seqs 32768,131072 --json out.json``; plots of the
 committed rows (``results/kernels/kernels.jsonl``, ``run`` = the campaign, ``table`` = what was timed):
 ``python -m benchmarks.kernels --plot-from results/kernels/kernels.jsonl --runs v10_fb --plot kernels.png``.
+Kernel options per Mosaic row (``--dkv-streams``, ``--overlaps``: :func:`kernel_options`); issue 34's targets
+checked against a run's rows: ``python -m benchmarks.kernel_targets ROWS [--runs R] [--tag overlap]``.
 """
 
 from __future__ import annotations
