@@ -82,14 +82,19 @@ class KernelSuite:
         return random_step_index(rng, B, self.H, self.S, sk, q_pos, k_pos, max_blocks=max(1, sk // BS - 1),
                                  max_cols=12)
 
-    @pytest.mark.parametrize("case", range(2))
-    def test_forward_matches_reference(self, case):
+    def _inputs(self, case, seed, B):
+        """``(rng, dtype, q, k, v, q_pos, k_pos, index)`` of ``self.cases[case]`` at ``B`` sequences of
+        ``self.S`` tokens (``rng``: for the test's further draws)."""
         g, D, dtype, permuted = self.cases[case]
-        rng = np.random.default_rng(10 + case)
-        B = 1
+        rng = np.random.default_rng(seed)
         q, k, v = inputs(rng, B, self.S, self.S, self.H, self.H // g, D, dtype)
         q_pos, k_pos = positions(rng, self.S, self.S, permuted)
-        index = self._index(rng, B, q_pos, k_pos, self.S)
+        return (rng, dtype, q, k, v, q_pos, k_pos, self._index(rng, B, q_pos, k_pos, self.S))
+
+    @pytest.mark.parametrize("case", range(2))
+    def test_forward_matches_reference(self, case):
+        B = 1
+        rng, dtype, q, k, v, q_pos, k_pos, index = self._inputs(case, 10 + case, B)
         out, lse = api.block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, impl=self.impl)
         ref_out, ref_lse = reference(q, k, v, q_pos, k_pos, index)
         chex.assert_shape(out, q.shape)
@@ -102,12 +107,8 @@ class KernelSuite:
 
     @pytest.mark.parametrize("case", range(2))
     def test_gradients_match_reference(self, case):
-        g, D, dtype, permuted = self.cases[case]
-        rng = np.random.default_rng(20 + case)
         B = 1
-        q, k, v = inputs(rng, B, self.S, self.S, self.H, self.H // g, D, dtype)
-        q_pos, k_pos = positions(rng, self.S, self.S, permuted)
-        index = self._index(rng, B, q_pos, k_pos, self.S)
+        rng, dtype, q, k, v, q_pos, k_pos, index = self._inputs(case, 20 + case, B)
         ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)  # random non-uniform cotangent
 
         def loss(fn, q, k, v):
@@ -127,12 +128,8 @@ class KernelSuite:
         """Packed documents (segment ids per sequence): forward and all gradients equal the float32
         reference under (index mask AND block-diagonal document mask AND causal); tiles inside one
         document stay free, tiles across a boundary are dropped, straddling ones masked per token."""
-        g, D, dtype, permuted = self.cases[case]
-        rng = np.random.default_rng(40 + case)
         B = 2
-        q, k, v = inputs(rng, B, self.S, self.S, self.H, self.H // g, D, dtype)
-        q_pos, k_pos = positions(rng, self.S, self.S, permuted)
-        index = self._index(rng, B, q_pos, k_pos, self.S)
+        rng, dtype, q, k, v, q_pos, k_pos, index = self._inputs(case, 40 + case, B)
         q_seg, k_seg = document_segments(q_pos, k_pos, self.S, B)
         mask = step_index_to_mask(index, self.S, self.S, BS)
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
