@@ -85,8 +85,8 @@ def kernel_options(dkv=None, overlap=None):
         return
     if dkv is not None and dkv not in DKV_STREAMS:
         raise ValueError(f"the dK/dV block pass's stream must be one of {DKV_STREAMS}, got {dkv!r}")
-    if overlap is not None and not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be None, True or False, got {overlap!r}")
+    if overlap is not None:
+        overlap = mosaic_stream.resolve_overlap(overlap, "fwd")
     saved = [dict(x) for x in (mosaic_stream.AUTO_STREAM, mosaic_stream.UNIFORM_STREAM, mosaic_stream.OVERLAP)]
     jax.clear_caches()
     try:

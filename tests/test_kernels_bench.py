@@ -1,6 +1,7 @@
 """The kernel benchmark's dense ring-step comparison (issue 33 item 3): both kinds of ring step, our
 kernel and the cuDNN stand-in, real timings and FLOP counts, speed-ups relative to the same run's cuDNN."""
 
+import numpy as np
 import pytest
 
 from benchmarks.kernels import ring_step
@@ -189,6 +190,8 @@ def test_kernel_options_overlap_reaches_passes_traced_before():
     assert programs() == default
     with kernel_options(overlap=False):
         assert programs() == default
+    with kernel_options(overlap=np.True_):  # numpy bools, as the kernels take them
+        assert programs() == on
     with pytest.raises(TypeError, match="overlap must be None, True or False, got 'yes'"):
         with kernel_options(overlap="yes"):
             pass
