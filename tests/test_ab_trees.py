@@ -8,8 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from benchmarks import _driver, ab_trees
 
 FAKE = '''"""A stand-in benchmark: one row with this tree's metric and the code it imported."""

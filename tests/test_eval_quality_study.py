@@ -7,7 +7,6 @@ configs/quality sizes)."""
 import json
 import os
 import re
-import sys
 from types import SimpleNamespace
 
 import jax

@@ -42,7 +42,7 @@ per-document window's scattered rows carry their positions into the kernels, all
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import functools
 import math
