@@ -35,7 +35,7 @@ def dkv_blocks_variant(spec):
 
 def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
            model=None, shape=(H, HKV, D), col_walks=None, slots=(None,), kv_step=None, impls=("triton", "mosaic"),
-           loads_only=False, rounds=1, dkv_streams=(None,), overlaps=(None,)):
+           loads_only=False, rounds=1, dkv_streams=(None,)):
     """Each kernel pass alone, per backend (Triton, Mosaic GPU), on the same inputs: forward, dQ,
     dK/dV block pass, dK/dV column pass, with its compile time (``compile_s``) and TFLOP/s on the
     pass's own active work. ``walks`` x ``streams``: the Mosaic forward and dQ once per consumer walk
@@ -57,10 +57,7 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     ``rounds``: every compiled pass timed once per round, the rounds alternating over all of them (a
     row per round). ``dkv_streams``: the Mosaic dK/dV block pass once per entry (``None``: as built, impl
     ``mosaic``; ``"split"``, ``"shared"`` (its default walk), ``"shared:loops"`` / ``"shared:switch"``:
-    impl ``mosaic[shared,loops]`` etc.; :func:`pallas_kernels.mosaic_dkv.mosaic_dkv_blocks`).
-    ``overlaps``: the Mosaic forward and dQ once per entry (``None``: as built; ``True`` / ``False``: with /
-    without their intra-warpgroup overlap of 128-key steps, impl tag ``overlap`` / ``overlap=off``;
-    :func:`pallas_kernels.mosaic_fwd.mosaic_fwd`)."""
+    impl ``mosaic[shared,loops]`` etc.; :func:`pallas_kernels.mosaic_dkv.mosaic_dkv_blocks`)."""
     from pallas_kernels import mosaic_dkv, mosaic_dq, mosaic_fwd
     from pallas_kernels import triton_backward as tb
     from pallas_kernels import triton_kernels as tk
@@ -85,28 +82,25 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
         zeros = jnp.zeros(k.shape, jnp.float32)
         variants = [(w, st, n) for w in walks for st in streams for n in slots]
 
-        def variant(f, w, st, n, dq=False, overlap=None):
+        def variant(f, w, st, n, dq=False):
             opts = dict(walk=w, stream=st, **({"kv_step": 128} if dq and st == "split" else {}))
-            if overlap is not None:
-                opts["overlap"] = overlap
             if n is not None:
                 opts["slots"] = n
             if kv_step is not None and st != "split":
                 opts["kv_step"] = kv_step
             return functools.partial(f, **opts)
 
-        def mname(w, st, n, overlap=None):
+        def mname(w, st, n):
             tags = [x for x in (w, st) if x not in ("loops", "shared")] + ([f"s{n}"] if n is not None else [])
-            tags += [] if overlap is None else ["overlap" if overlap else "overlap=off"]
             tags += [f"kv{kv_step}"] if kv_step is not None and st != "split" else []
             return "mosaic" + (f"[{','.join(tags)}]" if tags else "")
 
         fns = [("fwd", "triton", tk.pallas_fwd, args[:6], 2 * (bp + cp)),
-               *[("fwd", mname(w, st, n, ov), variant(mosaic_fwd.mosaic_fwd, w, st, n, overlap=ov), args[:6],
-                  2 * (bp + cp)) for w, st, n in variants for ov in overlaps],
+               *[("fwd", mname(w, st, n), variant(mosaic_fwd.mosaic_fwd, w, st, n), args[:6], 2 * (bp + cp))
+                 for w, st, n in variants],
                ("dq", "triton", tb.dq_pass, args, 3 * (bp + cp)),
-               *[("dq", mname(w, st, n, ov), variant(mosaic_dq.mosaic_dq, w, st, n, dq=True, overlap=ov), args,
-                  3 * (bp + cp)) for w, st, n in variants for ov in overlaps],
+               *[("dq", mname(w, st, n), variant(mosaic_dq.mosaic_dq, w, st, n, dq=True), args, 3 * (bp + cp))
+                 for w, st, n in variants],
                ("dkv_blocks", "triton", tb.dkv_block_pass, args, 4 * bp),
                *[("dkv_blocks", "mosaic" if ds is None else f"mosaic[{ds.replace(':', ',')}]",
                   dkv_blocks_variant(ds), args, 4 * bp) for ds in dkv_streams],

@@ -42,7 +42,7 @@ def _mosaic(r, tag: str) -> bool:
 def check(rows, tag: str = "") -> list[dict]:
     """One dict per (target, case): ``target``, ``case``, ``value`` (median), ``interval`` ``(lo, hi)``,
     ``goal``, ``verdict``. ``tag``: the Mosaic rows' option tag to check (``""``: as built; e.g.
-    ``"overlap"`` for ``auto[overlap]_*``). Rows of several runs are checked per run (``run``)."""
+    ``"dkv=shared"`` for ``auto[dkv=shared]_*``). Rows of several runs are checked per run (``run``)."""
     out = []
     for run in dict.fromkeys(r.get("run", "") for r in rows):
         rr = [r for r in rows if r.get("run", "") == run]
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="--json output (.json) or results rows (.jsonl)")
     ap.add_argument("--runs", default="", help="comma-separated run tags to keep (.jsonl rows)")
-    ap.add_argument("--tag", default="", help="the Mosaic rows' option tag, e.g. overlap (default: as built)")
+    ap.add_argument("--tag", default="", help="the Mosaic rows' option tag, e.g. dkv=shared (default: as built)")
     a = ap.parse_args(argv)
     rows = [r for r in load_rows(a.files, [x for x in a.runs.split(",") if x]) if "fwd_ms" in r]
     checked = check(rows, a.tag)

@@ -28,8 +28,8 @@ the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active 
 Usage (GPU): ``python -m benchmarks.kernels --seqs 32768,131072 --json out.json``; plots of the
 committed rows (``results/kernels/kernels.jsonl``, ``run`` = the campaign, ``table`` = what was timed):
 ``python -m benchmarks.kernels --plot-from results/kernels/kernels.jsonl --runs v10_fb --plot kernels.png``.
-Kernel options per Mosaic row (``--dkv-streams``, ``--overlaps``: :func:`kernel_options`); issue 34's targets
-checked against a run's rows: ``python -m benchmarks.kernel_targets ROWS [--runs R] [--tag overlap]``.
+The dK/dV block pass's stream per Mosaic row: ``--dkv-streams`` (:func:`dkv_stream`); issue 34's targets
+checked against a run's rows: ``python -m benchmarks.kernel_targets ROWS [--runs R] [--tag dkv=shared]``.
 """
 
 from __future__ import annotations
@@ -70,63 +70,45 @@ def _fwd_bwd(f):
 
 
 @contextlib.contextmanager
-def kernel_options(dkv=None, overlap=None):
-    """Within: the operator's Mosaic dK/dV block pass takes stream ``dkv`` where it is left to ``"auto"``
-    (``pallas_kernels.mosaic_stream.AUTO_STREAM`` / ``UNIFORM_STREAM``'s ``"dkv"``), and its forward and
-    dQ passes ``overlap`` where it is left to ``None`` (``mosaic_stream.OVERLAP``), for programs traced
-    inside; ``None``: as built. JAX's caches are cleared on entry and exit: a jitted pass's trace is keyed
-    on ``stream="auto"`` / ``overlap=None``, not on what they resolved to, so a trace from outside would be
-    reused inside (and the other way round; run 34's first operator rows)."""
+def dkv_stream(stream):
+    """Within (``stream`` not ``None``): the operator's Mosaic dK/dV block pass takes ``stream`` where it
+    is left to ``"auto"`` (``pallas_kernels.mosaic_stream.AUTO_STREAM`` / ``UNIFORM_STREAM``'s
+    ``"dkv"``), for programs traced inside; ``None``: as built. JAX's caches are cleared on entry and
+    exit: the jitted pass's trace is keyed on ``stream="auto"``, not on what it resolved to, so a trace
+    from outside would be reused inside (and the other way round; run 34's first operator rows)."""
     from pallas_kernels import mosaic_stream
     from pallas_kernels.mosaic_dkv import DKV_STREAMS
 
-    if dkv is None and overlap is None:
+    if stream is None:
         yield
         return
-    if dkv is not None and dkv not in DKV_STREAMS:
-        raise ValueError(f"the dK/dV block pass's stream must be one of {DKV_STREAMS}, got {dkv!r}")
-    if overlap is not None:
-        overlap = mosaic_stream.resolve_overlap(overlap, "fwd")
-    saved = [dict(x) for x in (mosaic_stream.AUTO_STREAM, mosaic_stream.UNIFORM_STREAM, mosaic_stream.OVERLAP)]
+    if stream not in DKV_STREAMS:
+        raise ValueError(f"the dK/dV block pass's stream must be one of {DKV_STREAMS}, got {stream!r}")
+    saved = mosaic_stream.AUTO_STREAM["dkv"], mosaic_stream.UNIFORM_STREAM["dkv"]
     jax.clear_caches()
     try:
-        if dkv is not None:
-            mosaic_stream.AUTO_STREAM["dkv"] = mosaic_stream.UNIFORM_STREAM["dkv"] = dkv
-        if overlap is not None:
-            mosaic_stream.OVERLAP.update(fwd=overlap, dq=overlap)
+        mosaic_stream.AUTO_STREAM["dkv"] = mosaic_stream.UNIFORM_STREAM["dkv"] = stream
         yield
     finally:
-        for d, old in zip((mosaic_stream.AUTO_STREAM, mosaic_stream.UNIFORM_STREAM, mosaic_stream.OVERLAP), saved):
-            d.update(old)
+        mosaic_stream.AUTO_STREAM["dkv"], mosaic_stream.UNIFORM_STREAM["dkv"] = saved
         jax.clear_caches()
 
 
-def dkv_stream(stream):
-    """:func:`kernel_options` with the dK/dV block pass's stream only."""
-    return kernel_options(dkv=stream)
-
-
-def _variants(dkv_streams, overlaps, impl: str):
-    """``[(name suffix, dK/dV stream, overlap)]``: the kernel options an operator row of ``impl`` is timed
+def _dkv_variants(dkv_streams, impl: str):
+    """``[(name suffix, stream)]``: the dK/dV block pass streams an operator row of ``impl`` is timed
     with (only a Mosaic-capable ``impl``: ``auto``, ``mosaic``; ``None``: as built, no suffix)."""
     if impl not in ("auto", "mosaic"):
-        return [("", None, None)]
-    out = []
-    for st in dkv_streams:
-        for ov in overlaps:
-            tags = ([] if st is None else [f"dkv={st}"]) + ([] if ov is None else ["overlap" if ov else "overlap=off"])
-            out.append((f"[{','.join(tags)}]" if tags else "", st, ov))
-    return out
+        return [("", None)]
+    return [("" if st is None else f"[dkv={st}]", st) for st in dkv_streams]
 
 
 def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("triton", "auto"),
-        families=("slash", "vert"), vert_cols=4096, model=None, dkv_streams=(None,), overlaps=(None,)):
+        families=("slash", "vert"), vert_cols=4096, model=None, dkv_streams=(None,)):
     """The comparison table; ``model``: :func:`benchmarks.model_index.model_options` (a checkpoint's or a
     saved file's indices): also the indices a trained model estimates (family ``model``; a saved file's
     only at its own length, :func:`benchmarks.model_index.model_seqs`). ``dkv_streams``: each Mosaic
     operator row once per dK/dV block pass stream (:func:`dkv_stream`; name ``<impl>[dkv=<stream>]``;
-    ``None``: as built) and per ``overlaps`` entry (:func:`kernel_options`; ``<impl>[overlap]``,
-    ``<impl>[overlap=off]``; ``None``: as built)."""
+    ``None``: as built)."""
     rows = []
     rng = np.random.default_rng(seed)
     gpu = jax.default_backend() == "gpu"
@@ -137,10 +119,10 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
         dense_pairs = H * S * (S + 1) / 2
         scale = D**-0.5
 
-        def add(name, pairs, f, *data, fwd_only=False, family="dense", dkv=None, overlap=None):
+        def add(name, pairs, f, *data, fwd_only=False, family="dense", dkv=None):
             # data (positions, index): arguments of the timed call, as in training; as closed-over constants
             # XLA folded part of the index's operand build into the program (runs up to 33)
-            with kernel_options(dkv, overlap):
+            with dkv_stream(dkv):
                 fwd, fwd_s = timeit(jax.jit(f), q, k, v, *data, warmup=2, repeat=reps)
                 fb, fb_s = (None, None) if fwd_only else timeit(_fwd_bwd(f), q, k, v, ct, *data, warmup=2,
                                                                  repeat=reps)
@@ -167,28 +149,28 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
             add("pallas_mha", dense_pairs, mha_f)
         if S <= dense_ours_max:  # the full causal index as the API builds it for index=None (uniform rows)
             for impl in impls:
-                for tag, st, ov in _variants(dkv_streams, overlaps, impl):
+                for tag, st in _dkv_variants(dkv_streams, impl):
                     add(f"{impl}{tag}_full", dense_pairs, lambda q, k, v, pos, impl=impl: api.block_sparse_attention(
-                        q, k, v, pos, pos, None, impl=impl), pos, dkv=st, overlap=ov)
+                        q, k, v, pos, pos, None, impl=impl), pos, dkv=st)
         for fam in families:
             for sp in sparsities:
                 idx, name = family_index(rng, fam, S, sp, vert_cols)
                 idx = jax.tree.map(jnp.asarray, idx)
                 pairs = sum(active_pairs(idx, S))
                 for impl in impls:
-                    for tag, st, ov in _variants(dkv_streams, overlaps, impl):
+                    for tag, st in _dkv_variants(dkv_streams, impl):
                         add(f"{impl}{tag}_{name}", pairs, lambda q, k, v, pos, idx, impl=impl:
                             api.block_sparse_attention(q, k, v, pos, pos, idx, impl=impl), pos, idx, family=fam,
-                            dkv=st, overlap=ov)
+                            dkv=st)
         if model and S not in with_model:
             print(f"S={S}: no model family (the index file holds another length)", flush=True)
         for layer, bud, idx, den in (model_entries(S, H, BS, model) if S in with_model else []):
             pairs, tag = sum(active_pairs(idx, S)), "".join(f"_{k}{v}" for k, v in bud.items())
             for impl in impls:
-                for dtag, st, ov in _variants(dkv_streams, overlaps, impl):
+                for dtag, st in _dkv_variants(dkv_streams, impl):
                     add(f"{impl}{dtag}_model_L{layer}{tag}", pairs, lambda q, k, v, pos, idx, impl=impl:
                         api.block_sparse_attention(q, k, v, pos, pos, idx, impl=impl), pos,
-                        jax.tree.map(jnp.asarray, idx), family="model", dkv=st, overlap=ov)
+                        jax.tree.map(jnp.asarray, idx), family="model", dkv=st)
                     rows[-1].update(model_budget=bud, model_density=[round(float(x), 4) for x in den])  # per model head
         base = next(r for r in rows if r["seq"] == S and r["name"] == "cudnn")
         for r in rows:
@@ -397,10 +379,6 @@ def main():
     ap.add_argument("--col-walks", default="", help="with --passes: the Mosaic column dK/dV pass's walks "
                     "to time, comma-separated, in order, repeats allowed (pallas_kernels.mosaic_dkv.COL_WALKS: "
                     "masked,free; e.g. masked,free,free,masked; default: the operator's, DEFAULT_COL_WALK)")
-    ap.add_argument("--overlaps", default="default", help="the Mosaic forward and dQ's intra-warpgroup overlap of "
-                    "128-key steps, comma-separated: default (as built), on, off; with --passes each variant's "
-                    "rows (impl tag 'overlap'), in the comparison table each Mosaic operator row once per entry "
-                    "(name tag [overlap] / [overlap=off])")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
     ap.add_argument("--pass-impls", default="triton,mosaic", help="with --passes: triton and / or mosaic rows")
@@ -456,11 +434,6 @@ def main():
         if st not in DKV_STREAMS or (wk and wk not in WALKS):
             ap.error(f"--dkv-streams: {x!r} is not stream[:walk] with a stream of {DKV_STREAMS} "
                      f"and a walk of {WALKS}")
-    ov_values = {"default": None, "on": True, "off": False}
-    bad = [x for x in a.overlaps.split(",") if x not in ov_values]
-    if bad or not a.overlaps:
-        ap.error(f"--overlaps: comma-separated default / on / off, got {a.overlaps!r}")
-    overlaps = tuple(ov_values[x] for x in a.overlaps.split(","))
     pass_impls = tuple(x for x in a.pass_impls.split(",") if x)
     if not pass_impls or set(pass_impls) - {"triton", "mosaic"}:
         ap.error(f"--pass-impls: some of triton,mosaic, got {a.pass_impls!r}")
@@ -494,8 +467,7 @@ def main():
                             walks=tuple(a.walks.split(",")), streams=tuple(a.streams.split(",")),
                             names=tuple(a.pass_names.split(",")), model=model, shape=shape, col_walks=col_walks,
                             slots=slots, kv_step=a.kv_step, impls=pass_impls, loads_only=a.loads_only,
-                            rounds=a.rounds, dkv_streams=dkv_streams,
-                            overlaps=overlaps)
+                            rounds=a.rounds, dkv_streams=dkv_streams)
     if pass_rows:
         print(passes_table(pass_rows))
         if a.loads_only:
@@ -517,7 +489,7 @@ def main():
     sps = [float(s) for s in a.sparsities.split(",") if s]
     rows = run(seqs, sps, a.mha_max, a.dense_max, a.reps, impls=tuple(a.impls.split(",")),
                families=tuple(a.families.split(",")), vert_cols=a.vert_cols, model=model,
-               dkv_streams=tuple(x.partition(":")[0] if x else x for x in dkv_streams), overlaps=overlaps)
+               dkv_streams=tuple(x.partition(":")[0] if x else x for x in dkv_streams))
     meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 resolved={i: [api_registry.resolve(i, d, jnp.zeros((1, 128, H, D), jnp.bfloat16), BS, 128)
                               for d in ("fwd", "bwd")] for i in a.impls.split(",")},

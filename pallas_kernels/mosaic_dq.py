@@ -21,14 +21,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, load_smem, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, mask_scores, query_kernel, query_pair_ids, resolve_overlap,
-                                          run_stream, stream_barriers, stream_producer, stream_smem, stream_walk,
-                                          walk_stream)
+from pallas_kernels.mosaic_stream import (consumer_row, mask_scores, query_kernel, query_pair_ids, run_stream,
+                                          stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kc_ref, vc_ref,
             kinfo_ref, cinfo_ref, null_ref, *refs, accumulate: bool, slots: int, halves: int, g: int, bs: int,
             qk_scale: float, scale: float, npairs: int, segs: bool = False, walk: str = "loops",
-            split: bool = False, overlap: bool = False):
+            split: bool = False):
     *ins, dq_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     dqacc_ref = ins[0] if accumulate else None
@@ -63,7 +62,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
         delta = load_smem(delta_smem.at[w], row_layout())
         # per-row vectors broadcast to a step's keys: kv, and (split stream) the consumer's half
         rows_b = {n: tuple(lax.broadcast_in_dim(x, (bs, n), [0]) for x in (qpos, lse2, delta))
-                  for n in ({kv, bs} if split or overlap else {kv})}
+                  for n in ({kv, bs} if split else {kv})}
         d = q_smem.shape[-1]
         dq = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -78,50 +77,8 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
             return mask_scores(s, info_smem, slot, thr, rows_b[s.shape[1]][0], qpos_smem.at[2 + w] if segs else None,
                                keys)
 
-        def tile_halves(t, dq, masked: bool, thr):
-            # overlap: a 128-key step as two 64-key halves: all four score / dP wgmmas issued at once,
-            # half 0's dS computed under half 1's, half 1's under half 0's dS K
-            slot = lax.rem(t, jnp.int32(slots))
-            hk = [(pl.ds(hf * bs, bs),) for hf in range(2)]
-            k_h = [k_smem.at[(slot, *x)] for x in hk]
-            v_h = [v_smem.at[(slot, *x)] for x in hk]
-            _, lse2_b, delta_b = rows_b[bs]
-
-            def probs(s_ref, dp_ref, hf: int, wait_n: int):  # half hf's dS, once its two wgmmas are done
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=wait_n)
-                dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=wait_n)
-                p = jnp.exp2(mask(s, slot, masked, thr, hk[hf]) * qk_scale - lse2_b)
-                return (p * (dp - delta_b)).astype(dtype)
-
-            def scores(s0_ref, dp0_ref, s1_ref, dp1_ref):
-                plgpu.wgmma(s0_ref, q_smem.at[w], transposed(k_h[0]))
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.wgmma(dp0_ref, do_smem.at[w], transposed(v_h[0]))
-                plgpu.wgmma(s1_ref, q_smem.at[w], transposed(k_h[1]))
-                plgpu.wgmma(dp1_ref, do_smem.at[w], transposed(v_h[1]))
-                plgpu.barrier_wait(i_bar.at[slot])
-                ds0 = probs(s0_ref, dp0_ref, 0, wait_n=2)  # half 1's two wgmmas may still run
-
-                def grads(dq_ref):  # allocated here, not with the scores: fewer registers live at once
-                    dq_ref[...] = dq
-                    plgpu.wgmma(dq_ref, ds0, k_h[0])
-                    ds1 = probs(s1_ref, dp1_ref, 1, wait_n=1)  # half 0's dS K may still run
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    plgpu.wgmma(dq_ref, ds1, k_h[1])
-                    wait_next_k(t)  # the next step's K, while this dS K runs
-                    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=0)
-
-                return pl.run_scoped(grads, plgpu.ACC(dq.shape, jnp.float32))
-
-            acc = lambda: plgpu.ACC((bs, bs), jnp.float32)  # noqa: E731
-            out = pl.run_scoped(scores, acc(), acc(), acc(), acc())
-            plgpu.barrier_arrive(k_free.at[slot])
-            return out
-
         def tile(t, dq, masked: bool, thr, own: bool = False):
             # own: only this consumer's half of the step (split stream's block steps: 64 keys)
-            if overlap and not own and halves == 2:
-                return tile_halves(t, dq, masked, thr)
             slot = lax.rem(t, jnp.int32(slots))  # its K: waited for under the last dS K
             n = bs if own else kv
             keys = (pl.ds(pl.multiple_of(w * bs, bs), bs),) if own else ()
@@ -181,10 +138,10 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, do_ref, lse_ref, delta_
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_size", "slots", "kv_step", "walk", "stream",
-                                             "out_dtype", "uniform", "overlap"))
+                                             "out_dtype", "uniform"))
 def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=None, *, sm_scale: float,
               block_size: int = 64, slots: int | None = None, kv_step: int = 64, segs=None, walk: str = "loops",
-              stream: str = "auto", out_dtype=jnp.float32, uniform: bool = False, overlap: bool | None = None):
+              stream: str = "auto", out_dtype=jnp.float32, uniform: bool = False):
     """``dq [B, Sq, Hq, D]`` of one (query chunk, K/V chunk) pair, plus ``dq_acc`` when given, in
     ``out_dtype`` (float32; the last ring step may ask for q's dtype: the float32 sum is rounded once,
     in the kernel, and no float32 copy of dq is written).
@@ -194,10 +151,8 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     ``"index"`` walks its shared branch with segment loops in 64-key steps: one loop is 5-12 % slower
     in the dQ, results/kernels/kernels.md run 13; the default ``"auto"`` is the split stream in 128-key
     steps on a listed index, ``"shared"`` on a uniform one,
-    :data:`pallas_kernels.mosaic_stream.AUTO_STREAM`); ``uniform`` and ``overlap`` as in the forward (here: a
-    128-key step's four score / dP ``wgmma``s issued at once, each half's dS computed under the others')."""
+    :data:`pallas_kernels.mosaic_stream.AUTO_STREAM`); ``uniform`` as in the forward."""
     B, sq, H, d = q.shape
-    overlap = resolve_overlap(overlap, "dq")
     bs = block_size
     nqb = sq // bs
     accumulate = dq_acc is not None
@@ -206,7 +161,7 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
     def launch(ops, walk_ops, null_info, halves, slots, kv_step, walk, split):
         kernel = functools.partial(_kernel, accumulate=accumulate, slots=slots, halves=halves, g=H // k.shape[2],
                                    bs=bs, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale), npairs=nqb // 2,
-                                   segs=sg, walk=walk, split=split, overlap=overlap)
+                                   segs=sg, walk=walk, split=split)
         tr = tile_transforms(q.dtype)
         scratch = [
             (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),

@@ -29,9 +29,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.index_format import StepIndex
 from pallas_kernels.mosaic_common import (LOG2E, LN2, NEG_INF, load_smem, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (consumer_row, mask_scores, query_kernel, query_pair_ids, resolve_overlap,
-                                          run_stream, stream_barriers, stream_producer, stream_smem, stream_walk,
-                                          walk_stream)
+from pallas_kernels.mosaic_stream import (consumer_row, mask_scores, query_kernel, query_pair_ids, run_stream,
+                                          stream_barriers, stream_producer, stream_smem, stream_walk, walk_stream)
 
 
 def _online_softmax(carry, s, masked: bool, scale: float):
@@ -73,7 +72,7 @@ def _finish(acc, m, l, merge_prev):
 
 def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, kinfo_ref, cinfo_ref,
             null_ref, *refs, merge: bool, slots: int, halves: int, g: int, bs: int, qk_scale: float, npairs: int,
-            segs: bool = False, walk: str = "loops", split: bool = False, overlap: bool = False):
+            segs: bool = False, walk: str = "loops", split: bool = False):
     *ins, out_ref, lse_ref, smems, bars = refs
     qseg_ref, ins = (ins[0], ins[1:]) if segs else (None, ins)
     oprev_ref, lprev_ref = ins if merge else (None, None)
@@ -103,7 +102,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             plgpu.barrier_wait(row_bar.at[4 + w])
         qpos = load_smem(row_smem.at[w], row_layout())
         qpos_b = lax.broadcast_in_dim(qpos, (bs, kv), [0])
-        qpos_h = lax.broadcast_in_dim(qpos, (bs, bs), [0]) if split or overlap else None
+        qpos_h = lax.broadcast_in_dim(qpos, (bs, bs), [0]) if split else None
         d = q_smem.shape[-1]
         acc = plgpu.layout_cast(jnp.full((bs, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((bs,), NEG_INF, jnp.float32), row_layout())
@@ -138,48 +137,8 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             plgpu.barrier_wait(sched_bar)  # the tensor cores are ours
             return p16, acc, m, l
 
-        def tile_halves(t, carry, masked: bool, thr):
-            # overlap: a 128-key step as two 64-key halves, FlashAttention-3's intra-warpgroup overlap:
-            # both halves' Q K^T issued at once, half 0's softmax under half 1's Q K^T, half 1's under
-            # half 0's P V (one more rescale of the accumulator per step)
-            acc, m, l = carry
-            slot = lax.rem(t, jnp.int32(slots))
-            hk = [(pl.ds(hf * bs, bs),) for hf in range(2)]
-            k_h = [k_smem.at[(slot, *x)] for x in hk]
-            v_h = [v_smem.at[(slot, *x)] for x in hk]
-
-            def scores(s0_ref, s1_ref):
-                plgpu.wgmma(s0_ref, q_smem.at[w], transposed(k_h[0]))
-                plgpu.wgmma(s1_ref, q_smem.at[w], transposed(k_h[1]))
-                schedule()  # the other consumer's softmax runs under these wgmmas
-                s0 = plgpu.wgmma_accumulator_load(s0_ref, wait_n=1)  # half 1's Q K^T may still run
-                plgpu.barrier_wait(i_bar.at[slot])
-                p0, acc0, m0, l0 = softmax_turn((acc, m, l), mask(s0, slot, masked, thr, hk[0]), masked, slot)
-
-                def values(o_ref):  # allocated here, not with the scores: fewer registers live at once
-                    o_ref[...] = acc0
-                    plgpu.wgmma(o_ref, p0, v_h[0])
-                    s1 = plgpu.wgmma_accumulator_load(s1_ref, wait_n=1)  # half 0's P V may still run
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    p1, alpha1, m1, l1 = _online_softmax((m0, l0), mask(s1, slot, masked, thr, hk[1]), masked,
-                                                         qk_scale)
-                    p1 = p1.astype(dtype)
-                    acc1 = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-                    o_ref[...] = acc1 * lax.broadcast_in_dim(alpha1, acc.shape, [0])
-                    plgpu.wgmma(o_ref, p1, v_h[1])
-                    wait_next_k(t)  # the next tile's K, while this P V runs
-                    return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), m1, l1
-
-                return pl.run_scoped(values, plgpu.ACC((bs, d), jnp.float32))
-
-            acc, m, l = pl.run_scoped(scores, plgpu.ACC((bs, bs), jnp.float32), plgpu.ACC((bs, bs), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m, l
-
         def tile(t, carry, masked: bool, thr, own: bool = False):
             # own: only this consumer's half of the step (split stream's block steps: 64 keys)
-            if overlap and not own and halves == 2:
-                return tile_halves(t, carry, masked, thr)
             acc, m, l = carry
             slot = lax.rem(t, jnp.int32(slots))  # its K: waited for under the last P V
             n = bs if own else kv
@@ -249,13 +208,13 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
                         v_free)
 
 
-_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream", "uniform", "overlap")
+_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream", "uniform")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
                slots: int | None = None, kv_step: int = 128, segs=None, walk: str = "switch",
-               stream: str = "auto", uniform: bool = False, overlap: bool | None = None):
+               stream: str = "auto", uniform: bool = False):
     """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
     lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given. ``segs = (q_seg
     [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``.
@@ -268,12 +227,8 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     split branch always takes 128-key steps and segment loops; ``walk`` / ``kv_step`` apply to its
     shared branch; ``"auto"``: ``"index"`` on a listed index, ``"shared"`` on a uniform one,
     :func:`pallas_kernels.mosaic_stream.resolve_stream`); ``uniform``: every (batch, head) row of
-    ``index`` is the same, its operands are built once (:func:`pallas_kernels.mosaic_stream.stream_operands`);
-    ``overlap``: each 128-key step as two 64-key halves, one half's softmax under the other half's ``wgmma``
-    (FlashAttention-3's intra-warpgroup overlap; no effect on 64-key steps; ``None``:
-    :data:`pallas_kernels.mosaic_stream.OVERLAP`)."""
+    ``index`` is the same, its operands are built once (:func:`pallas_kernels.mosaic_stream.stream_operands`)."""
     B, sq, H, d = q.shape
-    overlap = resolve_overlap(overlap, "fwd")
     bs = block_size
     nqb = sq // bs
     merge = acc is not None
@@ -282,7 +237,7 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     def launch(ops, walk_ops, null_info, halves, slots, kv_step, walk, split):
         kernel = functools.partial(_kernel, merge=merge, slots=slots, halves=halves, g=H // k.shape[2], bs=bs,
                                    qk_scale=float(sm_scale) * LOG2E, npairs=nqb // 2, segs=sg, walk=walk,
-                                   split=split, overlap=overlap)
+                                   split=split)
         tr = tile_transforms(q.dtype)
         scratch = [
             (plgpu.SMEM((2, bs, d), q.dtype, transforms=tr),

@@ -10,7 +10,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -199,21 +198,6 @@ UNIFORM_STREAM = {"fwd": "shared", "dq": "shared", "dkv": "split"}
 #: when they share none. Run 13 (results/kernels/kernels.md, H200): band (0.51) and vert (0.54) are
 #: as fast or faster shared; spread and mixed (0.86) faster split.
 SPLIT_ABOVE = 0.7
-
-
-#: whether the forward / dQ consumers split each 128-key step into two 64-key halves, one half's
-#: softmax (dS) under the other's ``wgmma`` (FlashAttention-3's intra-warpgroup overlap), where the
-#: caller leaves ``overlap=None`` (:func:`resolve_overlap`)
-OVERLAP = {"fwd": False, "dq": False}
-
-
-def resolve_overlap(overlap, kernel: str) -> bool:
-    """``overlap`` of a forward (``kernel="fwd"``) or dQ (``"dq"``) call: ``None`` -> :data:`OVERLAP`."""
-    if overlap is None:
-        return bool(OVERLAP[kernel])
-    if not isinstance(overlap, (bool, np.bool_)):
-        raise TypeError(f"overlap must be None, True or False, got {overlap!r}")
-    return bool(overlap)
 
 
 #: the split stream's walk where the caller does not name one (``"auto"``, ``"index"``, the backend's

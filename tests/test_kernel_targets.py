@@ -22,7 +22,7 @@ def _rows():
             _row("auto_band95", S, 0.05, 28.0, [27.5, 28.5]),       # 16.8-17.8x cuDNN; ~437 TFLOP/s
             _row("triton_band95", S, 0.05, 30.0, [29.5, 30.5]),     # 1.04-1.11x: not met
             _row("auto_spread95", S, 0.05, 30.5, [29.0, 31.0]),     # 15.2-16.9x: tie
-            _row("auto[overlap]_spread95", S, 0.05, 20.0, [20.0, 20.0]),  # another option tag: left out
+            _row("auto[dkv=shared]_spread95", S, 0.05, 20.0, [20.0, 20.0]),  # another option tag: left out
             _row("auto_vert98", S, 0.02, 16.0, [15.0, 17.0]),       # ~306 TFLOP/s at 2 %
             _row("auto_model_L1", S, 0.061, 40.0, [39.0, 41.0]),
             _row("cudnn", 32768, 1.0, 28.5, [28.0, 29.0], fwd=7.0, fwd_spread=[6.8, 7.2], run="r2"),
@@ -45,7 +45,7 @@ def test_verdicts_follow_the_repeats_interval():
     assert full["value"] == pytest.approx(7.0 / 7.2) and full["verdict"] == "tie"  # 0.93-1.01 against 0.95
     assert got["r2", "fb x cuDNN, full 32K", "full"]["verdict"] == "met"  # 28 / 30.5 = 0.92 at worst
     assert got["r1", "x cuDNN at 5 %", "spread95"]["value"] == pytest.approx(480 / 30.5)  # the tagged row left out
-    tagged = [c for c in kernel_targets.check(_rows(), tag="overlap")]
+    tagged = [c for c in kernel_targets.check(_rows(), tag="dkv=shared")]
     assert [(c["target"], c["case"]) for c in tagged] == [("TFLOP/s at 5 %", "spread95"), ("x cuDNN at 5 %", "spread95")]
     assert tagged[1]["value"] == pytest.approx(480 / 20)
 

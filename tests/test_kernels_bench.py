@@ -1,7 +1,6 @@
 """The kernel benchmark's dense ring-step comparison (issue 33 item 3): both kinds of ring step, our
 kernel and the cuDNN stand-in, real timings and FLOP counts, speed-ups relative to the same run's cuDNN."""
 
-import numpy as np
 import pytest
 
 from benchmarks.kernels import ring_step
@@ -160,40 +159,6 @@ def test_dkv_stream_reaches_a_pass_traced_before():
     assert program() == default
     with dkv_stream(None):
         assert program() == default
-
-
-def test_kernel_options_overlap_reaches_passes_traced_before():
-    """``kernel_options(overlap=...)`` (the comparison table's ``[overlap]`` rows): the forward and dQ
-    traced inside take that overlap even where the same call was traced outside first, and the default
-    after; a non-bool overlap is refused by name."""
-    import jax
-
-    from benchmarks.kernels import kernel_options
-    from pallas_kernels.mosaic_dq import mosaic_dq
-    from pallas_kernels.mosaic_fwd import mosaic_fwd
-    from pallas_kernels.testing import lowering_inputs
-
-    B, S, H, q, k, pos, idx = lowering_inputs(4)
-    lse = jax.numpy.zeros((B, H, S), jax.numpy.float32)
-
-    def programs(**kw):  # fresh outer jits each time, as each timed row is
-        f = jax.jit(lambda q, k, idx: mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.1, stream="shared", **kw))
-        g = jax.jit(lambda q, k, idx, lse: mosaic_dq(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1,
-                                                     stream="split", kv_step=128, **kw))
-        return str(f.trace(q, k, idx).jaxpr), str(g.trace(q, k, idx, lse).jaxpr)
-
-    default, on = programs(), programs(overlap=True)
-    assert default == programs(overlap=False)
-    assert default[0] != on[0] and default[1] != on[1]
-    with kernel_options(overlap=True):
-        assert programs() == on
-    assert programs() == default
-    with kernel_options(overlap=False):
-        assert programs() == default
-    with kernel_options(overlap=np.True_):  # numpy bools, as the kernels take them
-        assert programs() == on
-    with pytest.raises(TypeError, match="overlap must be None, True or False, got 'yes'"):
-        with kernel_options(overlap="yes"):
+    with pytest.raises(ValueError, match="the dK/dV block pass's stream must be one of .* got 'index'"):
+        with dkv_stream("index"):
             pass
-    with pytest.raises(TypeError, match="overlap must be None, True or False, got 1"):
-        mosaic_fwd(q, k, k, pos, pos, idx, sm_scale=0.1, overlap=1)

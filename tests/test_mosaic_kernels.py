@@ -387,25 +387,6 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
                     q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, stream="shared", walk="loops", kv_step=128))
                 shared_dq = len(g.trace(q, k, k, idx, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text())
                 assert len(tf) < 0.6 * sizes["loops"][0] and len(tg) < 0.6 * shared_dq, (len(tf), len(tg), sizes, shared_dq)
-        # overlap=True (each 128-key step as two halves, one half's softmax / dS under the other's wgmma):
-        # its own step body, on both streams; no effect on 64-key steps
-        for stream, walk in (("shared", "switch"), ("split", "loops")):
-            f = jax.jit(lambda q, k, v, idx, ov, stream=stream, walk=walk: mosaic_fwd(
-                q, k, v, pos, pos, idx, sm_scale=0.1, stream=stream, walk=walk, overlap=ov), static_argnums=4)
-            g = jax.jit(lambda q, k, v, idx, do, lse, delta, ov, stream=stream, walk=walk: mosaic_dq(
-                q, k, v, pos, pos, idx, do, lse, delta, sm_scale=0.1, stream=stream, walk=walk, kv_step=128,
-                overlap=ov), static_argnums=7)
-            lf = [f.trace(q, k, k, idx, ov).lower(lowering_platforms=("cuda",)).as_text() for ov in (False, True)]
-            lg = [g.trace(q, k, k, idx, q, lse, lse, ov).lower(lowering_platforms=("cuda",)).as_text()
-                  for ov in (False, True)]
-            assert "mosaic_fwd" in lf[1] and "mosaic_dq" in lg[1]
-            assert len(lf[1]) > 1.03 * len(lf[0]) and len(lg[1]) > 1.03 * len(lg[0]), (stream, len(lf[0]), len(lf[1]),
-                                                                                      len(lg[0]), len(lg[1]))
-        g = jax.jit(lambda q, k, v, idx, do, lse, delta, ov: mosaic_dq(q, k, v, pos, pos, idx, do, lse, delta,
-                                                                       sm_scale=0.1, stream="shared", overlap=ov),
-                    static_argnums=7)
-        assert len({g.trace(q, k, k, idx, q, lse, lse, ov).lower(lowering_platforms=("cuda",)).as_text()
-                    for ov in (False, True)}) == 1  # 64-key steps: nothing to overlap
         with pytest.raises(ValueError, match="stream='split' needs kv_step=128"):
             mosaic_dq(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="split")
         with pytest.raises(ValueError, match="stream must be one of"):

@@ -60,23 +60,20 @@ def test_pass_options_reach_passes_and_bad_ones_are_refused(monkeypatch, capsys)
     monkeypatch.setattr(sys, "argv", argv)
     kernels.main()
     assert (seen["slots"], seen["kv_step"], seen["impls"], seen["loads_only"], seen["rounds"],
-            seen["dkv_streams"], seen["overlaps"]) == ((None,), None, ("triton", "mosaic"), False, 1, (None,), (None,))
+            seen["dkv_streams"]) == ((None,), None, ("triton", "mosaic"), False, 1, (None,))
     monkeypatch.setattr(sys, "argv", argv + ["--slots", "2,5", "--kv-step", "64", "--pass-impls", "mosaic",
                                              "--loads-only", "--rounds", "3", "--dkv-streams",
-                                             "default,split,shared:loops", "--overlaps", "off,on,default"])
+                                             "default,split,shared:loops"])
     kernels.main()
     assert (seen["slots"], seen["kv_step"], seen["impls"], seen["loads_only"], seen["rounds"],
-            seen["dkv_streams"], seen["overlaps"]) == ((2, 5), 64, ("mosaic",), True, 3,
-                                                       (None, "split", "shared:loops"), (False, True, None))
+            seen["dkv_streams"]) == ((2, 5), 64, ("mosaic",), True, 3, (None, "split", "shared:loops"))
     for extra, msg in ((["--slots", "2,x"], "--slots: comma-separated integers, got '2,x'"),
                        (["--slots", "1"], "--slots: each >= 2, got '1'"),
                        (["--pass-impls", "cuda"], "--pass-impls: some of triton,mosaic, got 'cuda'"),
                        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
                        (["--kv-step", "96"], "--kv-step: invalid choice: 96"),
                        (["--dkv-streams", "shared:zigzag"], "--dkv-streams: 'shared:zigzag' is not stream[:walk]"),
-                       (["--dkv-streams", "index"], "--dkv-streams: 'index' is not stream[:walk]"),
-                       (["--overlaps", "yes"], "--overlaps: comma-separated default / on / off, got 'yes'"),
-                       (["--overlaps", ""], "--overlaps: comma-separated default / on / off, got ''")):
+                       (["--dkv-streams", "index"], "--dkv-streams: 'index' is not stream[:walk]")):
         monkeypatch.setattr(sys, "argv", argv + extra)
         with pytest.raises(SystemExit):
             kernels.main()
