@@ -6,7 +6,8 @@ Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``),
 documents: ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` (both or neither).
 
 * :func:`block_sparse_attention_fwd` -> ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` (rows
-  with no allowed key: out 0, lse -inf), merged with ``acc`` (earlier ring steps) when given.
+  with no allowed key: out 0, lse -inf; ``out`` in ``out_dtype`` when asked), merged with ``acc``
+  (earlier ring steps) when given.
 * :func:`block_sparse_attention_bwd` -> float32 ``(dq, dk, dv)`` of one step from the FINAL ``lse``
   and ``delta = rowsum(dO * O)``, added to ``dq_acc`` / ``dkv_acc`` when given.
 * :func:`block_sparse_attention` — single-device op with ``custom_vjp`` (output in q's dtype).
@@ -192,7 +193,7 @@ def _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs=None):
 
 def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = None, *, sm_scale=None,
                                block_size: int = DEFAULT_BLOCK, impl: str = "auto", acc=None, q_seg=None,
-                               k_seg=None, stream: str = "auto"):
+                               k_seg=None, stream: str = "auto", out_dtype=jnp.float32):
     """Forward for one (query chunk, K/V chunk) pair; see module docstring.
 
     ``acc``: ``None`` or ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` of the same queries over
@@ -200,8 +201,12 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
     ``(out, lse)`` over both key sets. ``stream``: what the Mosaic kernel's CTAs stream
     (:data:`pallas_kernels.registry.STREAMS`; ``"index"`` compiles both streams' kernels and runs one,
     a fixed choice compiles one, ``"auto"`` is ``"index"`` in the forward and ``"split"`` in the dQ on a
-    listed index); the other backends ignore it, and the result is the same."""
+    listed index); the other backends ignore it, and the result is the same. ``out_dtype``: float32
+    (default), or a narrower float dtype when the output is final (nothing merges into it later, no
+    backward needs its float32 value): the float32 result rounded once, by the Mosaic and Triton
+    kernels in their epilogue (no float32 output written), by the XLA twin after; ``lse`` stays float32."""
     registry.validate_stream(stream)
+    _check_float_dtype("out_dtype", out_dtype)
     _check(q, k, v, q_pos, k_pos, index, block_size)
     segs = _check_segs(q, k, q_seg, k_seg)
     if acc is not None:
@@ -210,16 +215,16 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     idx, uniform = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
     return backend.fwd(q, k, v, q_pos, k_pos, idx, acc, sm_scale=_scale(q, sm_scale), block_size=block_size,
-                       segs=segs, stream=stream, uniform_index=uniform)
+                       segs=segs, stream=stream, uniform_index=uniform, out_dtype=jnp.dtype(out_dtype))
 
 
-def _check_dq_dtype(dq_dtype) -> None:
+def _check_float_dtype(name: str, dtype) -> None:
     try:
-        ok = isinstance(dq_dtype, (type, str, jnp.dtype)) and jnp.issubdtype(dq_dtype, jnp.floating)
+        ok = isinstance(dtype, (type, str, jnp.dtype)) and jnp.issubdtype(dtype, jnp.floating)
     except TypeError:  # a string that names no dtype
         ok = False
     if not ok:
-        raise ValueError(f"dq_dtype must be a floating dtype (float32, bfloat16, float16), got {dq_dtype!r}")
+        raise ValueError(f"{name} must be a floating dtype (float32, bfloat16, float16), got {dtype!r}")
 
 
 def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, sm_scale=None,
@@ -235,7 +240,7 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
     other backends after theirs. ``stream``: the Mosaic dQ kernel's, as in
     :func:`block_sparse_attention_fwd`."""
     registry.validate_stream(stream)
-    _check_dq_dtype(dq_dtype)
+    _check_float_dtype("dq_dtype", dq_dtype)
     _check(q, k, v, q_pos, k_pos, index, block_size)
     segs = _check_segs(q, k, q_seg, k_seg)
     if dq_acc is not None:
@@ -252,9 +257,10 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _op(q, k, v, q_pos, k_pos, index, segs, sm_scale, block_size, impl):
+    # no backward reads this output (a traced forward alone): rounded to q's dtype in the kernel
     out, _ = block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale,
-                                        block_size=block_size, impl=impl, **_seg_kw(segs))
-    return out.astype(q.dtype)
+                                        block_size=block_size, impl=impl, out_dtype=q.dtype, **_seg_kw(segs))
+    return out
 
 
 def _seg_kw(segs):

@@ -54,13 +54,13 @@ def _stream_options(stream: str) -> dict:
 
 
 def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto",
-        uniform_index=False):
+        uniform_index=False, out_dtype=jnp.float32):
     """``uniform_index``: every (batch, head) row of ``index`` is the same (the API's full index for
     ``index=None``): the forward / dQ operands and the dK/dV schedule are built once and broadcast."""
     from pallas_kernels.mosaic_fwd import mosaic_fwd  # imports Mosaic GPU only when used
 
     return mosaic_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size, segs=segs,
-                      uniform=uniform_index, **_stream_options(stream))
+                      uniform=uniform_index, out_dtype=jnp.dtype(out_dtype), **_stream_options(stream))
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,

@@ -24,11 +24,11 @@ def _interpret() -> bool:
 
 
 def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto",
-        uniform_index=False):  # noqa: ARG001
+        uniform_index=False, out_dtype=jnp.float32):  # noqa: ARG001
     # ``stream`` is the Mosaic kernels' choice (registry.STREAMS); this backend has one schedule;
     # ``uniform_index`` (every row of the index alike) is a hint this backend does not use
     return triton_kernels.pallas_fwd(q, k, v, q_pos, k_pos, index, acc, sm_scale=sm_scale, block_size=block_size,
-                                     interpret=_interpret(), segs=segs)
+                                     interpret=_interpret(), segs=segs, out_dtype=jnp.dtype(out_dtype))
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,

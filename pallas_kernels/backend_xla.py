@@ -17,11 +17,12 @@ def supports(problem) -> None:
 
 
 def fwd(q, k, v, q_pos, k_pos, index, acc, *, sm_scale, block_size, segs=None, stream="auto",
-        uniform_index=False):  # noqa: ARG001
+        uniform_index=False, out_dtype=jnp.float32):  # noqa: ARG001
     # ``stream`` is the Mosaic kernels' choice (registry.STREAMS); this backend has one schedule;
     # ``uniform_index`` (every row of the index alike) is a hint this backend does not use
     out, lse = xla_twin.xla_fwd(q, k, v, q_pos, k_pos, index, sm_scale=sm_scale, block_size=block_size, segs=segs)
-    return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
+    out, lse = (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
+    return out.astype(out_dtype), lse
 
 
 def bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, dq_acc, dkv_acc, *, sm_scale, block_size, segs=None,

@@ -192,7 +192,7 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
             prev = (load_smem(oprev_ref.at[b, rows, h], plgpu.Layout.WGMMA, optimized=False),
                     load_smem(lse_smem.at[w], row_layout()))
         out, lse = _finish(acc, m, l, prev)
-        out_ref[b, rows, h] = out
+        out_ref[b, rows, h] = out.astype(out_ref.dtype)  # rounded once, from the float32 result
         lse_smem.at[w][...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[b, h, rows])
@@ -208,15 +208,17 @@ def _kernel(cnt_ref, bnd_ref, sidx_ref, qpos_ref, q_ref, k_ref, v_ref, kc_ref, v
                         v_free)
 
 
-_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream", "uniform")
+_STATIC = ("sm_scale", "block_size", "slots", "kv_step", "walk", "stream", "uniform", "out_dtype")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int = 64,
                slots: int | None = None, kv_step: int = 128, segs=None, walk: str = "switch",
-               stream: str = "auto", uniform: bool = False):
-    """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32 [B, Sq, Hq, D],
-    lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given. ``segs = (q_seg
+               stream: str = "auto", uniform: bool = False, out_dtype=jnp.float32):
+    """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out [B, Sq, Hq, D] in
+    out_dtype, lse f32 [B, Hq, Sq])``, merged with ``acc = (out_prev, lse_prev)`` when given; a
+    narrower ``out_dtype`` than float32 rounds the float32 result once, in the epilogue (no float32
+    output written). ``segs = (q_seg
     [B, Sq], k_seg [B, Sk])``: packed documents, ``index`` narrowed by ``apply_segments``.
     ``kv_step``: keys per step (64 or 128: two 64-key tiles of the stream in one softmax step);
     ``slots``: depth of the CTA's shared K/V ring (default: as many as fit, 2-4); ``walk``: how the
@@ -254,7 +256,7 @@ def mosaic_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
             args.append(segs[0].astype(jnp.int32))
         if merge:
             args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
-        out_type = [jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)]
+        out_type = [jax.ShapeDtypeStruct((B, sq, H, d), out_dtype), jax.ShapeDtypeStruct((B, H, sq), jnp.float32)]
         return tuple(query_kernel(kernel, "mosaic_fwd", out_type, scratch, args, nqb // 2, H, B))
 
     return run_stream(launch, index, k, v, q_pos, k_pos, bs, segs, kv_step, slots, walk, stream, uniform, "fwd")

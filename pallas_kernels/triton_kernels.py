@@ -132,12 +132,15 @@ def _fwd_kernel(qpos_ref, kpos_ref, bidx_ref, cnt_ref, cidx_ref, q_ref, k_ref, v
     lse_ref[...] = lse
 
 
-@functools.partial(jax.jit, static_argnames=STATIC)
+@functools.partial(jax.jit, static_argnames=STATIC + ("out_dtype",))
 def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: float, block_size: int,
-               col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False, segs=None):
-    """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out f32, lse f32)``;
+               col_chunk: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False, segs=None,
+               out_dtype=jnp.float32):
+    """Forward kernel; shapes as in :mod:`pallas_kernels.api`. Returns ``(out, lse f32)``, ``out`` in
+    ``out_dtype`` (float32 by default; a narrower one: the float32 result rounded once, here);
     with ``acc = (out_prev f32 [B, Sq, Hq, D], lse_prev f32 [B, Hq, Sq])`` (earlier ring steps,
-    disjoint keys) the result is merged into them, in place (their buffers are aliased).
+    disjoint keys) the result is merged into them, in place (their buffers are aliased; a float32
+    ``out_dtype`` only).
     ``segs = (q_seg int32 [B, Sq], k_seg int32 [B, Sk])``: packed documents, ``index`` already
     narrowed by :func:`~pallas_kernels.index_format.apply_segments` (its free tiles lie inside one
     document)."""
@@ -153,17 +156,19 @@ def pallas_fwd(q, k, v, q_pos, k_pos, index: StepIndex, acc=None, *, sm_scale: f
     in_specs = [sp["qpos"], sp["kpos"], sp["bidx"], sp["cnt"], sp["cidx"], sp["q"], sp["kv"], sp["kv"]]
     add_seg_operands(args, in_specs, segs, sp)
     n_in = len(args)
+    aliases = {}
     if merge:
         args += [acc[0].astype(jnp.float32), acc[1].astype(jnp.float32)]
         in_specs += [sp["q"], sp["row"]]
+        aliases = {n_in: 0, n_in + 1: 1} if jnp.dtype(out_dtype) == jnp.float32 else {n_in + 1: 1}
     return pl.pallas_call(
         kernel,
         grid=(sq // bs, H, B),
         in_specs=in_specs,
         out_specs=[sp["q"], sp["row"]],
-        out_shape=[jax.ShapeDtypeStruct((B, sq, H, d), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((B, sq, H, d), out_dtype),
                    jax.ShapeDtypeStruct((B, H, sq), jnp.float32)],
-        input_output_aliases={n_in: 0, n_in + 1: 1} if merge else {},
+        input_output_aliases=aliases,
         compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="block_sparse_fwd",

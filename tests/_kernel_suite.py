@@ -270,6 +270,31 @@ class KernelSuite:
             api.block_sparse_attention_bwd(q, kb, vb, q_pos, kb_pos, ib, do, ref_lse, delta, impl=self.impl,
                                            dkv_acc=(acc[0][:, :BS], acc[1]))
 
+    def test_output_in_a_narrower_dtype_is_the_float32_output_rounded_once(self):
+        """``out_dtype=bfloat16`` (a final output: the op's forward alone, a ring's last step): the float32
+        output rounded once (the Mosaic and Triton kernels round in their epilogue, the XLA twin after),
+        merged into ``acc`` too; ``lse`` float32 and unchanged; the op's forward is that output."""
+        rng = np.random.default_rng(9)
+        S, H, g = self.S, self.H, 2
+        q, k, v = inputs(rng, 1, S, S, H, H // g, 128, jnp.bfloat16)
+        pos = jnp.arange(S, dtype=jnp.int32)
+        index = self._index(rng, 1, pos, pos, S)
+        acc = (jnp.asarray(rng.standard_normal(q.shape), jnp.float32),
+               jnp.asarray(rng.standard_normal((1, H, S)), jnp.float32))
+        for a in (None, acc):
+            out32, lse32 = api.block_sparse_attention_fwd(q, k, v, pos, pos, index, impl=self.impl, acc=a)
+            out16, lse16 = api.block_sparse_attention_fwd(q, k, v, pos, pos, index, impl=self.impl, acc=a,
+                                                          out_dtype=jnp.bfloat16)
+            assert out32.dtype == jnp.float32 and out16.dtype == jnp.bfloat16 and lse16.dtype == jnp.float32
+            assert float(jnp.abs(out32).max()) > 0.1
+            np.testing.assert_array_equal(np.asarray(out16), np.asarray(out32.astype(jnp.bfloat16)))
+            np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
+            if a is None:
+                op = jax.jit(lambda q, k, v: api.block_sparse_attention(q, k, v, pos, pos, index, impl=self.impl))
+                np.testing.assert_array_equal(np.asarray(op(q, k, v)), np.asarray(out16))
+        with pytest.raises(ValueError, match="out_dtype must be a floating dtype .* got <class 'jax.numpy.int32'>"):
+            api.block_sparse_attention_fwd(q, k, v, pos, pos, index, impl=self.impl, out_dtype=jnp.int32)
+
     def test_dq_in_a_narrower_dtype_is_the_float32_dq_rounded_once(self):
         """``dq_dtype=bfloat16`` (a ring's last step): the same sum as the float32 dQ, ``dq_acc``
         included, rounded once (the Mosaic dQ kernel rounds in its epilogue, the others after)."""

@@ -355,6 +355,12 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
     calls = [line for line in t16.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 1 and all(f"-> {dq_type}bf16>" in line for line in calls), calls  # "auto": split
     assert all(f"-> {dq_type}f32>" in line for line in text.splitlines() if "custom_call @mosaic_gpu" in line)
+    # a final forward output in q's dtype (the op's forward alone): both streams' kernels write bf16
+    f16 = jax.jit(lambda q, k, v, idx, acc, segs: mosaic_fwd(q, k, v, pos, pos, idx, acc, sm_scale=0.1, segs=segs,
+                                                             out_dtype=jnp.bfloat16))
+    t16 = f16.trace(q, k, k, idx, acc, segs).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in t16.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2 and all(f"-> ({dq_type}bf16>" in line for line in calls), calls
     if not merge and not documents:  # the other step width of each query-side kernel
         sizes = {}
         f = jax.jit(lambda q, k, v, idx: mosaic_fwd(q, k, v, pos, pos, idx, sm_scale=0.1, kv_step=64))

@@ -350,6 +350,46 @@ def test_only_the_last_backward_call_writes_dq_in_q_dtype(monkeypatch, mesh_shap
     assert "".join(calls) == expect
     _check_against_reference(out, grads, lay, ref_out, ref_grads, dt, TOL["bfloat16"], f"{mesh_shape} {side}")
 
+@pytest.mark.parametrize("mesh_shape, order, fuse, expect", [
+    ((1, 1), "flat", True, "b"),  # one rank: the own step is the only call
+    ((2, 2), "hierarchical", False, "fffb"),  # every step a call, the last rounds to bf16
+    ((2, 2), "hierarchical", True, "ffb"),  # steps 0 and 1 fused in the first call
+])
+def test_only_the_last_forward_call_of_a_forward_alone_writes_out_in_q_dtype(monkeypatch, mesh_shape, order, fuse,
+                                                                              expect):
+    """The forward ring's kernel calls in trace order: traced alone (no backward reads ``out``), the last
+    call asks for q's dtype (the kernels round in their epilogue, no float32 output written), every
+    earlier one for float32 (merged into); traced for gradients every call is float32 (the residual's
+    float32 output). The output is the dense reference's, and the same both ways."""
+    from mtraining_jax.ring import attention
+
+    calls = []
+    real = attention.block_sparse_attention_fwd
+
+    def spy(*a, out_dtype=jnp.float32, **kw):
+        calls.append("b" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f")
+        return real(*a, out_dtype=out_dtype, **kw)
+
+    monkeypatch.setattr(attention, "block_sparse_attention_fwd", spy)
+    dt, S = jnp.bfloat16, 128
+    q, k, v, cot = _inputs(4, 1, S, 4, 2, 32, dt)
+    ref_out, _ = _reference(q, k, v, cot)
+    mesh = _mesh(mesh_shape)
+    lay = Layout("zigzag", S, mesh_shape[0] * mesh_shape[1], stripe=STRIPE)
+    args = [jnp.asarray(lay.permute(x), dt) for x in (q, k, v)] + [jnp.asarray(lay.perm)]
+    fwd = jax.jit(lambda q, k, v, p: ring_attention(q, k, v, p, mesh, ring_order=order, fuse_forward=fuse,
+                                                    impl="xla"))
+    out = fwd(*args)
+    assert "".join(calls) == expect
+    calls.clear()
+    (_, out_vg), _ = _ring_vg.__wrapped__(mesh_shape, order, (fuse, fuse), "xla")(
+        *args, jnp.asarray(lay.permute(cot), jnp.float32))
+    assert "".join(calls) == "f" * len(expect)
+    chex.assert_type(out, dt)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_vg))
+    assert _rel(lay.unpermute(np.asarray(out, np.float64)), ref_out) <= TOL["bfloat16"]
+
+
 def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
     """Inputs sharded over (data, node, local) inside jit; output keeps that sharding."""
     mesh = _mesh((2, 2), data=2)

@@ -56,10 +56,11 @@ __all__ = ["RingConfig", "RingOptions", "StackedStepIndex", "ring_attention", "r
 
 # ----------------------------------------------------------------------------- forward
 
-def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None):
+def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None, out_dtype=jnp.float32):
     """The forward ring. ``kv_own [2, B, Sl, Hkv, D]`` is this rank's K/V, stacked.
 
-    Returns ``(out f32 [B,Sl,Hq,D], lse f32 [B,Hq,Sl], work f32 [P], kv_last)``: ``work[s]`` the
+    Returns ``(out [B,Sl,Hq,D] in out_dtype, lse f32 [B,Hq,Sl], work f32 [P], kv_last)`` (the last
+    kernel call rounds ``out`` to ``out_dtype``; the earlier ones merge in float32): ``work[s]`` the
     kernel slots of step ``s`` (``index_format.step_work``; 0 when dense) and ``kv_last`` the chunk
     held at the last step, where the backward ring starts."""
     outer_axis, n_outer = cfg.outer
@@ -91,7 +92,8 @@ def _forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None)
                 out, lse = block_sparse_attention_fwd(
                     q, kvs[0], kvs[1], q_pos, group_positions(kpos_all, rank, steps, cfg), index_g,
                     sm_scale=cfg.sm_scale, block_size=cfg.block_size, impl=cfg.impl, stream=cfg.kernel_stream,
-                    acc=None if out is None else (out, lse), **seg_kw)
+                    acc=None if out is None else (out, lse), out_dtype=out_dtype if s == P - 1 else jnp.float32,
+                    **seg_kw)
             kv = kv_next
         kv = kv_outer
     return out, lse, jnp.stack(work), kv_last
@@ -110,23 +112,25 @@ def _side(cfg: RingConfig, q, k) -> str:
                                  itemsize=jnp.dtype(q.dtype).itemsize)
 
 
-def _passes_forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs):
+def _passes_forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs, out_dtype=jnp.float32):
     """``(out, lse, work, kv_last, ok)`` of the ring's forward or the sparse exchange's (``kv_last``:
     the K/V-side ring's backward start, or the exchange's received chunks; ``ok``: the exchange's
-    run-time capacity check)."""
+    run-time capacity check). ``out_dtype``: the ring's forward rounds its output to it in the last
+    kernel call (:func:`_forward`); the exchange's stays float32."""
     if cfg.kv_exchange == "sparse":
         ok = exchange_guard(cfg, step_index, kv_own.shape[2])
         out, lse, work, kept = forward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, ok)
         return out, lse, work, kept, ok
-    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs)
+    out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, out_dtype)
     return out, lse, work, kv_last, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: RingConfig, q, k, v, q_pos, k_pos, step_index, seg=None):
     """``(out [B, Sl, Hq, D] in q's dtype, work f32 [P])``; ``work`` is not differentiated."""
+    # no backward reads this output (a traced forward alone): the last kernel call rounds it to q's dtype
     out, _, work, _, _ = _passes_forward(cfg, q, jnp.stack([k, v]), q_pos, gather_positions(k_pos, cfg), step_index,
-                                         _gather_segments(seg, cfg))
+                                         _gather_segments(seg, cfg), out_dtype=q.dtype)
     return out.astype(q.dtype), work
 
 
