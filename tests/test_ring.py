@@ -390,6 +390,40 @@ def test_only_the_last_forward_call_of_a_forward_alone_writes_out_in_q_dtype(mon
     assert _rel(lay.unpermute(np.asarray(out, np.float64)), ref_out) <= TOL["bfloat16"]
 
 
+def test_the_sparse_exchange_forward_alone_writes_out_in_q_dtype_in_its_last_call(monkeypatch):
+    """The sparse exchange's forward (the own chunk, then each step's compact or whole chunk under a
+    guard): traced alone, only the last step's calls (both guard branches) ask for q's dtype; traced for
+    gradients none does; the outputs are the same."""
+    from mtraining_jax.ring import exchange_ring
+
+    calls = []
+    real = exchange_ring.block_sparse_attention_fwd
+
+    def spy(*a, out_dtype=jnp.float32, **kw):
+        calls.append("b" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f")
+        return real(*a, out_dtype=out_dtype, **kw)
+
+    monkeypatch.setattr(exchange_ring, "block_sparse_attention_fwd", spy)
+    mesh_shape, order, bs, dt = (1, 4), "flat", 16, jnp.bfloat16
+    exchange = tuple(sorted(dict(kv_exchange="sparse", exchange_capacity=0.5).items()))
+    P, B, S, Hq, Hkv, D = 4, 1, 512, 2, 1, 32
+    lay = Layout("zigzag", S, P, stripe=STRIPE)
+    src = np.asarray(source_rank(np.arange(P)[:, None], np.arange(P)[None, :], 1, P, order))
+    index = _random_step_index(np.random.default_rng(7), P, B, Hq, S // P, bs, lay.positions, lay.positions[src],
+                               max_cols=3, empty_rows=True, pool=1)
+    q, k, v, cot = _inputs(7, B, S, Hq, Hkv, D, jnp.float32)
+    args = [jnp.asarray(lay.permute(x), dt) for x in (q, k, v)] + [jnp.asarray(lay.perm), index]
+    out = jax.jit(_sparse_ring(mesh_shape, order, bs, "xla", exchange))(*args)
+    # own chunk, then steps 1..3 each traced in both guard branches (compact, whole)
+    assert "".join(calls) == "f" + "ff" * (P - 2) + "bb"
+    calls.clear()
+    (_, out_vg), _ = _sparse_ring_vg.__wrapped__(mesh_shape, order, bs, "xla", exchange)(
+        *args, jnp.asarray(lay.permute(cot), jnp.float32))
+    assert set(calls) == {"f"}
+    chex.assert_type(out, dt)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_vg))
+
+
 def test_ring_under_jit_keeps_sequence_sharding_and_data_axis():
     """Inputs sharded over (data, node, local) inside jit; output keeps that sharding."""
     mesh = _mesh((2, 2), data=2)
@@ -468,12 +502,11 @@ def _laid_mask(index, sl, bs, src):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _sparse_ring_vg(mesh_shape, order, bs, impl, exchange=None, stream="auto"):
-    """``exchange``: ``None`` (each rank gets its own ``[P_step]`` index) or keyword items of
-    ``ring_attention_shard`` (``kv_exchange``, ...): every rank gets the whole ``[P_rank, P_step]``
-    index as a ``StackedStepIndex`` (the exchange converts the receiver's index). ``stream``:
-    ``RingOptions.kernel_stream``."""
+def _sparse_ring(mesh_shape, order, bs, impl, exchange=None, stream="auto"):
+    """``ring(q, k, v, pos, idx) -> out`` over the mesh with a step index. ``exchange``: ``None`` (each
+    rank gets its own ``[P_step]`` index) or keyword items of ``ring_attention_shard`` (``kv_exchange``,
+    ...): every rank gets the whole ``[P_rank, P_step]`` index as a ``StackedStepIndex`` (the exchange
+    converts the receiver's index). ``stream``: ``RingOptions.kernel_stream``."""
     mesh = _mesh(mesh_shape)
     nodes, local = mesh_shape
     spec = PartitionSpec(None, CP_AXES, None, None)
@@ -488,8 +521,14 @@ def _sparse_ring_vg(mesh_shape, order, bs, impl, exchange=None, stream="auto"):
         return ring_attention_shard(q, k, v, pos, pos, num_nodes=nodes, num_local=local, ring_order=order,
                                     step_index=idx, block_size=bs, impl=impl, kernel_stream=stream, **kw)
 
-    ring = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec, pspec if exchange is None else
-                                                     PartitionSpec()), out_specs=spec, check_vma=False)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, pspec, pspec if exchange is None else
+                                                    PartitionSpec()), out_specs=spec, check_vma=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _sparse_ring_vg(mesh_shape, order, bs, impl, exchange=None, stream="auto"):
+    """Value and gradient of ``sum(out * cot)`` through :func:`_sparse_ring` (same arguments)."""
+    ring = _sparse_ring(mesh_shape, order, bs, impl, exchange, stream)
 
     def loss(q, k, v, pos, idx, cot):
         out = ring(q, k, v, pos, idx)

@@ -115,11 +115,10 @@ def _side(cfg: RingConfig, q, k) -> str:
 def _passes_forward(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs, out_dtype=jnp.float32):
     """``(out, lse, work, kv_last, ok)`` of the ring's forward or the sparse exchange's (``kv_last``:
     the K/V-side ring's backward start, or the exchange's received chunks; ``ok``: the exchange's
-    run-time capacity check). ``out_dtype``: the ring's forward rounds its output to it in the last
-    kernel call (:func:`_forward`); the exchange's stays float32."""
+    run-time capacity check). ``out_dtype``: both round their output to it in their last kernel call."""
     if cfg.kv_exchange == "sparse":
         ok = exchange_guard(cfg, step_index, kv_own.shape[2])
-        out, lse, work, kept = forward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, ok)
+        out, lse, work, kept = forward_exchange(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, ok, out_dtype)
         return out, lse, work, kept, ok
     out, lse, work, kv_last = _forward(cfg, q, kv_own, q_pos, kpos_all, step_index, segs, out_dtype)
     return out, lse, work, kv_last, None

@@ -89,16 +89,19 @@ def _branches(ok, s: int, sparse, full, *operands):
     return sparse(*operands) if ok is None else lax.cond(ok[s - 1], sparse, full, *operands)
 
 
-def forward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None, ok=None):
-    """The forward with the sparse exchange; returns ``(out f32, lse f32, work f32 [P], kept)`` as
-    the ring's forward (``work[s]``: the step's kernel slots) and ``kept [P - 1, 2, B, capacity,
-    Hkv, D]`` the compact chunks received (zeros at steps that took the whole chunk)."""
+def forward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, segs=None, ok=None,
+                     out_dtype=jnp.float32):
+    """The forward with the sparse exchange; returns ``(out, lse f32, work f32 [P], kept)`` as the
+    ring's forward (``out`` float32, rounded to ``out_dtype`` by the last kernel call; ``work[s]``: the
+    step's kernel slots) and ``kept [P - 1, 2, B, capacity, Hkv, D]`` the compact chunks received
+    (zeros at steps that took the whole chunk)."""
     P, bs, sl = cfg.num_ranks, cfg.block_size, kv_own.shape[2]
     rank = my_rank(cfg)
     own = _Step(cfg, step_index, kpos_all, segs, rank, 0, sl)
     kpos, index, seg_kw = own.kernel_args(False)
     out, lse = block_sparse_attention_fwd(q, kv_own[0], kv_own[1], q_pos, kpos, index, sm_scale=cfg.sm_scale,
-                                          block_size=bs, impl=cfg.impl, stream=cfg.kernel_stream, **seg_kw)
+                                          block_size=bs, impl=cfg.impl, stream=cfg.kernel_stream,
+                                          out_dtype=out_dtype if P == 1 else jnp.float32, **seg_kw)
     work, kept = [chunk_work(index, sl, 1, bs)[0]], []
     cap_shape = kv_own.shape[:2] + (cfg.exchange_capacity,) + kv_own.shape[3:]
     for s in range(1, P):
@@ -109,7 +112,8 @@ def forward_exchange(cfg: RingConfig, q, kv_own, q_pos, kpos_all, step_index, se
             kpos, index, seg_kw = st.kernel_args(compact)
             o, l = block_sparse_attention_fwd(q, kv[0], kv[1], q_pos, kpos, index, sm_scale=cfg.sm_scale,
                                               block_size=bs, impl=cfg.impl, stream=cfg.kernel_stream,
-                                              acc=(out, lse), **seg_kw)
+                                              acc=(out, lse), out_dtype=out_dtype if s == P - 1 else jnp.float32,
+                                              **seg_kw)
             return o, l, chunk_work(index, kv.shape[2], 1, bs)[0], kv if compact else jnp.zeros(cap_shape, kv.dtype)
 
         out, lse, w, kv_s = _branches(ok, s, lambda o, l: run(True, o, l), lambda o, l: run(False, o, l), out, lse)
