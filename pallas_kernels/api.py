@@ -206,8 +206,8 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
     backward needs its float32 value): the float32 result rounded once, by the Mosaic and Triton
     kernels in their epilogue (no float32 output written), by the XLA twin after; ``lse`` stays float32."""
     registry.validate_stream(stream)
+    _check(q, k, v, q_pos, k_pos, index, block_size)  # first: a non-float q is named as such
     _check_float_dtype("out_dtype", out_dtype)
-    _check(q, k, v, q_pos, k_pos, index, block_size)
     segs = _check_segs(q, k, q_seg, k_seg)
     if acc is not None:
         _check_acc("acc", acc, [q.shape, (q.shape[0], q.shape[2], q.shape[1])])
