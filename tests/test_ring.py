@@ -316,6 +316,18 @@ class TestMosaicGPU(TestTritonGPU):
                                  self.tol[self.STEP_DTYPE], f"random StepIndex stream={stream} impl={self.impl}")
 
 
+def _dtype_calls(monkeypatch, modules, fn_name: str, kwarg: str) -> list:
+    """The calls of ``fn_name`` (as each of ``modules`` imported it), in trace order: ``"b"`` for one whose
+    ``kwarg`` asks for bfloat16, ``"f"`` for float32 (its default)."""
+    calls = []
+    for mod in modules:
+        def call(*a, real=getattr(mod, fn_name), **kw):
+            calls.append("b" if jnp.dtype(kw.get(kwarg, jnp.float32)) == jnp.bfloat16 else "f")
+            return real(*a, **kw)
+        monkeypatch.setattr(mod, fn_name, call)
+    return calls
+
+
 @pytest.mark.parametrize("mesh_shape, order, fuse, side, expect", [
     ((1, 1), "flat", True, "kv", "b"),  # one rank: the own step's dQ is final
     ((2, 2), "hierarchical", False, "kv", "fffb"),  # every step a call, the last (own chunk) writes bf16
@@ -330,16 +342,7 @@ def test_only_the_last_backward_call_writes_dq_in_q_dtype(monkeypatch, mesh_shap
     the gradients stay those of the dense reference (bfloat16)."""
     from mtraining_jax.ring import backward, exchange_ring
 
-    calls = []
-
-    def spy(real):
-        def call(*a, dq_dtype=jnp.float32, **kw):
-            calls.append("b" if jnp.dtype(dq_dtype) == jnp.bfloat16 else "f")
-            return real(*a, dq_dtype=dq_dtype, **kw)
-        return call
-
-    monkeypatch.setattr(backward, "block_sparse_attention_bwd", spy(backward.block_sparse_attention_bwd))
-    monkeypatch.setattr(exchange_ring, "block_sparse_attention_bwd", spy(exchange_ring.block_sparse_attention_bwd))
+    calls = _dtype_calls(monkeypatch, (backward, exchange_ring), "block_sparse_attention_bwd", "dq_dtype")
     dt, S = jnp.bfloat16, 128
     q, k, v, cot = _inputs(3, 1, S, 4, 2, 32, dt)
     ref_out, ref_grads = _reference(q, k, v, cot)
@@ -363,14 +366,7 @@ def test_only_the_last_forward_call_of_a_forward_alone_writes_out_in_q_dtype(mon
     float32 output). The output is the dense reference's, and the same both ways."""
     from mtraining_jax.ring import attention
 
-    calls = []
-    real = attention.block_sparse_attention_fwd
-
-    def spy(*a, out_dtype=jnp.float32, **kw):
-        calls.append("b" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f")
-        return real(*a, out_dtype=out_dtype, **kw)
-
-    monkeypatch.setattr(attention, "block_sparse_attention_fwd", spy)
+    calls = _dtype_calls(monkeypatch, (attention,), "block_sparse_attention_fwd", "out_dtype")
     dt, S = jnp.bfloat16, 128
     q, k, v, cot = _inputs(4, 1, S, 4, 2, 32, dt)
     ref_out, _ = _reference(q, k, v, cot)
@@ -396,14 +392,7 @@ def test_the_sparse_exchange_forward_alone_writes_out_in_q_dtype_in_its_last_cal
     gradients none does; the outputs are the same."""
     from mtraining_jax.ring import exchange_ring
 
-    calls = []
-    real = exchange_ring.block_sparse_attention_fwd
-
-    def spy(*a, out_dtype=jnp.float32, **kw):
-        calls.append("b" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f")
-        return real(*a, out_dtype=out_dtype, **kw)
-
-    monkeypatch.setattr(exchange_ring, "block_sparse_attention_fwd", spy)
+    calls = _dtype_calls(monkeypatch, (exchange_ring,), "block_sparse_attention_fwd", "out_dtype")
     mesh_shape, order, bs, dt = (1, 4), "flat", 16, jnp.bfloat16
     exchange = tuple(sorted(dict(kv_exchange="sparse", exchange_capacity=0.5).items()))
     P, B, S, Hq, Hkv, D = 4, 1, 512, 2, 1, 32
