@@ -135,6 +135,19 @@ def git_commit(repo: str) -> Optional[str]:
     return commit + "+dirty" if commit and dirty else commit
 
 
+def _program() -> str:
+    """How the running program was started, for a row's ``command``: ``python -m MODULE`` where it runs as a
+    module (``sys.argv[0]`` is then the module file's absolute path, which names the machine's checkout, not the
+    command to type), else ``sys.argv[0]`` as given."""
+    import shlex
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name and sys.argv and sys.argv[0].endswith(".py"):
+        return f"python -m {name.removesuffix('.__main__')}"
+    return shlex.quote(sys.argv[0]) if sys.argv else "python"
+
+
 def provenance(argv=None) -> dict:
     """``commit``, ``code``, ``date``, ``command`` and (where JAX is imported) ``jax`` / ``device`` of
     a results row. The commit is ``git rev-parse HEAD`` of the repository, with ``+dirty`` where tracked
@@ -152,7 +165,7 @@ def provenance(argv=None) -> dict:
     args = sys.argv if argv is None else [sys.argv[0], *argv]
     row = {"commit": commit or "unknown", "code": code,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(shlex.quote(a) for a in args)}
+           "command": " ".join([_program(), *(shlex.quote(a) for a in args[1:])])}
     if "jax" in sys.modules:
         jax = sys.modules["jax"]
         row["jax"] = jax.__version__

@@ -1,7 +1,8 @@
 """Issue 34's kernel targets checked against one run's comparison-table rows (``benchmarks/kernels.py --json`` or a
-results ``.jsonl`` with a ``run`` field): each target per case with the median value, the interval its repeats
-allow (the rows' ``fb_spread_ms`` / ``fwd_spread_ms``: fastest and slowest repeat) and a verdict that claims
-``met`` or ``not met`` only where the whole interval lies on one side of the target (``tie`` otherwise).
+results ``.jsonl`` with a ``run`` field; repeated calls of one run told apart by ``round``): each target per case
+with the median value, the interval its repeats allow (the rows' ``fb_spread_ms`` / ``fwd_spread_ms``: fastest
+and slowest repeat; over all rounds where there are several) and a verdict that claims ``met`` or ``not met``
+only where the whole interval lies on one side of the target (``tie`` otherwise).
 
 Targets (at 128K unless said): fwd+bwd >= 400 TFLOP/s on the active work and >= 16x cuDNN's dense causal
 fwd+bwd at 5 % density (``density`` within 4-6.5 %: the trained model's layer-1 index at its own budget is
@@ -15,6 +16,7 @@ Usage: ``python -m benchmarks.kernel_targets results/kernels/kernels_v34.jsonl -
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from benchmarks.kernels_report import load_rows
 
@@ -41,17 +43,19 @@ def _mosaic(r, tag: str) -> bool:
 
 def check(rows, tag: str = "") -> list[dict]:
     """One dict per (target, case): ``target``, ``case``, ``value`` (median), ``interval`` ``(lo, hi)``,
-    ``goal``, ``verdict``. ``tag``: the Mosaic rows' option tag to check (``""``: as built; e.g.
-    ``"dkv=shared"`` for ``auto[dkv=shared]_*``). Rows of several runs are checked per run (``run``)."""
+    ``goal``, ``verdict``, ``rounds``. ``tag``: the Mosaic rows' option tag to check (``""``: as built; e.g.
+    ``"dkv=shared"`` for ``auto[dkv=shared]_*``). Rows of several runs are checked per run (``run``); a run's
+    repeated calls (rows with a ``round`` field, each round its own cuDNN / Triton / Mosaic rows) are checked per
+    round and pooled by :func:`pool`."""
     out = []
-    for run in dict.fromkeys(r.get("run", "") for r in rows):
-        rr = [r for r in rows if r.get("run", "") == run]
+    for run, rnd in dict.fromkeys((r.get("run", ""), r.get("round")) for r in rows):
+        rr = [r for r in rows if r.get("run", "") == run and r.get("round") == rnd]
         cud = {r["seq"]: r for r in rr if r["name"] == "cudnn"}
         tri = {(r["seq"], r["name"].partition("_")[2]): r for r in rr if r["name"].startswith("triton_")}
 
         def add(target, case, value, lo, hi, goal):
             out.append(dict(run=run, target=target, case=case, value=value, interval=(lo, hi), goal=goal,
-                            verdict=_verdict(lo, hi, goal)))
+                            verdict=_verdict(lo, hi, goal), rounds=[value]))
 
         for r in rr:
             if not _mosaic(r, tag):
@@ -77,15 +81,33 @@ def check(rows, tag: str = "") -> list[dict]:
             if (S, case) in tri:
                 tm, tlo, thi = _ms(tri[S, case], "fb")
                 add("x Triton", case, tm / m, tlo / hi, thi / lo, TARGETS["x_triton"])
+    return pool(out)
+
+
+def pool(checked) -> list[dict]:
+    """One entry per (run, target, case) from the per-round entries of :func:`check`: ``value`` the median of the
+    rounds' values (``rounds`` lists them in order), ``interval`` from the lowest round's low end to the highest
+    round's high end, and the verdict on that whole interval (``met`` only if every round's interval is)."""
+    groups: dict = {}
+    for c in checked:
+        groups.setdefault((c["run"], c["target"], c["case"]), []).append(c)
+    out = []
+    for cs in groups.values():
+        values = [v for c in cs for v in c["rounds"]]
+        lo, hi = min(c["interval"][0] for c in cs), max(c["interval"][1] for c in cs)
+        out.append(dict(cs[0], value=statistics.median(values), interval=(lo, hi), rounds=values,
+                        verdict=_verdict(lo, hi, cs[0]["goal"])))
     return out
 
 
 def table(checked) -> str:
-    lines = ["| run | target | case | median | interval (repeats) | goal | verdict |", "|---|---|---|---:|---|---:|---|"]
+    lines = ["| run | target | case | median | interval (repeats) | goal | verdict | rounds |",
+             "|---|---|---|---:|---|---:|---|---|"]
     for c in checked:
         lo, hi = c["interval"]
+        rounds = " / ".join(f"{v:.2f}" for v in c["rounds"]) if len(c["rounds"]) > 1 else ""
         lines.append(f"| {c['run']} | {c['target']} | {c['case']} | {c['value']:.2f} | {lo:.2f}-{hi:.2f} | "
-                     f"{c['goal']:g} | {c['verdict']} |")
+                     f"{c['goal']:g} | {c['verdict']} | {rounds} |")
     return "\n".join(lines)
 
 

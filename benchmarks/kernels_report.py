@@ -108,30 +108,48 @@ def plot(rows, path):
 
 def plot_families(rows, path):
     """Forward+backward active TFLOP/s (left) and Mosaic / Triton speed-up (right) per index family
-    and density (rows with ``family``; cuDNN dense as a line). Several runs: the last row of each
-    (family, density, impl) is drawn."""
+    and density (rows with ``family``; cuDNN dense as a line). Several rows of one (family, density, impl):
+    repeated calls (``round``) or runs plotted together: the bar is their median, the whisker spans every
+    row's fastest to slowest repeat (the speed-up: each round's ratio, its median and range)."""
+    import statistics
+
     plt = _pyplot()
 
     cud = [r for r in rows if r["family"] == "dense"]
-    last = {}
+    cases: dict = {}
     for r in rows:
         if r["family"] != "dense":
-            last[(r["family"], round(r["density"], 2), "triton" if r["name"].startswith("triton") else "mosaic")] = r
-    cases = sorted({k[:2] for k in last}, key=lambda k: (k[0], k[1]))
+            impl = "triton" if r["name"].startswith("triton") else "mosaic"
+            cases.setdefault((r["family"], round(r["density"], 2)), {}).setdefault(impl, []).append(r)
+    keys = sorted(cases)
+
+    def tflops(rs):  # median, and the whisker's low / high ends (the same work over the slowest / fastest repeat)
+        vals = [r["fb_tflops"] for r in rs]
+        ends = [r["fb_tflops"] * r["fb_ms"] / t for r in rs for t in (r.get("fb_spread_ms") or [r["fb_ms"]] * 2)]
+        med = statistics.median(vals)
+        return med, med - min(ends), max(ends) - med
+
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [2, 1]})
-    x = range(len(cases))
+    x = range(len(keys))
     for off, impl, color in [(-0.2, "triton", "tab:blue"), (0.2, "mosaic", "tab:orange")]:
-        ax.bar([i + off for i in x], [last[c + (impl,)]["fb_tflops"] if c + (impl,) in last else 0 for c in cases],
-               width=0.4, color=color, label=impl)
+        got = [tflops(cases[k][impl]) if impl in cases[k] else (0.0, 0.0, 0.0) for k in keys]
+        ax.bar([i + off for i in x], [g[0] for g in got], width=0.4, color=color, label=impl,
+               yerr=[[g[1] for g in got], [g[2] for g in got]], capsize=2)
     if cud:
-        ax.axhline(cud[-1]["fb_tflops"], color="k", ls="--", lw=1, label=f"cuDNN dense {cud[-1]['fb_tflops']:.0f}")
-    labels = [f"{f}\n{d:.0%}" for f, d in cases]
-    ax.set_xticks(list(x), labels, fontsize=8)
+        line = statistics.median(r["fb_tflops"] for r in cud)
+        ax.axhline(line, color="k", ls="--", lw=1, label=f"cuDNN dense {line:.0f}")
+    ax.set_xticks(list(x), [f"{f}\n{d:.0%}" for f, d in keys], fontsize=8)
     ax.set_ylabel("fwd+bwd active TFLOP/s")
     ax.legend(fontsize=8)
-    both = [c for c in cases if c + ("triton",) in last and c + ("mosaic",) in last]
-    ax2.bar(range(len(both)), [last[c + ("triton",)]["fb_ms"] / last[c + ("mosaic",)]["fb_ms"] for c in both],
-            color="tab:orange")
+    both = [k for k in keys if len(cases[k]) == 2]
+    ratios = []
+    for k in both:  # paired per round where rounds are told apart; else every Triton row over every Mosaic row
+        tri, mos = cases[k]["triton"], {r.get("round"): r for r in cases[k]["mosaic"]}
+        ratios.append([t["fb_ms"] / mos[t.get("round")]["fb_ms"] for t in tri if t.get("round") in mos]
+                      or [t["fb_ms"] / m["fb_ms"] for t in tri for m in cases[k]["mosaic"]])
+    meds = [statistics.median(v) for v in ratios]
+    ax2.bar(range(len(both)), meds, color="tab:orange",
+            yerr=[[m - min(v) for m, v in zip(meds, ratios)], [max(v) - m for m, v in zip(meds, ratios)]], capsize=2)
     ax2.axhline(1.2, color="k", ls="--", lw=1, label="target 1.2x")
     ax2.set_xticks(range(len(both)), [f"{f} {d:.0%}" for f, d in both], fontsize=8, rotation=60, ha="right")
     ax2.set_ylabel("Mosaic speed-up over Triton (fwd+bwd)")

@@ -27,3 +27,23 @@ def test_document_index_recall_meta_carries_provenance(tmp_path):
     assert PROVENANCE <= set(got["meta"]), got["meta"].keys()
     assert "--seq 1024" in got["meta"]["command"]
     assert got["records"] and 0.0 < got["records"][0]["recall"] <= 1.0
+
+
+def test_a_module_run_records_python_dash_m(monkeypatch):
+    """``python -m benchmarks.X`` leaves the module file's absolute path in ``sys.argv[0]`` (the machine's own
+    checkout, e.g. ``/work/main/benchmarks/kernels.py``); the row's command says ``python -m benchmarks.X``."""
+    import sys
+    import types
+    from importlib.machinery import ModuleSpec
+
+    from benchmarks._driver import provenance
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = ModuleSpec("benchmarks.kernels", None)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["/work/main/benchmarks/kernels.py", "--seqs", "32768"])
+    assert provenance()["command"] == "python -m benchmarks.kernels --seqs 32768"
+    assert provenance(["--reps", "a b"])["command"] == "python -m benchmarks.kernels --reps 'a b'"
+    main.__spec__ = None  # a script run as a file: its path as given
+    monkeypatch.setattr(sys, "argv", ["benchmarks/kernels.py", "--seqs", "1"])
+    assert provenance()["command"] == "benchmarks/kernels.py --seqs 1"

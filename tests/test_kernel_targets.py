@@ -61,3 +61,21 @@ def test_cli_prints_the_table_and_refuses_rows_without_targets(tmp_path, capsys)
     with pytest.raises(SystemExit):
         kernel_targets.main([str(g)])
     assert "no Mosaic rows" in capsys.readouterr().err
+
+
+def test_rounds_are_checked_apart_and_pooled():
+    """Two calls of one run (``round`` 1 and 2, each with its own cuDNN row): each round's cuDNN divides its own
+    round's time, the median is over the rounds and the interval spans both, so one round's miss makes a tie."""
+    S = 131072
+    rows = [dict(_row("cudnn", S, 1.0, 480.0, [470.0, 490.0]), round=1),
+            dict(_row("auto_band95", S, 0.05, 28.0, [27.5, 28.5]), round=1),
+            dict(_row("cudnn", S, 1.0, 500.0, [495.0, 505.0]), round=2),
+            dict(_row("auto_band95", S, 0.05, 32.0, [31.5, 32.5]), round=2)]
+    got = {c["target"]: c for c in kernel_targets.check(rows)}
+    x = got["x cuDNN at 5 %"]
+    assert x["rounds"] == pytest.approx([480 / 28, 500 / 32])
+    assert x["value"] == pytest.approx((480 / 28 + 500 / 32) / 2)
+    assert x["interval"] == pytest.approx((495 / 32.5, 490 / 27.5))
+    assert x["verdict"] == "tie"  # round 1 alone: met (16.5-17.8); round 2 alone: not met (15.2-16.0)
+    alone = {c["target"]: c for c in kernel_targets.check(rows[:2])}
+    assert alone["x cuDNN at 5 %"]["verdict"] == "met" and alone["x cuDNN at 5 %"]["rounds"] == [x["rounds"][0]]

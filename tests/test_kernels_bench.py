@@ -162,3 +162,42 @@ def test_dkv_stream_reaches_a_pass_traced_before():
     with pytest.raises(ValueError, match="the dK/dV block pass's stream must be one of .* got 'index'"):
         with dkv_stream("index"):
             pass
+
+
+def test_family_plot_takes_the_median_of_rounds(tmp_path, monkeypatch):
+    """``plot_families`` on two rounds of one case: the bars are the rounds' medians and the whiskers span every
+    row's fastest to slowest repeat (the Mosaic / Triton ratio paired per round)."""
+    from benchmarks import kernels_report
+
+    def row(name, rnd, fb, spread, tflops):
+        return dict(name=name, family="band" if name != "cudnn" else "dense", density=0.05, seq=131072, round=rnd,
+                    fb_ms=fb, fb_spread_ms=spread, fb_tflops=tflops, table="families")
+
+    rows = [row("cudnn", 1, 470.0, [460.0, 480.0], 520.0),
+            row("triton_band95", 1, 36.0, [35.0, 37.0], 330.0), row("auto_band95", 1, 30.0, [29.0, 33.0], 400.0),
+            row("triton_band95", 2, 36.0, [36.0, 36.0], 330.0), row("auto_band95", 2, 28.0, [28.0, 28.0], 420.0)]
+    bars = {}
+
+    class Ax:
+        def __init__(self, name):
+            self.name = name
+
+        def bar(self, x, heights, **kw):
+            bars.setdefault(self.name, []).append((list(heights), kw.get("yerr")))
+
+        def __getattr__(self, _):
+            return lambda *a, **k: None
+
+    class Plt:
+        def subplots(self, *a, **k):
+            return None, (Ax("tflops"), Ax("ratio"))
+
+    monkeypatch.setattr(kernels_report, "_pyplot", lambda: Plt())
+    monkeypatch.setattr(kernels_report, "_save", lambda *a, **k: None)
+    kernels_report.plot_families(rows, str(tmp_path / "f.png"))
+    (tri, tri_err), (mos, mos_err) = bars["tflops"]
+    assert tri == [330.0] and mos == [pytest.approx(410.0)]
+    assert mos_err[0][0] == pytest.approx(410 - 400 * 30 / 33) and mos_err[1][0] == pytest.approx(420 - 410)
+    (ratio, ratio_err), = bars["ratio"]
+    assert ratio == [pytest.approx((36 / 30 + 36 / 28) / 2)]
+    assert ratio_err[1][0] == pytest.approx(36 / 28 - ratio[0])
