@@ -240,8 +240,8 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
     other backends after theirs. ``stream``: the Mosaic dQ kernel's, as in
     :func:`block_sparse_attention_fwd`."""
     registry.validate_stream(stream)
+    _check(q, k, v, q_pos, k_pos, index, block_size)  # first: a non-float q is named as such
     _check_float_dtype("dq_dtype", dq_dtype)
-    _check(q, k, v, q_pos, k_pos, index, block_size)
     segs = _check_segs(q, k, q_seg, k_seg)
     if dq_acc is not None:
         _check_acc("dq_acc", [dq_acc], [q.shape])

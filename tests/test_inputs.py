@@ -31,6 +31,11 @@ def _entry_points(mesh):
     pos = jnp.arange(S, dtype=jnp.int32)
     return {
         "kernel op": lambda q, k, v: api.block_sparse_attention(q, k, v, impl="xla"),
+        # the raw passes with a narrower output / dQ: q's dtype is the one named, not out_dtype / dq_dtype
+        "kernel fwd": lambda q, k, v: api.block_sparse_attention_fwd(q, k, v, pos, pos, None, impl="xla",
+                                                                     out_dtype=q.dtype),
+        "kernel bwd": lambda q, k, v: api.block_sparse_attention_bwd(
+            q, k, v, pos, pos, None, q, jnp.zeros((1, H, S)), jnp.zeros((1, H, S)), impl="xla", dq_dtype=q.dtype),
         "reference": lambda q, k, v: dense_attention(q, k, v),
         "dispatch": lambda q, k, v: attention(q, k, v, pos, backend="reference"),
         "dense ring": lambda q, k, v: ring_attention(q, k, v, pos, mesh),
