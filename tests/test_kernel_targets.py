@@ -79,3 +79,26 @@ def test_rounds_are_checked_apart_and_pooled():
     assert x["verdict"] == "tie"  # round 1 alone: met (16.5-17.8); round 2 alone: not met (15.2-16.0)
     alone = {c["target"]: c for c in kernel_targets.check(rows[:2])}
     assert alone["x cuDNN at 5 %"]["verdict"] == "met" and alone["x cuDNN at 5 %"]["rounds"] == [x["rounds"][0]]
+
+
+def test_training_targets_from_the_trainer_rows():
+    """``train_throughput`` rows at 128K: the speed-up's interval from single steps; peak and compile are upper
+    bounds (``met`` at or below the goal); a run without both backends, or another length, checks nothing."""
+    def train(backend, steps, peak, compile_s, seq=131072):
+        return dict(run="t", backend=backend, seq_len=seq, step_ms=sorted(steps)[1], step_ms_all=steps,
+                    peak_gib=peak, compile_s=compile_s, error=None)
+
+    rows = [train("mtraining", [1560.0, 1550.0, 1580.0], 35.0, 25.0),
+            train("cudnn", [7000.0, 7010.0, 6990.0], 32.0, 9.0)]
+    got = {c["target"]: c for c in kernel_targets.check(rows)}
+    ratio = got["train x all-cuDNN"]
+    assert ratio["value"] == pytest.approx(7000 / 1560)
+    assert ratio["interval"] == pytest.approx((6990 / 1580, 7010 / 1550))
+    assert ratio["verdict"] == "tie"  # 4.42-4.52 against 4.5
+    peak = got["train peak / cuDNN's"]
+    assert peak["value"] == pytest.approx(35 / 32) and peak["verdict"] == "not met"
+    assert got["train compile s"]["verdict"] == "not met"
+    rows[0].update(peak_gib=33.0, compile_s=19.0)
+    got = {c["target"]: c["verdict"] for c in kernel_targets.check(rows)}
+    assert got["train peak / cuDNN's"] == got["train compile s"] == "met"
+    assert kernel_targets.check(rows[:1]) == [] and kernel_targets.check([dict(r, seq_len=65536) for r in rows]) == []
