@@ -110,7 +110,7 @@ def plot_families(rows, path):
     """Forward+backward active TFLOP/s (left) and Mosaic / Triton speed-up (right) per index family
     and density (rows with ``family``; cuDNN dense as a line). Several rows of one (family, density, impl):
     repeated calls (``round``) or runs plotted together: the bar is their median, the whisker spans every
-    row's fastest to slowest repeat (the speed-up: each round's ratio, its median and range)."""
+    row's fastest to slowest repeat (the speed-up: each (run, round)'s ratio, their median and range)."""
     import statistics
 
     plt = _pyplot()
@@ -143,9 +143,10 @@ def plot_families(rows, path):
     ax.legend(fontsize=8)
     both = [k for k in keys if len(cases[k]) == 2]
     ratios = []
-    for k in both:  # paired per round where rounds are told apart; else every Triton row over every Mosaic row
-        tri, mos = cases[k]["triton"], {r.get("round"): r for r in cases[k]["mosaic"]}
-        ratios.append([t["fb_ms"] / mos[t.get("round")]["fb_ms"] for t in tri if t.get("round") in mos]
+    for k in both:  # paired per (run, round); where none pair up, every Triton row over every Mosaic row
+        call = lambda r: (r.get("run"), r.get("round"))  # noqa: E731
+        tri, mos = cases[k]["triton"], {call(r): r for r in cases[k]["mosaic"]}
+        ratios.append([t["fb_ms"] / mos[call(t)]["fb_ms"] for t in tri if call(t) in mos]
                       or [t["fb_ms"] / m["fb_ms"] for t in tri for m in cases[k]["mosaic"]])
     meds = [statistics.median(v) for v in ratios]
     ax2.bar(range(len(both)), meds, color="tab:orange",
