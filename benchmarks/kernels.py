@@ -378,7 +378,7 @@ def main():
                     "'default' for the pass as built (default: as built only)")
     ap.add_argument("--col-walks", default="", help="with --passes: the Mosaic column dK/dV pass's walks "
                     "to time, comma-separated, in order, repeats allowed (pallas_kernels.mosaic_dkv.COL_WALKS: "
-                    "masked,free; e.g. masked,free,free,masked; default: the operator's, DEFAULT_COL_WALK)")
+                    "masked,free,shared; e.g. masked,free,free,masked; default: the operator's, DEFAULT_COL_WALK)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
     ap.add_argument("--pass-impls", default="triton,mosaic", help="with --passes: triton and / or mosaic rows")

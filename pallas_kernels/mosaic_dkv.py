@@ -10,7 +10,9 @@ final ``lse`` and ``delta = rowsum(dO * O)``):
   :func:`pallas_kernels.mosaic_index.kv_pair_schedule`); GQA reduced in registers, no atomics.
 * :func:`mosaic_dkv_cols` (:func:`~pallas_kernels.triton_backward.dkv_col_pass`): the same consumer
   on the gathered column tiles, one per-slot buffer per query-block range
-  (:func:`pallas_kernels.mosaic_index.column_ranges`), summed and scattered by XLA.
+  (:func:`pallas_kernels.mosaic_index.column_ranges`), summed and scattered by XLA; CTA ``(p, h, br)``
+  owns chunks ``2p``, ``2p + 1`` of query head ``h``, each consumer walking its own Q/dO tiles or
+  (``col_walk="shared"``) both one stream of the union of their query blocks.
 
 The two passes split the pairs as the forward does. Packed documents: masked tiles add
 ``k_seg == q_seg``. The dQ pass: :mod:`pallas_kernels.mosaic_dq`. Design notes: ``docs/kernels.md``.
@@ -30,7 +32,8 @@ from pallas_kernels import mosaic_precompile
 from pallas_kernels.index_format import StepIndex, column_start
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import block_loops, block_step_kind, check_walk, resolve_stream
+from pallas_kernels.mosaic_stream import (block_loops, block_step_kind, check_walk, column_pair_walk, column_tile_kind,
+                                          resolve_stream)
 from pallas_kernels.mosaic_index import (STREAM_SEGMENTS, column_free_range, column_ids, column_operands,
                                          column_ranges, column_slots, kv_pair_schedule, kv_schedule,
                                          uniform_kv_schedule)
@@ -253,12 +256,13 @@ def _dkv_blocks_kernel(cnt_ref, sched_ref, kpos_ref, kslot_ref, q_ref, do_ref, r
 
 
 #: the column dK/dV pass's tile walks (:func:`mosaic_dkv_cols`)
-COL_WALKS = ("masked", "free")
+COL_WALKS = ("masked", "free", "shared")
 DEFAULT_COL_WALK = "free"  # results/kernels/kernels.md run 26
 
 
 def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: int, range_blocks: int,
-                     qk_scale: float, scale: float, segs: bool = False, free_tiles: bool = False):
+                     qk_scale: float, scale: float, segs: bool = False, free_tiles: bool = False,
+                     shared: bool = False):
     (flo_ref, fhi_ref), refs = (refs[:2], refs[2:]) if free_tiles else ((None, None), refs)
     cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref, smems, bars = refs
     kres, vres, ci_smem, *tile_smems = smems
@@ -270,10 +274,9 @@ def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: i
     pair = lax.axis_index("p")
     wg = lax.axis_index("wg")
 
-    def walk(w):
-        """Chunk ``c``'s query blocks in range ``r``: ``(c, n, n_free, at)``, tile ``t`` of the walk at
-        query block ``at(t)``: the free blocks ``[f_lo, f_hi)`` first, then the masked ones before and
-        after them (:func:`~pallas_kernels.mosaic_index.column_free_range`; no free ones: ascending)."""
+    def bounds(w):
+        """Chunk ``2p + w``'s query blocks in range ``r``: its walk ``[lo, hi)`` and the free blocks
+        ``[f_lo, f_hi)`` inside it (:func:`~pallas_kernels.mosaic_index.column_free_range`)."""
         c = 2 * pair + w
         lo = jnp.maximum(first_ref[b, h, c], r * range_blocks)
         hi = jnp.maximum(jnp.minimum(end_ref[b, h, c], (r + 1) * range_blocks), lo)
@@ -281,28 +284,39 @@ def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: i
         if free_tiles:
             f_lo = jnp.clip(flo_ref[b, h, c], lo, hi)
             f_hi = jnp.clip(fhi_ref[b, h, c], f_lo, hi)
+        return lo, hi, f_lo, f_hi
+
+    def walk(w):
+        """Consumer ``w``'s walk ``(n, loops, at)``: tile ``t`` at query block ``at(t)``. Own stream: the
+        free blocks first, then the masked ones before and after them (no free ones: ascending), as
+        ``(lo, hi, kind)`` loops; ``shared``: both chunks' blocks ascending
+        (:func:`~pallas_kernels.mosaic_stream.column_pair_walk`), one loop choosing each tile's body."""
+        if shared:
+            (lo0, hi0, _, _), (lo1, hi1, _, _) = bounds(0), bounds(1)
+            n, at = column_pair_walk(lo0, hi0, lo1, hi1)
+            return n, (n, lambda t: column_tile_kind(at(t), *bounds(w))), at
+        lo, hi, f_lo, f_hi = bounds(w)
         n_free, before = f_hi - f_lo, f_lo - lo
 
         def at(t):
             u = t - n_free
             return jnp.where(t < n_free, f_lo + t, jnp.where(u < before, lo + u, f_hi + u - before))
 
-        return c, hi - lo, n_free, at
+        return hi - lo, ([(0, n_free, 0), (n_free, hi - lo, 1)] if free_tiles else [(0, hi - lo, 1)]), at
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         w = wg
-        c, n, n_free, _ = walk(w)
-        loops = [(0, n_free, 0), (n_free, n, 1)] if free_tiles else [(0, n, 1)]
+        c = 2 * pair + w
         rows = pl.ds(c * bs, bs)
         _resident(w, [(kc_ref.at[b, h, rows], kres.at[w]), (vc_ref.at[b, h, rows], vres.at[w]),
                       (cinfo_ref.at[b, h, c], ci_smem.at[w])], kv_bar)
         kpos_b = lax.broadcast_in_dim(load_smem(ci_smem.at[w, 0], row_layout()), (bs, bs), [0])
         kaux_b = lax.broadcast_in_dim(load_smem(ci_smem.at[w, 1], row_layout()), (bs, bs), [0])
-        dk, dv = _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,
+        dk, dv = _dkv_consumer(w, walk(w)[1], kres, vres, kpos_b, kaux_b, tile_smems, tile_bars,
                                stages=stages, bs=bs, qk_scale=qk_scale, scale=scale, dtype=q_ref.dtype,
-                               kseg_smem=ci_smem.at[w, 2] if segs else None)
+                               kseg_smem=ci_smem.at[w, 2] if segs else None, shared=shared)
         dk_ref[r, b, h, rows] = dk
         dv_ref[r, b, h, rows] = dv
 
@@ -313,8 +327,9 @@ def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: i
         def tile_at(at):
             return lambda t: (h, at(t), None)
 
-        walks = [(walk(w)[1], tile_at(walk(w)[3])) for w in range(2)]
-        _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, None, tile_smems, tile_bars)
+        walks = [(walk(w)[0], tile_at(walk(w)[2])) for w in range(1 if shared else 2)]
+        _dkv_producer(walks, b, stages, bs, q_ref, do_ref, rinfo_ref, qinfo_ref, None, tile_smems, tile_bars,
+                      shared)
 
 
 def _row_infos(q_pos, lse, delta, thr, bs: int, q_seg=None):
@@ -429,10 +444,15 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     (:data:`COL_WALKS`): ``"free"`` (the default) skips the mask on each chunk's query blocks of
     :func:`~pallas_kernels.mosaic_index.column_free_range` (all of their pairs kept; walked first, a
     second tile body); ``"masked"`` masks every tile (one body, less to compile). Timed against each
-    other in one process: results/kernels/kernels.md run 26."""
+    other in one process: results/kernels/kernels.md run 26. ``"shared"``: the free walk's bodies on
+    ONE Q/dO stream per CTA: its consumers' chunks ``2p``, ``2p + 1`` (one query head) walk the union
+    of their query blocks ascending (:func:`~pallas_kernels.mosaic_stream.column_pair_walk`), a block
+    both need loaded once, a consumer passing the other's blocks without math (one loop choosing
+    each tile's body)."""
     if col_walk not in COL_WALKS:
         raise ValueError(f"col_walk must be one of {COL_WALKS}, got {col_walk!r}")
-    free_tiles = col_walk == "free"
+    free_tiles = col_walk in ("free", "shared")
+    shared = col_walk == "shared"
     B, sq, H, d = q.shape
     sk = k.shape[1]
     bs = block_size
@@ -447,9 +467,9 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
                 ) if free_tiles else []
     kernel = functools.partial(_dkv_cols_kernel, stages=stages, bs=bs, nranges=nranges,
                                range_blocks=range_blocks, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale),
-                               segs=sg, free_tiles=free_tiles)
+                               segs=sg, free_tiles=free_tiles, shared=shared)
     out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
-    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg)
+    scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg, shared=shared)
     dkc, dvc = _launch(named(kernel, "mosaic_dkv_cols"), [out, out], scratch, (nch // 2, H, B * nranges),
                        ("p", "h", "br"), first, end, *free, c_info, q, do.astype(q.dtype), rinfo, qinfo, kc, vc)
     return add_column_grads(dk, dv, dkc.sum(0), dvc.sum(0), column_ids(index, sk, mcp), index.col_count)

@@ -232,6 +232,33 @@ def block_step_kind(t, w, bounds):
     return kind
 
 
+def column_pair_walk(lo0, hi0, lo1, hi1):
+    """One walk of the query blocks two column chunks need (the column dK/dV pass's
+    ``col_walk="shared"``: a CTA's two consumers on one Q/dO stream): the union of ``[lo0, hi0)`` and
+    ``[lo1, hi1)`` in ascending order, each block once, an empty walk ignored and a gap between
+    disjoint walks skipped. Returns ``(n, at)``: ``n`` tiles, tile ``t < n`` at query block ``at(t)``.
+    Integer arithmetic on scalars (traced in a kernel, or numpy)."""
+    e0, e1 = hi0 > lo0, hi1 > lo1
+    a0, b0 = jnp.where(e0, lo0, lo1), jnp.where(e0, hi0, hi1)  # an empty walk takes the other's bounds
+    a1, b1 = jnp.where(e1, lo1, a0), jnp.where(e1, hi1, b0)
+    s = jnp.minimum(a0, a1)
+    e_first = jnp.where(a0 <= a1, b0, b1)  # end of the walk that starts first
+    gap = jnp.maximum(jnp.maximum(a0, a1) - e_first, 0)
+    n = jnp.maximum(b0, b1) - s - gap
+
+    def at(t):
+        return s + t + jnp.where(t >= e_first - s, gap, 0)
+
+    return n, at
+
+
+def column_tile_kind(qb, lo, hi, f_lo, f_hi):
+    """A column chunk's class of query block ``qb`` (0 free, 1 masked, 2 not in its walk ``[lo, hi)``;
+    free: inside ``[f_lo, f_hi)``, :func:`~pallas_kernels.mosaic_index.column_free_range`)."""
+    inside = (qb >= lo) & (qb < hi)
+    return jnp.where(inside, jnp.where((qb >= f_lo) & (qb < f_hi), 0, 1), 2).astype(jnp.int32)
+
+
 def walk_stream(w, bounds, n_union, total, row, tile, skip, carry, walk: str = "loops", split: bool = False):
     """Run consumer ``w``'s walk over the CTA's stream (:func:`stream_segments`).
     ``tile(t, carry, masked, thr, own=...)``, ``skip(t, carry)``; ``walk`` (:data:`WALKS`): segment

@@ -439,6 +439,13 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs))
         free = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_dkv_cols" in free and 0.9 * len(blocks) < len(free) < 1.1 * len(blocks), (len(free), len(blocks))
+        # col_walk="shared": the same two bodies and a skip body in one switching loop over both chunks' walk
+        f = jax.jit(lambda q, k, v, idx, do, lse, delta, segs: mosaic_dkv_cols(
+            q, k, v, pos, pos, idx, do, lse, delta, z, z, sm_scale=0.1, range_blocks=2, segs=segs,
+            col_walk="shared"))
+        col_shared = f.trace(q, k, k, idx, q, lse, lse, segs).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_dkv_cols" in col_shared and 0.9 * len(free) < len(col_shared) < 1.3 * len(free), (
+            len(col_shared), len(free))
         with pytest.raises(ValueError, match="col_walk must be one of .* got 'loose'"):
             mosaic_dkv_cols(q, k, k, pos, pos, idx, q, lse, lse, z, z, sm_scale=0.1, col_walk="loose")
 
