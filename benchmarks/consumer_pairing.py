@@ -15,7 +15,10 @@ walking the (query head of its group, query block) tiles that list it, Q and dO 
 
 * ``kv_blocks``: what one stream of the two KV blocks' tile lists (their union) would carry; today each
   consumer loads its own list (``stream_per_work`` 1.0), the pass that waits on these loads on spread /
-  mixed / a trained model's index (results/kernels/kernels.md run 33).
+  mixed / a trained model's index (results/kernels/kernels.md run 33);
+* ``col_chunks``: the same for the column dK/dV pass (a CTA = column chunks ``2p``, ``2p + 1`` of one query
+  head and one range of query blocks, each walking the query blocks that need it): what
+  ``col_walk="shared"`` (one stream of the union of the two walks) carries per tile computed.
 
 ``stream_per_work`` = tiles the stream carries / tiles the two rows compute (0.5: every tile shared),
 ``paired_work`` = share of the rows' tiles computed in steps both consumers use. Block tiles only
@@ -99,19 +102,39 @@ def kv_pairing_stats(sets, kv_heads: int) -> dict:
     return {"stream_per_work": stream / work if work else 1.0, "paired_work": paired / work if work else 0.0}
 
 
-def _rows(sets, kv_heads: int, **fields) -> list:
-    """One row per pairing (:data:`PAIRINGS`, then ``kv_blocks``) of ``sets``, each with ``fields``."""
+def col_pairing_stats(index, bs: int = 64, range_blocks: int = 512) -> dict:
+    """``{stream_per_work, paired_work}`` of pairing ``col_chunks`` (module docstring) over every CTA of
+    the column dK/dV pass (:func:`pallas_kernels.mosaic_dkv.mosaic_dkv_cols`'s chunks and ranges; no
+    packed documents)."""
+    from pallas_kernels.mosaic_index import column_ranges
+
+    mcp = -(-max(index.max_cols, 1) // (2 * bs)) * 2 * bs  # as mosaic_index.column_tiles pads the list
+    first, end, nr = column_ranges(index.col_count, mcp // bs, bs, range_blocks)
+    r = np.arange(nr)[:, None, None, None] * range_blocks
+    lo = np.maximum(np.asarray(first)[None], r)
+    hi = np.maximum(np.minimum(np.asarray(end)[None], r + range_blocks), lo)  # [ranges, B, H, chunks]
+    work = int((hi - lo).sum())
+    both = int(np.maximum(0, np.minimum(hi[..., 0::2], hi[..., 1::2]) - np.maximum(lo[..., 0::2], lo[..., 1::2])).sum())
+    return {"stream_per_work": (work - both) / work if work else 1.0, "paired_work": 2 * both / work if work else 0.0}
+
+
+def _rows(sets, kv_heads: int, index=None, **fields) -> list:
+    """One row per pairing (:data:`PAIRINGS`, then ``kv_blocks``, then with ``index`` ``col_chunks``) of
+    ``sets``, each with ``fields``."""
     rows = [{"table": "consumer_pairing", **fields, "pairing": p, **pairing_stats(sets, p)} for p in PAIRINGS]
-    return rows + [{"table": "consumer_pairing", **fields, "pairing": "kv_blocks", **kv_pairing_stats(sets, kv_heads),
-                    "kv_heads": kv_heads}]
+    rows += [{"table": "consumer_pairing", **fields, "pairing": "kv_blocks", **kv_pairing_stats(sets, kv_heads),
+              "kv_heads": kv_heads}]
+    if index is not None and int(np.asarray(index.col_count).max()) > 0:
+        rows.append({"table": "consumer_pairing", **fields, "pairing": "col_chunks", **col_pairing_stats(index)})
+    return rows
 
 
 def measure(seq: int, densities, families=INDEX_FAMILIES, heads: int = 16, seed: int = 1, kv_heads: int = 2):
     rows = []
     for fam in families:
         for dens in densities:
-            sets = row_sets(index_family(np.random.default_rng(seed), fam, 1, heads, seq, dens))
-            for row in _rows(sets, kv_heads, family=fam, S=seq, density=dens, heads=heads):
+            idx = index_family(np.random.default_rng(seed), fam, 1, heads, seq, dens)
+            for row in _rows(row_sets(idx), kv_heads, idx, family=fam, S=seq, density=dens, heads=heads):
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
@@ -125,7 +148,7 @@ def measure_model(path: str, heads: int = 16, kv_heads: int = 2):
     rows = []
     for layer, bud, idx, den in step_entries(entries, meta["seq_len"], heads, meta["block_size"]):
         fam = f"model_L{layer}" + "".join(f"_{k}{v}" for k, v in bud.items())
-        rows += _rows(row_sets(idx), kv_heads, family=fam, S=meta["seq_len"], density=float(den.mean()), heads=heads,
+        rows += _rows(row_sets(idx), kv_heads, idx, family=fam, S=meta["seq_len"], density=float(den.mean()), heads=heads,
                       model_index=path)
     return rows
 
@@ -133,8 +156,8 @@ def measure_model(path: str, heads: int = 16, kv_heads: int = 2):
 def table(rows) -> str:
     out = ["| family | density | stream / work: blocks / heads | paired work: blocks / heads / separate "
            "| blocks, per CTA: stream / work q10 / q50 / q90 | work in CTAs above SPLIT_ABOVE "
-           "| dK/dV blocks: stream / work |",
-           "|---|---|---|---|---|---|---|"]
+           "| dK/dV blocks: stream / work | dK/dV columns: stream / work |",
+           "|---|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["family"], r["density"]) for r in rows))
     for fam, dens in keys:
         by = {r["pairing"]: r for r in rows if (r["family"], r["density"]) == (fam, dens)}
@@ -142,7 +165,8 @@ def table(rows) -> str:
                    f"| {by['blocks']['paired_work']:.2f} / {by['heads']['paired_work']:.2f} / "
                    f"{by['separate']['paired_work']:.2f} | {by['blocks']['cta_q10']:.2f} / {by['blocks']['cta_q50']:.2f} / "
                    f"{by['blocks']['cta_q90']:.2f} | {by['blocks']['work_above_split']:.0%} | "
-                   + (f"{by['kv_blocks']['stream_per_work']:.2f} |" if "kv_blocks" in by else "- |"))
+                   + (f"{by['kv_blocks']['stream_per_work']:.2f} |" if "kv_blocks" in by else "- |")
+                   + (f" {by['col_chunks']['stream_per_work']:.2f} |" if "col_chunks" in by else " - |"))
     return "\n".join(out)
 
 
