@@ -294,7 +294,8 @@ def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: i
         if shared:
             (lo0, hi0, _, _), (lo1, hi1, _, _) = bounds(0), bounds(1)
             n, at = column_pair_walk(lo0, hi0, lo1, hi1)
-            return n, (n, lambda t: column_tile_kind(at(t), *bounds(w))), at
+            mine = bounds(w)  # read once, before the loop (not per tile)
+            return n, (n, lambda t: column_tile_kind(at(t), *mine)), at
         lo, hi, f_lo, f_hi = bounds(w)
         n_free, before = f_hi - f_lo, f_lo - lo
 
