@@ -48,7 +48,8 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
     heads, KV heads, head_dim), e.g. ``(14, 2, 64)``: the Qwen2.5-0.5B layers of the training step.
     ``col_walks``: the Mosaic column pass once per entry, in order (:data:`pallas_kernels.mosaic_dkv.COL_WALKS`;
     default: the operator's, :data:`~pallas_kernels.mosaic_dkv.DEFAULT_COL_WALK`; impl ``mosaic`` for the
-    default walk, ``mosaic[<walk>]`` for another, and every column-pass row says its ``col_walk``; repeat
+    default walk, ``mosaic[<walk>]`` for another (``shared:loops`` / ``shared:switch``: the shared walk's loops),
+    and every column-pass row says its ``col_walk``; repeat
     entries, e.g. ``masked,free,free,masked``, to time an A/B both ways round in one process).
     ``slots`` x the above: the Mosaic forward / dQ's ring depth (``None``: the kernel's default; impl
     ``mosaic[...,s3]``); ``kv_step``: the shared stream's keys per step (default: the kernel's; the split
@@ -105,9 +106,10 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                *[("dkv_blocks", "mosaic" if ds is None else f"mosaic[{ds.replace(':', ',')}]",
                   dkv_blocks_variant(ds), args, 4 * bp) for ds in dkv_streams],
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
-               *[("dkv_cols", "mosaic" if cw == mosaic_dkv.DEFAULT_COL_WALK else f"mosaic[{cw}]",
-                  functools.partial(mosaic_dkv.mosaic_dkv_cols, col_walk=cw), args + (zeros, zeros), 4 * cp,
-                  {"col_walk": cw})
+               *[("dkv_cols", "mosaic" if cw == mosaic_dkv.DEFAULT_COL_WALK else f"mosaic[{cw.replace(':', ',')}]",
+                  functools.partial(mosaic_dkv.mosaic_dkv_cols, col_walk=cw.partition(":")[0],
+                                    **({"walk": cw.partition(":")[2]} if ":" in cw else {})),
+                  args + (zeros, zeros), 4 * cp, {"col_walk": cw})
                  for cw in col_walks]]
         fns = [f for f in fns if f[0] in names and not (f[0] == "dkv_cols" and cp == 0)
                and f[1].split("[")[0] in impls]

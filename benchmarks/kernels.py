@@ -378,7 +378,8 @@ def main():
                     "'default' for the pass as built (default: as built only)")
     ap.add_argument("--col-walks", default="", help="with --passes: the Mosaic column dK/dV pass's walks "
                     "to time, comma-separated, in order, repeats allowed (pallas_kernels.mosaic_dkv.COL_WALKS: "
-                    "masked,free,shared; e.g. masked,free,free,masked; default: the operator's, DEFAULT_COL_WALK)")
+                    "masked,free,shared, shared:loops, shared:switch; e.g. masked,free,free,masked; default: the operator's, "
+                    "DEFAULT_COL_WALK)")
     ap.add_argument("--pass-names", default=",".join(PASSES), help="with --passes: the passes to time, "
                     "comma-separated (" + ",".join(PASSES) + ")")
     ap.add_argument("--pass-impls", default="triton,mosaic", help="with --passes: triton and / or mosaic rows")
@@ -405,10 +406,14 @@ def main():
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
     from pallas_kernels.mosaic_dkv import COL_WALKS, DKV_STREAMS
 
+    from pallas_kernels.mosaic_stream import WALKS
+
     col_walks = tuple(a.col_walks.split(",")) if a.col_walks else None
-    bad = sorted(set(col_walks or ()) - set(COL_WALKS))
+    bad = sorted(x for x in set(col_walks or ()) if x.partition(":")[0] not in COL_WALKS
+                 or (x.partition(":")[2] and (x.partition(":")[0] != "shared" or x.partition(":")[2] not in WALKS)))
     if bad:
-        ap.error(f"--col-walks: unknown walk(s) {bad}; expected some of {list(COL_WALKS)}")
+        ap.error(f"--col-walks: unknown walk(s) {bad}; expected some of {list(COL_WALKS)} "
+                 f"(shared:WALK with a walk of {WALKS})")
     seqs = [int(s) for s in a.seqs.split(",")]
     pass_seqs = [int(x) for x in a.passes.split(",") if x]
     if model and not a.plot_from:
@@ -427,8 +432,6 @@ def main():
     if any(n < 2 for n in slots if n is not None):
         ap.error(f"--slots: each >= 2, got {a.slots!r}")
     dkv_streams = tuple(None if x == "default" else x for x in a.dkv_streams.split(",") if x) or (None,)
-    from pallas_kernels.mosaic_stream import WALKS
-
     for x in dkv_streams:
         st, _, wk = (x or "split").partition(":")
         if st not in DKV_STREAMS or (wk and wk not in WALKS):

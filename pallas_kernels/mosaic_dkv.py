@@ -262,7 +262,7 @@ DEFAULT_COL_WALK = "free"  # results/kernels/kernels.md run 26
 
 def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: int, range_blocks: int,
                      qk_scale: float, scale: float, segs: bool = False, free_tiles: bool = False,
-                     shared: bool = False):
+                     shared: bool = False, walk_kind: str = "loops"):
     (flo_ref, fhi_ref), refs = (refs[:2], refs[2:]) if free_tiles else ((None, None), refs)
     cinfo_ref, q_ref, do_ref, rinfo_ref, qinfo_ref, kc_ref, vc_ref, dk_ref, dv_ref, smems, bars = refs
     kres, vres, ci_smem, *tile_smems = smems
@@ -290,12 +290,17 @@ def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: i
         """Consumer ``w``'s walk ``(n, loops, at)``: tile ``t`` at query block ``at(t)``. Own stream: the
         free blocks first, then the masked ones before and after them (no free ones: ascending), as
         ``(lo, hi, kind)`` loops; ``shared``: both chunks' blocks ascending
-        (:func:`~pallas_kernels.mosaic_stream.column_pair_walk`), one loop choosing each tile's body."""
+        (:func:`~pallas_kernels.mosaic_stream.column_pair_walk`), as five segment loops (``walk_kind``
+        ``"loops"``: not its walk, masked, free, masked, not its walk) or one loop choosing each tile's body
+        (``"switch"``)."""
         if shared:
             (lo0, hi0, _, _), (lo1, hi1, _, _) = bounds(0), bounds(1)
-            n, at = column_pair_walk(lo0, hi0, lo1, hi1)
+            n, at, tile_of = column_pair_walk(lo0, hi0, lo1, hi1)
             mine = bounds(w)  # read once, before the loop (not per tile)
-            return n, (n, lambda t: column_tile_kind(at(t), *mine)), at
+            if walk_kind == "switch":
+                return n, (n, lambda t: column_tile_kind(at(t), *mine)), at
+            i_lo, i_flo, i_fhi, i_hi = (tile_of(x) for x in mine)  # ascending: skip, masked, free, masked, skip
+            return n, [(0, i_lo, 2), (i_lo, i_flo, 1), (i_flo, i_fhi, 0), (i_fhi, i_hi, 1), (i_hi, n, 2)], at
         lo, hi, f_lo, f_hi = bounds(w)
         n_free, before = f_hi - f_lo, f_lo - lo
 
@@ -432,10 +437,10 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
     return launch(False, *(uniform_kv_schedule if uniform else kv_schedule)(index, sk, hkv, bs))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks", "col_walk"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks", "col_walk", "walk"))
 def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
                     block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None,
-                    col_walk: str = DEFAULT_COL_WALK):
+                    col_walk: str = DEFAULT_COL_WALK, walk: str = "loops"):
     """Backward column pass: adds the listed columns' dK/dV (every row's prefix columns, causal)
     into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
     chunk, summed in XLA, then one scatter-add by list slot
@@ -448,10 +453,13 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     other in one process: results/kernels/kernels.md run 26. ``"shared"``: the free walk's bodies on
     ONE Q/dO stream per CTA: its consumers' chunks ``2p``, ``2p + 1`` (one query head) walk the union
     of their query blocks ascending (:func:`~pallas_kernels.mosaic_stream.column_pair_walk`), a block
-    both need loaded once, a consumer passing the other's blocks without math (one loop choosing
-    each tile's body)."""
+    both need loaded once, a consumer passing the other's blocks without math; ``walk``
+    (:data:`~pallas_kernels.mosaic_stream.WALKS`, the shared walk only): five segment loops per consumer
+    (``"loops"``: the block pass's shared stream was faster so, results run 34) or one loop choosing
+    each tile's body (``"switch"``). The same result every way, tiles summed in another order."""
     if col_walk not in COL_WALKS:
         raise ValueError(f"col_walk must be one of {COL_WALKS}, got {col_walk!r}")
+    check_walk(walk)
     free_tiles = col_walk in ("free", "shared")
     shared = col_walk == "shared"
     B, sq, H, d = q.shape
@@ -468,7 +476,7 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
                 ) if free_tiles else []
     kernel = functools.partial(_dkv_cols_kernel, stages=stages, bs=bs, nranges=nranges,
                                range_blocks=range_blocks, qk_scale=float(sm_scale) * LOG2E, scale=float(sm_scale),
-                               segs=sg, free_tiles=free_tiles, shared=shared)
+                               segs=sg, free_tiles=free_tiles, shared=shared, walk_kind=walk)
     out = jax.ShapeDtypeStruct((nranges, B, H, mcp, d), jnp.float32)
     scratch = _dkv_scratch(q.dtype, bs, d, stages, plgpu.SMEM((2, 2 + sg, bs), jnp.int32), sg, shared=shared)
     dkc, dvc = _launch(named(kernel, "mosaic_dkv_cols"), [out, out], scratch, (nch // 2, H, B * nranges),

@@ -236,8 +236,10 @@ def column_pair_walk(lo0, hi0, lo1, hi1):
     """One walk of the query blocks two column chunks need (the column dK/dV pass's
     ``col_walk="shared"``: a CTA's two consumers on one Q/dO stream): the union of ``[lo0, hi0)`` and
     ``[lo1, hi1)`` in ascending order, each block once, an empty walk ignored and a gap between
-    disjoint walks skipped. Returns ``(n, at)``: ``n`` tiles, tile ``t < n`` at query block ``at(t)``.
-    Integer arithmetic on scalars (traced in a kernel, or numpy)."""
+    disjoint walks skipped. Returns ``(n, at, tile_of)``: ``n`` tiles, tile ``t < n`` at query block
+    ``at(t)``; ``tile_of(qb)``, the tile of a block of either walk, or of either walk's end (clipped to
+    ``[0, n]``: each walk's blocks are tiles ``[tile_of(lo), tile_of(hi))``). Integer arithmetic on
+    scalars (traced in a kernel, or numpy)."""
     e0, e1 = hi0 > lo0, hi1 > lo1
     a0, b0 = jnp.where(e0, lo0, lo1), jnp.where(e0, hi0, hi1)  # an empty walk takes the other's bounds
     a1, b1 = jnp.where(e1, lo1, a0), jnp.where(e1, hi1, b0)
@@ -249,7 +251,10 @@ def column_pair_walk(lo0, hi0, lo1, hi1):
     def at(t):
         return s + t + jnp.where(t >= e_first - s, gap, 0)
 
-    return n, at
+    def tile_of(qb):
+        return jnp.clip(qb - s - jnp.where(qb > e_first, gap, 0), 0, n)
+
+    return n, at, tile_of
 
 
 def column_tile_kind(qb, lo, hi, f_lo, f_hi):

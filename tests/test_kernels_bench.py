@@ -90,6 +90,14 @@ def test_col_walks_option(tmp_path, monkeypatch, capsys):
         kernels.main()
     err = capsys.readouterr().err
     assert "--col-walks: unknown walk(s) ['loose']" in err and "'masked', 'free'" in err, err
+    monkeypatch.setattr(sys, "argv", argv + ["--col-walks", "free,shared:switch,shared:loops"])
+    kernels.main()
+    assert seen["col_walks"] == ("free", "shared:switch", "shared:loops")
+    for bad in ("free:loops", "shared:zigzag"):  # a walk only for the shared stream, and one of WALKS
+        monkeypatch.setattr(sys, "argv", argv + ["--col-walks", bad])
+        with pytest.raises(SystemExit):
+            kernels.main()
+        assert f"unknown walk(s) ['{bad}']" in capsys.readouterr().err
 
 
 def test_default_col_walk_is_the_operators():

@@ -154,7 +154,8 @@ class TestMosaicGPU(_GPUSizes):
     def test_column_walks_agree(self, documents):
         """The column dK/dV pass's ``col_walk="free"`` (no mask on each chunk's query blocks of
         ``column_free_range``, where the mask keeps every pair; walked first) and ``"shared"`` (the
-        same bodies, a CTA's two chunks on one Q/dO stream of the union of their walks) give the masked walk's
+        same bodies, a CTA's two chunks on one Q/dO stream of the union of their walks; segment loops or one
+        switching loop) give the masked walk's
         dK/dV: the same tiles, within bf16 rounding of P (the two tile bodies compile to different
         instruction schedules, so a score can differ in its last float32 bit and a P on a bf16 rounding
         boundary round the other way: 1.3e-5 relative on an H100, 2026-12-05) and float32 summation
@@ -193,7 +194,9 @@ class TestMosaicGPU(_GPUSizes):
         z = jnp.zeros(k.shape, jnp.float32)
         got = {w: mosaic_dkv_cols(q, k, v, pos, pos, index, do, lse, delta, z, z, sm_scale=D ** -0.5, segs=segs,
                                   col_walk=w) for w in COL_WALKS}
-        for walk in set(COL_WALKS) - {"masked"}:
+        got["shared:switch"] = mosaic_dkv_cols(q, k, v, pos, pos, index, do, lse, delta, z, z, sm_scale=D ** -0.5,
+                                               segs=segs, col_walk="shared", walk="switch")
+        for walk in set(got) - {"masked"}:
             for a, b in zip(got[walk], got["masked"]):
                 assert float(jnp.abs(b).max()) > 0 and rel(a, b) < 1e-4, walk
 

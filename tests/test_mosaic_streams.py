@@ -196,21 +196,27 @@ def test_kernel_lowering_benchmark_reports_every_case():
 def test_column_pair_walk_visits_the_union_once_in_order(lo0, n0, lo1, n1, f0, f1):
     """The column dK/dV pass's shared walk (``col_walk="shared"``) of a CTA's two chunks: its ``n`` tiles
     are the union of the chunks' walks ``[lo, hi)``, ascending, each query block once (a gap between
-    disjoint walks skipped, an empty walk ignored), and each consumer's tiles classed by
-    :func:`~pallas_kernels.mosaic_stream.column_tile_kind` are exactly its own walk, free on exactly its
-    free blocks: the split walk's tiles and bodies, in another order."""
+    disjoint walks skipped, an empty walk ignored), ``tile_of`` inverts it, and each consumer's tiles
+    classed by :func:`~pallas_kernels.mosaic_stream.column_tile_kind` (the ``"switch"`` walk) or by its
+    five segment loops from ``tile_of`` (``"loops"``) are exactly its own walk, free on exactly its free
+    blocks: the split walk's tiles and bodies, in another order."""
     from pallas_kernels.mosaic_stream import column_pair_walk, column_tile_kind
 
     walks = [(lo0, lo0 + n0), (lo1, lo1 + n1)]
-    n, at = column_pair_walk(*(np.int32(x) for w in walks for x in w))
+    n, at, tile_of = column_pair_walk(*(np.int32(x) for w in walks for x in w))
     blocks = [int(at(np.int32(t))) for t in range(int(n))]
     assert blocks == sorted(set(range(*walks[0])) | set(range(*walks[1]))), (walks, blocks)
+    assert all(int(tile_of(np.int32(qb))) == t for t, qb in enumerate(blocks))
     for (lo, hi), fl in zip(walks, (f0, f1)):
         f_lo = min(lo + fl // 3, hi)
         f_hi = min(f_lo + fl, hi)
         kinds = [int(column_tile_kind(np.int32(qb), lo, hi, f_lo, f_hi)) for qb in blocks]
         assert [qb for qb, k in zip(blocks, kinds) if k != 2] == list(range(lo, hi))
         assert [qb for qb, k in zip(blocks, kinds) if k == 0] == list(range(f_lo, f_hi))
+        # the segment loops ("loops" walk): skip, masked, free, masked, skip runs give the same classes
+        i_lo, i_flo, i_fhi, i_hi = (int(tile_of(np.int32(x))) for x in (lo, f_lo, f_hi, hi))
+        runs = [(0, i_lo, 2), (i_lo, i_flo, 1), (i_flo, i_fhi, 0), (i_fhi, i_hi, 1), (i_hi, int(n), 2)]
+        assert [k for a, b, k in runs for _ in range(a, b)] == kinds, (walks, runs, kinds)
 
 
 @pytest.mark.parametrize("documents", [False, True])
@@ -240,7 +246,7 @@ def test_column_pair_walk_loads_on_ordered_columns(documents):
     for h, p, r in np.ndindex(first.shape[1], nch // 2, nr):
         w = [(max(first[0, h, c], r * R), max(min(end[0, h, c], (r + 1) * R), max(first[0, h, c], r * R)))
              for c in (2 * p, 2 * p + 1)]
-        n, _ = column_pair_walk(*(np.int32(x) for ww in w for x in ww))
+        n = column_pair_walk(*(np.int32(x) for ww in w for x in ww))[0]
         split += sum(hi - lo for lo, hi in w)
         union += int(n)
         both += max(0, min(w[0][1], w[1][1]) - max(w[0][0], w[1][0]))
