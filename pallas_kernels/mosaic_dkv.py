@@ -32,8 +32,8 @@ from pallas_kernels import mosaic_precompile
 from pallas_kernels.index_format import StepIndex, column_start
 from pallas_kernels.mosaic_common import (LOG2E, NEG_INF, col_layout, load_smem, named, row_layout, tile_transforms,
                                           transposed)
-from pallas_kernels.mosaic_stream import (block_loops, block_step_kind, check_walk, column_pair_walk, column_tile_kind,
-                                          resolve_stream)
+from pallas_kernels.mosaic_stream import (block_loops, block_step_kind, check_walk, column_pair_loops, column_pair_walk,
+                                          column_tile_kind, resolve_stream)
 from pallas_kernels.mosaic_index import (STREAM_SEGMENTS, column_free_range, column_ids, column_operands,
                                          column_ranges, column_slots, kv_pair_schedule, kv_schedule,
                                          uniform_kv_schedule)
@@ -299,8 +299,7 @@ def _dkv_cols_kernel(first_ref, end_ref, *refs, stages: int, bs: int, nranges: i
             mine = bounds(w)  # read once, before the loop (not per tile)
             if walk_kind == "switch":
                 return n, (n, lambda t: column_tile_kind(at(t), *mine)), at
-            i_lo, i_flo, i_fhi, i_hi = (tile_of(x) for x in mine)  # ascending: skip, masked, free, masked, skip
-            return n, [(0, i_lo, 2), (i_lo, i_flo, 1), (i_flo, i_fhi, 0), (i_fhi, i_hi, 1), (i_hi, n, 2)], at
+            return n, column_pair_loops(n, tile_of, *mine), at
         lo, hi, f_lo, f_hi = bounds(w)
         n_free, before = f_hi - f_lo, f_lo - lo
 

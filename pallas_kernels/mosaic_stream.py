@@ -257,6 +257,17 @@ def column_pair_walk(lo0, hi0, lo1, hi1):
     return n, at, tile_of
 
 
+def column_pair_loops(n, tile_of, lo, hi, f_lo, f_hi):
+    """One consumer's segment loops over the shared column walk (``col_walk="shared"``,
+    ``walk="loops"``): ``[(start, stop, kind)]`` covering tiles ``[0, n)`` in order, ``kind`` as
+    :func:`column_tile_kind` (2 not its walk, 1 masked, 0 free): skip, masked, free, masked, skip, from
+    its walk ``[lo, hi)`` with free blocks ``[f_lo, f_hi)`` inside it and ``tile_of`` of
+    :func:`column_pair_walk`. Every tile is in exactly one loop: a consumer walking more or fewer
+    tiles than the producer loads would wait forever."""
+    i_lo, i_flo, i_fhi, i_hi = (tile_of(x) for x in (lo, f_lo, f_hi, hi))
+    return [(0, i_lo, 2), (i_lo, i_flo, 1), (i_flo, i_fhi, 0), (i_fhi, i_hi, 1), (i_hi, n, 2)]
+
+
 def column_tile_kind(qb, lo, hi, f_lo, f_hi):
     """A column chunk's class of query block ``qb`` (0 free, 1 masked, 2 not in its walk ``[lo, hi)``;
     free: inside ``[f_lo, f_hi)``, :func:`~pallas_kernels.mosaic_index.column_free_range`)."""

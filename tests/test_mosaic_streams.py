@@ -200,7 +200,7 @@ def test_column_pair_walk_visits_the_union_once_in_order(lo0, n0, lo1, n1, f0, f
     classed by :func:`~pallas_kernels.mosaic_stream.column_tile_kind` (the ``"switch"`` walk) or by its
     five segment loops from ``tile_of`` (``"loops"``) are exactly its own walk, free on exactly its free
     blocks: the split walk's tiles and bodies, in another order."""
-    from pallas_kernels.mosaic_stream import column_pair_walk, column_tile_kind
+    from pallas_kernels.mosaic_stream import column_pair_loops, column_pair_walk, column_tile_kind
 
     walks = [(lo0, lo0 + n0), (lo1, lo1 + n1)]
     n, at, tile_of = column_pair_walk(*(np.int32(x) for w in walks for x in w))
@@ -213,9 +213,12 @@ def test_column_pair_walk_visits_the_union_once_in_order(lo0, n0, lo1, n1, f0, f
         kinds = [int(column_tile_kind(np.int32(qb), lo, hi, f_lo, f_hi)) for qb in blocks]
         assert [qb for qb, k in zip(blocks, kinds) if k != 2] == list(range(lo, hi))
         assert [qb for qb, k in zip(blocks, kinds) if k == 0] == list(range(f_lo, f_hi))
-        # the segment loops ("loops" walk): skip, masked, free, masked, skip runs give the same classes
-        i_lo, i_flo, i_fhi, i_hi = (int(tile_of(np.int32(x))) for x in (lo, f_lo, f_hi, hi))
-        runs = [(0, i_lo, 2), (i_lo, i_flo, 1), (i_flo, i_fhi, 0), (i_fhi, i_hi, 1), (i_hi, int(n), 2)]
+        # the kernel's segment loops ("loops" walk): skip, masked, free, masked, skip runs, in order, cover
+        # [0, n) once (a loop too many or too few and the kernel hangs) with the same classes
+        runs = [tuple(int(x) for x in r)
+                for r in column_pair_loops(n, tile_of, *(np.int32(x) for x in (lo, hi, f_lo, f_hi)))]
+        assert [r[:2] for r in runs] == list(zip([0] + [r[1] for r in runs[:-1]], [r[1] for r in runs])), runs
+        assert runs[-1][1] == int(n) and all(a <= b for a, b, _ in runs), runs
         assert [k for a, b, k in runs for _ in range(a, b)] == kinds, (walks, runs, kinds)
 
 
