@@ -34,9 +34,11 @@ def passes_table(rows):
 def _pass_label(r) -> str:
     """A pass row's bar label: its impl, or for a Mosaic column-pass row its walk (``col_walk``: rows
     before run 26 call the masked walk ``mosaic``, later ones the free walk); ``, loads only`` for a
-    ``--loads-only`` row of the kernel without its math (:mod:`benchmarks.pass_floors`)."""
+    ``--loads-only`` row of the kernel without its math (:mod:`benchmarks.pass_floors`); a row's
+    ``build`` (an A/B of two commits' kernels, one process each) after it."""
     lab = f"mosaic, {r['col_walk']} walk" if r.get("col_walk") and r["impl"] != "triton" else r["impl"]
-    return lab + (", loads only" if r.get("variant") == "load_only" else "")
+    lab += ", loads only" if r.get("variant") == "load_only" else ""
+    return lab + (f", {r['build']}" if r.get("build") else "")
 
 
 def plot_passes(rows, path):

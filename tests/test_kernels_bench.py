@@ -209,3 +209,29 @@ def test_family_plot_takes_the_median_of_rounds(tmp_path, monkeypatch):
     (ratio, ratio_err), = bars["ratio"]
     assert ratio == [pytest.approx((36 / 30 + 36 / 28) / 2)]
     assert ratio_err[1][0] == pytest.approx(36 / 28 - ratio[0])
+
+
+def test_pass_plot_labels_tell_walks_floors_and_builds_apart(tmp_path, monkeypatch):
+    """A pass row's bar label (``plot_passes``): impl, column walk, ``--loads-only`` floor and an A/B's
+    ``build`` (results run 38: two commits' kernels, one process each) each end up in it, and a plot of
+    such rows is written."""
+    import json
+    import sys
+
+    from benchmarks.kernels import main
+    from benchmarks.kernels_report import _pass_label
+
+    base = {"seq": 131072, "index": "vert95", "pass_": "dkv_cols", "impl": "mosaic", "ms": 8.4,
+            "spread_ms": [8.3, 8.5], "tflops": 520.0}
+    assert _pass_label(dict(base, impl="triton")) == "triton"
+    assert _pass_label(dict(base, col_walk="free")) == "mosaic, free walk"
+    assert _pass_label(dict(base, col_walk="free", variant="load_only")) == "mosaic, free walk, loads only"
+    assert _pass_label(dict(base, col_walk="free", build="one info copy (804cfc3)")) == \
+        "mosaic, free walk, one info copy (804cfc3)"
+    rows = [dict(base, col_walk="free", build=b, run="ab") for b in ("new", "old")]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ab.png"
+    monkeypatch.setattr(sys, "argv", ["kernels.py", "--plot-from", str(src), "--runs", "ab", "--plot", str(out)])
+    main()
+    assert out.stat().st_size > 10_000
