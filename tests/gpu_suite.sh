@@ -11,6 +11,9 @@
 # Usage: bash tests/gpu_suite.sh [LOG_DIR] (GPU_SUITE_GROUPS=0,1 runs only those groups;
 # GPU_SUITE_GPUS=0,1,2,3 spreads the groups over those GPUs, group i on the (i mod n)-th, each
 # GPU's memory then its own); exits non-zero if any group fails, and prints each group's summary.
+# The logs are verbose: each test's id is written as it starts, so a group stopped from outside (a
+# kernel that hangs: results/kernels/kernels.md run 38) ends its log, and its summary line here, with
+# the test that hung.
 # Serially, `python -m pytest -m gpu` runs the same tests.
 set -u
 cd "$(dirname "$0")/.."
@@ -58,7 +61,7 @@ for i in "${!groups[@]}"; do
   gpu_env=()
   [[ -n "${GPU_SUITE_GPUS:-}" ]] && gpu_env=(CUDA_VISIBLE_DEVICES=$gpu)
   [[ "$g" == *" -k "* ]] && args+=(-k "${g#* -k }")
-  env "${gpu_env[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$frac python -m pytest -m gpu -q -p no:cacheprovider --durations=5 "${args[@]}" >"$log_dir/group$i.log" 2>&1 &
+  env "${gpu_env[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$frac PYTHONUNBUFFERED=1 python -m pytest -m gpu -v -p no:cacheprovider --durations=5 "${args[@]}" >"$log_dir/group$i.log" 2>&1 &
   pids+=($!)
   ran+=($i)
 done
