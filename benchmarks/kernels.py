@@ -405,7 +405,6 @@ def main():
     if bad:
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
     from pallas_kernels.mosaic_dkv import COL_WALKS, DKV_STREAMS
-
     from pallas_kernels.mosaic_stream import WALKS
 
     col_walks = tuple(a.col_walks.split(",")) if a.col_walks else None
