@@ -26,11 +26,22 @@ def dkv_blocks_variant(spec):
     """:func:`pallas_kernels.mosaic_dkv.mosaic_dkv_blocks` with the stream (and walk) of ``spec``:
     ``None`` (as built), ``"<stream>"`` or ``"<stream>:<walk>"``."""
     from pallas_kernels import mosaic_dkv
+    from pallas_kernels.mosaic_stream import parse_stream_walk
 
     if spec is None:
         return mosaic_dkv.mosaic_dkv_blocks
-    stream, _, walk = spec.partition(":")
-    return functools.partial(mosaic_dkv.mosaic_dkv_blocks, stream=stream, **({"walk": walk} if walk else {}))
+    stream, walk = parse_stream_walk(spec, mosaic_dkv.DKV_STREAMS)
+    return functools.partial(mosaic_dkv.mosaic_dkv_blocks, stream=stream, walk=walk)
+
+
+def dkv_cols_variant(spec):
+    """:func:`pallas_kernels.mosaic_dkv.mosaic_dkv_cols` with the column walk of ``spec``: ``"<col_walk>"``
+    or ``"shared:<walk>"``."""
+    from pallas_kernels import mosaic_dkv
+    from pallas_kernels.mosaic_stream import parse_stream_walk
+
+    col_walk, walk = parse_stream_walk(spec, mosaic_dkv.COL_WALKS)
+    return functools.partial(mosaic_dkv.mosaic_dkv_cols, col_walk=col_walk, walk=walk)
 
 
 def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), streams=("shared",), names=PASSES,
@@ -107,9 +118,7 @@ def passes(S, sparsities, families, vert_cols, reps, seed=1, walks=("loops",), s
                   dkv_blocks_variant(ds), args, 4 * bp) for ds in dkv_streams],
                ("dkv_cols", "triton", tb.dkv_col_pass, args + (zeros, zeros), 4 * cp),
                *[("dkv_cols", "mosaic" if cw == mosaic_dkv.DEFAULT_COL_WALK else f"mosaic[{cw.replace(':', ',')}]",
-                  functools.partial(mosaic_dkv.mosaic_dkv_cols, col_walk=cw.partition(":")[0],
-                                    **({"walk": cw.partition(":")[2]} if ":" in cw else {})),
-                  args + (zeros, zeros), 4 * cp, {"col_walk": cw})
+                  dkv_cols_variant(cw), args + (zeros, zeros), 4 * cp, {"col_walk": cw})
                  for cw in col_walks]]
         fns = [f for f in fns if f[0] in names and not (f[0] == "dkv_cols" and cp == 0)
                and f[1].split("[")[0] in impls]

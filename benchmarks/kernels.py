@@ -405,14 +405,18 @@ def main():
     if bad:
         ap.error(f"--pass-names: unknown pass(es) {bad}; expected some of {list(PASSES)}")
     from pallas_kernels.mosaic_dkv import COL_WALKS, DKV_STREAMS
-    from pallas_kernels.mosaic_stream import WALKS
+    from pallas_kernels.mosaic_stream import parse_stream_walk
 
     col_walks = tuple(a.col_walks.split(",")) if a.col_walks else None
-    bad = sorted(x for x in set(col_walks or ()) if x.partition(":")[0] not in COL_WALKS
-                 or (x.partition(":")[2] and (x.partition(":")[0] != "shared" or x.partition(":")[2] not in WALKS)))
-    if bad:
-        ap.error(f"--col-walks: unknown walk(s) {bad}; expected some of {list(COL_WALKS)} "
-                 f"(shared:WALK with a walk of {WALKS})")
+    dkv_streams = tuple(None if x == "default" else x for x in a.dkv_streams.split(",") if x) or (None,)
+    for flag, specs, streams, walked in (  # the comparison table's rows take a dK/dV stream, not its walk
+            ("--col-walks", col_walks or (), COL_WALKS, ("shared",)),
+            ("--dkv-streams", [x for x in dkv_streams if x is not None], DKV_STREAMS, ("shared",) if a.passes else ())):
+        for x in specs:
+            try:
+                parse_stream_walk(x, streams, walked)
+            except ValueError as e:
+                ap.error(f"{flag}: {e}")
     seqs = [int(s) for s in a.seqs.split(",")]
     pass_seqs = [int(x) for x in a.passes.split(",") if x]
     if model and not a.plot_from:
@@ -430,12 +434,6 @@ def main():
         ap.error(f"--slots: comma-separated integers, got {a.slots!r}")
     if any(n < 2 for n in slots if n is not None):
         ap.error(f"--slots: each >= 2, got {a.slots!r}")
-    dkv_streams = tuple(None if x == "default" else x for x in a.dkv_streams.split(",") if x) or (None,)
-    for x in dkv_streams:
-        st, _, wk = (x or "split").partition(":")
-        if st not in DKV_STREAMS or (wk and wk not in WALKS):
-            ap.error(f"--dkv-streams: {x!r} is not stream[:walk] with a stream of {DKV_STREAMS} "
-                     f"and a walk of {WALKS}")
     pass_impls = tuple(x for x in a.pass_impls.split(",") if x)
     if not pass_impls or set(pass_impls) - {"triton", "mosaic"}:
         ap.error(f"--pass-impls: some of triton,mosaic, got {a.pass_impls!r}")

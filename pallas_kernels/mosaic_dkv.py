@@ -389,7 +389,7 @@ DKV_SHARED_WALK = "switch"
 @functools.partial(jax.jit, static_argnames=_STATIC + ("uniform", "stream", "walk"))
 def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *, sm_scale: float,
                       block_size: int = 64, stages: int = 2, segs=None, uniform: bool = False, stream: str = "auto",
-                      walk: str = DKV_SHARED_WALK):
+                      walk: str | None = None):
     """Backward block pass: ``(dk, dv) f32 [B, Sk, Hkv, D]`` of the active blocks' pairs (causal,
     minus the listed columns of each row's prefix: :func:`mosaic_dkv_cols` has those), summed over
     each KV head's group of query heads. ``Sk`` a multiple of 128; ``do`` in q's dtype (cast here),
@@ -406,9 +406,8 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
     results/kernels/kernels.md run 34). ``walk``
     (:data:`~pallas_kernels.mosaic_stream.WALKS`): the shared stream's consumers walk its segment
     loops (7, :data:`~pallas_kernels.mosaic_stream.SHARED_PLAN`) or one loop choosing the free /
-    masked / skip body per tile; the split stream always walks two loops. The same result every way,
-    its tiles summed in another order."""
-    check_walk(walk)
+    masked / skip body per tile (default :data:`DKV_SHARED_WALK`); the split stream always walks two loops
+    (a ``walk`` given with it is an error). The same result every way, its tiles summed in another order."""
     B, sq, H, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = block_size
@@ -416,6 +415,10 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
     stream = resolve_stream(stream, "dkv", uniform)
     if stream not in DKV_STREAMS:
         raise ValueError(f"the dK/dV block pass's stream must be one of {DKV_STREAMS + ('auto',)}, got {stream!r}")
+    if walk is not None and stream != "shared":
+        raise ValueError(f"walk={walk!r} chooses how the shared stream is walked; the {stream!r} stream has none")
+    walk = DKV_SHARED_WALK if walk is None else walk
+    check_walk(walk)
     rinfo, qinfo = _row_infos(q_pos, lse, delta, index.col_count, bs, segs[0] if sg else None)
     slots = column_slots(index, sk)
     args = [q, do.astype(q.dtype), rinfo, qinfo, k, v] + ([segs[1].astype(jnp.int32)] if sg else [])
@@ -439,7 +442,7 @@ def mosaic_dkv_blocks(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, *
 @functools.partial(jax.jit, static_argnames=_STATIC + ("range_blocks", "col_walk", "walk"))
 def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk, dv, *, sm_scale: float,
                     block_size: int = 64, stages: int = 2, range_blocks: int = 512, segs=None,
-                    col_walk: str = DEFAULT_COL_WALK, walk: str = "loops"):
+                    col_walk: str = DEFAULT_COL_WALK, walk: str | None = None):
     """Backward column pass: adds the listed columns' dK/dV (every row's prefix columns, causal)
     into ``dk, dv f32 [B, Sk, Hkv, D]``; ranges of at most ``range_blocks`` query blocks per column
     chunk, summed in XLA, then one scatter-add by list slot
@@ -453,11 +456,14 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     ONE Q/dO stream per CTA: its consumers' chunks ``2p``, ``2p + 1`` (one query head) walk the union
     of their query blocks ascending (:func:`~pallas_kernels.mosaic_stream.column_pair_walk`), a block
     both need loaded once, a consumer passing the other's blocks without math; ``walk``
-    (:data:`~pallas_kernels.mosaic_stream.WALKS`, the shared walk only): five segment loops per consumer
-    (``"loops"``: the block pass's shared stream was faster so, results run 34) or one loop choosing
-    each tile's body (``"switch"``). The same result every way, tiles summed in another order."""
+    (:data:`~pallas_kernels.mosaic_stream.WALKS`, the shared walk only: an error with another): five segment
+    loops per consumer (``"loops"``, the default: as fast as the switch or faster on every index, results run 39) or one
+    loop choosing each tile's body (``"switch"``). The same result every way, tiles summed in another order."""
     if col_walk not in COL_WALKS:
         raise ValueError(f"col_walk must be one of {COL_WALKS}, got {col_walk!r}")
+    if walk is not None and col_walk != "shared":
+        raise ValueError(f"walk={walk!r} chooses how col_walk='shared' is walked; col_walk={col_walk!r} has none")
+    walk = "loops" if walk is None else walk
     check_walk(walk)
     free_tiles = col_walk in ("free", "shared")
     shared = col_walk == "shared"

@@ -210,6 +210,17 @@ def check_walk(walk) -> None:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
 
 
+def parse_stream_walk(spec: str, streams, walked=("shared",)) -> tuple:
+    """``"<stream>"`` or ``"<stream>:<walk>"`` (a benchmark option's value) -> ``(stream, walk or None)``.
+    ``ValueError`` naming ``spec`` unless ``stream`` is one of ``streams`` and ``walk`` one of
+    :data:`WALKS`, given only for a stream of ``walked`` (the streams whose consumers' walk is a choice)."""
+    stream, colon, walk = str(spec).partition(":")
+    if stream not in streams or (colon and (walk not in WALKS or stream not in walked)):
+        raise ValueError(f"{spec!r} is not STREAM or STREAM:WALK with STREAM one of {tuple(streams)} and WALK one "
+                         f"of {WALKS} (a walk only for {tuple(walked)})")
+    return stream, (walk if colon else None)
+
+
 def step_kind(t, w, bounds, n_union, row):
     """``(kind, col)`` of stream step ``t`` for consumer ``w``, as :func:`stream_segments`' loops
     classify it: ``kind`` 0 free, 1 masked, 2 skipped; ``col`` a column step. Scalar integer

@@ -419,6 +419,10 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             shared, len(blocks))
         with pytest.raises(ValueError, match="walk must be one of"):
             mosaic_dkv_blocks(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="shared", walk="zigzag")
+        # a walk for a stream without one is refused, not ignored (the split stream; "auto" resolves to it)
+        for stream in ("split", "auto"):
+            with pytest.raises(ValueError, match="walk='loops' chooses how the shared stream is walked; the 'split'"):
+                mosaic_dkv_blocks(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream=stream, walk="loops")
         # no per-call choice of stream in the dK/dV block pass (the shared one is slower everywhere, run 34)
         with pytest.raises(ValueError, match="the dK/dV block pass's stream must be one of .* got 'index'"):
             mosaic_dkv_blocks(q, k, k, pos, pos, idx, q, lse, lse, sm_scale=0.1, stream="index")
@@ -454,6 +458,10 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
             mosaic_dkv_cols(q, k, k, pos, pos, idx, q, lse, lse, z, z, sm_scale=0.1, col_walk="shared", walk="zigzag")
         with pytest.raises(ValueError, match="col_walk must be one of .* got 'loose'"):
             mosaic_dkv_cols(q, k, k, pos, pos, idx, q, lse, lse, z, z, sm_scale=0.1, col_walk="loose")
+        for col_walk in ("free", "masked"):  # a walk only for the shared one: refused, not ignored
+            with pytest.raises(ValueError, match=f"walk='switch' chooses how col_walk='shared' is walked; "
+                                                 f"col_walk='{col_walk}' has none"):
+                mosaic_dkv_cols(q, k, k, pos, pos, idx, q, lse, lse, z, z, sm_scale=0.1, col_walk=col_walk, walk="switch")
 
 
 

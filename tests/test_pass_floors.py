@@ -72,12 +72,19 @@ def test_pass_options_reach_passes_and_bad_ones_are_refused(monkeypatch, capsys)
                        (["--pass-impls", "cuda"], "--pass-impls: some of triton,mosaic, got 'cuda'"),
                        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
                        (["--kv-step", "96"], "--kv-step: invalid choice: 96"),
-                       (["--dkv-streams", "shared:zigzag"], "--dkv-streams: 'shared:zigzag' is not stream[:walk]"),
-                       (["--dkv-streams", "index"], "--dkv-streams: 'index' is not stream[:walk]")):
+                       (["--dkv-streams", "shared:zigzag"], "--dkv-streams: 'shared:zigzag' is not STREAM or STREAM:WALK"),
+                       (["--dkv-streams", "split:loops"], "--dkv-streams: 'split:loops' is not STREAM or STREAM:WALK"),
+                       (["--dkv-streams", "index"], "--dkv-streams: 'index' is not STREAM or STREAM:WALK")):
         monkeypatch.setattr(sys, "argv", argv + extra)
         with pytest.raises(SystemExit):
             kernels.main()
         assert msg in capsys.readouterr().err
+    # the comparison table (no --passes) takes a dK/dV stream per operator row, not a walk: refused up front
+    monkeypatch.setattr(kernels, "run", lambda *a, **k: pytest.fail("timed a walk the table cannot apply"))
+    monkeypatch.setattr(sys, "argv", ["kernels.py", "--seqs", "256", "--dkv-streams", "default,shared:loops"])
+    with pytest.raises(SystemExit):
+        kernels.main()
+    assert "--dkv-streams: 'shared:loops' is not STREAM or STREAM:WALK" in capsys.readouterr().err
 
 
 def _rows():
