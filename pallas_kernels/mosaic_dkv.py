@@ -457,8 +457,8 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     of their query blocks ascending (:func:`~pallas_kernels.mosaic_stream.column_pair_walk`), a block
     both need loaded once, a consumer passing the other's blocks without math; ``walk``
     (:data:`~pallas_kernels.mosaic_stream.WALKS`, the shared walk only: an error with another): five segment
-    loops per consumer (``"loops"``, the default: as fast as the switch or faster on every index, results run 39) or one
-    loop choosing each tile's body (``"switch"``). The same result every way, tiles summed in another order."""
+    loops per consumer (``"loops"``, the default: as fast as the switch or faster on every index, results
+    run 39) or one loop choosing each tile's body (``"switch"``). The same result every way, tiles summed in another order."""
     if col_walk not in COL_WALKS:
         raise ValueError(f"col_walk must be one of {COL_WALKS}, got {col_walk!r}")
     if walk is not None and col_walk != "shared":

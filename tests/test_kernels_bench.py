@@ -98,7 +98,8 @@ def test_col_walks_option(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             kernels.main()
         err = capsys.readouterr().err
-        assert f"--col-walks: '{bad}' is not STREAM or STREAM:WALK" in err and "(a walk only for ('shared',))" in err, err
+        assert f"--col-walks: '{bad}' is not STREAM or STREAM:WALK" in err, err
+        assert "(a walk only for ('shared',))" in err, err
 
 
 def test_default_col_walk_is_the_operators():

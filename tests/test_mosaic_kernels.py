@@ -461,7 +461,8 @@ def test_mosaic_kernels_lower_for_cuda(merge, documents):
         for col_walk in ("free", "masked"):  # a walk only for the shared one: refused, not ignored
             with pytest.raises(ValueError, match=f"walk='switch' chooses how col_walk='shared' is walked; "
                                                  f"col_walk='{col_walk}' has none"):
-                mosaic_dkv_cols(q, k, k, pos, pos, idx, q, lse, lse, z, z, sm_scale=0.1, col_walk=col_walk, walk="switch")
+                mosaic_dkv_cols(q, k, k, pos, pos, idx, q, lse, lse, z, z, sm_scale=0.1, col_walk=col_walk,
+                                walk="switch")
 
 
 

@@ -72,7 +72,8 @@ def test_pass_options_reach_passes_and_bad_ones_are_refused(monkeypatch, capsys)
                        (["--pass-impls", "cuda"], "--pass-impls: some of triton,mosaic, got 'cuda'"),
                        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
                        (["--kv-step", "96"], "--kv-step: invalid choice: 96"),
-                       (["--dkv-streams", "shared:zigzag"], "--dkv-streams: 'shared:zigzag' is not STREAM or STREAM:WALK"),
+                       (["--dkv-streams", "shared:zigzag"],
+                        "--dkv-streams: 'shared:zigzag' is not STREAM or STREAM:WALK"),
                        (["--dkv-streams", "split:loops"], "--dkv-streams: 'split:loops' is not STREAM or STREAM:WALK"),
                        (["--dkv-streams", "index"], "--dkv-streams: 'index' is not STREAM or STREAM:WALK")):
         monkeypatch.setattr(sys, "argv", argv + extra)
