@@ -5,12 +5,19 @@ alternating over rounds, with the code each run imported checked.
         --metric step_ms -- benchmarks.train_throughput --config configs/qwen2.5-0.5b-128k.yaml \\
         --seq-lens 131072 --backends mtraining --set 'model.dense_layers=[]' --out {out}
 
+An arm may also be a setting rather than a tree: ``--env NAME:VAR=VALUE`` (repeatable) sets ``VAR`` in
+arm ``NAME``'s runs only, e.g. one tree twice with and without XLA's command buffers::
+
+    python -m benchmarks.ab_trees --arm off=. --arm graphs=. \\
+        --env 'off:XLA_FLAGS=--xla_gpu_enable_command_buffer=' --out OUT --metric fb_ms --group-by family,impl \\
+        -- benchmarks.kernels --seqs 131072 ... --json {out}/rows.json
+
 Each run is ``python -m MODULE ARGS`` with the arm's tree as its working directory (``python -m``
 imports from the current directory first: a ``PYTHONPATH`` pointing at another tree is not enough,
 ``results/training/train_throughput.md`` run 28), ``{out}`` in ``ARGS`` replaced by the run's own
 folder under ``OUT``, and ``MTRAINING_COMMIT`` set to the tree's ``COMMIT`` file or ``git rev-parse``.
-Before any run the arms' :func:`benchmarks._driver.code_digest` must differ (``--allow-same-code``
-for an A/A run); after each run every row that names its ``code`` must name its arm's.
+Before any run the arms must differ in :func:`benchmarks._driver.code_digest` or in their ``--env``
+(``--allow-same-code`` for an A/A run); after each run every row that names its ``code`` must name its arm's.
 
 Round ``r`` runs the arms in the order rotated by ``r`` (no arm always first). A run past ``--timeout``
 stops the A/B (the arm's next run would be cut too; its rounds so far are kept), and with ``--budget`` a
@@ -18,7 +25,7 @@ round starts only if the longest round so far still fits (the rounds that ran ar
 cut short by the caller's own limit). ``OUT/ab.jsonl`` and ``OUT/ab.md`` are rewritten after every round,
 so a run killed from outside leaves the finished rounds' comparison. Rows (every ``.jsonl``
 row, or a ``.json`` file's list or ``rows``, written under the run's folder) go to ``OUT/ab.jsonl``
-with ``ab_arm``, ``ab_round``, ``ab_code``; ``OUT/ab.md`` compares each arm with the first one per
+with ``ab_arm``, ``ab_round``, ``ab_code``, ``ab_env``; ``OUT/ab.md`` compares each arm with the first one per
 ``--group-by`` group: the per-round paired differences of ``--metric`` (the arms of a round ran back
 to back), their mean and 95 % t-interval (:func:`benchmarks.quality_stats.paired_interval`), and a
 verdict that claims a difference only where the interval excludes zero.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -48,6 +56,22 @@ def parse_arm(text: str) -> tuple[str, str]:
     if not os.path.isdir(os.path.join(path, "mtraining_jax")):
         raise ValueError(f"--arm {text!r}: {path} holds no mtraining_jax package")
     return name, path
+
+
+def parse_env(text: str, arms: Sequence[str]) -> tuple[str, str, str]:
+    """``NAME:VAR=VALUE`` -> ``(NAME, VAR, VALUE)`` for an arm ``NAME`` of ``arms``; ``VALUE`` may hold
+    ``=`` and ``:`` (and be empty). ``PYTHONPATH`` is refused: an arm imports its own tree."""
+    name, sep, rest = text.partition(":")
+    var, eq, value = rest.partition("=")
+    if not sep or not eq or not name or not var:
+        raise ValueError(f"--env must be NAME:VAR=VALUE, got {text!r}")
+    if name not in arms:
+        raise ValueError(f"--env {text!r}: no arm {name!r} (arms: {', '.join(arms)})")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+        raise ValueError(f"--env {text!r}: {var!r} is not an environment variable name")
+    if var == "PYTHONPATH":
+        raise ValueError(f"--env {text!r}: PYTHONPATH would import another tree's code (give that tree as an arm)")
+    return name, var, value
 
 
 def tree_commit(path: str) -> str:
@@ -141,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds for all rounds: a round starts only if the longest one so far fits (0: no limit)")
-    ap.add_argument("--allow-same-code", action="store_true", help="let two arms run the same code (an A/A run)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME:VAR=VALUE",
+                    help="set VAR to VALUE in arm NAME's runs only (repeatable): arms of one tree may differ by this")
+    ap.add_argument("--allow-same-code", action="store_true",
+                    help="let two arms run the same code with the same --env (an A/A run)")
     return ap
 
 
@@ -168,17 +195,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if len(arms) < 2 or len(arms) != len(a.arm):
         raise SystemExit(f"error: need two or more --arm with distinct names, got {a.arm}")
     names = list(arms)
+    arm_env = {n: {} for n in names}
+    try:
+        for x in a.env:
+            n, var, value = parse_env(x, names)
+            arm_env[n][var] = value
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     codes = {n: code_digest(p) for n, p in arms.items()}
-    same = [(x, y) for i, x in enumerate(names) for y in names[i + 1:] if codes[x] == codes[y]]
+    same = [(x, y) for i, x in enumerate(names) for y in names[i + 1:]
+            if codes[x] == codes[y] and arm_env[x] == arm_env[y]]
     if same and not a.allow_same_code:
-        raise SystemExit(f"error: arms {same} hold the same code ({', '.join(f'{n}: {codes[n]}' for n in names)}); "
-                         "pass --allow-same-code for an A/A run")
+        raise SystemExit(f"error: arms {same} hold the same code ({', '.join(f'{n}: {codes[n]}' for n in names)}) "
+                         "and the same --env; pass --allow-same-code for an A/A run")
     commits = {n: tree_commit(p) for n, p in arms.items()}
     os.makedirs(a.out, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     rows, t0, longest = [], time.time(), 0.0
     head = (f"`python -m benchmarks.ab_trees {' '.join(argv)}`\n\n"
-            + "\n".join(f"* {n}: {arms[n]}, commit {commits[n]}, code {codes[n]}" for n in names) + "\n\n")
+            + "\n".join(f"* {n}: {arms[n]}, commit {commits[n]}, code {codes[n]}"
+                        + "".join(f", `{k}={v}`" for k, v in arm_env[n].items()) for n in names) + "\n\n")
 
     def report(note: str = "") -> str:
         with open(os.path.join(a.out, "ab.jsonl"), "w") as f:
@@ -205,7 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.makedirs(folder, exist_ok=True)  # there before the run: `--out {out}/rows.jsonl` works
             t = time.time()
             try:
-                p = subprocess.run(cmd, cwd=arms[n], env={**env, "MTRAINING_COMMIT": commits[n]},
+                p = subprocess.run(cmd, cwd=arms[n], env={**env, "MTRAINING_COMMIT": commits[n], **arm_env[n]},
                                    capture_output=True, text=True, timeout=a.timeout)
                 status = p.returncode
                 log = (p.stdout or "") + (p.stderr or "")
@@ -220,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise SystemExit(f"error: arm {n} (code {codes[n]}) wrote rows of code {wrong}: it did not run "
                                  f"its own tree {arms[n]}")
             for x in got:
-                x.update(ab_arm=n, ab_round=r, ab_code=codes[n], ab_tree=arms[n])
+                x.update(ab_arm=n, ab_round=r, ab_code=codes[n], ab_tree=arms[n], ab_env=arm_env[n])
             rows += got
             print(f"[{time.time() - t0:7.1f}s] round {r} {n}: exit {status}, {len(got)} rows, "
                   f"{time.time() - t:.1f} s", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """benchmarks.ab_trees: each arm runs from inside its own tree (the rows name their code), arms
 alternate by round, the comparison is paired by round and claims a difference only where its
-interval excludes zero; same-code arms, rows of another code and a command without {out} are refused."""
+interval excludes zero; arms of one tree may differ by their environment (--env); same-code arms with the
+same environment, rows of another code, a bad --env and a command without {out} are refused."""
 
 import json
 import os
@@ -17,7 +18,8 @@ out = sys.argv[sys.argv.index("--out") + 1]
 os.makedirs(out, exist_ok=True)
 rnd = len([d for d in os.listdir(os.path.dirname(out))])  # a little drift between runs
 import time; time.sleep(SLEEP)
-row = dict(provenance(sys.argv[1:]), step_ms=BASE + 0.01 * rnd, index="a")
+row = dict(provenance(sys.argv[1:]), step_ms=BASE + 0.01 * rnd + float(os.environ.get("AB_SHIFT", "0")), index="a",
+           probe=os.environ.get("AB_PROBE"))
 if CLAIM:
     row["code"] = CLAIM
 with open(os.path.join(out, "rows.jsonl"), "w") as f:
@@ -85,6 +87,35 @@ def test_refusals(tmp_path):
                       ([f"--arm=x={a}", f"--arm=y={b}", "--rounds", "0", "--out", out, "--", "m", "{out}"], "--rounds")):
         p = _run(args, tmp_path)
         assert p.returncode != 0 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-1500:])
+
+
+def test_arms_of_one_tree_differ_by_their_environment(tmp_path):
+    """--env NAME:VAR=VALUE reaches that arm's runs only (a value may hold '=' and ':'); one tree twice is
+    an A/B of the setting, compared as two trees are; the settings are in ab.md and on every row."""
+    a = _tree(tmp_path, "a", 5.0)
+    out = tmp_path / "out"
+    p = _run([f"--arm=base={a}", f"--arm=shift={a}", "--env", "shift:AB_SHIFT=-1.5",
+              "--env", "shift:AB_PROBE=--xla_flag=a:b", "--rounds", "2", "--out", str(out), "--group-by", "index",
+              "--", "benchmarks.fake_bench", "--out", "{out}"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in open(out / "ab.jsonl")]
+    assert {r["ab_arm"]: (r["probe"], r["ab_env"]) for r in rows} == {
+        "base": (None, {}), "shift": ("--xla_flag=a:b", {"AB_SHIFT": "-1.5", "AB_PROBE": "--xla_flag=a:b"})}
+    assert len({r["code"] for r in rows}) == 1
+    md = open(out / "ab.md").read()
+    assert "`AB_SHIFT=-1.5`, `AB_PROBE=--xla_flag=a:b`" in md
+    line_a = next(x for x in md.splitlines() if x.startswith("| index=a |"))
+    assert "shift vs base" in line_a and "lower step_ms (interval excludes 0)" in line_a, line_a
+    assert abs(float(line_a.split("|")[5].split("[")[0]) + 1.5) < 0.02, line_a
+    for env, msg in (("shift:AB_SHIFT", "NAME:VAR=VALUE"), ("AB_SHIFT=1", "NAME:VAR=VALUE"),
+                     ("other:AB_SHIFT=1", "no arm 'other'"), ("shift:1X=1", "not an environment variable"),
+                     ("shift:PYTHONPATH=/x", "PYTHONPATH")):
+        p = _run([f"--arm=base={a}", f"--arm=shift={a}", "--env", env, "--out", str(out), "--", "m", "{out}"],
+                 tmp_path)
+        assert p.returncode != 0 and msg in p.stderr and "Traceback" not in p.stderr, (env, p.stderr[-1500:])
+    p = _run([f"--arm=x={a}", f"--arm=y={a}", "--env", "x:AB_SHIFT=1", "--env", "y:AB_SHIFT=1", "--out", str(out),
+              "--", "m", "{out}"], tmp_path)
+    assert p.returncode == 1 and "the same --env" in p.stderr, p.stderr[-1500:]
 
 
 def test_round_order_rotates():
