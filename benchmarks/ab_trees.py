@@ -60,7 +60,8 @@ def parse_arm(text: str) -> tuple[str, str]:
 
 def parse_env(text: str, arms: Sequence[str]) -> tuple[str, str, str]:
     """``NAME:VAR=VALUE`` -> ``(NAME, VAR, VALUE)`` for an arm ``NAME`` of ``arms``; ``VALUE`` may hold
-    ``=`` and ``:`` (and be empty). ``PYTHONPATH`` is refused: an arm imports its own tree."""
+    ``=`` and ``:`` (and be empty). ``PYTHONPATH`` is refused (an arm imports its own tree), and so is
+    ``MTRAINING_COMMIT`` (the commit on the rows is the arm's tree's)."""
     name, sep, rest = text.partition(":")
     var, eq, value = rest.partition("=")
     if not sep or not eq or not name or not var:
@@ -71,6 +72,8 @@ def parse_env(text: str, arms: Sequence[str]) -> tuple[str, str, str]:
         raise ValueError(f"--env {text!r}: {var!r} is not an environment variable name")
     if var == "PYTHONPATH":
         raise ValueError(f"--env {text!r}: PYTHONPATH would import another tree's code (give that tree as an arm)")
+    if var == "MTRAINING_COMMIT":
+        raise ValueError(f"--env {text!r}: MTRAINING_COMMIT is the arm's tree's commit (its COMMIT file or git)")
     return name, var, value
 
 

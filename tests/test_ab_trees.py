@@ -109,7 +109,7 @@ def test_arms_of_one_tree_differ_by_their_environment(tmp_path):
     assert abs(float(line_a.split("|")[5].split("[")[0]) + 1.5) < 0.02, line_a
     for env, msg in (("shift:AB_SHIFT", "NAME:VAR=VALUE"), ("AB_SHIFT=1", "NAME:VAR=VALUE"),
                      ("other:AB_SHIFT=1", "no arm 'other'"), ("shift:1X=1", "not an environment variable"),
-                     ("shift:PYTHONPATH=/x", "PYTHONPATH")):
+                     ("shift:PYTHONPATH=/x", "PYTHONPATH"), ("shift:MTRAINING_COMMIT=abc", "tree's commit")):
         p = _run([f"--arm=base={a}", f"--arm=shift={a}", "--env", env, "--out", str(out), "--", "m", "{out}"],
                  tmp_path)
         assert p.returncode != 0 and msg in p.stderr and "Traceback" not in p.stderr, (env, p.stderr[-1500:])
