@@ -222,7 +222,7 @@ def test_logits_do_not_depend_on_the_summation_order(D):
 @pytest.mark.slow(seconds=24)
 def test_remat_backward_uses_the_forward_index():
     """A tiny model with MTraining attention: gradients under ``remat: full`` (the backward
-    recomputes the forward, the index included) equal those without remat to 1e-6 in float32.
+    recomputes the forward, the index included) equal those without remat to 4e-6 in float32.
     The check can fail: a slightly different index (one vertical fewer per head) moves them by
     far more."""
     from mtraining_jax.model.config import ModelConfig
@@ -255,7 +255,7 @@ def test_remat_backward_uses_the_forward_index():
     g_none = grads(remat="none")
     g_full = grads(remat="full")
     rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
-    assert rel(g_full, g_none) <= 1e-6, rel(g_full, g_none)
+    assert rel(g_full, g_none) <= 4e-6, rel(g_full, g_none)  # float32 sums in another order: ~1.3e-6
     other = grads(remat="none", sparsity=dict(tiny["sparsity"], vertical_max=31))  # one column fewer per head
     assert rel(other, g_none) > 1e-4, rel(other, g_none)
 
