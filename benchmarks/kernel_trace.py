@@ -9,8 +9,8 @@ milliseconds, how many are the kernels and how many the index operands, ``delta`
         --full-seq 32768 --json trace.json
     python -m benchmarks.kernel_trace --families spread,mixed,vert --sparsity 0.95 --json trace.json
 
-Shapes as ``benchmarks/kernels.py`` (B=1, 16 / 2 heads, d128, bf16); each case: 3 warm calls, ``--reps``
-timed calls (wall clock), then 3 traced calls (trace sums are over those 3).
+Shapes as ``benchmarks/kernels.py`` (B=1, 16 / 2 heads, d128, bf16; fwd+bwd given a bf16 ``dO``, ``--cotangent``);
+each case: 3 warm calls, ``--reps`` timed calls (wall clock), then 3 traced calls (trace sums are over those 3).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import numpy as np
 
 from benchmarks._driver import provenance
 from benchmarks._timing import timeit
-from benchmarks.kernel_cases import BS, H, family_index, inputs
-from benchmarks.kernels import _fwd_bwd
+from benchmarks.kernel_cases import BS, COTANGENTS, H, cotangent_dtype, family_index, fwd_bwd, inputs
 from benchmarks.model_index import add_model_args, model_entries, model_options
 from benchmarks.trace_summary import summarize_dir
 from pallas_kernels import api
@@ -65,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cotangent", default="do", choices=COTANGENTS, help="how fwd+bwd is timed "
+                    "(benchmarks.kernel_cases.fwd_bwd: do = the backward given a bf16 dO; loss = runs <= 39's)")
     add_model_args(ap)
     a = ap.parse_args(argv)
     model = model_options(a, ap)
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         ap.error(f"--sparsity must be in (0, 1), got {a.sparsity}")
     rows = []
     if model or families:
-        q, k, v, ct = inputs(a.seq, a.seq, jnp.float32)
+        q, k, v, ct = inputs(a.seq, a.seq, cotangent_dtype(a.cotangent))
         pos = jnp.arange(a.seq, dtype=jnp.int32)
         rng = np.random.default_rng(0)  # benchmarks/kernels.py's seed: its family indices, in its order
         cases = [family_index(rng, fam, a.seq, a.sparsity, 4096) for fam in families]
@@ -86,20 +87,20 @@ def main(argv=None) -> int:
             idx = jax.tree.map(jnp.asarray, idx)
             f = lambda q, k, v, pos, idx: api.block_sparse_attention(q, k, v, pos, pos, idx)  # noqa: E731
             # positions and index: arguments (as in training), not constants XLA could fold into the program
-            rows.append(trace_case(f"{tag}_fb", _fwd_bwd(f), (q, k, v, ct, pos, idx), a.reps, a.top))
+            rows.append(trace_case(f"{tag}_fb", fwd_bwd(f, a.cotangent), (q, k, v, ct, pos, idx), a.reps, a.top))
     if a.full_seq:
         S = a.full_seq
-        q, k, v, ct = inputs(S, S, jnp.float32)
+        q, k, v, ct = inputs(S, S, cotangent_dtype(a.cotangent))
         pos = jnp.arange(S, dtype=jnp.int32)
         cud = functools.partial(jax.nn.dot_product_attention, is_causal=True,  # XLA's attention off a GPU
                                 implementation="cudnn" if jax.default_backend() == "gpu" else None)
         for name, f, data in (("full", lambda q, k, v, pos: api.block_sparse_attention(q, k, v, pos, pos, None), (pos,)),
                               ("cudnn", lambda q, k, v: cud(q, k, v), ())):
             rows.append(trace_case(f"{name}_{S}_fwd", jax.jit(f), (q, k, v, *data), a.reps, a.top))
-            rows.append(trace_case(f"{name}_{S}_fb", _fwd_bwd(f), (q, k, v, ct, *data), a.reps, a.top))
+            rows.append(trace_case(f"{name}_{S}_fb", fwd_bwd(f, a.cotangent), (q, k, v, ct, *data), a.reps, a.top))
     prov = provenance(argv)
     for r in rows:
-        r.update(prov)
+        r.update(prov, cotangent=a.cotangent)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1, default=str)

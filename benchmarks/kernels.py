@@ -23,7 +23,9 @@ benchmarks.model_index``: no checkpoint needed).
 
 TFLOP/s are on the *active* work: dense causal counts ``S(S+1)/2`` pairs per head; sparse counts
 the (query, key) pairs the index makes the kernel compute (``bs*bs`` per active block,
-``bs`` per column). Forward = ``4 * pairs * D`` FLOP; forward+backward = 3.5x forward.
+``bs`` per column). Forward = ``4 * pairs * D`` FLOP; forward+backward = 3.5x forward. Forward+backward is
+timed as training runs it: the backward given a bf16 ``dO`` (``--cotangent do``); ``--cotangent loss`` times
+runs <= 39's ``grad`` of ``sum(out * ct)`` with a float32 ``ct`` (also a convert of ``ct`` in every row).
 
 Usage (GPU): ``python -m benchmarks.kernels --seqs 32768,131072 --json out.json``; plots of the
 committed rows (``results/kernels/kernels.jsonl``, ``run`` = the campaign, ``table`` = what was timed):
@@ -46,7 +48,8 @@ import numpy as np
 
 from benchmarks._driver import check_code_source, provenance
 from benchmarks._timing import timeit
-from benchmarks.kernel_cases import BS, D, H, HKV, active_pairs, family_index, inputs
+from benchmarks.kernel_cases import (BS, COTANGENTS, D, H, HKV, active_pairs, cotangent_dtype, family_index,
+                                     fwd_bwd, inputs)
 from benchmarks.kernel_passes import PASSES, passes
 from benchmarks.kernels_report import load_rows, passes_table, plot, plot_families, plot_passes, table
 from benchmarks.model_index import add_model_args, model_entries, model_options, model_seqs, saved_seq_len
@@ -59,14 +62,6 @@ from pallas_kernels.testing import INDEX_FAMILIES, vertical_slash_index
 
 def _time(fn, *args, reps=5, warmup=2):
     return float(timeit(fn, *args, warmup=warmup, repeat=reps)[0])
-
-
-def _fwd_bwd(f):
-    """``jit(grad)`` of ``sum(f(q, k, v, *data) * ct)`` in ``q, k, v``; ``data`` (positions, index) are
-    arguments of the call, as in training, not constants XLA could fold into the program."""
-    def loss(q, k, v, ct, *data):
-        return jnp.sum(f(q, k, v, *data).astype(jnp.float32) * ct)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 @contextlib.contextmanager
@@ -103,18 +98,18 @@ def _dkv_variants(dkv_streams, impl: str):
 
 
 def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("triton", "auto"),
-        families=("slash", "vert"), vert_cols=4096, model=None, dkv_streams=(None,)):
+        families=("slash", "vert"), vert_cols=4096, model=None, dkv_streams=(None,), cotangent="do"):
     """The comparison table; ``model``: :func:`benchmarks.model_index.model_options` (a checkpoint's or a
     saved file's indices): also the indices a trained model estimates (family ``model``; a saved file's
     only at its own length, :func:`benchmarks.model_index.model_seqs`). ``dkv_streams``: each Mosaic
     operator row once per dK/dV block pass stream (:func:`dkv_stream`; name ``<impl>[dkv=<stream>]``;
-    ``None``: as built)."""
+    ``None``: as built). ``cotangent``: how fwd+bwd is timed (:func:`benchmarks.kernel_cases.fwd_bwd`)."""
     rows = []
     rng = np.random.default_rng(seed)
     gpu = jax.default_backend() == "gpu"
     with_model = model_seqs(model, seqs)
     for S in seqs:
-        q, k, v, ct = inputs(S, S, jnp.float32)
+        q, k, v, ct = inputs(S, S, cotangent_dtype(cotangent))
         pos = jnp.arange(S, dtype=jnp.int32)
         dense_pairs = H * S * (S + 1) / 2
         scale = D**-0.5
@@ -124,11 +119,11 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
             # XLA folded part of the index's operand build into the program (runs up to 33)
             with dkv_stream(dkv):
                 fwd, fwd_s = timeit(jax.jit(f), q, k, v, *data, warmup=2, repeat=reps)
-                fb, fb_s = (None, None) if fwd_only else timeit(_fwd_bwd(f), q, k, v, ct, *data, warmup=2,
+                fb, fb_s = (None, None) if fwd_only else timeit(fwd_bwd(f, cotangent), q, k, v, ct, *data, warmup=2,
                                                                  repeat=reps)
             fl = 4 * pairs * D
             spread = lambda ts: None if ts is None else [round(min(ts) * 1e3, 3), round(max(ts) * 1e3, 3)]  # noqa: E731
-            row = dict(seq=S, name=name, family=family, density=pairs / dense_pairs,
+            row = dict(seq=S, name=name, family=family, cotangent=cotangent, density=pairs / dense_pairs,
                        sparsity=1 - pairs / dense_pairs, fwd_ms=fwd * 1e3,
                        fwd_spread_ms=spread(fwd_s), fb_spread_ms=spread(fb_s),
                        fwd_tflops=fl / fwd / 1e12, fb_ms=None if fb is None else fb * 1e3,
@@ -183,7 +178,7 @@ def run(seqs, sparsities, with_mha_max, dense_ours_max, reps, seed=0, impls=("tr
     return rows
 
 
-def ring_step(S, hq, hkv, d, reps, impls=("auto",), seed=0):
+def ring_step(S, hq, hkv, d, reps, impls=("auto",), seed=0, cotangent="do"):
     """One step of the DENSE ring on one GPU, our per-step kernel against cuDNN (issue 33 item 3): a
     ``[1, S, hq, d]`` query chunk against a ``[1, S, hkv, d]`` K/V chunk, fwd and fwd+bwd, for the two
     kinds of step a ring has — ``visible`` (the chunk precedes the queries: no mask; ours with
@@ -196,7 +191,7 @@ def ring_step(S, hq, hkv, d, reps, impls=("auto",), seed=0):
     q = jax.random.normal(kq, (1, S, hq, d), jnp.bfloat16)
     k = jax.random.normal(kk, (1, S, hkv, d), jnp.bfloat16)
     v = jax.random.normal(kv, (1, S, hkv, d), jnp.bfloat16)
-    ct = jax.random.normal(kc, (1, S, hq, d), jnp.float32)
+    ct = jax.random.normal(kc, (1, S, hq, d), cotangent_dtype(cotangent))
     g = hq // hkv
     gpu = jax.default_backend() == "gpu"
     cudnn_impl = "cudnn" if gpu else None  # a CPU smoke run times XLA's attention in its place
@@ -213,9 +208,10 @@ def ring_step(S, hq, hkv, d, reps, impls=("auto",), seed=0):
         for name, f in fns.items():
             data = () if name == "cudnn" else (q_pos, k_pos)  # positions: arguments, as in a ring (not folded)
             fwd = _time(jax.jit(f), q, k, v, *data, reps=reps)
-            fb = _time(_fwd_bwd(f), q, k, v, ct, *data, reps=reps)
+            fb = _time(fwd_bwd(f, cotangent), q, k, v, ct, *data, reps=reps)
             fl = 4 * pairs * d
             rows.append(dict(table="ring_step", seq=S, heads=hq, kv_heads=hkv, head_dim=d, step=step, name=name,
+                             cotangent=cotangent,
                              impl=(("cudnn" if gpu else "xla (no cuDNN off GPU)") if name == "cudnn"
                                    else api_registry.resolve(name, "fwd", q, BS, S)),
                              fwd_ms=fwd * 1e3, fb_ms=fb * 1e3, fwd_tflops=fl / fwd / 1e12, fb_tflops=3.5 * fl / fb / 1e12))
@@ -303,12 +299,12 @@ def col_split_sweep(S, max_cols, reps, splits=(1, 2, 4, 8), seed=3):
     return rows
 
 
-def mha_sweep(S, reps, seed=2):
+def mha_sweep(S, reps, seed=2, cotangent="do"):
     """JAX's Pallas Triton ``mha`` over its block sizes / warps: the best dense Triton flash
     attention on this device, forward and forward+backward (the Triton backend's bar)."""
     from jax.experimental.pallas.ops.gpu.attention import BlockSizes, mha
 
-    q, k, v, ct = inputs(S, seed, jnp.float32)
+    q, k, v, ct = inputs(S, seed, cotangent_dtype(cotangent))
     g = H // HKV
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     fl = 4 * H * S * (S + 1) / 2 * D
@@ -319,10 +315,10 @@ def mha_sweep(S, reps, seed=2):
                          block_kv_dq=bwd_b)
         f = functools.partial(mha, segment_ids=None, sm_scale=D**-0.5, causal=True, block_sizes=bsz,
                               num_warps=nw, num_stages=ns)
-        row = dict(seq=S, block_q=bq, block_k=bk, bwd_block=bwd_b, num_warps=nw, num_stages=ns)
+        row = dict(seq=S, block_q=bq, block_k=bk, bwd_block=bwd_b, num_warps=nw, num_stages=ns, cotangent=cotangent)
         try:
             t = _time(jax.jit(f), q, k, v, reps=reps)
-            tb = _time(_fwd_bwd(lambda q, k, v: f(q, k, v)), q, k, v, ct, reps=reps)
+            tb = _time(fwd_bwd(lambda q, k, v: f(q, k, v), cotangent), q, k, v, ct, reps=reps)
             row.update(fwd_ms=t * 1e3, fwd_tflops=fl / t / 1e12, fb_ms=tb * 1e3, fb_tflops=3.5 * fl / tb / 1e12)
         except Exception as e:  # a config the Triton compiler rejects (shared memory) is recorded
             row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -355,6 +351,9 @@ def main():
                     help="index families: " + ", ".join(INDEX_FAMILIES) + " (pallas_kernels.testing.index_family)")
     ap.add_argument("--vert-cols", type=int, default=4096, help="verticals per head in the vert family")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cotangent", default="do", choices=COTANGENTS, help="how fwd+bwd is timed: do = the backward "
+                    "given a bf16 dO (as in training); loss = grad of sum(out * float32 ct), also converting ct to bf16 "
+                    "(results/kernels runs <= 39)")
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")
     ap.add_argument("--mha-sweep", type=int, default=0, help="sequence length for a Triton mha config sweep")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the main comparison table")
@@ -456,7 +455,7 @@ def main():
     for S in [int(x) for x in a.sweep.split(",") if x and x != "0"]:
         sweeps += sweep(S, [0.95], a.reps)
     if a.mha_sweep:
-        sweeps += mha_sweep(a.mha_sweep, a.reps)
+        sweeps += mha_sweep(a.mha_sweep, a.reps, cotangent=a.cotangent)
     for pair in [x for x in a.col_split_sweep.split(",") if x]:
         S, mc = (int(y) for y in pair.split(":"))
         sweeps += col_split_sweep(S, mc, a.reps)
@@ -475,7 +474,8 @@ def main():
         sweeps += pass_rows
     if a.ring_step:
         S, hq, hkv, d = (int(x) for x in a.ring_step.split(","))
-        rs = ring_step(S, hq, hkv, d, a.reps, tuple(i for i in a.impls.split(",") if i != "triton") or ("auto",))
+        rs = ring_step(S, hq, hkv, d, a.reps, tuple(i for i in a.impls.split(",") if i != "triton") or ("auto",),
+                       cotangent=a.cotangent)
         for r in rs:
             print(f"ring step {r['step']:>8} {r['name']:>7} ({r['impl']}): fwd {r['fwd_ms']:8.2f} ms, fwd+bwd "
                   f"{r['fb_ms']:8.2f} ms, {r['fb_tflops']:5.0f} TFLOP/s, x cuDNN {r['x_cudnn_fb']:.2f}")
@@ -489,7 +489,7 @@ def main():
     sps = [float(s) for s in a.sparsities.split(",") if s]
     rows = run(seqs, sps, a.mha_max, a.dense_max, a.reps, impls=tuple(a.impls.split(",")),
                families=tuple(a.families.split(",")), vert_cols=a.vert_cols, model=model,
-               dkv_streams=tuple(x.partition(":")[0] if x else x for x in dkv_streams))
+               dkv_streams=tuple(x.partition(":")[0] if x else x for x in dkv_streams), cotangent=a.cotangent)
     meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 resolved={i: [api_registry.resolve(i, d, jnp.zeros((1, 128, H, D), jnp.bfloat16), BS, 128)
                               for d in ("fwd", "bwd")] for i in a.impls.split(",")},

@@ -237,3 +237,41 @@ def test_pass_plot_labels_tell_walks_floors_and_builds_apart(tmp_path, monkeypat
     monkeypatch.setattr(sys, "argv", ["kernels.py", "--plot-from", str(src), "--runs", "ab", "--plot", str(out)])
     main()
     assert out.stat().st_size > 10_000
+
+
+def test_fwd_bwd_takes_a_bf16_do_and_times_nothing_else():
+    """The fwd+bwd rows (``benchmarks.kernel_cases.fwd_bwd``): ``"do"`` is the backward at a given bf16 ``dO``, as a
+    layer's backward gets it in training; its program has no operation on the cotangent but the attention's own
+    (``"loss"``, runs <= 39: ``grad`` of ``sum(out * ct)`` with a float32 ``ct``, also converting ``ct`` to bf16).
+    Both give the same gradients for the same ``dO``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.kernel_cases import cotangent_dtype, fwd_bwd, inputs
+    from pallas_kernels import api
+
+    S = 256
+    q, k, v, do = inputs(S, 0, cotangent_dtype("do"), (4, 2, 32))
+    assert do.dtype == jnp.bfloat16 and cotangent_dtype("loss") == jnp.float32
+    pos = jnp.arange(S, dtype=jnp.int32)
+    f = lambda q, k, v, pos: api.block_sparse_attention(q, k, v, pos, pos, None, impl="xla")  # noqa: E731
+    g_do = fwd_bwd(f, "do")(q, k, v, do, pos)
+    g_loss = fwd_bwd(f, "loss")(q, k, v, do.astype(jnp.float32), pos)
+    for a, b in zip(g_do, g_loss):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
+
+    def program(cotangent, ct):
+        """(the primitives that take the cotangent argument, the float32 values of the output's shape)."""
+        jaxpr = jax.make_jaxpr(fwd_bwd(f, cotangent))(q, k, v, ct, pos).jaxpr
+        inner = jaxpr.eqns[0].params["jaxpr"].jaxpr  # the jit
+        uses = {e.primitive.name for e in inner.eqns if any(x is inner.invars[3] for x in e.invars)}
+        full = sum(1 for e in inner.eqns for o in e.outvars if o.aval.shape == q.shape and o.aval.dtype == jnp.float32)
+        return uses, full
+
+    (uses_do, full_do), (uses_loss, full_loss) = program("do", do), program("loss", do.astype(jnp.float32))
+    assert "mul" in uses_loss and "mul" not in uses_do  # the loss's product (then its convert to bf16): gone
+    assert full_do < full_loss, (full_do, full_loss)
+    with pytest.raises(ValueError, match="cotangent must be one of"):
+        fwd_bwd(f, "grad")
