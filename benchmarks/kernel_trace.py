@@ -10,7 +10,8 @@ milliseconds, how many are the kernels and how many the index operands, ``delta`
     python -m benchmarks.kernel_trace --families spread,mixed,vert --sparsity 0.95 --json trace.json
 
 Shapes as ``benchmarks/kernels.py`` (B=1, 16 / 2 heads, d128, bf16; fwd+bwd given a bf16 ``dO``, ``--cotangent``);
-each case: 3 warm calls, ``--reps`` timed calls (wall clock), then 3 traced calls (trace sums are over those 3).
+each case: 3 warm calls, ``--reps`` timed calls (wall clock), then ``--traced-calls`` (3) traced calls (trace
+sums over those, per call).
 """
 
 from __future__ import annotations
@@ -33,21 +34,22 @@ from pallas_kernels import api
 from pallas_kernels.testing import INDEX_FAMILIES
 
 
-def trace_case(name: str, fn, args, reps: int, top: int) -> dict:
-    """Time and trace ``fn(*args)`` (jitted): ``{"case", "ms" (sorted), "per_call": {pallas, library, xla,
-    idle} ms, "summary"}``."""
+def trace_case(name: str, fn, args, reps: int, top: int, traced: int = 3) -> dict:
+    """Time and trace ``fn(*args)`` (jitted; ``traced`` calls traced): ``{"case", "ms" (sorted), "per_call":
+    {pallas, library, xla, idle} ms, "summary"}``."""
     hlo = fn.lower(*args).compile().as_text()
     _, ts = timeit(fn, *args, warmup=3, repeat=reps)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(3):
+            for _ in range(traced):
                 jax.block_until_ready(fn(*args))
         summ = summarize_dir(d, top=top, hlo_text=hlo)
     s = next(iter(summ.values()), {})  # one device (no GPU: no device kernels, an empty summary)
     by = {r["source"]: r["ms"] for r in s.get("by_source", [])}
     pallas, lib = by.get("pallas", 0.0), by.get("library", 0.0)
-    per_call = {"pallas": pallas / 3, "library": lib / 3, "xla": (sum(by.values()) - pallas - lib) / 3,
-                "idle": s.get("idle_ms", 0.0) / 3, "span": s.get("span_ms", 0.0) / 3}
+    n = traced
+    per_call = {"pallas": pallas / n, "library": lib / n, "xla": (sum(by.values()) - pallas - lib) / n,
+                "idle": s.get("idle_ms", 0.0) / n, "span": s.get("span_ms", 0.0) / n}
     row = {"case": name, "ms": sorted(t * 1e3 for t in ts), "per_call": per_call, "summary": summ}
     print(f"{name}: {sorted(round(t * 1e3, 2) for t in ts)} ms; per call: "
           + ", ".join(f"{k} {v:.2f}" for k, v in per_call.items()), flush=True)
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sparsity", type=float, default=0.95, help="with --families: the families' sparsity")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--traced-calls", type=int, default=3, help="calls traced per case (per-call sums over them)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cotangent", default="do", choices=COTANGENTS, help="how fwd+bwd is timed "
                     "(benchmarks.kernel_cases.fwd_bwd: do = the backward given a bf16 dO; loss = runs <= 39's)")
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
         ap.error(f"--families: unknown {', '.join(bad)} (known: {', '.join(INDEX_FAMILIES)})")
     if not 0 < a.sparsity < 1:
         ap.error(f"--sparsity must be in (0, 1), got {a.sparsity}")
+    if a.traced_calls < 1:
+        ap.error(f"--traced-calls must be >= 1, got {a.traced_calls}")
     rows = []
     if model or families:
         q, k, v, ct = inputs(a.seq, a.seq, cotangent_dtype(a.cotangent))
@@ -87,7 +92,8 @@ def main(argv=None) -> int:
             idx = jax.tree.map(jnp.asarray, idx)
             f = lambda q, k, v, pos, idx: api.block_sparse_attention(q, k, v, pos, pos, idx)  # noqa: E731
             # positions and index: arguments (as in training), not constants XLA could fold into the program
-            rows.append(trace_case(f"{tag}_fb", fwd_bwd(f, a.cotangent), (q, k, v, ct, pos, idx), a.reps, a.top))
+            rows.append(trace_case(f"{tag}_fb", fwd_bwd(f, a.cotangent), (q, k, v, ct, pos, idx), a.reps, a.top,
+                                   a.traced_calls))
     if a.full_seq:
         S = a.full_seq
         q, k, v, ct = inputs(S, S, cotangent_dtype(a.cotangent))
@@ -96,8 +102,9 @@ def main(argv=None) -> int:
                                 implementation="cudnn" if jax.default_backend() == "gpu" else None)
         for name, f, data in (("full", lambda q, k, v, pos: api.block_sparse_attention(q, k, v, pos, pos, None), (pos,)),
                               ("cudnn", lambda q, k, v: cud(q, k, v), ())):
-            rows.append(trace_case(f"{name}_{S}_fwd", jax.jit(f), (q, k, v, *data), a.reps, a.top))
-            rows.append(trace_case(f"{name}_{S}_fb", fwd_bwd(f, a.cotangent), (q, k, v, ct, *data), a.reps, a.top))
+            rows.append(trace_case(f"{name}_{S}_fwd", jax.jit(f), (q, k, v, *data), a.reps, a.top, a.traced_calls))
+            rows.append(trace_case(f"{name}_{S}_fb", fwd_bwd(f, a.cotangent), (q, k, v, ct, *data), a.reps, a.top,
+                                   a.traced_calls))
     prov = provenance(argv)
     for r in rows:
         r.update(prov, cotangent=a.cotangent)

@@ -351,9 +351,9 @@ def main():
                     help="index families: " + ", ".join(INDEX_FAMILIES) + " (pallas_kernels.testing.index_family)")
     ap.add_argument("--vert-cols", type=int, default=4096, help="verticals per head in the vert family")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--cotangent", default="do", choices=COTANGENTS, help="how fwd+bwd is timed: do = the backward "
-                    "given a bf16 dO (as in training); loss = grad of sum(out * float32 ct), also converting ct to bf16 "
-                    "(results/kernels runs <= 39)")
+    ap.add_argument("--cotangent", default="do", choices=COTANGENTS, help="how fwd+bwd is timed: do = the "
+                    "backward given a bf16 dO (as in training); loss = grad of sum(out * float32 ct), also converting "
+                    "ct to bf16 (results/kernels runs <= 39)")
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths for a kernel-config sweep")
     ap.add_argument("--mha-sweep", type=int, default=0, help="sequence length for a Triton mha config sweep")
     ap.add_argument("--only-sweeps", action="store_true", help="skip the main comparison table")

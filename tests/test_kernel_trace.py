@@ -8,7 +8,7 @@ from benchmarks.kernel_trace import main
 
 def test_every_case_is_timed_traced_and_written(tmp_path):
     out = tmp_path / "trace.json"
-    assert main(["--full-seq", "128", "--reps", "2", "--json", str(out)]) == 0
+    assert main(["--full-seq", "128", "--reps", "2", "--traced-calls", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["case"] for r in rows] == ["full_128_fwd", "full_128_fb", "cudnn_128_fwd", "cudnn_128_fb"]
     for r in rows:
@@ -19,7 +19,8 @@ def test_every_case_is_timed_traced_and_written(tmp_path):
 
 def test_family_cases_trace_the_benchmark_families(tmp_path):
     out = tmp_path / "trace.json"
-    assert main(["--families", "vert", "--seq", "512", "--sparsity", "0.75", "--reps", "2", "--json", str(out)]) == 0
+    assert main(["--families", "vert", "--seq", "256", "--sparsity", "0.75", "--reps", "2", "--traced-calls", "1",
+                 "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["case"] for r in rows] == ["vert75_fb"]
     assert all(len(r["ms"]) == 2 and r["ms"][0] > 0 for r in rows)
@@ -33,3 +34,6 @@ def test_bad_family_or_sparsity_is_refused_naming_it(capsys):
     with pytest.raises(SystemExit):
         main(["--families", "spread,diag"])
     assert "--families: unknown diag (known: band, slash, spread, vert, mixed)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--full-seq", "128", "--traced-calls", "0"])
+    assert "--traced-calls must be >= 1, got 0" in capsys.readouterr().err
