@@ -47,9 +47,9 @@ def trace_case(name: str, fn, args, reps: int, top: int, traced: int = 3) -> dic
     s = next(iter(summ.values()), {})  # one device (no GPU: no device kernels, an empty summary)
     by = {r["source"]: r["ms"] for r in s.get("by_source", [])}
     pallas, lib = by.get("pallas", 0.0), by.get("library", 0.0)
-    n = traced
-    per_call = {"pallas": pallas / n, "library": lib / n, "xla": (sum(by.values()) - pallas - lib) / n,
-                "idle": s.get("idle_ms", 0.0) / n, "span": s.get("span_ms", 0.0) / n}
+    xla = sum(by.values()) - pallas - lib
+    per_call = {k: v / traced for k, v in (("pallas", pallas), ("library", lib), ("xla", xla),
+                                           ("idle", s.get("idle_ms", 0.0)), ("span", s.get("span_ms", 0.0)))}
     row = {"case": name, "ms": sorted(t * 1e3 for t in ts), "per_call": per_call, "summary": summ}
     print(f"{name}: {sorted(round(t * 1e3, 2) for t in ts)} ms; per call: "
           + ", ".join(f"{k} {v:.2f}" for k, v in per_call.items()), flush=True)
