@@ -53,3 +53,16 @@ def test_compile_times_of_the_committed_precompile_runs(tmp_path, capsys):
     assert main(["--times", "s43-compile-precompile", "--out", str(out)]) == 0 and os.path.getsize(out) > 10_000
     assert main(["--times", "no-such-run", "--out", str(out)]) == 1
     assert "no rows in runs ['no-such-run']" in capsys.readouterr().err
+
+
+def test_compile_times_of_trainer_rows(tmp_path):
+    """``--rows train_throughput.jsonl``: the trainer's lower + compile per process (``train_throughput.md``
+    run 35: the forward on the split stream only against ``auto``'s two forward kernels), no lowering bar."""
+    rows = os.path.join(os.path.dirname(ROWS), "train_throughput.jsonl")
+    procs = times(load_rows([rows]), ("s59-kernel-stream-split-ab",))
+    assert [(v, lo, round(c, 1)) for v, lo, c in procs] == [
+        ("kernel_stream=auto", 0.0, 21.4), ("kernel_stream=split", 0.0, 18.2), ("kernel_stream=split", 0.0, 19.0),
+        ("kernel_stream=auto", 0.0, 22.5)]
+    out = tmp_path / "t.png"
+    assert main(["--rows", rows, "--times", "s59-kernel-stream-split-ab", "--out", str(out)]) == 0
+    assert os.path.getsize(out) > 10_000

@@ -111,6 +111,16 @@ def test_continue_recipe_starts_from_a_pretrained_checkpoint_with_yarn():
     assert cfg.data.source == "tokens" and cfg.data.token_dtype == "uint32"
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-128k.yaml", "qwen2.5-0.5b-continue-128k.yaml"])
+def test_128k_configs_compile_one_forward_kernel(name):
+    """The Qwen2.5-0.5B 128K configs run the Mosaic forward on the split stream only (the model YAML's
+    ``ring.kernel_stream``; train_throughput.md run 35: 3 s less compile, same step); an override still wins."""
+    cfg = load_config(os.path.join(ROOT, "configs", name))
+    assert build_model_config(cfg.model, cfg.config_dir)[1].ring.kernel_stream == "split"
+    cfg = load_config(os.path.join(ROOT, "configs", name), ["model.ring.kernel_stream=auto"])
+    assert build_model_config(cfg.model, cfg.config_dir)[1].ring.kernel_stream == "auto"
+
+
 def test_loader_layout_derives_from_the_model_config():
     """``data.layout`` / ``data.stripe`` default to the model's layout and sparse block size; given
     and contradicting the MTraining attention, they are rejected naming both."""
