@@ -113,8 +113,8 @@ def test_continue_recipe_starts_from_a_pretrained_checkpoint_with_yarn():
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b-128k.yaml", "qwen2.5-0.5b-continue-128k.yaml"])
 def test_128k_configs_compile_one_forward_kernel(name):
-    """The Qwen2.5-0.5B 128K configs run the Mosaic forward on the split stream only (the model YAML's
-    ``ring.kernel_stream``; train_throughput.md run 35: 3 s less compile, same step); an override still wins."""
+    """The Qwen2.5-0.5B 128K configs run the Mosaic forward on the split stream only (``model.ring.kernel_stream``;
+    train_throughput.md run 35: 3 s less compile, same step); an override still wins."""
     cfg = load_config(os.path.join(ROOT, "configs", name))
     assert build_model_config(cfg.model, cfg.config_dir)[1].ring.kernel_stream == "split"
     cfg = load_config(os.path.join(ROOT, "configs", name), ["model.ring.kernel_stream=auto"])
