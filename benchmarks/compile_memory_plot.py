@@ -131,7 +131,7 @@ def plot_times(procs, title: str, path: str) -> str:
     ax.set_xlabel("process, in run order (" + ("lower + compile, seconds written in)" if one else
                                                 "full colour: XLA compile, its seconds written in; pale above: lowering)"))
     ax.set_ylabel("seconds (lower is better)")
-    ax.set_title(title)
+    ax.set_title(f"{title}: {'lower + compile' if one else 'lowering and XLA compile'}")
     ax.legend(fontsize=8, loc="upper left", ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -154,9 +154,7 @@ def main(argv=None) -> int:
             print(f"compile_memory_plot: {e}", file=sys.stderr)
             return 1
         devices = sorted({r["device"] for r in rows if r.get("run") in runs and r.get("device")})
-        what = "lower + compile" if all(lo == 0 for _, lo, _ in procs) else "lowering and XLA compile"
-        print(plot_times(procs, f"Training step at 128K, Qwen2.5-0.5B shape, {', '.join(devices) or 'one GPU'}: "
-                         f"{what}", a.out))
+        print(plot_times(procs, f"Training step at 128K, Qwen2.5-0.5B shape, {', '.join(devices) or 'one GPU'}", a.out))
         return 0
     if not a.series:
         p.error("--series or --times is required")
