@@ -1,15 +1,17 @@
 """Public entry points of the block-sparse (vertical-slash) flash attention.
 
-Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` (GQA: ``Hq % Hkv == 0``), positions
-``q_pos int32 [Sq]``, ``k_pos int32 [Sk]`` (global, after the layout permutation), ``index`` a
+Shapes: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` of one float dtype (GQA: ``Hq % Hkv == 0``), positions
+``q_pos int [Sq]``, ``k_pos int [Sk]`` (global, after the layout permutation), ``index`` a
 :class:`~pallas_kernels.index_format.StepIndex` or ``None`` (dense causal by position). Packed
 documents: ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` (both or neither).
 
 * :func:`block_sparse_attention_fwd` -> ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` (rows
   with no allowed key: out 0, lse -inf; ``out`` in ``out_dtype`` when asked), merged with ``acc``
   (earlier ring steps) when given.
-* :func:`block_sparse_attention_bwd` -> float32 ``(dq, dk, dv)`` of one step from the FINAL ``lse``
-  and ``delta = rowsum(dO * O)``, added to ``dq_acc`` / ``dkv_acc`` when given.
+* :func:`block_sparse_attention_bwd` -> float32 ``(dq, dk, dv)`` of one step from ``do`` (q's shape and
+  dtype), the FINAL ``lse`` and ``delta = rowsum(dO * O)`` (float32 ``[B, Hq, Sq]``), added to ``dq_acc`` /
+  ``dkv_acc`` when given. Every operand's shape and dtype is checked before a backend is chosen
+  (:mod:`pallas_kernels.inputs`): a kernel would read a transposed ``lse`` without a word.
 * :func:`block_sparse_attention` — single-device op with ``custom_vjp`` (output in q's dtype).
 
 ``impl``: ``"auto"``, ``"mosaic"``, ``"triton"`` (alias ``"pallas"``) or ``"xla"``; what each
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import registry
-from pallas_kernels.inputs import check_qkv
+from pallas_kernels.inputs import check_array, check_positions, check_qkv, stats_dtypes
 from pallas_kernels.index_format import DEFAULT_BLOCK, StepIndex, apply_segments, check_step_index, full_step_index
 from pallas_kernels.rounding import storage_round
 from pallas_kernels.registry import IMPLS  # noqa: F401  (re-exported: the impl names api callers pass)
@@ -133,8 +135,8 @@ def check_sm_scale(sm_scale) -> None:
 def _check(q, k, v, q_pos, k_pos, index, block_size):
     check_qkv(q, k, v, same_seq=False)
     B, Sq, Hq, D = q.shape
-    if q_pos.shape != (Sq,) or k_pos.shape != (k.shape[1],):
-        raise ValueError(f"q_pos {q_pos.shape} / k_pos {k_pos.shape} must be [Sq]={Sq} / [Sk]={k.shape[1]}")
+    check_positions("q_pos", q_pos, Sq, "Sq")
+    check_positions("k_pos", k_pos, k.shape[1], "Sk")
     if not isinstance(block_size, int) or isinstance(block_size, bool):
         raise ValueError(f"block_size must be an int, got {block_size!r}")
     if D not in SUPPORTED_HEAD_DIMS:
@@ -163,11 +165,21 @@ def _check_segs(q, k, q_seg, k_seg):
     return jnp.asarray(q_seg, jnp.int32), jnp.asarray(k_seg, jnp.int32)
 
 
-def _check_acc(name, got, want):
-    """``ValueError`` unless every accumulator in ``got`` has the shape in ``want``."""
+def _check_acc(name, got, want, dtypes):
+    """``ValueError`` unless ``got`` holds one float32 (:func:`stats_dtypes`) accumulator of each shape in ``want``."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(want):
+        raise ValueError(f"{name} must be {len(want)} float32 array(s) of shape(s) {[tuple(w) for w in want]}, "
+                         f"got {type(got).__name__}{f' of {len(got)}' if isinstance(got, (tuple, list)) else ''}")
     for i, (a, shape) in enumerate(zip(got, want)):
-        if tuple(a.shape) != tuple(shape):
-            raise ValueError(f"{name}[{i}] has shape {tuple(a.shape)}, expected {tuple(shape)}")
+        check_array(f"{name}[{i}]", a, shape, dtypes)
+
+
+def _check_bwd_inputs(q, do, lse, delta):
+    """``do [B, Sq, Hq, D]`` in ``q``'s dtype; ``lse``, ``delta`` float32 ``[B, Hq, Sq]`` (:func:`stats_dtypes`)."""
+    B, Sq, Hq, _ = q.shape
+    check_array("do", do, q.shape, q.dtype)
+    check_array("lse", lse, (B, Hq, Sq), stats_dtypes(q))
+    check_array("delta", delta, (B, Hq, Sq), stats_dtypes(q))
 
 
 def _backend(impl: str, direction: str, q, k, block_size: int, segs=None):
@@ -210,7 +222,7 @@ def block_sparse_attention_fwd(q, k, v, q_pos, k_pos, index: StepIndex | None = 
     _check_float_dtype("out_dtype", out_dtype)
     segs = _check_segs(q, k, q_seg, k_seg)
     if acc is not None:
-        _check_acc("acc", acc, [q.shape, (q.shape[0], q.shape[2], q.shape[1])])
+        _check_acc("acc", acc, [q.shape, (q.shape[0], q.shape[2], q.shape[1])], stats_dtypes(q))
     backend = _backend(impl, "fwd", q, k, block_size, segs)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     idx, uniform = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
@@ -242,11 +254,12 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
     registry.validate_stream(stream)
     _check(q, k, v, q_pos, k_pos, index, block_size)  # first: a non-float q is named as such
     _check_float_dtype("dq_dtype", dq_dtype)
+    _check_bwd_inputs(q, do, lse, delta)
     segs = _check_segs(q, k, q_seg, k_seg)
     if dq_acc is not None:
-        _check_acc("dq_acc", [dq_acc], [q.shape])
+        check_array("dq_acc", dq_acc, q.shape, stats_dtypes(q))
     if dkv_acc is not None:
-        _check_acc("dkv_acc", dkv_acc, [k.shape, k.shape])
+        _check_acc("dkv_acc", dkv_acc, [k.shape, k.shape], stats_dtypes(q))
     backend = _backend(impl, "bwd", q, k, block_size, segs)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     idx, uniform = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
@@ -293,6 +306,8 @@ def block_sparse_attention(q, k, v, q_pos=None, k_pos=None, index: StepIndex | N
     """Single-device block-sparse attention with ``custom_vjp``; ``out`` in ``q.dtype``."""
     registry.validate_impl(impl)
     check_sm_scale(sm_scale)
-    q_pos = jnp.arange(q.shape[1], dtype=jnp.int32) if q_pos is None else jnp.asarray(q_pos, jnp.int32)
-    k_pos = jnp.arange(k.shape[1], dtype=jnp.int32) if k_pos is None else jnp.asarray(k_pos, jnp.int32)
+    check_qkv(q, k, v, same_seq=False)  # before the positions: a non-float q is named as such
+    Sq, Sk = q.shape[1], k.shape[1]
+    q_pos = jnp.arange(Sq, dtype=jnp.int32) if q_pos is None else check_positions("q_pos", q_pos, Sq, "Sq")
+    k_pos = jnp.arange(Sk, dtype=jnp.int32) if k_pos is None else check_positions("k_pos", k_pos, Sk, "Sk")
     return _op(q, k, v, q_pos, k_pos, index, _check_segs(q, k, q_seg, k_seg), sm_scale, block_size, impl)

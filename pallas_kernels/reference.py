@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.inputs import check_gqa, check_qkv
+from pallas_kernels.inputs import check_gqa, check_positions, check_qkv
 
 
 def attention_logits(q, k, sm_scale=None):
@@ -59,6 +59,8 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, mask=None, *, causal: bool 
     check_qkv(q, k, v, same_seq=False)
     B, Sq = q.shape[:2]
     Sk = k.shape[1]
+    q_pos = None if q_pos is None else check_positions("q_pos", q_pos, Sq, "Sq")
+    k_pos = None if k_pos is None else check_positions("k_pos", k_pos, Sk, "Sk")
     if (q_seg is None) != (k_seg is None):
         raise ValueError("give both q_seg and k_seg (packed documents) or neither")
     if q_seg is not None:

@@ -33,17 +33,14 @@ import numpy as np
 
 from mtraining_jax.attention.backends import BACKENDS  # the one list (re-exported)
 from mtraining_jax.ring.config import RingOptions
-from pallas_kernels.inputs import check_qkv, check_segment_ids
+from pallas_kernels.inputs import check_positions, check_qkv, check_segment_ids
 from pallas_kernels.reference import dense_attention
 
 
 def _check_inputs(q, k, v, positions):
     check_qkv(q, k, v)
     S = q.shape[1]
-    if tuple(positions.shape) != (S,):
-        raise ValueError(f"positions must have shape [S] = [{S}], got {tuple(positions.shape)}")
-    if not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+    check_positions("positions", positions, S)
     if not isinstance(positions, jax.core.Tracer):
         pos = np.asarray(positions)
         if not np.array_equal(np.sort(pos), np.arange(S)):

@@ -153,6 +153,9 @@ def _check(q, k, v, q_idx, k_idx, cfg):
         raise ValueError(f"q_idx must be [B, S, Hkv, d_idx] with [B, S, Hkv] = {[B, S, Hkv]}, got {q_idx.shape}")
     if tuple(k_idx.shape) != (B, S, q_idx.shape[3]):
         raise ValueError(f"k_idx must be [B, S, d_idx] = {[B, S, q_idx.shape[3]]}, got {k_idx.shape}")
+    for name, x in (("q_idx", q_idx), ("k_idx", k_idx)):  # the index branch's learned projections
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating-point, got dtype {x.dtype}")
 
 
 def msa_attention(q, k, v, q_idx, k_idx, mesh: Mesh | None = None, cfg: MSAConfig = MSAConfig(), *,

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from pallas_kernels.inputs import check_qkv, check_segment_ids
+from pallas_kernels.inputs import check_positions, check_qkv, check_segment_ids
 from mtraining_jax.mesh import CP_AXES, LOCAL_AXIS, NODE_AXIS, check_cp_mesh
 from mtraining_jax.ring.backward import backward_kv, backward_query
 from mtraining_jax.ring.config import RingConfig, RingOptions, dense_block, ring_options
@@ -249,11 +249,8 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, options
         itemsize=jnp.dtype(q.dtype).itemsize, backward_side=side, num_nodes=num_nodes, ring_order=opts.ring_order)
     cfg = RingConfig(num_nodes, num_local, opts.ring_order, sm_scale, opts.impl, block_size, opts.fuse_forward,
                      opts.fuse_backward, side, exchange, capacity, guard, opts.kernel_stream)
-    if tuple(q_pos.shape) != (sl,) or tuple(k_pos.shape) != (sl,):
-        raise ValueError(f"q_pos {tuple(q_pos.shape)} and k_pos {tuple(k_pos.shape)} must both be [Sl] = [{sl}]")
+    q_pos, k_pos = check_positions("q_pos", q_pos, sl, "Sl"), check_positions("k_pos", k_pos, sl, "Sl")
     _check_axis_sizes(cfg)
-    q_pos = jnp.asarray(q_pos, jnp.int32)
-    k_pos = jnp.asarray(k_pos, jnp.int32)
     if segment_ids is not None:
         if tuple(segment_ids.shape) != tuple(q.shape[:2]):
             raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected [B, Sl] = {list(q.shape[:2])}")
@@ -285,11 +282,7 @@ def ring_attention(q, k, v, positions, mesh, *, options: RingOptions | None = No
     num_nodes, num_local = check_cp_mesh(mesh)
     check_qkv(q, k, v)
     B, S = q.shape[:2]
-    positions = jnp.asarray(positions)
-    if positions.shape != (S,):
-        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected [S] = [{S}]")
-    if not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
+    positions = check_positions("positions", positions, S)
     P = num_nodes * num_local
     if S % P:
         raise ValueError(f"sequence length {S} is not divisible by the number of ranks {P} "

@@ -13,8 +13,9 @@ entries (:mod:`mtraining_jax.attention.dispatch`).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.inputs import check_integers
 
 
 def concrete(x):
@@ -29,10 +30,7 @@ def concrete(x):
 
 def _check_dtype(positions, name: str) -> None:
     dtype = getattr(positions, "dtype", None)
-    if dtype is None:
-        dtype = np.asarray(positions).dtype
-    if not (jnp.issubdtype(dtype, jnp.integer) and not jnp.issubdtype(dtype, jnp.bool_)):
-        raise ValueError(f"{name} must be integers, got dtype {dtype}")
+    check_integers(name, np.asarray(positions).dtype if dtype is None else dtype)
 
 
 def check_positions(positions, seq_len: int, *, name: str = "positions", permutation: bool = True,
