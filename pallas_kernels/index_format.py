@@ -31,6 +31,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.inputs import check_integers
+
 DEFAULT_BLOCK = 64
 
 
@@ -53,7 +55,10 @@ class StepIndex(NamedTuple):
 
 
 def check_step_index(index: StepIndex, batch: int, heads: int, sq: int, sk: int, block_size: int) -> None:
-    """Static shape checks; ``ValueError`` naming the mismatch."""
+    """Static shape and dtype checks; ``ValueError`` naming the mismatch (a float or bool field would be
+    cast or misread inside a kernel)."""
+    for name in StepIndex._fields:
+        check_integers(f"index.{name}", getattr(index, name).dtype)
     if sq % block_size or sk % block_size:
         raise ValueError(
             f"query length {sq} and key length {sk} must be multiples of the block size {block_size}"

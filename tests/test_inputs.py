@@ -174,3 +174,19 @@ def test_msa_index_branch_must_be_floating_point(which):
     idx[which] = idx[which].astype(jnp.int32)
     with pytest.raises(ValueError, match=f"{which} must be floating-point, got dtype int32"):
         msa_attention(q, k, v, idx["q_idx"], idx["k_idx"])
+
+
+@pytest.mark.parametrize("field, dtype", [("block_idx", jnp.float32), ("block_causal", jnp.bool_),
+                                          ("col_count", jnp.float32)])
+def test_step_index_fields_must_be_integers(field, dtype):
+    """A float or bool index field would be cast or misread inside a kernel: named before any backend."""
+    from pallas_kernels.testing import random_step_index
+
+    q, k, v = _qkv()
+    pos = jnp.arange(S, dtype=jnp.int32)
+    idx = random_step_index(np.random.default_rng(0), 1, H, S, S, pos, pos, max_blocks=2, max_cols=8)
+    api.block_sparse_attention(q, k, v, index=idx, impl="xla")  # the index as built is accepted
+    bad = idx._replace(**{field: getattr(idx, field).astype(dtype)})
+    for impl in ("xla", "triton", "mosaic"):
+        with pytest.raises(ValueError, match=f"index.{field} must be integers, got dtype {jnp.dtype(dtype).name}"):
+            api.block_sparse_attention(q, k, v, index=bad, impl=impl)
