@@ -8,8 +8,8 @@ documents: ``q_seg int32 [B, Sq]``, ``k_seg int32 [B, Sk]`` (both or neither).
 * :func:`block_sparse_attention_fwd` -> ``(out f32 [B, Sq, Hq, D], lse f32 [B, Hq, Sq])`` (rows
   with no allowed key: out 0, lse -inf; ``out`` in ``out_dtype`` when asked), merged with ``acc``
   (earlier ring steps) when given.
-* :func:`block_sparse_attention_bwd` -> float32 ``(dq, dk, dv)`` of one step from ``do`` (q's shape and
-  dtype), the FINAL ``lse`` and ``delta = rowsum(dO * O)`` (float32 ``[B, Hq, Sq]``), added to ``dq_acc`` /
+* :func:`block_sparse_attention_bwd` -> float32 ``(dq, dk, dv)`` of one step from ``do`` (q's shape, read
+  in q's dtype), the FINAL ``lse`` and ``delta = rowsum(dO * O)`` (float32 ``[B, Hq, Sq]``), added to ``dq_acc`` /
   ``dkv_acc`` when given. Every operand's shape and dtype is checked before a backend is chosen
   (:mod:`pallas_kernels.inputs`): a kernel would read a transposed ``lse`` without a word.
 * :func:`block_sparse_attention` — single-device op with ``custom_vjp`` (output in q's dtype).
@@ -175,9 +175,10 @@ def _check_acc(name, got, want, dtypes):
 
 
 def _check_bwd_inputs(q, do, lse, delta):
-    """``do [B, Sq, Hq, D]`` in ``q``'s dtype; ``lse``, ``delta`` float32 ``[B, Hq, Sq]`` (:func:`stats_dtypes`)."""
+    """``do [B, Sq, Hq, D]`` floating (read in q's dtype); ``lse``, ``delta`` float32 ``[B, Hq, Sq]``
+    (:func:`stats_dtypes`)."""
     B, Sq, Hq, _ = q.shape
-    check_array("do", do, q.shape, q.dtype)
+    check_array("do", do, q.shape)
     check_array("lse", lse, (B, Hq, Sq), stats_dtypes(q))
     check_array("delta", delta, (B, Hq, Sq), stats_dtypes(q))
 
@@ -263,6 +264,7 @@ def block_sparse_attention_bwd(q, k, v, q_pos, k_pos, index, do, lse, delta, *, 
     backend = _backend(impl, "bwd", q, k, block_size, segs)
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
     idx, uniform = _kernel_index(backend, index, q, k, q_pos, k_pos, block_size, segs)
+    do = do.astype(q.dtype)  # as the kernels read it: every backend takes the same dO
     return backend.bwd(q, k, v, q_pos, k_pos, idx, do, lse, delta, dq_acc, dkv_acc,
                        sm_scale=_scale(q, sm_scale), block_size=block_size, segs=segs, stream=stream,
                        dq_dtype=jnp.dtype(dq_dtype), uniform_index=uniform)

@@ -136,7 +136,7 @@ def test_bad_positions_rejected_everywhere(bad, message):
 @pytest.mark.parametrize("impl", ["xla", "triton", "mosaic"])
 @pytest.mark.parametrize("field, message", [
     ("do_shape", r"do must be an array of shape \(1, 128, 2, 64\), got \(1, 128, 1, 64\)"),
-    ("do_dtype", "do must have dtype bfloat16, got float32"),
+    ("do_dtype", "do must be floating-point, got dtype int32"),
     ("lse_transposed", r"lse must be an array of shape \(1, 2, 128\), got \(1, 128, 2\)"),
     ("delta_dtype", "delta must have dtype float32, got bfloat16"),
     ("dq_acc_dtype", "dq_acc must have dtype float32, got bfloat16"),
@@ -145,7 +145,7 @@ def test_bad_positions_rejected_everywhere(bad, message):
 ])
 def test_bad_backward_and_accumulator_operands_named_before_any_backend(impl, field, message):
     """The raw passes' operands (the ring's per-step calls): checked before a backend is chosen, so a
-    transposed ``lse`` (which a kernel would read silently) or a float32 ``dO`` is named the same on
+    transposed ``lse`` (which a kernel would read silently) or an integer ``dO`` is named the same on
     every backend (``mosaic`` here is on a CPU: the check comes before its NotImplementedError)."""
     q, k, v = _qkv(jnp.bfloat16)
     pos = jnp.arange(S, dtype=jnp.int32)
@@ -156,7 +156,8 @@ def test_bad_backward_and_accumulator_operands_named_before_any_backend(impl, fi
         with pytest.raises(ValueError, match=message):
             api.block_sparse_attention_fwd(q, k, v, pos, pos, None, impl=impl, acc=(f32(q), lse.astype(jnp.bfloat16)))
         return
-    bwd.update({"do_shape": dict(do=q[:, :, :1]), "do_dtype": dict(do=f32(q)), "lse_transposed": dict(lse=lse.mT),
+    bwd.update({"do_shape": dict(do=q[:, :, :1]), "do_dtype": dict(do=q.astype(jnp.int32)),
+                "lse_transposed": dict(lse=lse.mT),
                 "delta_dtype": dict(delta=lse.astype(jnp.bfloat16)), "dq_acc_dtype": dict(dq_acc=q),
                 "dkv_acc_one": dict(dkv_acc=(f32(k),))}[field])
     with pytest.raises(ValueError, match=message):
@@ -190,3 +191,17 @@ def test_step_index_fields_must_be_integers(field, dtype):
     for impl in ("xla", "triton", "mosaic"):
         with pytest.raises(ValueError, match=f"index.{field} must be integers, got dtype {jnp.dtype(dtype).name}"):
             api.block_sparse_attention(q, k, v, index=bad, impl=impl)
+
+
+def test_a_float32_do_is_read_in_q_dtype_on_every_backend():
+    """The Mosaic kernels read dO in q's dtype; the API casts it first, so the XLA twin computes the same."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, S, h, D)), jnp.bfloat16) for h in (H, 1, 1))
+    pos = jnp.arange(S, dtype=jnp.int32)
+    out, lse = api.block_sparse_attention_fwd(q, k, v, pos, pos, None, impl="xla")
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    delta = api.attention_delta(out, do)
+    grads = [api.block_sparse_attention_bwd(q, k, v, pos, pos, None, d, lse, delta, impl="xla")
+             for d in (do, do.astype(jnp.bfloat16))]
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
