@@ -1,5 +1,6 @@
 """``mosaic`` backend: Pallas Mosaic GPU kernels for Hopper (forward :mod:`pallas_kernels.mosaic_fwd`,
-backward :func:`pallas_kernels.three_pass.three_pass_bwd` with :mod:`pallas_kernels.mosaic_dq` and :mod:`pallas_kernels.mosaic_dkv`).
+backward :func:`pallas_kernels.three_pass.three_pass_bwd` with :mod:`pallas_kernels.mosaic_dq` and
+:mod:`pallas_kernels.mosaic_dkv`).
 
 Supports: compute capability 9.x (wgmma, TMA); bf16 / f16; head_dim 64 or 128; block size 64;
 ``Sq`` a multiple of 128; packed documents. When ``Sk`` is not a multiple of 128 the two dK/dV

@@ -81,7 +81,8 @@ def check_step_index(index: StepIndex, batch: int, heads: int, sq: int, sk: int,
             f"index.block_causal shape {index.block_causal.shape} != block_idx shape {index.block_idx.shape}"
         )
     if index.max_blocks > sk // block_size:
-        raise ValueError(f"index has {index.max_blocks} block slots but the KV chunk has only {sk // block_size} blocks")
+        raise ValueError(f"index has {index.max_blocks} block slots but the KV chunk has only "
+                         f"{sk // block_size} blocks")
 
 
 @functools.partial(jax.jit, static_argnames=("block_size",))
@@ -255,7 +256,8 @@ def step_index_to_mask(index: StepIndex, sq: int, sk: int, block_size: int = DEF
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "heads", "sq", "sk", "block_size"))
-def full_step_index(batch: int, heads: int, sq: int, sk: int, q_pos, k_pos, block_size: int = DEFAULT_BLOCK) -> StepIndex:
+def full_step_index(batch: int, heads: int, sq: int, sk: int, q_pos, k_pos,
+                    block_size: int = DEFAULT_BLOCK) -> StepIndex:
     """Index with every KV block that has at least one causal pair active (dense causal work)."""
     nqb, nkb = sq // block_size, sk // block_size
     qmax = q_pos.reshape(nqb, block_size).max(axis=1)

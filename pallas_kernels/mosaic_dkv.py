@@ -68,9 +68,9 @@ def _dkv_consumer(w, loops, kres, vres, kpos_b, kaux_b, smems, bars, *, stages: 
     only: wait for the slot's copies, free it; one body compiled per entry: the block pass free tiles,
     then masked ones, or the shared stream's segment loops; the column pass masked ones, then, with
     ``col_walk="free"``, free ones), or a tuple ``(n, kind)``: one loop over tiles ``[0, n)`` with the
-    body chosen per tile by ``kind(t)`` (one copy of each body); masked tiles keeping ``pos[kv] <= q_pos[q] and aux[kv] >= thr[q]``
-    with the KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in ``ka_smem``, row
-    ``w`` of the slot's two when ``shared``). Packed documents: ``kseg_smem [bs]`` holds the KV rows'
+    body chosen per tile by ``kind(t)`` (one copy of each body); masked tiles keeping ``pos[kv] <= q_pos[q]
+    and aux[kv] >= thr[q]`` with the KV rows' ``kpos_b`` and ``kaux_b`` (``None``: a per-tile aux vector in
+    ``ka_smem``, row ``w`` of the slot's two when ``shared``). Packed documents: ``kseg_smem [bs]`` holds the KV rows'
     segment ids, the tile's ``qinfo`` row 2 the queries'; masked pairs must match. Returns the float32
     ``(dk * scale, dv)`` of the rows in the wgmma layout."""
     q_smem, do_smem, r_smem, qi_smem, ka_smem = smems
@@ -458,7 +458,8 @@ def mosaic_dkv_cols(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dk,
     both need loaded once, a consumer passing the other's blocks without math; ``walk``
     (:data:`~pallas_kernels.mosaic_stream.WALKS`, the shared walk only: an error with another): five segment
     loops per consumer (``"loops"``, the default: as fast as the switch or faster on every index, results
-    run 39) or one loop choosing each tile's body (``"switch"``). The same result every way, tiles summed in another order."""
+    run 39) or one loop choosing each tile's body (``"switch"``). The same result every way, tiles summed in
+    another order."""
     if col_walk not in COL_WALKS:
         raise ValueError(f"col_walk must be one of {COL_WALKS}, got {col_walk!r}")
     if walk is not None and col_walk != "shared":

@@ -170,7 +170,8 @@ def mosaic_dq(q, k, v, q_pos, k_pos, index: StepIndex, do, lse, delta, dq_acc=No
              plgpu.SMEM((2 + 2 * sg, bs), jnp.int32),
              plgpu.SMEM((2, bs), jnp.float32),
              plgpu.SMEM((2, bs), jnp.float32)),
-            (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg), *stream_barriers(slots, halves, sg)),
+            (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6 + 2 * sg),
+             *stream_barriers(slots, halves, sg)),
         ]
         args = [ops.counts, walk_ops.bounds, walk_ops.block_idx, q_pos.astype(jnp.int32), q, do.astype(q.dtype),
                 lse.astype(jnp.float32), delta.astype(jnp.float32), k, v, ops.kc, ops.vc, ops.k_info, ops.c_info,

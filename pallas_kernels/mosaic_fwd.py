@@ -11,7 +11,8 @@ online softmax in float32, turns on the tensor cores FlashAttention-3 style) and
 warpgroup that TMA-loads the CTA's ONE stream of K/V steps (:mod:`pallas_kernels.mosaic_stream`)
 into a ring of ``slots`` shared-memory slots: by default the union of the two rows' tiles
 (:func:`pallas_kernels.mosaic_index.pair_stream`), or with ``stream="split"`` each consumer's own tiles
-in one half of every 128-key step (:func:`pallas_kernels.mosaic_index.split_stream`). Packed documents: masked tiles add ``seg == q_seg``.
+in one half of every 128-key step (:func:`pallas_kernels.mosaic_index.split_stream`). Packed documents: masked
+tiles add ``seg == q_seg``.
 
 Supported: bf16 / f16, head_dim 64 or 128, block size 64, ``Sq`` a multiple of 128, compute
 capability 9.x (:mod:`pallas_kernels.backend_mosaic`). Design notes: ``docs/kernels.md``.

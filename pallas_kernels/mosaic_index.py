@@ -237,7 +237,8 @@ def pair_stream(ops: MosaicOperands, halves: int = 1) -> PairStream:
         return PairStream(jnp.where(kb < big, kb, 0)[..., None].astype(jnp.int32), starts)
     n = starts[..., 1:] - starts[..., :-1]  # tiles per group [..., 8]
     odd = n % 2
-    into = (jnp.asarray(_LEFTOVER, jnp.int32)[:, None] == jnp.arange(nseg, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [src, dst]
+    into = (jnp.asarray(_LEFTOVER, jnp.int32)[:, None]  # [src, dst]
+            == jnp.arange(nseg, dtype=jnp.int32)[None, :]).astype(jnp.int32)
     steps = n // 2 + odd @ into  # steps per group
     sbound = jnp.concatenate([jnp.zeros_like(steps[..., :1]), jnp.cumsum(steps, -1, dtype=jnp.int32)], -1)
     # leftover of group s: after group target(s)'s paired steps and the earlier groups' leftovers

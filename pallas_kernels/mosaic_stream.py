@@ -492,13 +492,15 @@ def stream_operands(index: StepIndex, k, v, q_pos, k_pos, bs: int, segs, kv_step
 def stream_smem(slots: int, kv_step: int, d: int, dtype, segs: bool):
     """Shared memory of the stream's ring: K, V ``[slots, kv_step, d]`` and ``info``."""
     tr = tile_transforms(dtype)
-    return (plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr), plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr),
+    return (plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr),
+            plgpu.SMEM((slots, kv_step, d), dtype, transforms=tr),
             plgpu.SMEM((slots, 2 + segs, kv_step), jnp.int32))
 
 
 def stream_barriers(slots: int, halves: int, segs: bool):
     """Barriers of the stream's ring: K, V, ``info`` loaded (one arrival per TMA copy), K and V
     freed (one arrival per consumer)."""
-    return (plgpu.Barrier(num_arrivals=halves, num_barriers=slots), plgpu.Barrier(num_arrivals=halves, num_barriers=slots),
+    return (plgpu.Barrier(num_arrivals=halves, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=halves, num_barriers=slots),
             plgpu.Barrier(num_arrivals=1 if halves == 1 else halves * (2 + segs), num_barriers=slots),
             plgpu.Barrier(num_arrivals=2, num_barriers=slots), plgpu.Barrier(num_arrivals=2, num_barriers=slots))

@@ -92,8 +92,8 @@ def diagonal_index(batch: int, heads: int, seq: int, offsets: np.ndarray, column
                    block_size: int = DEFAULT_BLOCK) -> StepIndex:
     """Vertical-slash index on one device (positions ``arange``) from per-head block-diagonal
     ``offsets`` (``int [heads, m]``, distinct per head; query block ``i`` takes KV block ``i - o``
-    where that is ``>= 0``; an offset ``>= seq // block_size`` is padding) and per-head vertical ``columns`` (``int [heads, c]``, ascending, distinct:
-    each row uses the prefix up to its last position)."""
+    where that is ``>= 0``; an offset ``>= seq // block_size`` is padding) and per-head vertical ``columns``
+    (``int [heads, c]``, ascending, distinct: each row uses the prefix up to its last position)."""
     bs, n = block_size, seq // block_size
     offsets = np.asarray(offsets, np.int64)
     columns = np.asarray(columns, np.int64)

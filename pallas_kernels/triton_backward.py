@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import atomic_add, dot, triton_compiler_params
 from pallas_kernels.index_format import StepIndex, column_chunk_rows
-from pallas_kernels.triton_common import (LOG2E, STATIC, add_seg_operands, col_rows, for_blocks, outside_blocks, pair_ok,
-                                          pow2, query_specs, split_seg_refs)
+from pallas_kernels.triton_common import (LOG2E, STATIC, add_seg_operands, col_rows, for_blocks, outside_blocks,
+                                          pair_ok, pow2, query_specs, split_seg_refs)
 from pallas_kernels.three_pass import add_column_grads, three_pass_bwd
 from pallas_kernels.triton_kernels import prepare_index
 
@@ -153,10 +153,10 @@ def _dkv_col_kernel(qpos_ref, kpos_ref, cidx_ref, first_ref, end_ref, bidx_ref, 
     list, range ``r`` of at most ``ceil(nQB / splits)`` query blocks): gather the chunk's K/V rows
     once, walk the range's query blocks that need the chunk (``[first_ref[c], end_ref[c])``:
     :func:`~pallas_kernels.index_format.column_chunk_rows`) from the LAST one down, and store (one
-    range) or atomically add (several) the chunk's dK/dV into its slots ``[c*bs:(c+1)*bs]``. Walking down keeps the programs of one range on the same
-    query rows at the same time (they share them in L2); ranges go heaviest (last) first. A query block
-    whose column walk starts past the chunk (``cstart_ref``: packed documents' ``column_start``, the
-    chunk all other documents' columns) is skipped."""
+    range) or atomically add (several) the chunk's dK/dV into its slots ``[c*bs:(c+1)*bs]``. Walking down
+    keeps the programs of one range on the same query rows at the same time (they share them in L2); ranges
+    go heaviest (last) first. A query block whose column walk starts past the chunk (``cstart_ref``: packed
+    documents' ``column_start``, the chunk all other documents' columns) is skipped."""
     seg_refs, refs = split_seg_refs(refs, segs)
     dk_ref, dv_ref = refs[-2:]  # with several ranges, refs[:2] are the zero buffers aliased to them
     c = pl.program_id(1)

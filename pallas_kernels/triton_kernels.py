@@ -5,11 +5,11 @@ both directions share (:func:`prepare_index`, block / column loops, query-statio
 head ``h`` reads KV head ``h // g`` in place. It walks the row's free tiles (``block_causal == 0``)
 with no mask, then its masked tiles (causal mask by global position), then its prefix of the head's
 column list in gathered chunks of ``col_chunk`` (masked by count, position and where a column lies
-in an active block of the row, :func:`~pallas_kernels.triton_common.outside_blocks`). Packed documents (``segs``, index narrowed
-by :func:`~pallas_kernels.index_format.apply_segments`): masked tiles and columns add ``k_seg ==
-q_seg`` (:func:`~pallas_kernels.triton_common.pair_ok`). Online softmax in float32 with ``exp2`` (FlashAttention-2, Dao 2023,
-Alg. 1); rows with no allowed key get out 0, lse -inf; given ``acc`` it merges into it in place
-(:func:`_merge_rows`). The backward is :mod:`pallas_kernels.triton_backward`.
+in an active block of the row, :func:`~pallas_kernels.triton_common.outside_blocks`). Packed documents
+(``segs``, index narrowed by :func:`~pallas_kernels.index_format.apply_segments`): masked tiles and
+columns add ``k_seg == q_seg`` (:func:`~pallas_kernels.triton_common.pair_ok`). Online softmax in float32
+with ``exp2`` (FlashAttention-2, Dao 2023, Alg. 1); rows with no allowed key get out 0, lse -inf; given
+``acc`` it merges into it in place (:func:`_merge_rows`). The backward is :mod:`pallas_kernels.triton_backward`.
 
 Runs on CUDA GPUs and in interpret mode on CPU.
 """

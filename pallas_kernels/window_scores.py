@@ -307,8 +307,8 @@ def row_max(ops: WindowOperands, *, first: int | None, w: int, block_size: int, 
         refs[nf][...] = _if_live(refs, J, segs, first, run, lambda: jnp.full((tr,), -jnp.inf, jnp.float32))
 
     out = _call(kernel, "triton_window_row_max", ops, jax.ShapeDtypeStruct((B, Hq, nkc, R), jnp.float32),
-                pl.BlockSpec((None, None, None, tr), lambda c, h, i: (i // nrt, h, c, i % nrt)), [], [], interpret, grid,
-                specs, tr)
+                pl.BlockSpec((None, None, None, tr), lambda c, h, i: (i // nrt, h, c, i % nrt)), [], [], interpret,
+                grid, specs, tr)
     return out.max(axis=2)
 
 

@@ -141,7 +141,9 @@ def _msa_attention(q, k, v, positions, mesh, cfg, ring, msa_index, msa_warmup, s
     if msa_index is None:
         raise ValueError("the msa attention backend needs msa_index=(q_idx, k_idx) from the model's index branch")
     if segment_ids is not None:
-        raise NotImplementedError("the msa backend has no document (segment_ids) mask; train it with data.pack: stream (the default), or use attention_backend reference, ring or mtraining with data.pack: documents")
+        raise NotImplementedError("the msa backend has no document (segment_ids) mask; train it with data.pack: "
+                                  "stream (the default), or use attention_backend reference, ring or mtraining "
+                                  "with data.pack: documents")
     cfg = MSAConfig(ring=ring) if cfg is None else _with_ring(cfg, ring, "msa")
     if sm_scale is not None:
         cfg = dataclasses.replace(cfg, sm_scale=sm_scale)

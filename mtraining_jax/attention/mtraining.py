@@ -118,7 +118,8 @@ def stats_scalars(work, batch: int, heads: int, seq_len: int, block_size: int) -
 def _check_inputs(q, k, v, mesh, cfg: MTrainingConfig):
     check_qkv(q, k, v)
     if q.shape[3] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {q.shape[3]} is not supported by the kernels; expected one of {SUPPORTED_HEAD_DIMS}")
+        raise ValueError(f"head_dim {q.shape[3]} is not supported by the kernels; "
+                         f"expected one of {SUPPORTED_HEAD_DIMS}")
     num_nodes, num_local = check_cp_mesh(mesh)
     P = num_nodes * num_local
     layout = cfg.make_layout(q.shape[1], P)  # validates divisibility, naming the values

@@ -99,7 +99,8 @@ def compare_results(runs, out_dir: str, prefix: str = "compare",
         f.write(markdown_table(runs))
     have = lambda k: k in sections and all(k in r for _, r in runs)  # noqa: E731
     if have("niah"):
-        files.append(plots.niah_heatmaps([(l, r["niah"]) for l, r in runs], os.path.join(out_dir, f"{prefix}_niah.png")))
+        files.append(plots.niah_heatmaps([(l, r["niah"]) for l, r in runs],
+                                         os.path.join(out_dir, f"{prefix}_niah.png")))
     if have("perplexity"):
         files.append(plots.position_curves([(l, r["perplexity"]) for l, r in runs],
                                            os.path.join(out_dir, f"{prefix}_position_loss.png")))
@@ -107,5 +108,6 @@ def compare_results(runs, out_dir: str, prefix: str = "compare",
         files.append(plots.ruler_bars([(l, r["ruler"]) for l, r in runs], os.path.join(out_dir, f"{prefix}_ruler.png")))
     if have("recall"):
         p = f"{runs[0][1]['recall']['p'][0]:g}"
-        files.append(plots.recall_maps([(l, r["recall"]) for l, r in runs], os.path.join(out_dir, f"{prefix}_recall.png"), p))
+        files.append(plots.recall_maps([(l, r["recall"]) for l, r in runs],
+                                       os.path.join(out_dir, f"{prefix}_recall.png"), p))
     return files

@@ -144,8 +144,10 @@ def check_shapes(stored: Any, target: Any, where: str, prefix: str = "") -> None
     flat_t = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(target)[0]}
     bad = [f"{prefix}{k}: checkpoint {flat_s[k][0]}, model {flat_t[k]}"
            for k in sorted(flat_s.keys() & flat_t.keys()) if tuple(flat_s[k][0]) != flat_t[k]]
-    bad += [f"{prefix}{k}: missing from the checkpoint (model {flat_t[k]})" for k in sorted(flat_t.keys() - flat_s.keys())]
-    bad += [f"{prefix}{k}: in the checkpoint {flat_s[k][0]} but not in the model" for k in sorted(flat_s.keys() - flat_t.keys())]
+    bad += [f"{prefix}{k}: missing from the checkpoint (model {flat_t[k]})"
+            for k in sorted(flat_t.keys() - flat_s.keys())]
+    bad += [f"{prefix}{k}: in the checkpoint {flat_s[k][0]} but not in the model"
+            for k in sorted(flat_s.keys() - flat_t.keys())]
     if bad:
         more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
         raise ParamShapeError(f"checkpoint {where} does not match the model: " + "; ".join(bad[:8]) + more)

@@ -110,7 +110,8 @@ def _done() -> None:
 
 
 def _convert(args) -> int:
-    from mtraining_jax.model.checkpoint import find_model_checkpoint, load_model_checkpoint, save_model_checkpoint, staged_dir
+    from mtraining_jax.model.checkpoint import (find_model_checkpoint, load_model_checkpoint, save_model_checkpoint,
+                                                staged_dir)
     from mtraining_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
 
     try:

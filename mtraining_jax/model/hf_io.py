@@ -122,7 +122,8 @@ def check_hf_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, where:
         extra.add("lm_head.weight")  # transformers may save the tied copy; checked below
     missing = sorted(set(expected) - names)
     unexpected = sorted(names - set(expected) - extra)
-    mis = [(n, tensors[n].shape, expected[n]) for n in sorted(names & set(expected)) if tuple(tensors[n].shape) != expected[n]]
+    mis = [(n, tensors[n].shape, expected[n]) for n in sorted(names & set(expected))
+           if tuple(tensors[n].shape) != expected[n]]
     if missing or unexpected or mis:
         raise CheckpointMismatchError(missing, unexpected, mis, where)
     if extra:
@@ -242,7 +243,8 @@ def msa_index_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {}
     h, d = cfg.hidden_size, cfg.msa_index_dim
     outs = {"index_q": cfg.num_kv_heads * d, "index_k": d}
-    return {f"model.layers.{i}.{suffix}": (outs[name], h) for i in range(cfg.num_layers) for suffix, name in _MSA_TENSORS}
+    return {f"model.layers.{i}.{suffix}": (outs[name], h)
+            for i in range(cfg.num_layers) for suffix, name in _MSA_TENSORS}
 
 
 def msa_index_to_hf(params: Mapping, cfg: ModelConfig, dtype: str | None = None) -> dict[str, np.ndarray]:
@@ -279,8 +281,9 @@ def add_msa_index(params: dict, cfg: ModelConfig, path: str | os.PathLike | None
     dt = _NP_DTYPES[cfg.param_dtype]
     attn = params["layers"].setdefault("self_attn", {})
     for suffix, name in _MSA_TENSORS:
-        attn[name] = {"kernel": np.stack([np.ascontiguousarray(np.asarray(tensors[f"model.layers.{i}.{suffix}"]).T.astype(dt))
-                                          for i in range(cfg.num_layers)])}
+        attn[name] = {"kernel": np.stack([
+            np.ascontiguousarray(np.asarray(tensors[f"model.layers.{i}.{suffix}"]).T.astype(dt))
+            for i in range(cfg.num_layers)])}
     return params
 
 

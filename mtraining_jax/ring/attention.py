@@ -253,7 +253,8 @@ def ring_attention_shard(q, k, v, q_pos, k_pos, *, num_nodes, num_local, options
     _check_axis_sizes(cfg)
     if segment_ids is not None:
         if tuple(segment_ids.shape) != tuple(q.shape[:2]):
-            raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected [B, Sl] = {list(q.shape[:2])}")
+            raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, "
+                             f"expected [B, Sl] = {list(q.shape[:2])}")
         segment_ids = jnp.asarray(segment_ids, jnp.int32)
     out, work = _ring(cfg, q, k, v, q_pos, k_pos, step_index, segment_ids)
     return (out, work) if return_work else out

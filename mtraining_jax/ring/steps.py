@@ -108,8 +108,8 @@ def first_visit(rank: int, cfg: RingConfig) -> int:
 
 @jax.tree_util.register_pytree_node_class
 class StackedStepIndex:
-    """A :class:`~.index_source.GlobalIndexSource` over a :class:`StepIndex` with leading ``[P_rank, P_step]`` axes (every
-    rank's index of every ring step, identical on all ranks), seen from ``rank``: ``step(s)`` is
+    """A :class:`~.index_source.GlobalIndexSource` over a :class:`StepIndex` with leading ``[P_rank, P_step]``
+    axes (every rank's index of every ring step, identical on all ranks), seen from ``rank``: ``step(s)`` is
     ``index[rank, s]``, ``for_rank(t)`` the same source for rank ``t``'s queries (what the
     query-side backward and the sparse K/V exchange need). Leaves: ``index`` and ``rank``."""
 

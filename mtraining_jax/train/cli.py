@@ -44,7 +44,8 @@ def _keys_help() -> str:
     from mtraining_jax.train.config import SECTIONS, TrainConfig
 
     lines = ["config keys (override any with key=value; values are YAML):"]
-    top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS and f.name not in ("model", "config_dir")]
+    top = [f.name for f in dataclasses.fields(TrainConfig)
+           if f.name not in SECTIONS and f.name not in ("model", "config_dir")]
     lines.append("  " + ", ".join(top))
     lines.append("  model.path, model.cls, model.init_from (hf:<dir> | ckpt:<dir>), model.<any ModelConfig field> "
                  "(e.g. model.attention_backend=mtraining)")

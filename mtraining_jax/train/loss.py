@@ -94,9 +94,9 @@ def _ce_chunks(h, w, y, m, grads: bool):
     float32)``, computed from the same logits as the loss (``None`` unless ``grads``).
 
     Per chunk the logits are read twice: their maximum with the sum ``s`` of ``e = exp(z - max)``
-    (:func:`_max_and_sum_exp`, one pass), and (with ``grads``) ``dz = (e / s - onehot(y)) m``: a confident label's ``e`` is exactly 1, so
-    its ``dz = 1 / s - 1`` keeps ``1 - p`` to float32's relative precision (``exp(z - lse)`` loses
-    ``ulp(z)`` of it: 9 % of a row's ``dh`` at ``1 - p = 1e-5``, logits near 55, in
+    (:func:`_max_and_sum_exp`, one pass), and (with ``grads``) ``dz = (e / s - onehot(y)) m``: a confident
+    label's ``e`` is exactly 1, so its ``dz = 1 / s - 1`` keeps ``1 - p`` to float32's relative precision
+    (``exp(z - lse)`` loses ``ulp(z)`` of it: 9 % of a row's ``dh`` at ``1 - p = 1e-5``, logits near 55, in
     ``tests/test_train_loss.py``). A token is correct when its label's logit is the chunk row's
     maximum (on an exact tie with another logit it also counts)."""
     acc = _acc_dtype(h, w)

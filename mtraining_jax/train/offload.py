@@ -137,7 +137,8 @@ def streamed_update(adamw, clip_norm: float, grad_sum, denom, grad_norm, opt_sta
     new_others = [x for i, x in enumerate(new_leaves) if i not in pt_idx]
 
     if STACKED_KEY in params:  # the decoder layers, one at a time, updated in place
-        at = lambda tree, i: jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), tree)  # noqa: E731
+        at = lambda tree, i: jax.tree.map(  # noqa: E731
+            lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), tree)
         put = lambda tree, new, i: jax.tree.map(  # noqa: E731
             lambda t, u: jax.lax.dynamic_update_index_in_dim(t, u, i, 0), tree, new)
         g_layers = grad_sum[STACKED_KEY]

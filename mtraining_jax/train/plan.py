@@ -172,7 +172,8 @@ class MemoryPlan:
         out = []
         state = self.params + self.grads + self.opt_state
         if not self.fsdp and self.num_devices > 1:
-            out.append(f"mesh.fsdp=true (state {fmt_bytes(state)} -> ~{fmt_bytes(state / self.num_devices)} per device)")
+            out.append(f"mesh.fsdp=true (state {fmt_bytes(state)} -> "
+                       f"~{fmt_bytes(state / self.num_devices)} per device)")
         remat = []
         if self.remat in ("none", "save_attn"):
             remat.append(f"model.remat=selective (now {self.remat}; keeps the attention residuals of "

@@ -135,7 +135,8 @@ def make_train_step(parts: ModelParts, optimizer, schedule, mesh: Mesh | None, c
         else:
             updates, opt_state = optimizer.update(grads, state["opt_state"], params)
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-            new_params, opt_state = keep(optax.apply_updates(params, updates), params), keep(opt_state, state["opt_state"])
+            new_params = keep(optax.apply_updates(params, updates), params)
+            opt_state = keep(opt_state, state["opt_state"])
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": state["rng"]}
         if "msa/warmup" in extras:
             extras = {**extras, "msa/kl_grad_norm": index_branch_grad_norm(grads)}
